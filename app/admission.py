@@ -1,0 +1,328 @@
+"""The admission core: a pool of llama-server slots and a bounded FIFO line in front of it.
+
+Standard library only; it knows nothing of HTTP. One event loop owns an `Admission`: every
+method runs on that loop, and the methods that change the pool (`enter`, `Ticket.release`,
+`resize`) are synchronous, so no `await` can split a hand-off between two holders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+#: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
+#: and gives up past 120 s, so the estimate is capped well below both.
+RETRY_AFTER_CAP_S = 60.0
+#: Until a hold has been observed, assume a generation holds its slot this long.
+INITIAL_HOLD_S = 1.0
+#: Weight of the newest observation in the moving average of slot hold times.
+HOLD_EWMA_ALPHA = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The pool as one consistent picture."""
+
+    capacity: int | None
+    active: int
+    queued: int
+    queue_limit: int | None
+
+    @property
+    def free(self) -> int:
+        return max((self.capacity or 0) - self.active, 0)
+
+
+class AdmissionError(Exception):
+    """A request was not admitted; `snapshot` shows the pool at that moment."""
+
+    def __init__(self, snapshot: Snapshot, retry_after_s: float) -> None:
+        super().__init__(snapshot, retry_after_s)
+        self.snapshot = snapshot
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(AdmissionError):
+    """The pool's capacity is not known yet (llama-server down, loading or restarting)."""
+
+
+class ShuttingDown(AdmissionError):
+    """The gate is draining for shutdown and takes no new work."""
+
+
+class QueueFull(AdmissionError):
+    """The line is at its limit."""
+
+
+class QueueTimeout(AdmissionError):
+    """The request waited longer than the queue timeout."""
+
+
+class TooLarge(AdmissionError):
+    """The request needs more slots than the pool has, so it could never be admitted."""
+
+    def __init__(self, snapshot: Snapshot, weight: int) -> None:
+        super().__init__(snapshot, 0.0)
+        self.weight = weight
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    """How deep the line may grow for a given capacity; `None` fields mean "not set"."""
+
+    max_queue: int | None = None
+    queue_per_slot: int | None = None
+    min_queue: int | None = None
+
+    DEFAULT_PER_SLOT = 16
+    DEFAULT_MIN = 64
+
+    def limit(self, capacity: int) -> int | None:
+        """The line limit in requests, or None for an unbounded line."""
+        if self.max_queue is not None:
+            return self.max_queue or None
+        if self.queue_per_slot is None:
+            floor = self.DEFAULT_MIN if self.min_queue is None else self.min_queue
+            return max(self.DEFAULT_PER_SLOT * capacity, floor)
+        if self.queue_per_slot == 0:
+            return None
+        # An explicit multiplier is taken as meant: the default floor does not apply to it.
+        return max(self.queue_per_slot * capacity, self.min_queue or 0)
+
+
+class Ticket:
+    """One request's claim: a place in the line, then `weight` slots until released."""
+
+    __slots__ = ("_admission", "_future", "_released", "admitted_at", "entered_at", "seq", "weight")
+
+    def __init__(self, admission: Admission, weight: int, seq: int, admitted: bool) -> None:
+        self._admission = admission
+        self.weight = weight
+        self.seq = seq
+        self.entered_at = time.monotonic()
+        self.admitted_at: float | None = self.entered_at if admitted else None
+        self._future: asyncio.Future[None] | None = None
+        self._released = False
+
+    @property
+    def admitted(self) -> bool:
+        return self.admitted_at is not None
+
+    @property
+    def wait_s(self) -> float:
+        return (self.admitted_at or time.monotonic()) - self.entered_at
+
+    @property
+    def position(self) -> int:
+        """1-based place in the line (approximate after cancellations ahead); 0 once admitted."""
+        if self.admitted:
+            return 0
+        return self._admission._position(self.seq)
+
+    async def wait(self) -> None:
+        """Wait for the slots; on any exit without them, leave the line at once."""
+        if self.admitted:
+            return
+        admission = self._admission
+        future = self._future
+        assert future is not None  # noqa: S101 - set by Admission.enter for every waiter
+        try:
+            async with asyncio.timeout_at(admission._deadline(self.entered_at)):
+                await future
+        except BaseException as exc:
+            self.release()
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(admission.snapshot(), admission.retry_after_s(1)) from None
+            raise
+        if not self._released:
+            self.admitted_at = time.monotonic()
+
+    def release(self) -> None:
+        """Give the slots back, or the place in the line; calling it twice is harmless."""
+        if self._released:
+            return
+        self._released = True
+        admission = self._admission
+        if self.admitted_at is not None:
+            admission._release(self.weight, time.monotonic() - self.admitted_at)
+            return
+        future = self._future
+        if future is None:
+            return
+        if future.done() and not future.cancelled() and future.exception() is None:
+            # Handed the slots while its waiter was giving up, before it could resume:
+            # pass them on, or they leak.
+            admission._release(self.weight, None)
+            return
+        future.cancel()
+        admission._leave(self.seq)
+
+
+class Admission:
+    """A pool of `capacity` slots and a FIFO line; O(1) per enter, leave and release.
+
+    The line is an OrderedDict keyed by arrival number: FIFO pop and removal of a waiter
+    that gave up are both O(1), so a deep line costs nothing per operation.
+    """
+
+    def __init__(
+        self,
+        policy: QueuePolicy | None = None,
+        capacity: int | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> None:
+        self._policy = policy or QueuePolicy()
+        self._queue_timeout_s = queue_timeout_s or None
+        self._capacity: int | None = None
+        self._limit: int | None = None
+        self._active = 0
+        self._line: OrderedDict[int, tuple[asyncio.Future[None], int]] = OrderedDict()
+        self._next_seq = 0
+        self._hold_ewma_s = INITIAL_HOLD_S
+        self._closed = False
+        self.admitted_total = 0
+        if capacity is not None:
+            self.resize(capacity)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int | None:
+        return self._capacity
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @property
+    def queued(self) -> int:
+        return len(self._line)
+
+    @property
+    def queue_limit(self) -> int | None:
+        return self._limit
+
+    @property
+    def hold_estimate_s(self) -> float:
+        return self._hold_ewma_s
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self._capacity, self._active, len(self._line), self._limit)
+
+    def retry_after_s(self, position: int) -> float:
+        """When a slot could be free for the `position`-th request from now, in seconds.
+
+        Each of `capacity` slots turns over about once per average hold, so the request
+        `position` places back gets one after about `position / capacity` holds. Clamped to
+        [1, RETRY_AFTER_CAP_S] so that clients neither hammer the gate nor give up.
+        """
+        capacity = self._capacity or 1
+        eta = self._hold_ewma_s * position / capacity
+        return min(max(eta, 1.0), RETRY_AFTER_CAP_S)
+
+    # -- changing ----------------------------------------------------------------------------
+
+    def enter(self, weight: int = 1) -> Ticket:
+        """Take `weight` slots now, or a place in the line, or raise why neither is possible."""
+        capacity = self._capacity
+        if self._closed:
+            raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
+        if capacity is None:
+            raise NotReady(self.snapshot(), 1.0)
+        if weight > capacity:
+            raise TooLarge(self.snapshot(), weight)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        line = self._line
+        # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits.
+        if not line and self._active + weight <= capacity:
+            self._active += weight
+            self.admitted_total += 1
+            return Ticket(self, weight, seq, admitted=True)
+        if self._limit is not None and len(line) >= self._limit:
+            raise QueueFull(self.snapshot(), self.retry_after_s(len(line) + weight))
+        ticket = Ticket(self, weight, seq, admitted=False)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ticket._future = future
+        line[seq] = (future, weight)
+        return ticket
+
+    def resize(self, capacity: int | None) -> None:
+        """Follow llama-server's slot count; None means it is unknown (not ready).
+
+        Growth admits waiters at once in FIFO order. On shrink, slots held above the new
+        capacity retire as their holders release them: `_dispatch` admits nobody until
+        `active` is back under the ceiling.
+        """
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self._capacity = capacity
+        self._limit = None if capacity is None else self._policy.limit(capacity)
+        if capacity is None:
+            return
+        for seq, (future, weight) in list(self._line.items()):
+            if weight > capacity and not future.done():
+                del self._line[seq]
+                future.set_exception(TooLarge(self.snapshot(), weight))
+        self._dispatch()
+
+    def close(self) -> None:
+        """Take no new work and turn every waiter away (shutdown)."""
+        self._closed = True
+        error = ShuttingDown(self.snapshot(), 1.0)
+        while self._line:
+            _, (future, _weight) = self._line.popitem(last=False)
+            if not future.done():
+                future.set_exception(error)
+
+    # -- internals (called by Ticket) ---------------------------------------------------------
+
+    def _leave(self, seq: int) -> None:
+        self._line.pop(seq, None)
+        # The leaver may have been the head that blocked a lighter waiter behind it.
+        self._dispatch()
+
+    def _release(self, weight: int, hold_s: float | None) -> None:
+        self._active -= weight
+        if hold_s is not None:
+            self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        capacity = self._capacity
+        if capacity is None:
+            return
+        line = self._line
+        while line:
+            seq = next(iter(line))
+            future, weight = line[seq]
+            if future.done():  # cancelled, its task not yet run to leave the line
+                del line[seq]
+                continue
+            if self._active + weight > capacity:
+                return
+            del line[seq]
+            self._active += weight
+            self.admitted_total += 1
+            future.set_result(None)
+
+    def _position(self, seq: int) -> int:
+        line = self._line
+        if seq not in line:
+            return 0
+        head = next(iter(line))
+        return min(seq - head + 1, len(line))
+
+    def _deadline(self, entered_at: float) -> float | None:
+        if self._queue_timeout_s is None:
+            return None
+        loop_now = asyncio.get_running_loop().time()
+        return loop_now + self._queue_timeout_s - (time.monotonic() - entered_at)
+
+
+def ceil_seconds(seconds: float) -> int:
+    """Whole seconds for a Retry-After header: rounded up, at least 1."""
+    return max(1, math.ceil(seconds))

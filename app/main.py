@@ -1,0 +1,149 @@
+"""The app factory: slotgate's own routes on FastAPI, every other path through the gate."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.access import Access
+from app.admission import Admission
+from app.errors import GateError, refusal, render
+from app.metrics import Metrics
+from app.relay import Proxy, Receive, Scope, Send
+from app.settings import Settings
+from app.upstream import Upstream
+
+log = logging.getLogger("slotgate")
+
+#: The paths slotgate answers itself; everything else belongs to llama-server.
+OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz"})
+
+
+class Gateway(FastAPI):
+    """FastAPI for slotgate's own routes; proxied traffic skips its middleware entirely.
+
+    A relayed request never needs FastAPI's routing, dependency solving or error middleware,
+    and every SSE chunk would otherwise cross each of those wrappers on its way out.
+    """
+
+    proxy: Proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        if scope["type"] == "http" and scope["path"] not in OWN_PATHS:
+            await self.proxy(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)  # type: ignore[arg-type]
+
+
+class Gate:
+    """The pieces one app owns, built together and closed together."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.admission = Admission(settings.queue_policy, queue_timeout_s=settings.queue_timeout)
+        self.upstream = Upstream(settings, self.admission)
+        self.metrics = Metrics(self.admission, lambda: self.upstream.ready)
+        self.proxy = Proxy(settings, self.admission, self.upstream, self.metrics)
+        self.access = Access(settings.api_keys)
+        self.draining = False
+
+    def drain(self) -> None:
+        """Shutdown has begun: refuse new work and turn the line away; streams run on."""
+        if not self.draining:
+            log.info("draining: no new requests; running streams may finish")
+        self.draining = True
+        self.admission.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.admission.snapshot()
+        props = self.upstream.props
+        return {
+            "capacity": snap.capacity,
+            "active": snap.active,
+            "queued": snap.queued,
+            "free": snap.free,
+            "queue_limit": snap.queue_limit,
+            "admission_control": self.settings.admission_control,
+            "retry_after_estimate_s": round(self.admission.retry_after_s(snap.queued + 1), 3),
+            "upstream": {
+                "url": self.upstream.url,
+                "ready": self.upstream.ready,
+                "reason": self.upstream.reason,
+                "n_ctx": props.n_ctx if props else None,
+                "model": props.model if props else None,
+                "build_info": props.build_info if props else None,
+            },
+        }
+
+
+def create_app(settings: Settings | None = None) -> Gateway:
+    """Build one slotgate app; its lifespan starts and stops the upstream client."""
+    settings = settings or Settings()
+    gate = Gate(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gate.upstream.start()
+        try:
+            yield
+        finally:
+            gate.drain()
+            await gate.upstream.close()
+
+    app = Gateway(
+        title="slotgate",
+        summary="Admission gate in front of llama.cpp's llama-server",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
+    app.proxy = gate.proxy
+    app.state.gate = gate
+
+    async def authorized(request: Request) -> None:
+        gate.access.check(
+            request.url.path,
+            request.headers.get("authorization", "").encode("latin-1") or None,
+            request.headers.get("x-api-key", "").encode("latin-1") or None,
+        )
+
+    @app.exception_handler(GateError)
+    async def gate_error(request: Request, exc: GateError) -> Response:
+        status, headers, body = render(refusal(exc), "openai")
+        return Response(body, status, {k.decode(): v.decode() for k, v in headers})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """slotgate itself is alive (says nothing of llama-server)."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """200 when llama-server answers and its slot count is known; 503 with the reason."""
+        if gate.draining:
+            return JSONResponse({"status": "draining"}, 503, {"retry-after": "1"})
+        if not gate.upstream.ready:
+            return JSONResponse(
+                {"status": "not ready", "reason": gate.upstream.reason}, 503, {"retry-after": "1"}
+            )
+        return JSONResponse({"status": "ready", "capacity": gate.admission.capacity})
+
+    @app.get("/admission", dependencies=[Depends(authorized)])
+    async def admission() -> dict[str, Any]:
+        """The live pool: capacity, active, queued, free, queue_limit and the upstream."""
+        return gate.snapshot()
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def metrics() -> Response:
+        """slotgate's metrics, then llama-server's own when it runs with --metrics."""
+        text = gate.metrics.render() + await gate.upstream.metrics()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,510 @@
+"""The hot path: a plain ASGI app that gates and relays every request slotgate does not own.
+
+It is deliberately framework-free: a request costs one header scan, one body read, one
+admission call and one upstream exchange, with llama-server's bytes relayed as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from app.access import Access
+from app.admission import Admission, AdmissionError, NotReady, Ticket
+from app.endpoints import Demand, Endpoint, admitted, check_content_type, demand
+from app.errors import (
+    BadRequest,
+    Flavor,
+    GateError,
+    Headers,
+    PayloadTooLarge,
+    Refusal,
+    UpstreamFailed,
+    refusal,
+    render,
+    stream_event,
+)
+from app.logs import access as access_log
+from app.metrics import Metrics
+from app.settings import Settings
+from app.upstream import Upstream
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("slotgate.relay")
+
+# RFC 9110 section 7.6.1 connection-specific fields, plus the ones a proxy sets itself.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+        b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
+        b"host", b"content-length", b"expect",
+    }
+)  # fmt: skip
+_CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+_RESPONSE_DROP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+     b"proxy-connection", b"date", b"server"}
+)  # fmt: skip
+_SSE_HEAD: Headers = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+_ids = itertools.count(1)
+_id_prefix = secrets.token_hex(4)
+
+
+class ClientGone(Exception):
+    """The client closed its connection; nobody is left to answer."""
+
+
+class _Exchange:
+    """What one request did, for its access-log line and its metrics."""
+
+    __slots__ = (
+        "bytes_out", "id", "method", "outcome", "path", "route", "sse", "started", "status",
+        "ticket", "upstream_status", "weight",
+    )  # fmt: skip
+
+    def __init__(self, request_id: str, method: str, path: str) -> None:
+        self.id = request_id
+        self.method = method
+        self.path = path
+        self.route: str | None = None
+        self.started = time.monotonic()
+        self.status = 0
+        self.sse = False  # an event stream's head has gone out: errors now go in-stream
+        self.upstream_status: int | None = None
+        self.outcome = "served"
+        self.bytes_out = 0
+        self.weight = 0
+        self.ticket: Ticket | None = None
+
+
+class _Watch:
+    """Cancels the request's task the moment its client disconnects.
+
+    uvicorn answers `receive()` with `http.disconnect` once the client is gone, so one
+    pending `receive()` is the cheapest way to learn of it while the task is busy waiting
+    for a slot or for llama-server. The task is cancelled rather than polled, so every
+    `finally` on the way out (upstream close, slot release) runs at once.
+    """
+
+    __slots__ = ("_pending", "_task", "done", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self._task = asyncio.current_task()
+        self.gone = False
+        self.done = False
+        self._pending = asyncio.ensure_future(receive())
+        self._pending.add_done_callback(self._on_message)
+
+    def _on_message(self, pending: asyncio.Future[Message]) -> None:
+        if self.done or pending.cancelled() or pending.exception() is not None:
+            return
+        if pending.result().get("type") == "http.disconnect" and self._task is not None:
+            self.gone = True
+            self._task.cancel(msg="client disconnected")
+
+    def stop(self) -> None:
+        self.done = True
+        self._pending.cancel()
+
+    def ours(self) -> bool:
+        """After a CancelledError: was it only this watch's doing (so it may end here)?"""
+        return self.gone and self._task is not None and self._task.uncancel() == 0
+
+
+class Proxy:
+    """Gate and forward one request to llama-server."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        admission: Admission,
+        upstream: Upstream,
+        metrics: Metrics,
+    ) -> None:
+        self._admission = admission
+        self._upstream = upstream
+        self._metrics = metrics
+        self._access = Access(settings.api_keys)
+        self._gated = settings.admission_control
+        self._body_limit = settings.max_body_bytes
+        self._keepalive_s = settings.keepalive_interval
+        self._drop = set(_HOP_BY_HOP)
+        if not settings.forward_conversation_id:
+            self._drop.add(b"x-conversation-id")
+        # Whoever checks or supplies credentials keeps the client's to itself.
+        if settings.api_keys or settings.llama_api_key is not None:
+            self._drop |= _CREDENTIALS
+        self._auth = upstream.auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        ex = _Exchange(_request_id(scope), scope["method"], scope["path"])
+        try:
+            await self._handle(scope, receive, send, ex)
+        finally:
+            self._account(ex)
+
+    # -- one request --------------------------------------------------------------------------
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
+        endpoint: Endpoint | None = None
+        try:
+            path = _checked_path(scope["path"])
+            head = _RequestHead(scope["headers"])
+            self._access.check(path, head.authorization, head.api_key)
+            if self._gated:
+                endpoint = admitted(ex.method, path)
+            body = await _read_body(receive, head.content_length, self._body_limit)
+            if endpoint is None:
+                await self._forward(scope, send, ex, path, head, body, None)
+                return
+            ex.route = endpoint.route
+            check_content_type(endpoint, head.content_type)
+            capacity = self._admission.capacity
+            if capacity is None:
+                raise NotReady(self._admission.snapshot(), 1.0)
+            want = demand(endpoint, body, capacity)
+            ex.weight = want.weight
+            ex.ticket = self._admission.enter(want.weight)
+        except (GateError, AdmissionError) as exc:
+            await self._refuse(send, ex, refusal(exc), endpoint.flavor if endpoint else "openai")
+            return
+        except ClientGone:
+            ex.outcome = "client_gone"
+            return
+        await self._gate(scope, receive, send, ex, endpoint, path, head, body, want)
+
+    async def _gate(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: _Exchange,
+        endpoint: Endpoint,
+        path: str,
+        head: _RequestHead,
+        body: bytes,
+        want: Demand,
+    ) -> None:
+        ticket = ex.ticket
+        assert ticket is not None  # noqa: S101 - set by _handle just before
+        watch = _Watch(receive)
+        try:
+            if not ticket.admitted:
+                if want.stream and self._keepalive_s:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": [*_SSE_HEAD, (b"x-request-id", ex.id.encode())]})  # fmt: skip
+                    ex.sse = True
+                    ex.status = 200
+                    await self._wait_streaming(send, ticket)
+                else:
+                    await ticket.wait()
+            self._metrics.admitted[endpoint.route].inc()
+            self._metrics.wait[endpoint.route].observe(ticket.wait_s)
+            await self._forward(scope, send, ex, path, head, body, endpoint)
+        except asyncio.CancelledError:
+            if watch.ours():
+                ex.outcome = "client_gone"
+                return
+            # Cancelled from outside: the drain timeout ran out at shutdown. Tell the client.
+            if ex.sse or ex.status == 0:
+                ex.outcome = "shutdown"
+                cut = Refusal(503, "unavailable_error", "shutting_down",
+                              "slotgate shut down before this request finished", "internal")  # fmt: skip
+                await _final_words(send, cut, endpoint.flavor, ex.sse)
+            raise
+        except (GateError, AdmissionError) as exc:
+            if watch.gone:
+                ex.outcome = "client_gone"
+                return
+            r = refusal(exc)
+            if ex.sse:
+                ex.outcome = r.reason
+                await _send_event(send, stream_event(r, endpoint.flavor), ex)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await self._refuse(send, ex, r, endpoint.flavor)
+        finally:
+            watch.stop()
+            ticket.release()
+            if ticket.admitted:
+                self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)  # type: ignore[operator]
+
+    async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
+        """Wait in line, telling the client where it stands every keep-alive interval."""
+        waiting = asyncio.ensure_future(ticket.wait())
+        try:
+            while True:
+                eta = self._admission.retry_after_s(max(ticket.position, 1))
+                comment = f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
+                await send({"type": "http.response.body", "body": comment, "more_body": True})
+                done, _ = await asyncio.wait((waiting,), timeout=self._keepalive_s)
+                if done:
+                    waiting.result()
+                    return
+        finally:
+            waiting.cancel()
+
+    async def _forward(
+        self,
+        scope: Scope,
+        send: Send,
+        ex: _Exchange,
+        path: str,
+        head: _RequestHead,
+        body: bytes,
+        endpoint: Endpoint | None,
+    ) -> None:
+        url = self._upstream.target(quote(path, safe="/:@!$&'()*+,;=-._~"), scope["query_string"])
+        headers = [
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in head.raw
+            if name not in self._drop and name not in head.connection_named
+        ]
+        if self._auth is not None:
+            headers.append(self._auth)
+        if not head.has_request_id:
+            headers.append(("X-Request-Id", ex.id))
+        flavor: Flavor = endpoint.flavor if endpoint else "openai"
+        try:
+            response = await self._upstream.send(ex.method, url, headers, body)
+        except GateError as exc:
+            if endpoint is None:
+                await self._refuse(send, ex, refusal(exc), flavor)
+                return
+            raise
+        clean = False
+        try:
+            ex.upstream_status = response.status
+            if ex.sse:
+                await self._relay_into_stream(send, ex, response, flavor)
+            else:
+                await self._relay(send, ex, response, flavor)
+            clean = True
+        finally:
+            # A finished exchange returns its connection to the pool; anything else closes it,
+            # which is what makes llama-server cancel the task behind it.
+            if clean:
+                response.release()
+            else:
+                response.close()
+
+    async def _relay(
+        self, send: Send, ex: _Exchange, response: aiohttp.ClientResponse, flavor: Flavor
+    ) -> None:
+        content = response.content
+        try:
+            # Wait for the first bytes before answering, so that an upstream that breaks off
+            # now can still get a proper 502 instead of a truncated 200.
+            first = await content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
+            return
+        headers = [
+            (name.lower(), value)
+            for name, value in response.raw_headers
+            if name.lower() not in _RESPONSE_DROP
+        ]
+        headers.append((b"x-request-id", ex.id.encode()))
+        if response.content_type == "text/event-stream":
+            ex.sse = True
+            present = {name for name, _ in headers}
+            headers.extend(h for h in _SSE_HEAD[1:] if h[0] not in present)
+        ex.status = response.status
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        chunk = first
+        try:
+            while chunk:
+                ex.bytes_out += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                chunk = await content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            r = refusal(_upstream_failure(exc))
+            ex.outcome = r.reason
+            if not ex.sse:
+                # A plain body cut short cannot carry an error: leaving the answer unfinished
+                # makes the server drop the connection, so the client sees the truncation.
+                log.warning("upstream broke off a response after its head: %s", r.message)
+                return
+            await _send_event(send, stream_event(r, flavor), ex)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay_into_stream(
+        self, send: Send, ex: _Exchange, response: aiohttp.ClientResponse, flavor: Flavor
+    ) -> None:
+        """Relay into an SSE stream whose 200 head went out while the request waited."""
+        content = response.content
+        try:
+            if response.status != 200 or response.content_type != "text/event-stream":
+                # llama-server refused (e.g. the prompt exceeds the context): its JSON error
+                # becomes the stream's error event, as llama-server itself does mid-stream.
+                error = await response.read()
+                ex.outcome = "upstream_error"
+                prefix = b"event: error\n" if flavor == "anthropic" else b""
+                await _send_event(send, prefix + b"data: " + error.strip() + b"\n\n", ex)
+            else:
+                async for chunk in content.iter_any():
+                    ex.bytes_out += len(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            r = refusal(_upstream_failure(exc))
+            ex.outcome = r.reason
+            await _send_event(send, stream_event(r, flavor), ex)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _refuse(self, send: Send, ex: _Exchange, r: Refusal, flavor: Flavor) -> None:
+        ex.outcome = r.reason
+        status, headers, body = render(r, flavor)
+        headers.append((b"x-request-id", ex.id.encode()))
+        ex.status = status
+        ex.bytes_out += len(body)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _account(self, ex: _Exchange) -> None:
+        if ex.route is not None and ex.outcome not in ("served", "upstream_error"):
+            reason = ex.outcome if ex.outcome != "shutdown" else "upstream_unavailable"
+            self._metrics.rejected(ex.route, reason)
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        ticket = ex.ticket
+        hold = (
+            round(time.monotonic() - ticket.admitted_at, 4)
+            if ticket is not None and ticket.admitted_at is not None
+            else None
+        )
+        access_log.info(
+            "%s %s %d %s",
+            ex.method, ex.path, ex.status, ex.outcome,
+            extra={
+                "request_id": ex.id,
+                "route": ex.route,
+                "outcome": ex.outcome,
+                "status": ex.status,
+                "upstream_status": ex.upstream_status,
+                "weight": ex.weight,
+                "queue_wait_s": round(ticket.wait_s, 4) if ticket is not None else None,
+                "slot_hold_s": hold,
+                "bytes_out": ex.bytes_out,
+                "duration_s": round(time.monotonic() - ex.started, 4),
+            },
+        )  # fmt: skip
+
+
+class _RequestHead:
+    """The request headers slotgate looks at, found in one pass."""
+
+    __slots__ = (
+        "api_key", "authorization", "connection_named", "content_length", "content_type",
+        "has_request_id", "raw",
+    )  # fmt: skip
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+        self.authorization: bytes | None = None
+        self.api_key: bytes | None = None
+        self.content_length: int | None = None
+        self.content_type = ""
+        self.has_request_id = False
+        self.connection_named: frozenset[bytes] = frozenset()
+        for name, value in raw:
+            if name == b"content-length":
+                if not value.isdigit():
+                    raise BadRequest("Content-Length is not a number")
+                self.content_length = int(value)
+            elif name == b"content-type":
+                self.content_type = value.decode("latin-1")
+            elif name == b"authorization":
+                self.authorization = value
+            elif name == b"x-api-key":
+                self.api_key = value
+            elif name == b"x-request-id":
+                self.has_request_id = True
+            elif name == b"connection":
+                # Headers named in Connection are hop-by-hop too, but never ones slotgate
+                # itself relies on: a client cannot make the gate drop credentials it checks.
+                named = {part.strip().lower() for part in value.split(b",")}
+                self.connection_named = frozenset(named - _CREDENTIALS)
+
+
+def _checked_path(path: str) -> str:
+    """The decoded path, refused when it could step outside llama-server's root."""
+    if not path.startswith("/") or "\\" in path or "\x00" in path:
+        raise BadRequest("request path is not a plain absolute path")
+    if "/./" in path + "/" or "/../" in path + "/":
+        raise BadRequest("request path must not contain '.' or '..' segments")
+    return path
+
+
+async def _read_body(receive: Receive, declared: int | None, limit: int) -> bytes:
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)")
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body  # type: ignore[no-any-return]
+    chunks = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            if 0 < len(value) <= 128 and all(c in _REQUEST_ID_CHARS for c in value):
+                return value.decode()
+            break
+    return f"{_id_prefix}-{next(_ids)}"
+
+
+def _upstream_failure(exc: BaseException) -> UpstreamFailed:
+    if isinstance(exc, TimeoutError):
+        return UpstreamFailed("llama-server went silent for longer than UPSTREAM_STALL_TIMEOUT")
+    return UpstreamFailed(f"llama-server broke off the response ({type(exc).__name__})")
+
+
+async def _send_event(send: Send, event: bytes, ex: _Exchange) -> None:
+    ex.bytes_out += len(event)
+    await send({"type": "http.response.body", "body": event, "more_body": True})
+
+
+async def _final_words(send: Send, r: Refusal, flavor: Flavor, stream_open: bool) -> None:
+    """Best effort, during cancellation: end the answer with an error rather than silence."""
+    try:
+        async with asyncio.timeout(1.0):
+            if stream_open:
+                await send({"type": "http.response.body", "body": stream_event(r, flavor),
+                            "more_body": False})  # fmt: skip
+            else:
+                status, headers, body = render(r, flavor)
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+    except (OSError, RuntimeError, TimeoutError):
+        log.debug("could not tell a cancelled client why", exc_info=True)

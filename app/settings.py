@@ -1,0 +1,114 @@
+"""slotgate's configuration: one frozen object read from the environment and an optional .env."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from app.admission import QueuePolicy
+
+MIB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    """Every knob slotgate has; the environment variable is the field name in upper case."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env",
+        env_file_encoding="utf-8",
+        env_ignore_empty=True,
+        extra="ignore",
+        frozen=True,
+    )
+
+    llama_server_url: str = Field(
+        "http://127.0.0.1:8080", description="llama-server's base URL (http or https)."
+    )
+    llama_api_key: SecretStr | None = Field(
+        None, description="Sent upstream as a Bearer token; replaces the client's credentials."
+    )
+    host: str = Field("127.0.0.1", description="Address slotgate listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port slotgate listens on.")
+    queue_per_slot: int | None = Field(
+        None, ge=0, description="Line depth per slot (default 16, floored at MIN_QUEUE); 0 = unbounded."
+    )
+    max_queue: int | None = Field(
+        None, ge=0, description="Fixed line depth, overrides QUEUE_PER_SLOT; 0 = unbounded."
+    )
+    min_queue: int | None = Field(
+        None, ge=0, description="Floor under QUEUE_PER_SLOT x slots (default 64 with the default multiplier)."
+    )
+    queue_timeout: float = Field(
+        0.0, ge=0, le=86400, description="Seconds a request may wait in line; 0 = indefinitely."
+    )
+    keepalive_interval: float = Field(
+        5.0, ge=0, le=3600, description="Seconds between SSE comments to a waiting stream; 0 = off."
+    )
+    props_refresh_interval: float = Field(
+        10.0, gt=0, le=3600, description="Seconds between reads of llama-server's /props."
+    )
+    admission_control: bool = Field(
+        True, description="Off = plain pass-through proxy, no slots and no line."
+    )
+    api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Comma-separated keys clients must present; unset = open."
+    )
+    max_body_bytes: int = Field(
+        32 * MIB, ge=1, le=2**31, description="Largest request body accepted, in bytes."
+    )
+    upstream_stall_timeout: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description="Seconds llama-server may stay silent on a running request; 0 = forever.",
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, le=3600, description="Seconds running streams may finish after SIGTERM."
+    )
+    forward_conversation_id: bool = Field(
+        False, description="Pass X-Conversation-Id upstream (llama.cpp then ignores client exits)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+
+    @field_validator("llama_server_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in {"http", "https"} or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.query or parts.fragment:
+            raise ValueError("must not carry a query or a fragment")
+        return value.rstrip("/")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def queue_policy(self) -> QueuePolicy:
+        return QueuePolicy(self.max_queue, self.queue_per_slot, self.min_queue)
+
+
+def describe(error: ValidationError) -> str:
+    """One line naming the variable, the value given and what is accepted."""
+    first = error.errors()[0]
+    name = str(first["loc"][0]).upper() if first["loc"] else "configuration"
+    value = first.get("input")
+    shown = "" if isinstance(value, dict) else f"={value!s}"
+    if name == "LLAMA_API_KEY" or name == "API_KEYS":
+        shown = ""
+    return f"slotgate: invalid {name}{shown}: {first['msg']}"

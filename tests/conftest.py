@@ -1,0 +1,104 @@
+"""Shared fixtures: a stand-in llama-server and slotgate served by uvicorn on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from app.main import Gate, Gateway, create_app
+from app.settings import Settings
+from tests.standin import StandIn
+
+
+class RunningGate:
+    """slotgate listening on 127.0.0.1 at an ephemeral port, inside the test's event loop."""
+
+    def __init__(self, app: Gateway, server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+        self.app = app
+        self.server = server
+        self.task = task
+        sockets = server.servers[0].sockets
+        self.port = sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def gate(self) -> Gate:
+        gate: Gate = self.app.state.gate
+        return gate
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.task, timeout=10)
+
+    async def until(self, check: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Wait until `check()` holds; fail the test with the pool's state if it never does."""
+        async with asyncio.timeout(timeout):
+            while not check():
+                await asyncio.sleep(0.01)
+
+
+async def serve(settings: Settings) -> RunningGate:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, lifespan="on", log_config=None, access_log=False,
+        http="httptools", loop="none", timeout_graceful_shutdown=2,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    return RunningGate(app, server, task)
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[StandIn]:
+    upstream = StandIn()
+    await upstream.start()
+    yield upstream
+    await upstream.stop()
+
+
+GateFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def start_gate(standin: StandIn) -> AsyncIterator[GateFactory]:
+    """Start slotgate in front of the stand-in with the given settings; waits until ready."""
+    running: list[RunningGate] = []
+
+    async def start(*, ready: bool = True, **overrides: Any) -> RunningGate:
+        values: dict[str, Any] = {
+            "llama_server_url": standin.url, "props_refresh_interval": 0.2,
+            "keepalive_interval": 0, "log_level": "warning",
+        }  # fmt: skip
+        values.update(overrides)
+        gate = await serve(Settings(_env_file=None, **values))  # type: ignore[call-arg]
+        running.append(gate)
+        if ready:
+            await gate.until(lambda: gate.gate.upstream.ready)
+        return gate
+
+    yield start
+    for gate in running:
+        await gate.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+        yield c
+
+
+def chat(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}

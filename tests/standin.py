@@ -1,0 +1,197 @@
+"""A stand-in llama-server: real sockets, slow configurable token streams, and a count of how
+many generations run at once, so tests can see what slotgate lets through."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+GENERATION_PATHS = (
+    "/v1/chat/completions", "/chat/completions", "/completion", "/completions",
+    "/v1/completions", "/infill", "/v1/responses", "/responses", "/v1/messages",
+    "/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank",
+    "/v1/reranking", "/v1/audio/transcriptions",
+)  # fmt: skip
+
+
+@dataclass
+class Seen:
+    """One request as the stand-in received it."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class StandIn:
+    """Behaviour knobs (set them from a test) and counters (read them after)."""
+
+    total_slots: int = 2
+    tokens: int = 5
+    token_delay_s: float = 0.02
+    loading: bool = False  # answer 503 "Loading model" everywhere, like llama-server does
+    fault: str | None = None  # "die_midstream" | "hang" | "garbage" | "error_400" | "truncate"
+    running: int = 0
+    max_running: int = 0
+    started: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    open_connections: int = 0
+    seen: list[Seen] = field(default_factory=list)
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/props", self._props)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        for path in GENERATION_PATHS:
+            app.router.add_post(path, self._generate)
+        app.router.add_route("*", "/{tail:.*}", self._echo)
+        # handler_cancellation: like llama-server, notice a client that left and stop working.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def connections(self) -> int:
+        """Connections open at the stand-in right now."""
+        server = self._runner.server if self._runner else None
+        return len(server.connections) if server is not None else 0
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    def _record(self, request: web.Request, body: bytes) -> None:
+        self.seen.append(
+            Seen(request.method, request.path, request.query_string, dict(request.headers), body)
+        )
+
+    def _loading(self) -> web.Response:
+        return web.json_response(
+            {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+            status=503,
+        )
+
+    async def _props(self, request: web.Request) -> web.Response:
+        if self.loading:
+            return self._loading()
+        return web.json_response(
+            {
+                "total_slots": self.total_slots,
+                "default_generation_settings": {"n_ctx": 1024, "params": {}},
+                "model_path": "standin.gguf",
+                "build_info": "standin",
+            }
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.loading:
+            return self._loading()
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# HELP llamacpp:requests_processing Number of requests processing.\n"
+            "# TYPE llamacpp:requests_processing gauge\n"
+            f"llamacpp:requests_processing {self.running}\n"
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self._record(request, body)
+        return web.json_response(
+            {"method": request.method, "path": request.path, "query": request.query_string,
+             "body": body.decode("utf-8", "replace")},
+            headers={"X-Standin": "echo"},
+        )  # fmt: skip
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self._record(request, body)
+        if self.loading:
+            return self._loading()
+        if self.fault == "error_400":
+            return web.json_response(
+                {"error": {"code": 400, "message": "request (9999 tokens) exceeds the available "
+                           "context size (1024 tokens), try increasing it",
+                           "type": "exceed_context_size_error"}},
+                status=400,
+            )  # fmt: skip
+        payload: dict[str, Any] = json.loads(body) if body and body[:1] == b"{" else {}
+        self.running += 1
+        self.started += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            if payload.get("stream"):
+                return await self._stream(request)
+            return await self._complete()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+            self.finished += 1
+
+    async def _complete(self) -> web.Response:
+        if self.fault == "hang":
+            await asyncio.sleep(3600)
+        await asyncio.sleep(self.tokens * self.token_delay_s)
+        if self.fault == "garbage":
+            return web.Response(body=b"\x00\xffnot json", content_type="application/json")
+        return web.json_response(
+            {
+                "id": "chatcmpl-standin",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": "standin.gguf",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "tok " * self.tokens}}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens,
+                          "total_tokens": 3 + self.tokens},
+            }
+        )  # fmt: skip
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+        for i in range(self.tokens):
+            if self.fault == "hang" and i == 1:
+                await asyncio.sleep(3600)
+            if self.fault == "die_midstream" and i == 2:
+                assert request.transport is not None
+                request.transport.abort()
+                raise asyncio.CancelledError
+            await asyncio.sleep(self.token_delay_s)
+            chunk = {
+                "id": "chatcmpl-standin",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+            }
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
