@@ -171,13 +171,17 @@ def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
         engine.stop()
 
 
+_EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,"stream":true}'
+
+
 def _print_usage(settings: Settings) -> None:
     base = f"http://{settings.host}:{settings.port}"
     print(  # noqa: T201 - the banner a person starting the demo reads
         f"\nslotgate is starting on {base}, in front of llama.cpp at {settings.llama_server_url}\n"
         f"  OpenAI base URL:  {base}/v1   (any API key)\n"
         f"  pool:             curl {base}/admission\n"
-        f"  try:              curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' "
-        '-d \'{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,"stream":true}\'\n',
+        f"  try:              curl -N {base}/v1/chat/completions \\\n"
+        "                      -H 'Content-Type: application/json' \\\n"
+        f"                      -d '{_EXAMPLE}'\n",
         flush=True,
     )

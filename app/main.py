@@ -33,11 +33,11 @@ class Gateway(FastAPI):
 
     proxy: Proxy
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OWN_PATHS:
             await self.proxy(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)  # type: ignore[arg-type]
+        await super().__call__(scope, receive, send)
 
 
 class Gate:

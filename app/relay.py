@@ -210,8 +210,8 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": [*_SSE_HEAD, (b"x-request-id", ex.id.encode())]})  # fmt: skip
+                    head_out = [*_SSE_HEAD, (b"x-request-id", ex.id.encode())]
+                    await send({"type": "http.response.start", "status": 200, "headers": head_out})
                     ex.sse = True
                     ex.status = 200
                     await self._wait_streaming(send, ticket)
@@ -227,8 +227,8 @@ class Proxy:
             # Cancelled from outside: the drain timeout ran out at shutdown. Tell the client.
             if ex.sse or ex.status == 0:
                 ex.outcome = "shutdown"
-                cut = Refusal(503, "unavailable_error", "shutting_down",
-                              "slotgate shut down before this request finished", "internal")  # fmt: skip
+                message = "slotgate shut down before this request finished"
+                cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
                 await _final_words(send, cut, endpoint.flavor, ex.sse)
             raise
         except (GateError, AdmissionError) as exc:
@@ -456,7 +456,9 @@ def _checked_path(path: str) -> str:
 
 async def _read_body(receive: Receive, declared: int | None, limit: int) -> bytes:
     if declared is not None and declared > limit:
-        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)")
+        raise PayloadTooLarge(
+            f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
+        )
     message = await receive()
     body = message.get("body", b"")
     if not message.get("more_body", False):
@@ -470,7 +472,9 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
+            raise PayloadTooLarge(
+                f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -479,7 +483,7 @@ def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             if 0 < len(value) <= 128 and all(c in _REQUEST_ID_CHARS for c in value):
-                return value.decode()
+                return bytes(value).decode()
             break
     return f"{_id_prefix}-{next(_ids)}"
 

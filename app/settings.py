@@ -33,13 +33,17 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address slotgate listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port slotgate listens on.")
     queue_per_slot: int | None = Field(
-        None, ge=0, description="Line depth per slot (default 16, floored at MIN_QUEUE); 0 = unbounded."
+        None,
+        ge=0,
+        description="Line depth per slot (default 16, floored at MIN_QUEUE); 0 = unbounded.",
     )
     max_queue: int | None = Field(
         None, ge=0, description="Fixed line depth, overrides QUEUE_PER_SLOT; 0 = unbounded."
     )
     min_queue: int | None = Field(
-        None, ge=0, description="Floor under QUEUE_PER_SLOT x slots (default 64 with the default multiplier)."
+        None,
+        ge=0,
+        description="Floor under QUEUE_PER_SLOT x slots (default 64 with the default multiplier).",
     )
     queue_timeout: float = Field(
         0.0, ge=0, le=86400, description="Seconds a request may wait in line; 0 = indefinitely."

@@ -39,7 +39,7 @@ class Props:
     @classmethod
     def parse(cls, body: Any) -> Props:
         if not isinstance(body, dict):
-            raise ValueError("/props did not answer a JSON object")
+            raise ValueError("/props did not answer a JSON object")  # noqa: TRY004 - bad data, not a bad call
         slots = body.get("total_slots")
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"/props total_slots is {slots!r}, not a positive integer")
@@ -53,6 +53,13 @@ class Props:
             model if isinstance(model, str) else None,
             build if isinstance(build, str) else None,
         )
+
+
+async def _read_props(response: aiohttp.ClientResponse) -> Props:
+    if response.status != 200:
+        text = (await response.read())[:200].decode("utf-8", "replace")
+        raise ValueError(f"/props answered {response.status}: {text}")
+    return Props.parse(await response.json(content_type=None))
 
 
 class Upstream:
@@ -165,10 +172,7 @@ class Upstream:
                 asyncio.timeout(CONNECT_TIMEOUT_S),
                 self._session.get(self.url + "/props", headers=headers) as response,
             ):
-                if response.status != 200:
-                    text = (await response.read())[:200].decode("utf-8", "replace")
-                    raise ValueError(f"/props answered {response.status}: {text}")
-                props = Props.parse(await response.json(content_type=None))
+                props = await _read_props(response)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
             return

@@ -37,9 +37,9 @@ class RunningGate:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self.task, timeout=10)
 
-    async def until(self, check: Callable[[], bool], timeout: float = 5.0) -> None:
-        """Wait until `check()` holds; fail the test with the pool's state if it never does."""
-        async with asyncio.timeout(timeout):
+    async def until(self, check: Callable[[], bool]) -> None:
+        """Wait until `check()` holds; the caller bounds the wait (the suite's default: 5 s)."""
+        async with asyncio.timeout(5.0):
             while not check():
                 await asyncio.sleep(0.01)
 
@@ -51,7 +51,6 @@ async def serve(settings: Settings) -> RunningGate:
         http="httptools", loop="none", timeout_graceful_shutdown=2,
     )  # fmt: skip
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -82,7 +81,7 @@ async def start_gate(standin: StandIn) -> AsyncIterator[GateFactory]:
             "keepalive_interval": 0, "log_level": "warning",
         }  # fmt: skip
         values.update(overrides)
-        gate = await serve(Settings(_env_file=None, **values))  # type: ignore[call-arg]
+        gate = await serve(Settings(_env_file=None, **values))
         running.append(gate)
         if ready:
             await gate.until(lambda: gate.gate.upstream.ready)

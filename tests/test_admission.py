@@ -1,0 +1,336 @@
+"""The admission core on its own: order, limits, timeouts, cancellation races, resizing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from app.admission import (
+    RETRY_AFTER_CAP_S,
+    Admission,
+    NotReady,
+    QueueFull,
+    QueuePolicy,
+    QueueTimeout,
+    ShuttingDown,
+    Ticket,
+    TooLarge,
+)
+
+
+def pool(capacity: int | None = 2, **policy: int | None) -> Admission:
+    return Admission(QueuePolicy(**policy), capacity=capacity)
+
+
+async def settle() -> None:
+    """Let every ready callback and task run."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "capacity", "limit"),
+    [
+        ({}, 2, 64),  # default 16 per slot, floored at the default 64
+        ({}, 8, 128),  # 16 x 8 is above the floor
+        ({"min_queue": 10}, 2, 32),  # an explicit floor replaces the default one
+        ({"min_queue": 100}, 2, 100),
+        ({"queue_per_slot": 3}, 2, 6),  # an explicit multiplier gets no default floor
+        ({"queue_per_slot": 3, "min_queue": 10}, 2, 10),  # ... unless a floor is set too
+        ({"queue_per_slot": 0}, 2, None),  # 0 per slot: unbounded
+        ({"max_queue": 5}, 2, 5),  # a fixed limit wins over everything
+        ({"max_queue": 5, "queue_per_slot": 100, "min_queue": 100}, 2, 5),
+        ({"max_queue": 0}, 2, None),  # MAX_QUEUE=0: unbounded
+    ],
+)
+def test_queue_limit_follows_every_rule(
+    policy: dict[str, int], capacity: int, limit: int | None
+) -> None:
+    assert QueuePolicy(**policy).limit(capacity) == limit
+
+
+async def test_free_slots_are_taken_at_once_and_in_order() -> None:
+    admission = pool(2)
+    a, b = admission.enter(), admission.enter()
+    assert a.admitted and b.admitted
+    c = admission.enter()
+    assert not c.admitted
+    assert (admission.active, admission.queued) == (2, 1)
+
+
+async def test_waiters_are_admitted_in_arrival_order() -> None:
+    admission = pool(1)
+    holder = admission.enter()
+    waiters = [admission.enter() for _ in range(5)]
+    order: list[int] = []
+
+    async def wait(i: int, ticket: Ticket) -> None:
+        await ticket.wait()
+        order.append(i)
+        await asyncio.sleep(0)
+        ticket.release()
+
+    tasks = [asyncio.create_task(wait(i, t)) for i, t in enumerate(waiters)]
+    await settle()
+    holder.release()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_newcomer_never_overtakes_the_line_even_when_a_slot_is_free() -> None:
+    admission = pool(2)
+    heavy_holder = admission.enter(2)
+    heavy = admission.enter(2)  # waits for both slots
+    heavy_holder.release()
+    await settle()
+    assert heavy._future is not None and heavy._future.done()
+    # heavy got both slots by hand-off; a light newcomer must now queue behind nobody...
+    await heavy.wait()
+    light = admission.enter(1)
+    assert not light.admitted
+    heavy.release()
+    await light.wait()
+    assert light.admitted
+
+
+async def test_a_light_waiter_does_not_jump_a_heavy_head_of_line() -> None:
+    admission = pool(2)
+    holder = admission.enter(1)
+    heavy = admission.enter(2)
+    light = admission.enter(1)
+    await settle()
+    # One slot is free, but the head needs two: strict FIFO keeps the light one waiting.
+    assert not heavy.admitted and not light.admitted
+    assert light._future is not None and not light._future.done()
+    holder.release()
+    await heavy.wait()
+    assert heavy.admitted and admission.active == 2
+
+
+async def test_full_line_is_refused_with_a_snapshot() -> None:
+    admission = pool(1, max_queue=2)
+    admission.enter()
+    admission.enter()
+    admission.enter()
+    with pytest.raises(QueueFull) as caught:
+        admission.enter()
+    snap = caught.value.snapshot
+    assert (snap.capacity, snap.active, snap.queued, snap.queue_limit, snap.free) == (1, 1, 2, 2, 0)
+    assert 1 <= caught.value.retry_after_s <= RETRY_AFTER_CAP_S
+
+
+async def test_unbounded_line_takes_everyone() -> None:
+    admission = pool(1, max_queue=0)
+    admission.enter()
+    for _ in range(5000):
+        admission.enter()
+    assert admission.queued == 5000
+    assert admission.queue_limit is None
+
+
+async def test_retry_after_grows_with_the_observed_hold_time_and_is_capped() -> None:
+    admission = pool(1, max_queue=1)
+    short = admission.retry_after_s(1)
+    for _ in range(50):
+        admission._release(0, 30.0)  # observe long holds (weight 0: the pool count stays)
+    long = admission.retry_after_s(2)
+    assert short == 1.0
+    assert 50 < long <= RETRY_AFTER_CAP_S
+    assert admission.retry_after_s(1000) == RETRY_AFTER_CAP_S
+
+
+async def test_unknown_capacity_refuses_as_not_ready() -> None:
+    admission = pool(None)
+    with pytest.raises(NotReady):
+        admission.enter()
+
+
+async def test_request_for_more_slots_than_exist_is_too_large() -> None:
+    with pytest.raises(TooLarge):
+        pool(2).enter(3)
+
+
+async def test_waiting_longer_than_the_timeout_raises_and_leaves_the_line() -> None:
+    admission = Admission(QueuePolicy(), capacity=1, queue_timeout_s=0.05)
+    admission.enter()
+    waiter = admission.enter()
+    with pytest.raises(QueueTimeout) as caught:
+        await waiter.wait()
+    assert caught.value.snapshot.capacity == 1
+    assert admission.queued == 0
+
+
+async def test_cancelled_waiter_leaves_the_line_at_once() -> None:
+    admission = pool(1, max_queue=1)
+    holder = admission.enter()
+    waiter = admission.enter()
+    task = asyncio.create_task(waiter.wait())
+    await settle()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert admission.queued == 0
+    admission.enter()  # its place is free for someone else
+    holder.release()
+
+
+async def test_waiter_cancelled_at_the_moment_of_handoff_passes_the_slot_on() -> None:
+    admission = pool(1)
+    holder = admission.enter()
+    doomed = admission.enter()
+    next_in_line = admission.enter()
+    doomed_task = asyncio.create_task(doomed.wait())
+    next_task = asyncio.create_task(next_in_line.wait())
+    await settle()
+    # Hand the slot to `doomed` and cancel it before its task can resume: the race.
+    holder.release()
+    doomed_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed_task
+    await asyncio.wait_for(next_task, 1)
+    assert next_in_line.admitted
+    assert admission.active == 1
+    next_in_line.release()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_release_of_a_granted_ticket_whose_waiter_never_resumed_passes_the_slot_on() -> None:
+    admission = pool(1)
+    holder = admission.enter()
+    granted = admission.enter()
+    after = admission.enter()
+    holder.release()  # `granted` is handed the slot, but nobody awaits it
+    granted.release()
+    assert after._future is not None and after._future.done()
+    await after.wait()
+    after.release()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_release_twice_is_harmless() -> None:
+    admission = pool(1)
+    ticket = admission.enter()
+    ticket.release()
+    ticket.release()
+    assert admission.active == 0
+
+
+async def test_growth_admits_waiters_at_once_in_order() -> None:
+    admission = pool(1)
+    admission.enter()
+    waiters = [admission.enter() for _ in range(3)]
+    admission.resize(3)
+    assert admission.active == 3
+    assert [w._future is not None and w._future.done() for w in waiters] == [True, True, False]
+
+
+async def test_shrink_retires_slots_as_holders_finish() -> None:
+    admission = pool(3)
+    holders = [admission.enter() for _ in range(3)]
+    waiter = admission.enter()
+    admission.resize(1)
+    holders[0].release()
+    holders[1].release()
+    await settle()
+    assert admission.active == 1  # nothing admitted past the new ceiling
+    assert waiter._future is not None and not waiter._future.done()
+    holders[2].release()
+    await waiter.wait()
+    assert admission.active == 1
+
+
+async def test_shrink_below_a_waiters_weight_turns_it_away() -> None:
+    admission = pool(2)
+    holder = admission.enter(2)
+    heavy = admission.enter(2)
+    admission.resize(1)
+    with pytest.raises(TooLarge):
+        await heavy.wait()
+    holder.release()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_losing_capacity_keeps_the_line_and_refuses_newcomers() -> None:
+    admission = pool(1)
+    holder = admission.enter()
+    waiter = admission.enter()
+    admission.resize(None)
+    with pytest.raises(NotReady):
+        admission.enter()
+    holder.release()
+    await settle()
+    assert waiter._future is not None and not waiter._future.done()
+    admission.resize(2)
+    await waiter.wait()
+    assert waiter.admitted
+
+
+async def test_close_turns_the_line_away_and_refuses_newcomers() -> None:
+    admission = pool(1)
+    admission.enter()
+    waiter = admission.enter()
+    admission.close()
+    with pytest.raises(ShuttingDown):
+        await waiter.wait()
+    with pytest.raises(ShuttingDown):
+        admission.enter()
+
+
+async def test_position_counts_from_the_head_of_the_line() -> None:
+    admission = pool(1)
+    admission.enter()
+    waiters = [admission.enter() for _ in range(4)]
+    assert [w.position for w in waiters] == [1, 2, 3, 4]
+    waiters[0].release()
+    assert waiters[1].position == 1
+
+
+async def test_thousands_of_random_steps_leak_nothing() -> None:
+    rng = random.Random(7)
+    admission = Admission(QueuePolicy(max_queue=20), capacity=3)
+    holders: list[Ticket] = []
+    tasks: list[tuple[Ticket, asyncio.Task[None]]] = []
+    refused = 0
+    for _ in range(4000):
+        step = rng.random()
+        if step < 0.4:
+            try:
+                ticket = admission.enter(rng.choice((1, 1, 1, 2)))
+            except QueueFull:
+                refused += 1
+                continue
+            if ticket.admitted:
+                holders.append(ticket)
+            else:
+                tasks.append((ticket, asyncio.create_task(ticket.wait())))
+        elif step < 0.7 and holders:
+            holders.pop(rng.randrange(len(holders))).release()
+        elif tasks:
+            ticket, task = tasks.pop(rng.randrange(len(tasks)))
+            if rng.random() < 0.5:
+                task.cancel()  # a client that gives up, possibly just as it is handed a slot
+                await asyncio.sleep(0)
+                ticket.release()
+            else:
+                tasks.append((ticket, task))
+        await asyncio.sleep(0)
+        # Move the ones whose wait finished over to the holders.
+        for ticket, task in list(tasks):
+            if task.done():
+                tasks.remove((ticket, task))
+                if not task.cancelled():
+                    holders.append(ticket)
+        held = sum(t.weight for t in holders)
+        assert admission.active <= 3
+        assert admission.active >= held
+    for ticket in holders:
+        ticket.release()
+    for ticket, task in tasks:
+        task.cancel()
+        ticket.release()
+    await settle()
+    assert refused > 0
+    assert (admission.active, admission.queued) == (0, 0)

@@ -1,0 +1,379 @@
+"""The gate end to end over real sockets, in front of the stand-in llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import GateFactory, RunningGate, chat
+from tests.standin import StandIn
+
+CHAT = "/v1/chat/completions"
+
+
+async def admission(client: httpx.AsyncClient, gate: RunningGate) -> dict[str, Any]:
+    response = await client.get(gate.url + "/admission")
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def hold_stream(
+    client: httpx.AsyncClient, gate: RunningGate, started: asyncio.Event
+) -> list[bytes]:
+    """Open a stream, signal once its first chunk arrived, then read it to the end."""
+    chunks: list[bytes] = []
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        async for chunk in response.aiter_raw():
+            chunks.append(chunk)
+            started.set()
+    return chunks
+
+
+async def test_non_streamed_reply_keeps_upstream_status_and_body(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"].startswith("tok")
+    assert response.headers["x-request-id"]
+
+
+async def test_stream_is_relayed_as_it_is_produced(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 4, 0.3
+    gate = await start_gate()
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        chunks = response.aiter_raw()
+        first = await anext(chunks)
+        # The first token reached the client while the stand-in is still generating.
+        assert b"t0" in first
+        assert standin.running == 1
+        rest = b"".join([chunk async for chunk in chunks])
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(max_queue=1)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream(client, gate, started))
+    await started.wait()
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 429
+    assert int(response.headers["retry-after"]) >= 1
+    assert int(response.headers["retry-after-ms"]) >= 1000
+    assert response.headers["x-should-retry"] == "true"
+    error = response.json()["error"]
+    assert error["type"] == "rate_limit_error"
+    assert error["code"] == "queue_full"
+    assert error["param"] is None
+    assert error["message"].startswith(
+        "llama-server generation queue is full (active=1, queued=1, capacity=1)"
+    )
+    snapshot = error["admission"]
+    assert snapshot == {
+        "capacity": 1, "active": 1, "queued": 1, "free": 0, "queue_limit": 1,
+        "retry_after_s": snapshot["retry_after_s"],
+    }  # fmt: skip
+    assert snapshot["retry_after_s"] * 1000 == pytest.approx(
+        int(response.headers["retry-after-ms"]), abs=1
+    )
+    await holder
+    assert (await waiter).status_code == 200
+
+
+async def test_no_more_generations_than_slots_ever_reach_llama_server(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 3, 0.02
+    gate = await start_gate(max_queue=0)
+
+    async def one(i: int) -> int:
+        if i % 2:
+            async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as r:
+                body = b"".join([c async for c in r.aiter_raw()])
+                assert body.endswith(b"data: [DONE]\n\n")
+                return r.status_code
+        return (await client.post(gate.url + CHAT, json=chat())).status_code
+
+    statuses = await asyncio.gather(*(one(i) for i in range(30)))
+    assert statuses == [200] * 30
+    assert standin.started == 30
+    assert standin.max_running == 2
+    assert (await admission(client, gate))["active"] == 0
+
+
+async def test_request_with_n_choices_takes_n_slots(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 10, 0.05
+    gate = await start_gate()
+    task = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n=2)))
+    await gate.until(lambda: standin.running == 1)
+    assert gate.gate.admission.active == 2
+    await task
+
+
+async def test_more_choices_than_slots_is_refused_before_upstream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat(n=3))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
+    assert standin.seen == []
+
+
+async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_upstream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(max_queue=1)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream(client, gate, started))
+    await started.wait()
+    leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(leaver=True)))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    leaver.cancel()
+    await gate.until(lambda: gate.gate.admission.queued == 0)
+    await holder
+    await gate.until(lambda: gate.gate.admission.active == 0)
+    assert not any(b"leaver" in seen.body for seen in standin.seen)
+
+
+async def test_client_that_leaves_mid_stream_closes_upstream_then_frees_its_slot(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 200, 0.05
+    standin.total_slots = 1
+    gate = await start_gate()
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        chunks = response.aiter_raw()  # held: dropping the iterator would close the stream
+        await anext(chunks)
+        assert gate.gate.admission.active == 1
+        waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+        await gate.until(lambda: gate.gate.admission.queued == 1)
+    # Leaving the block closed the client's connection mid-stream.
+    await gate.until(lambda: standin.cancelled == 1)
+    standin.tokens = 1
+    assert (await waiter).status_code == 200
+    assert standin.max_running == 1
+    await gate.until(lambda: gate.gate.admission.active == 0)
+
+
+async def test_capacity_follows_llama_server(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    assert (await admission(client, gate))["capacity"] == 2
+    standin.total_slots = 5
+    await gate.until(lambda: gate.gate.admission.capacity == 5)
+    snapshot = await admission(client, gate)
+    assert (snapshot["capacity"], snapshot["queue_limit"]) == (5, 80)
+
+
+async def test_until_capacity_is_known_requests_get_503_not_ready(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.loading = True
+    gate = await start_gate(ready=False)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "upstream_not_ready"
+    assert (await client.get(gate.url + "/readyz")).status_code == 503
+    assert standin.seen == []
+    standin.loading = False
+    await gate.until(lambda: gate.gate.upstream.ready)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    assert (await client.get(gate.url + "/readyz")).status_code == 200
+
+
+async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(queue_timeout=0.2)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream(client, gate, started))
+    await started.wait()
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "queue_timeout"
+    assert "retry-after" in response.headers
+    await holder
+
+
+async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 8, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.1)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream(client, gate, started))
+    await started.wait()
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        chunks = response.aiter_raw()
+        first = await anext(chunks)
+        assert first.startswith(b": queued position=1 eta_s=")
+        body = first + b"".join([c async for c in chunks])
+    assert body.count(b": queued") >= 2
+    assert body.endswith(b"data: [DONE]\n\n")
+    await holder
+
+
+async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream(client, gate, started))
+    await started.wait()
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        body = b"".join([c async for c in response.aiter_raw()])
+    assert response.status_code == 200
+    last = body.strip().split(b"\n\n")[-1]
+    assert last.startswith(b"data: ")
+    assert json.loads(last[len(b"data: ") :])["error"]["code"] == "queue_timeout"
+    await holder
+
+
+async def test_upstream_error_keeps_its_status_and_body(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.fault = "error_400"
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat(stream=True))
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "exceed_context_size_error"
+    assert gate.gate.admission.active == 0
+
+
+async def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.fault = "die_midstream"
+    gate = await start_gate()
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        body = b"".join([c async for c in response.aiter_raw()])
+    assert b"t1" in body
+    assert b"[DONE]" not in body
+    last = body.strip().split(b"\n\n")[-1]
+    assert json.loads(last[len(b"data: ") :])["error"]["code"] == "upstream_failed"
+    await gate.until(lambda: gate.gate.admission.active == 0)
+
+
+async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.fault = "hang"
+    gate = await start_gate(upstream_stall_timeout=0.3)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 502
+    assert "UPSTREAM_STALL_TIMEOUT" in response.json()["error"]["message"]
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
+        body = b"".join([c async for c in streamed.aiter_raw()])
+    assert b'"upstream_failed"' in body
+    await gate.until(lambda: gate.gate.admission.active == 0)
+
+
+async def test_refused_connection_answers_503_and_marks_not_ready(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    await standin.stop()
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    await gate.until(lambda: not gate.gate.upstream.ready)
+    assert (await client.get(gate.url + "/readyz")).json()["status"] == "not ready"
+    assert gate.gate.admission.active == 0
+
+
+async def test_anthropic_messages_are_refused_in_anthropics_shape(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.loading = True
+    gate = await start_gate(ready=False)
+    response = await client.post(
+        gate.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []}
+    )
+    assert response.status_code == 503
+    body = response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status"),
+    [
+        (b"{not json", {}, 400),
+        (b"[1, 2]", {}, 400),
+        (b'{"messages": [], "stream": "yes"}', {}, 400),
+        (b'{"messages": [], "max_tokens": -5}', {}, 400),
+        (b'{"messages": [], "n": 0}', {}, 400),
+        (b'{"messages": [], "n": 1.5}', {}, 400),
+        (b'{"a": "\xff\xfe"}', {}, 400),
+        (b"[" * 100_000 + b"]" * 100_000, {}, 400),
+        (b"<xml/>", {"content-type": "application/xml"}, 415),
+        (b"", {}, 400),
+    ],
+)
+async def test_bad_bodies_get_a_clear_4xx_and_never_reach_upstream(
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, content=body, headers=headers)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+    assert standin.seen == []
+    assert gate.gate.admission.active == 0
+
+
+async def test_body_over_the_limit_gets_413_before_any_slot_is_taken(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(max_body_bytes=1000)
+    response = await client.post(gate.url + CHAT, json=chat(padding="x" * 2000))
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+    assert standin.seen == []
+
+
+async def test_admission_control_off_passes_everything_straight_through(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 5, 0.05
+    gate = await start_gate(admission_control=False)
+    statuses = await asyncio.gather(
+        *(client.post(gate.url + CHAT, json=chat()) for _ in range(5))
+    )
+    assert [r.status_code for r in statuses] == [200] * 5
+    assert standin.max_running > 2  # nothing held them back
