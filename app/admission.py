@@ -112,6 +112,19 @@ class Ticket:
         return self.admitted_at is not None
 
     @property
+    def granted(self) -> bool:
+        """The slots are this ticket's, even if its waiter has not resumed yet."""
+        if self.admitted_at is not None:
+            return True
+        future = self._future
+        return (
+            future is not None
+            and future.done()
+            and not future.cancelled()
+            and (future.exception() is None)
+        )
+
+    @property
     def wait_s(self) -> float:
         return (self.admitted_at or time.monotonic()) - self.entered_at
 

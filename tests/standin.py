@@ -84,7 +84,13 @@ class StandIn:
 
     def _record(self, request: web.Request, body: bytes) -> None:
         self.seen.append(
-            Seen(request.method, request.path, request.query_string, dict(request.headers), body)
+            Seen(
+                request.method,
+                request.path,
+                request.rel_url.raw_query_string,
+                dict(request.headers),
+                body,
+            )
         )
 
     def _loading(self) -> web.Response:
@@ -121,11 +127,14 @@ class StandIn:
     async def _echo(self, request: web.Request) -> web.Response:
         body = await request.read()
         self._record(request, body)
-        return web.json_response(
-            {"method": request.method, "path": request.path, "query": request.query_string,
-             "body": body.decode("utf-8", "replace")},
-            headers={"X-Standin": "echo"},
-        )  # fmt: skip
+        headers = {"X-Standin": "echo"}
+        if "Origin" in request.headers:  # llama-server echoes the origin, credentials allowed
+            headers["Access-Control-Allow-Origin"] = request.headers["Origin"]
+            headers["Access-Control-Allow-Credentials"] = "true"
+        query = request.rel_url.raw_query_string
+        answer = {"method": request.method, "path": request.path, "query": query,
+                  "body": body.decode("utf-8", "replace")}  # fmt: skip
+        return web.json_response(answer, headers=headers)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

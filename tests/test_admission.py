@@ -54,7 +54,8 @@ def test_queue_limit_follows_every_rule(
 async def test_free_slots_are_taken_at_once_and_in_order() -> None:
     admission = pool(2)
     a, b = admission.enter(), admission.enter()
-    assert a.admitted and b.admitted
+    assert a.admitted
+    assert b.admitted
     c = admission.enter()
     assert not c.admitted
     assert (admission.active, admission.queued) == (2, 1)
@@ -80,13 +81,13 @@ async def test_waiters_are_admitted_in_arrival_order() -> None:
     assert (admission.active, admission.queued) == (0, 0)
 
 
-async def test_newcomer_never_overtakes_the_line_even_when_a_slot_is_free() -> None:
+async def test_slots_handed_off_to_a_waiter_are_not_taken_by_a_newcomer() -> None:
     admission = pool(2)
     heavy_holder = admission.enter(2)
     heavy = admission.enter(2)  # waits for both slots
     heavy_holder.release()
     await settle()
-    assert heavy._future is not None and heavy._future.done()
+    assert heavy.granted
     # heavy got both slots by hand-off; a light newcomer must now queue behind nobody...
     await heavy.wait()
     light = admission.enter(1)
@@ -103,11 +104,12 @@ async def test_a_light_waiter_does_not_jump_a_heavy_head_of_line() -> None:
     light = admission.enter(1)
     await settle()
     # One slot is free, but the head needs two: strict FIFO keeps the light one waiting.
-    assert not heavy.admitted and not light.admitted
-    assert light._future is not None and not light._future.done()
+    assert not heavy.granted
+    assert not light.granted
     holder.release()
     await heavy.wait()
-    assert heavy.admitted and admission.active == 2
+    assert heavy.admitted
+    assert admission.active == 2
 
 
 async def test_full_line_is_refused_with_a_snapshot() -> None:
@@ -204,7 +206,7 @@ async def test_release_of_a_granted_ticket_whose_waiter_never_resumed_passes_the
     after = admission.enter()
     holder.release()  # `granted` is handed the slot, but nobody awaits it
     granted.release()
-    assert after._future is not None and after._future.done()
+    assert after.granted
     await after.wait()
     after.release()
     assert (admission.active, admission.queued) == (0, 0)
@@ -224,7 +226,7 @@ async def test_growth_admits_waiters_at_once_in_order() -> None:
     waiters = [admission.enter() for _ in range(3)]
     admission.resize(3)
     assert admission.active == 3
-    assert [w._future is not None and w._future.done() for w in waiters] == [True, True, False]
+    assert [w.granted for w in waiters] == [True, True, False]
 
 
 async def test_shrink_retires_slots_as_holders_finish() -> None:
@@ -236,7 +238,7 @@ async def test_shrink_retires_slots_as_holders_finish() -> None:
     holders[1].release()
     await settle()
     assert admission.active == 1  # nothing admitted past the new ceiling
-    assert waiter._future is not None and not waiter._future.done()
+    assert not waiter.granted
     holders[2].release()
     await waiter.wait()
     assert admission.active == 1
@@ -262,7 +264,7 @@ async def test_losing_capacity_keeps_the_line_and_refuses_newcomers() -> None:
         admission.enter()
     holder.release()
     await settle()
-    assert waiter._future is not None and not waiter._future.done()
+    assert not waiter.granted
     admission.resize(2)
     await waiter.wait()
     assert waiter.admitted

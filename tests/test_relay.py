@@ -372,8 +372,6 @@ async def test_admission_control_off_passes_everything_straight_through(
 ) -> None:
     standin.tokens, standin.token_delay_s = 5, 0.05
     gate = await start_gate(admission_control=False)
-    statuses = await asyncio.gather(
-        *(client.post(gate.url + CHAT, json=chat()) for _ in range(5))
-    )
+    statuses = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(5)))
     assert [r.status_code for r in statuses] == [200] * 5
     assert standin.max_running > 2  # nothing held them back

@@ -1,0 +1,116 @@
+"""The `slotgate` command as a process: start-up errors, help, and a drained stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from tests.conftest import chat
+from tests.standin import StandIn
+
+
+def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_misconfiguration_stops_start_up_with_one_line_naming_the_variable() -> None:
+    result = run({"QUEUE_PER_SLOT": "-3"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "slotgate: invalid QUEUE_PER_SLOT=-3: Input should be greater than or equal to 0"
+    ]
+
+
+def test_help_lists_every_variable() -> None:
+    result = run({}, "--help")
+    assert result.returncode == 0
+    for name in Settings.model_fields:
+        assert name.upper() in result.stdout
+
+
+class Process:
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+
+@pytest.fixture
+async def slotgate(standin: StandIn) -> AsyncIterator[Process]:
+    port = free_port()
+    env = {
+        **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url,
+        "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "3", "LOG_LEVEL": "warning",
+    }  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "app", env=env)
+    process = Process(proc, f"http://127.0.0.1:{port}")
+    async with httpx.AsyncClient() as client, asyncio.timeout(20):
+        while True:
+            try:
+                if (await client.get(process.url + "/readyz")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+    yield process
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_sigterm_lets_running_streams_finish_then_exits_zero(
+    slotgate: Process, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+    ):
+        chunks = r.aiter_raw()
+        body = await anext(chunks)
+        slotgate.proc.send_signal(signal.SIGTERM)
+        body += b"".join([c async for c in chunks])
+    assert body.endswith(b"data: [DONE]\n\n")
+    async with asyncio.timeout(10):
+        assert await slotgate.proc.wait() == 0
+
+
+async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
+    slotgate: Process, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT=3
+    async with (
+        httpx.AsyncClient(timeout=20) as client,
+        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+    ):
+        chunks = r.aiter_raw()
+        body = await anext(chunks)
+        slotgate.proc.send_signal(signal.SIGTERM)
+        # The connection may close right after the error event.
+        with contextlib.suppress(httpx.RemoteProtocolError):
+            body += b"".join([c async for c in chunks])
+    assert b"[DONE]" not in body
+    assert b"shutting_down" in body
+    async with asyncio.timeout(10):
+        assert await slotgate.proc.wait() == 0
+    await asyncio.sleep(0.2)
+    assert standin.running == 0  # the upstream request was closed, not left running

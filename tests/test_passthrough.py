@@ -1,0 +1,223 @@
+"""Everything slotgate does not own reaches llama-server unchanged, and only llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.conftest import GateFactory, chat
+from tests.standin import StandIn
+
+
+async def raw_request(port: int, request: bytes) -> bytes:
+    """Send bytes exactly as given (clients normalise paths; attackers do not)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    try:
+        async with asyncio.timeout(5):
+            return await reader.read(65536)
+    finally:
+        writer.close()
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+async def test_other_paths_pass_through_with_method_query_and_body(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.put(gate.url + "/lora-adapters?x=1&y=%20z", content=b"payload")
+    assert response.status_code == 200
+    assert response.headers["x-standin"] == "echo"
+    assert response.json() == {
+        "method": "PUT", "path": "/lora-adapters", "query": "x=1&y=%20z", "body": "payload",
+    }  # fmt: skip
+
+
+async def test_tokenize_is_never_queued(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(max_queue=1)
+    busy = [asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))]
+    await gate.until(lambda: gate.gate.admission.active == 1)
+    busy.append(asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat())))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    # The line is full, yet non-generating endpoints answer at once.
+    assert (await client.post(gate.url + "/tokenize", json={"content": "hi"})).status_code == 200
+    assert (await client.get(gate.url + "/health")).status_code == 200
+    await asyncio.gather(*busy)
+
+
+async def test_hop_by_hop_headers_are_dropped_and_host_is_rewritten(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    await client.post(
+        gate.url + "/tokenize",
+        content=b"{}",
+        headers={
+            "Connection": "keep-alive, X-Secret-Hop",
+            "X-Secret-Hop": "1",
+            "Keep-Alive": "timeout=5",
+            "TE": "trailers",
+            "Proxy-Authorization": "Basic eA==",
+            "Host": "evil.example",
+            "X-Custom": "kept",
+            "Authorization": "Bearer client-key",
+        },
+    )
+    seen = {k.lower(): v for k, v in standin.seen[-1].headers.items()}
+    assert seen["host"] == f"127.0.0.1:{standin.port}"
+    assert seen["x-custom"] == "kept"
+    # Without keys of its own, slotgate is transparent to a llama-server run with --api-key.
+    assert seen["authorization"] == "Bearer client-key"
+    for dropped in ("x-secret-hop", "keep-alive", "te", "proxy-authorization"):
+        assert dropped not in seen
+
+
+async def test_conversation_id_is_stripped_unless_the_operator_opts_in(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    strict = await start_gate()
+    await client.post(
+        strict.url + "/v1/chat/completions", json=chat(), headers={"X-Conversation-Id": "c1"}
+    )
+    assert "x-conversation-id" not in {k.lower() for k in standin.seen[-1].headers}
+    lenient = await start_gate(forward_conversation_id=True)
+    await client.post(
+        lenient.url + "/v1/chat/completions", json=chat(), headers={"X-Conversation-Id": "c1"}
+    )
+    assert {k.lower(): v for k, v in standin.seen[-1].headers.items()}["x-conversation-id"] == "c1"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        b"/../props",
+        b"/v1/../../etc/passwd",
+        b"/%2e%2e/props",
+        b"/v1/%2E%2E/x",
+        b"/./props",
+        b"/a\\..\\b",
+    ],
+)
+async def test_dot_segments_are_refused_before_anything_is_forwarded(
+    start_gate: GateFactory, standin: StandIn, target: bytes
+) -> None:
+    gate = await start_gate()
+    response = await raw_request(
+        gate.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    assert status_of(response) == 400
+    assert standin.seen == []
+
+
+async def test_absolute_form_target_cannot_choose_another_host(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate()
+    response = await raw_request(
+        gate.port,
+        b"GET http://evil.example:9/tokenize?q=1 HTTP/1.1\r\nHost: evil.example\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    assert status_of(response) == 200
+    assert standin.seen[-1].path == "/tokenize"
+    assert standin.seen[-1].headers["Host"] == f"127.0.0.1:{standin.port}"
+
+
+async def test_encoded_slashes_cannot_slip_a_generation_past_the_gate(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate()
+    body = b"{not json"
+    response = await raw_request(
+        gate.port,
+        b"POST /v1%2Fchat%2fcompletions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body,
+    )
+    # The decoded path is the chat route, so the gate checks it like one.
+    assert status_of(response) == 400
+    assert standin.seen == []
+
+
+async def test_conflicting_length_headers_are_refused_not_smuggled(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate()
+    smuggled = b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n"
+    request = (
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled
+    )
+    response = await raw_request(gate.port, request)
+    assert status_of(response) == 400
+    assert standin.seen == []
+
+
+async def test_api_keys_guard_every_route_but_the_probes(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys="k1,k2")
+    for path in ("/admission", "/metrics", "/v1/models", "/tokenize"):
+        response = await client.get(gate.url + path)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["type"] == "authentication_error"
+    denied = await client.post(
+        gate.url + "/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer nope"}
+    )
+    assert denied.status_code == 401
+    for path in ("/healthz", "/readyz", "/health"):
+        assert (await client.get(gate.url + path)).status_code == 200, path
+    assert standin.seen == []
+    ok = await client.post(
+        gate.url + "/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer k2"}
+    )
+    assert ok.status_code == 200
+    ok = await client.get(gate.url + "/admission", headers={"X-Api-Key": "k1"})
+    assert ok.status_code == 200
+
+
+async def test_a_checked_key_is_never_forwarded_upstream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys="k1")
+    await client.post(
+        gate.url + "/v1/chat/completions", json=chat(),
+        headers={"Authorization": "Bearer k1", "Connection": "authorization", "X-Api-Key": "k1"},
+    )  # fmt: skip
+    seen = {k.lower() for k in standin.seen[-1].headers}
+    assert "authorization" not in seen
+    assert "x-api-key" not in seen
+
+
+async def test_the_upstream_key_replaces_the_clients_credentials(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(llama_api_key="upstream-secret")
+    await client.post(
+        gate.url + "/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer mine"}
+    )
+    seen = {k.lower(): v for k, v in standin.seen[-1].headers.items()}
+    assert seen["authorization"] == "Bearer upstream-secret"
+    # /props, read for the capacity, carries it too.
+    assert gate.gate.upstream.ready
+
+
+async def test_cors_answers_of_llama_server_pass_through_once(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.options(gate.url + "/v1/models", headers={"Origin": "http://a.example"})
+    assert response.status_code == 200
+    assert response.headers.get_list("access-control-allow-origin") == ["http://a.example"]

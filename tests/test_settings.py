@@ -1,0 +1,80 @@
+"""Configuration: defaults, parsing, and one clear line for every bad value."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings, describe
+
+
+def test_defaults_match_the_documented_ones() -> None:
+    settings = Settings(_env_file=None)
+    assert settings.llama_server_url == "http://127.0.0.1:8080"
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert settings.queue_policy.limit(2) == 64
+    assert settings.queue_timeout == 0
+    assert settings.keepalive_interval == 5
+    assert settings.props_refresh_interval == 10
+    assert settings.admission_control is True
+    assert settings.api_keys == ()
+    assert settings.max_body_bytes == 32 * 1024 * 1024
+
+
+def test_environment_and_dotenv_are_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    env.write_text("MAX_QUEUE=7\nAPI_KEYS= a, b ,,\nLLAMA_SERVER_URL=http://llama:8080/\n")
+    monkeypatch.setenv("QUEUE_TIMEOUT", "2.5")
+    monkeypatch.setenv("LOG_LEVEL", "DEBUG")
+    settings = Settings(_env_file=env)
+    assert settings.max_queue == 7
+    assert settings.api_keys == ("a", "b")
+    assert settings.llama_server_url == "http://llama:8080"
+    assert settings.queue_timeout == 2.5
+    assert settings.log_level == "debug"
+
+
+def test_empty_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_QUEUE", "")
+    assert Settings(_env_file=None).max_queue is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("MAX_QUEUE", "-1", "MAX_QUEUE=-1"),
+        ("QUEUE_PER_SLOT", "lots", "QUEUE_PER_SLOT=lots"),
+        ("MIN_QUEUE", "-5", "MIN_QUEUE=-5"),
+        ("PORT", "70000", "PORT=70000"),
+        ("QUEUE_TIMEOUT", "-1", "QUEUE_TIMEOUT=-1"),
+        ("KEEPALIVE_INTERVAL", "soon", "KEEPALIVE_INTERVAL=soon"),
+        ("PROPS_REFRESH_INTERVAL", "0", "PROPS_REFRESH_INTERVAL=0"),
+        ("ADMISSION_CONTROL", "maybe", "ADMISSION_CONTROL=maybe"),
+        ("MAX_BODY_BYTES", "0", "MAX_BODY_BYTES=0"),
+        ("LLAMA_SERVER_URL", "localhost:8080", "LLAMA_SERVER_URL=localhost:8080"),
+        ("LLAMA_SERVER_URL", "ftp://host", "http:// or https://"),
+        ("LOG_LEVEL", "loud", "LOG_LEVEL=loud"),
+        ("LOG_FORMAT", "xml", "LOG_FORMAT=xml"),
+        ("DRAIN_TIMEOUT", "1e9", "DRAIN_TIMEOUT"),
+    ],
+)
+def test_a_bad_value_is_described_in_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, says: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    line = describe(caught.value)
+    assert "\n" not in line
+    assert line.startswith(f"slotgate: invalid {name}")
+    assert says in line
+
+
+def test_secrets_are_not_echoed_in_the_error_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_API_KEY", "x" * 3)
+    monkeypatch.setenv("PORT", "-1")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    assert "xxx" not in describe(caught.value)
