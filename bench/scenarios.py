@@ -1,0 +1,463 @@
+"""Scenarios 1-5 and the burst: each drives one started server and returns plain figures.
+
+Every figure here is taken on the load generator's core (1) against a server on core 0; CPU
+time is read from /proc for the server's own processes, so the stand-in's and the load
+generator's share of core 1 never counts against a contender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen
+from bench.contenders import REPO, configure_standin, standin_stats, start_slotgate
+from bench.loadgen import Exchange, chat_body, closed_loop, connect, fetch, request_bytes
+from bench.loop import run_loop
+from bench.procs import SERVER_CORE, Server, pinning_possible, rss_bytes, wait_until
+from bench.stats import ms
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Sizes:
+    """How big and how long each scenario runs; `--quick` and the smoke test shrink these."""
+
+    duration_s: float = 8.0
+    warmup_s: float = 1.0
+    concurrency: tuple[int, ...] = (1, 8, 32, 128)
+    stream_tokens: int = 64
+    stream_latency_delay_s: float = 0.002
+    stream_concurrency: int = 64
+    stream_throughput_delay_s: float = 0.001
+    storm_clients: int = 1000
+    storm_queue: int = 64
+    handoff_clients: int = 16
+    handoff_hold_s: float = 0.002
+    waiters: int = 10_000
+    core_pairs: int = 300_000
+    core_depth: int = 10_000
+    core_repeats: int = 3
+    burst_clients: int = 400
+    burst_slots: int = 4
+    burst_hold_s: float = 0.02
+    low_slots: int = 4
+    llama_seconds: float = 40.0
+    llama_rounds: int = 2
+    llama_clients: int = 4
+    llama_max_tokens: int = 48
+    loadgen: str = "auto"  # auto | wrk | python
+
+    def uses_wrk(self) -> bool:
+        if self.loadgen == "python":
+            return False
+        if self.loadgen == "wrk":
+            return True
+        return loadgen.wrk_available()
+
+
+@dataclass
+class Context:
+    sizes: Sizes
+    logs: Path
+    standin: Server
+    notes: list[str] = field(default_factory=list)
+
+
+# -- scenario 1: non-streamed chat completions --
+
+
+def nonstream(ctx: Context, server: Server) -> dict[str, Any]:
+    """Requests/s, p50/p99 latency and server CPU per 1,000 requests at each concurrency."""
+    sizes = ctx.sizes
+    configure_standin(ctx.standin, tokens=16, token_delay_s=0, hold_s=0, record_gaps=False)
+    body = chat_body(stream=False)
+    raw = request_bytes(server.port, CHAT, body)
+    rows: dict[str, Any] = {}
+    for concurrency in sizes.concurrency:
+        run_loop(closed_loop(server.port, raw, concurrency, sizes.warmup_s))
+        cpu_before, wall_before = server.cpu_s(), time.monotonic()
+        if sizes.uses_wrk():
+            result = loadgen.wrk(server.port, CHAT, body, concurrency, sizes.duration_s)
+            requests = int(result["requests"])
+            duration_s = result["duration_us"] / 1e6
+            failures = sum(
+                int(result[k]) for k in ("connect", "read", "write", "status", "timeout")
+            )
+            p50, p99 = result["p50_us"] / 1e3, result["p99_us"] / 1e3
+            tool = "wrk"
+        else:
+            loop_result = run_loop(closed_loop(server.port, raw, concurrency, sizes.duration_s))
+            requests = loop_result.statuses[200]
+            duration_s = loop_result.duration_s
+            failures = loop_result.errors + loop_result.completed - requests
+            p50, p99 = ms(loop_result.latencies_ns, 50), ms(loop_result.latencies_ns, 99)
+            tool = "python"
+        cpu = server.cpu_s() - cpu_before
+        wall = time.monotonic() - wall_before
+        rows[str(concurrency)] = {
+            "rps": round(requests / duration_s, 1) if duration_s else None,
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "requests": requests,
+            "failures": failures,
+            "cpu_s_per_1k": round(cpu / requests * 1000, 4) if requests else None,
+            "server_core_util": round(cpu / wall, 3),
+            "loadgen": tool,
+        }
+    return rows
+
+
+# -- scenario 2: streamed chat completions --
+
+
+def stream(ctx: Context, server: Server) -> dict[str, Any]:
+    """Chunk latency at concurrency 1, then chunk throughput with many streams at once."""
+    sizes = ctx.sizes
+    raw = request_bytes(server.port, CHAT, chat_body(stream=True, max_tokens=sizes.stream_tokens))
+    configure_standin(
+        ctx.standin,
+        tokens=sizes.stream_tokens,
+        token_delay_s=sizes.stream_latency_delay_s,
+        hold_s=0,
+    )
+    quiet = run_loop(closed_loop(server.port, raw, 1, sizes.duration_s, sizes.warmup_s, True))
+    latency = quiet.stream
+    assert latency is not None
+    configure_standin(
+        ctx.standin, tokens=sizes.stream_tokens, token_delay_s=sizes.stream_throughput_delay_s
+    )
+    run_loop(closed_loop(server.port, raw, sizes.stream_concurrency, sizes.warmup_s, 0, True))
+    cpu_before, wall_before = server.cpu_s(), time.monotonic()
+    busy = run_loop(
+        closed_loop(server.port, raw, sizes.stream_concurrency, sizes.duration_s, 0, True)
+    )
+    cpu = server.cpu_s() - cpu_before
+    wall = time.monotonic() - wall_before
+    throughput = busy.stream
+    assert throughput is not None
+    return {
+        "latency_c1": {
+            "streams": quiet.completed,
+            "tokens": latency.tokens,
+            "chunk_transit_p50_ms": ms(latency.transit_ns, 50),
+            "chunk_transit_p99_ms": ms(latency.transit_ns, 99),
+            "inter_chunk_gap_p50_ms": ms(latency.gaps_ns, 50),
+            "inter_chunk_gap_p99_ms": ms(latency.gaps_ns, 99),
+            "ttfb_p50_ms": ms(latency.ttfb_ns, 50),
+            "ttft_p50_ms": ms(latency.ttft_ns, 50),
+            "ttft_p99_ms": ms(latency.ttft_ns, 99),
+            "failures": quiet.errors + quiet.completed - quiet.statuses[200],
+        },
+        "throughput": {
+            "concurrency": sizes.stream_concurrency,
+            "chunks_per_s": round(throughput.tokens / busy.duration_s, 1),
+            "offered_chunks_per_s": round(
+                sizes.stream_concurrency / sizes.stream_throughput_delay_s, 1
+            ),
+            "streams": busy.completed,
+            "chunk_transit_p50_ms": ms(throughput.transit_ns, 50),
+            "chunk_transit_p99_ms": ms(throughput.transit_ns, 99),
+            "cpu_s_per_1k_chunks": round(cpu / throughput.tokens * 1000, 4)
+            if throughput.tokens
+            else None,
+            "server_core_util": round(cpu / wall, 3),
+            "failures": busy.errors + busy.completed - busy.statuses[200],
+        },
+    }
+
+
+# -- helpers for the slotgate-only scenarios --
+
+
+@contextlib.contextmanager
+def slotgate(ctx: Context, name: str, slots: int, **env: str) -> Iterator[Server]:
+    configure_standin(ctx.standin, slots=slots)
+    server = start_slotgate(name, f"http://127.0.0.1:{ctx.standin.port}", ctx.logs, env)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def pool(server: Server) -> dict[str, Any]:
+    _, body = loadgen.http_json(server.port, "/admission")
+    assert isinstance(body, dict)
+    return body
+
+
+def _await_pool(server: Server, timeout_s: float, **want: int) -> None:
+    wait_until(
+        lambda: all(pool(server)[k] == v for k, v in want.items()),
+        timeout_s,
+        f"slotgate pool {want}",
+        step_s=0.2,
+    )
+
+
+async def _hold(port: int, count: int, path: str) -> list[Exchange]:
+    """`count` connections whose requests the stand-in never answers (they hold slots)."""
+    exchanges = await connect(port, count)
+    raw = request_bytes(port, path, chat_body(stream=False))
+    for exchange in exchanges:
+        exchange.send(raw, None)
+    return exchanges
+
+
+def _close(exchanges: list[Exchange]) -> None:
+    for exchange in exchanges:
+        exchange.close()
+
+
+# -- scenario 3: storm of 429s --
+
+
+def storm(ctx: Context) -> dict[str, Any]:
+    """1,000 clients against a full line: closed loop for the rate, then open loop for p99."""
+    sizes = ctx.sizes
+    slots = 2
+    with slotgate(ctx, "slotgate-storm", slots, MAX_QUEUE=str(sizes.storm_queue)) as server:
+
+        async def run() -> dict[str, Any]:
+            holders = await _hold(server.port, slots + sizes.storm_queue, CHAT + "?hang=1")
+            try:
+                await asyncio.to_thread(
+                    _await_pool, server, 30, active=slots, queued=sizes.storm_queue
+                )
+                raw = request_bytes(server.port, CHAT, chat_body(stream=False))
+                await closed_loop(server.port, raw, sizes.storm_clients, sizes.warmup_s)
+                cpu_before = server.cpu_s()
+                closed = await closed_loop(server.port, raw, sizes.storm_clients, sizes.duration_s)
+                cpu = server.cpu_s() - cpu_before
+                rate = closed.statuses[429] / closed.duration_s
+                offered = max(rate * 0.5, 1.0)
+                opened, starved = await loadgen.open_loop(
+                    server.port, raw, sizes.storm_clients, offered, sizes.duration_s
+                )
+            finally:
+                _close(holders)
+            return {
+                "clients": sizes.storm_clients,
+                "line": f"{slots} slots held, {sizes.storm_queue} waiting (MAX_QUEUE)",
+                "closed_loop": {
+                    "rejections_per_s": round(rate, 1),
+                    "p50_ms": ms(closed.latencies_ns, 50),
+                    "p99_ms": ms(closed.latencies_ns, 99),
+                    "statuses": {str(k): v for k, v in closed.statuses.items()},
+                    "errors": closed.errors,
+                    "cpu_s_per_1k": round(cpu / closed.completed * 1000, 4)
+                    if closed.completed
+                    else None,
+                },
+                "open_loop": {
+                    "offered_per_s": round(offered, 1),
+                    "rejections_per_s": round(opened.statuses[429] / opened.duration_s, 1),
+                    "p50_ms": ms(opened.latencies_ns, 50),
+                    "p99_ms": ms(opened.latencies_ns, 99),
+                    "statuses": {str(k): v for k, v in opened.statuses.items()},
+                    "client_starved": starved,
+                },
+            }
+
+        return run_loop(run())
+
+
+# -- scenario 3b: hand-off with a line that never empties --
+
+
+def handoff(ctx: Context) -> dict[str, Any]:
+    """How long a freed slot stays idle at the upstream before the next admitted request."""
+    sizes = ctx.sizes
+    slots = 2
+    result: dict[str, Any] = {
+        "slots": slots,
+        "clients": sizes.handoff_clients,
+        "generation_s": sizes.handoff_hold_s,
+    }
+    with slotgate(ctx, "slotgate-handoff", slots, MAX_QUEUE="0") as server:
+        configure_standin(
+            ctx.standin,
+            slots=slots,
+            tokens=16,
+            hold_s=sizes.handoff_hold_s,
+            token_delay_s=0,
+            record_gaps=True,
+        )
+        raw = request_bytes(server.port, CHAT, chat_body(stream=False))
+        run = run_loop(closed_loop(server.port, raw, sizes.handoff_clients, sizes.duration_s))
+        gaps = list(_gaps(ctx))
+        result["slotgate"] = _gap_summary(gaps, run.rate)
+    # For scale: two clients straight at the upstream, each sending its next request as soon
+    # as its answer ends; that is the idle time a gate with a waiting line should beat.
+    configure_standin(ctx.standin, slots=slots, hold_s=sizes.handoff_hold_s, record_gaps=True)
+    raw = request_bytes(ctx.standin.port, CHAT, chat_body(stream=False))
+    run = run_loop(closed_loop(ctx.standin.port, raw, slots, sizes.duration_s))
+    result["direct_2_clients"] = _gap_summary(list(_gaps(ctx)), run.rate)
+    configure_standin(ctx.standin, hold_s=0, record_gaps=False)
+    return result
+
+
+def _gaps(ctx: Context) -> Iterator[int]:
+    gaps = standin_stats(ctx.standin)["gaps_ns"]
+    assert isinstance(gaps, list)
+    return (int(gap) for gap in gaps)
+
+
+def _gap_summary(gaps: list[int], rate: float) -> dict[str, Any]:
+    return {
+        "handoffs": len(gaps),
+        "idle_p50_ms": ms(gaps, 50),
+        "idle_p99_ms": ms(gaps, 99),
+        "idle_max_ms": ms(gaps, 100),
+        "requests_per_s": round(rate, 1),
+    }
+
+
+# -- scenario 4: memory per waiting request --
+
+
+def memory(ctx: Context) -> dict[str, Any]:
+    """RSS of slotgate with `waiters` requests in line, over its RSS with the line empty."""
+    waiters = ctx.sizes.waiters
+    with slotgate(ctx, "slotgate-memory", 1, MAX_QUEUE="0") as server:
+
+        async def run() -> dict[str, Any]:
+            holder = await _hold(server.port, 1, CHAT + "?hang=1")
+            try:
+                # Warm every code path a waiter takes, then let those waiters go again.
+                warm = await _hold(server.port, 100, CHAT)
+                await asyncio.to_thread(_await_pool, server, 30, active=1, queued=100)
+                _close(warm)
+                await asyncio.to_thread(_await_pool, server, 30, queued=0)
+                await asyncio.sleep(0.5)
+                before = rss_bytes(server.process.pid)
+                started = time.monotonic()
+                line = await _hold(server.port, waiters, CHAT)
+                await asyncio.to_thread(_await_pool, server, 180, queued=waiters)
+                filled_s = time.monotonic() - started
+                await asyncio.sleep(0.5)
+                after = rss_bytes(server.process.pid)
+                _close(line)
+            finally:
+                _close(holder)
+            return {
+                "waiters": waiters,
+                "rss_empty_mb": round(before / 2**20, 1),
+                "rss_full_mb": round(after / 2**20, 1),
+                "kb_per_waiter": round((after - before) / waiters / 1024, 2),
+                "fill_s": round(filled_s, 2),
+            }
+
+        return run_loop(run())
+
+
+# -- scenario 5: the admission core alone --
+
+
+def core(ctx: Context) -> dict[str, Any]:
+    sizes = ctx.sizes
+    command = [
+        sys.executable,
+        "-m",
+        "bench.core",
+        "--pairs",
+        str(sizes.core_pairs),
+        "--depth",
+        str(sizes.core_depth),
+        "--repeats",
+        str(sizes.core_repeats),
+    ]
+    pin = pinning_possible()
+
+    def setup() -> None:
+        if pin:
+            os.sched_setaffinity(0, {SERVER_CORE})
+
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, timeout=600, check=True, preexec_fn=setup
+    )
+    figures: dict[str, Any] = json.loads(done.stdout)
+    figures["depth"] = sizes.core_depth
+    return figures
+
+
+# -- the burst, for the queue plot --
+
+
+def burst(ctx: Context) -> dict[str, Any]:
+    """`burst_clients` requests at once on a small pool; /admission sampled every 20 ms."""
+    sizes = ctx.sizes
+    with slotgate(ctx, "slotgate-burst", sizes.burst_slots, MAX_QUEUE="0") as server:
+        configure_standin(
+            ctx.standin, hold_s=sizes.burst_hold_s, tokens=16, token_delay_s=0, record_gaps=False
+        )
+
+        async def run() -> dict[str, Any]:
+            [probe] = await connect(server.port, 1)
+            ask = request_bytes(server.port, "/admission", None, method="GET")
+            clients = await connect(server.port, sizes.burst_clients)
+            raw = request_bytes(server.port, CHAT, chat_body(stream=False))
+            samples: list[dict[str, float]] = []
+            finished: list[float] = []
+            all_done = asyncio.Event()
+            origin = time.monotonic()
+
+            def done(_: Exchange, status: int) -> None:
+                finished.append(time.monotonic() - origin)
+                if len(finished) == len(clients):
+                    all_done.set()
+
+            async def sample() -> None:
+                while True:
+                    status, body = await fetch(probe, ask)
+                    now = time.monotonic() - origin
+                    if status == 200:
+                        snap = json.loads(body)
+                        samples.append(
+                            {
+                                "t_s": round(now, 4),
+                                "active": snap["active"],
+                                "queued": snap["queued"],
+                                "done": len(finished),
+                            }
+                        )
+                    await asyncio.sleep(0.02)
+
+            sampler = asyncio.create_task(sample())
+            await asyncio.sleep(0.2)
+            fired = time.monotonic() - origin
+            for client in clients:
+                client.send(raw, done)
+            async with asyncio.timeout(120):
+                await all_done.wait()
+            await asyncio.sleep(0.2)
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            _close([probe, *clients])
+            return {
+                "clients": sizes.burst_clients,
+                "slots": sizes.burst_slots,
+                "generation_s": sizes.burst_hold_s,
+                "fired_at_s": round(fired, 4),
+                "drain_s": round(max(finished) - fired, 3) if finished else None,
+                "ideal_drain_s": round(
+                    sizes.burst_clients / sizes.burst_slots * sizes.burst_hold_s, 3
+                ),
+                "max_queued": max((s["queued"] for s in samples), default=0),
+                "samples": samples,
+            }
+
+        result = run_loop(run())
+        configure_standin(ctx.standin, hold_s=0)
+        return result

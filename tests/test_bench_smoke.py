@@ -1,0 +1,79 @@
+"""The benchmark still runs end to end: tiny sizes, only the contenders that need no install.
+
+No timing is asserted here (the bench is not a test); only that every scenario ran, traffic
+flowed where it should, and the results file has the shape the report and the plots read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+CONTENDERS = {"direct", "slotgate-high", "slotgate-low"}
+SCENARIOS = {"1_nonstream", "2_stream", "3_storm", "3b_handoff", "4_memory", "5_core", "burst"}
+
+
+def _errors(value: Any, where: str = "") -> list[str]:
+    """Every step the bench recorded as failed, with its place in the results."""
+    if isinstance(value, dict):
+        found = [f"{where}: {value['error']}"] if "error" in value else []
+        for key, item in value.items():
+            found += _errors(item, f"{where}/{key}")
+        return found
+    return []
+
+
+def test_bench_smoke_run_writes_every_scenario_and_target(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "bench", "--smoke", "--no-install",
+        "--contenders", ",".join(sorted(CONTENDERS)),
+        "--scenarios", "1,2,3,3b,4,5,burst",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    results = json.loads((tmp_path / "latest.json").read_text())
+    assert {"meta", "scenarios", "targets", "plots"} <= set(results)
+    scenarios = results["scenarios"]
+    assert set(scenarios) == SCENARIOS
+    assert _errors(scenarios) == []
+
+    for contender in CONTENDERS:
+        rows = scenarios["1_nonstream"][contender]
+        assert set(rows) == {"1", "4"}
+        for row in rows.values():
+            assert {"rps", "p50_ms", "p99_ms", "cpu_s_per_1k", "server_core_util"} <= set(row)
+            assert row["requests"] > 0
+            assert row["failures"] == 0
+        streamed = scenarios["2_stream"][contender]
+        assert streamed["latency_c1"]["tokens"] > 0
+        assert streamed["latency_c1"]["chunk_transit_p50_ms"] is not None
+        assert streamed["throughput"]["chunks_per_s"] > 0
+
+    storm = scenarios["3_storm"]
+    assert set(storm["closed_loop"]["statuses"]) == {"429"}
+    assert storm["open_loop"]["statuses"]["429"] > 0
+    assert scenarios["3b_handoff"]["slotgate"]["handoffs"] > 0
+    assert scenarios["4_memory"]["waiters"] == 200
+    assert "kb_per_waiter" in scenarios["4_memory"]
+    core = scenarios["5_core"]
+    assert {"fast_depth_0", "handoff_depth_1000", "churn_depth_1000"} <= set(core)
+    assert scenarios["burst"]["max_queued"] > 0
+    assert scenarios["burst"]["samples"]
+
+    assert results["targets"]
+    for target in results["targets"]:
+        assert set(target) == {"target", "value", "limit", "met"}
+    assert (tmp_path / "latest.md").read_text().startswith("# slotgate benchmark")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert set(results["plots"]) == {"latency_vs_concurrency.png", "burst_queue.png"}
+        for name in results["plots"]:
+            assert (tmp_path / name).stat().st_size > 0
