@@ -69,6 +69,13 @@ class PayloadTooLarge(GateError):
     reason = "bad_request"
 
 
+class HeadersTooLarge(GateError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+    reason = "bad_request"
+
+
 class UnsupportedMediaType(GateError):
     status = 415
     type = "invalid_request_error"

@@ -25,6 +25,7 @@ from app.errors import (
     Flavor,
     GateError,
     Headers,
+    HeadersTooLarge,
     PayloadTooLarge,
     Refusal,
     UpstreamFailed,
@@ -62,6 +63,11 @@ _SSE_HEAD: Headers = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+#: uvicorn sets no bound on header size; llama-server's HTTP library refuses lines over 8 KiB.
+#: Anything past this is refused here, before it costs a slot or an upstream connection.
+MAX_HEADER_BYTES = 64 * 1024
+#: Non-streamed answers up to this size are read whole before the head goes out.
+WHOLE_BODY_BYTES = 1024 * 1024
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -311,10 +317,12 @@ class Proxy:
         self, send: Send, ex: _Exchange, response: aiohttp.ClientResponse, flavor: Flavor
     ) -> None:
         content = response.content
+        length = response.content_length
+        whole = length is not None and length <= WHOLE_BODY_BYTES
         try:
-            # Wait for the first bytes before answering, so that an upstream that breaks off
-            # now can still get a proper 502 instead of a truncated 200.
-            first = await content.readany()
+            # A small body of known length (every non-streamed completion) is read whole, so a
+            # truncated one still gets a proper 502; otherwise wait for the first bytes.
+            first = await response.read() if whole else await content.readany()
         except (aiohttp.ClientError, TimeoutError) as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -330,6 +338,10 @@ class Proxy:
             headers.extend(h for h in _SSE_HEAD[1:] if h[0] not in present)
         ex.status = response.status
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        if whole:
+            ex.bytes_out += len(first)
+            await send({"type": "http.response.body", "body": first, "more_body": False})
+            return
         chunk = first
         try:
             while chunk:
@@ -425,7 +437,9 @@ class _RequestHead:
         self.content_type = ""
         self.has_request_id = False
         self.connection_named: frozenset[bytes] = frozenset()
+        size = 0
         for name, value in raw:
+            size += len(name) + len(value)
             if name == b"content-length":
                 if not value.isdigit():
                     raise BadRequest("Content-Length is not a number")
@@ -443,6 +457,8 @@ class _RequestHead:
                 # itself relies on: a client cannot make the gate drop credentials it checks.
                 named = {part.strip().lower() for part in value.split(b",")}
                 self.connection_named = frozenset(named - _CREDENTIALS)
+        if size > MAX_HEADER_BYTES:
+            raise HeadersTooLarge(f"request headers exceed {MAX_HEADER_BYTES} bytes")
 
 
 def _checked_path(path: str) -> str:

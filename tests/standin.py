@@ -38,7 +38,9 @@ class StandIn:
     tokens: int = 5
     token_delay_s: float = 0.02
     loading: bool = False  # answer 503 "Loading model" everywhere, like llama-server does
-    fault: str | None = None  # "die_midstream" | "hang" | "garbage" | "error_400" | "truncate"
+    fault: str | None = None  # "die_midstream" | "hang" | "garbage" | "error_400"
+    padding: int = 0  # extra bytes of content in every streamed chunk
+    sent_bytes: int = 0  # streamed bytes handed to the socket so far
     running: int = 0
     max_running: int = 0
     started: int = 0
@@ -194,13 +196,17 @@ class StandIn:
                 assert request.transport is not None
                 request.transport.abort()
                 raise asyncio.CancelledError
-            await asyncio.sleep(self.token_delay_s)
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            content = f"t{i} " + "x" * self.padding
             chunk = {
                 "id": "chatcmpl-standin",
                 "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
             }
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            data = f"data: {json.dumps(chunk)}\n\n".encode()
+            await response.write(data)
+            self.sent_bytes += len(data)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

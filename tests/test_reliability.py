@@ -1,0 +1,314 @@
+"""Storms, disconnect chaos, broken upstreams and slow clients: every request answered, no slot
+lost or double-booked, llama-server never sees more than its slots, nothing left open."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import resource
+import socket
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+
+from tests.conftest import GateFactory, RunningGate, chat
+from tests.standin import StandIn
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(autouse=True)
+def many_files() -> None:
+    """A storm needs a few thousand sockets at once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < min(hard, 16384):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 16384), hard))
+
+
+def gate_tasks() -> int:
+    """Tasks in this loop, less the stand-in's own per-connection ones (aiohttp's server)."""
+    return sum(
+        1 for task in asyncio.all_tasks()
+        if getattr(task.get_coro(), "__qualname__", "") != "RequestHandler.start"
+    )  # fmt: skip
+
+
+async def assert_settled(gate: RunningGate, standin: StandIn, baseline_tasks: int) -> None:
+    """The invariants every scenario ends with."""
+    await gate.until(lambda: (gate.gate.admission.active, gate.gate.admission.queued) == (0, 0))
+    await gate.until(lambda: standin.running == 0)
+    # Every request task has ended: only the long-lived ones (server, follower) remain.
+    await gate.until(lambda: gate_tasks() <= baseline_tasks)
+    # Connections still open upstream are idle ones in the keep-alive pool: at most one per slot
+    # that was busy at once, plus the one /props is read on. None was left by a client that left.
+    capacity = gate.gate.admission.capacity or 0
+    assert standin.connections() <= capacity + 1
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(gate.url + "/healthz")).status_code == 200
+
+
+async def sample_pool(gate: RunningGate, seen: dict[str, int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        seen["active"] = max(seen["active"], gate.gate.admission.active)
+        seen["queued"] = max(seen["queued"], gate.gate.admission.queued)
+        await asyncio.sleep(0.001)
+
+
+async def test_storm_of_two_thousand_clients_is_answered_without_5xx(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 3, 0.005
+    gate = await start_gate(max_queue=20)
+    baseline = gate_tasks()
+    seen = {"active": 0, "queued": 0}
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_pool(gate, seen, stop))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one(i: int) -> int:
+            if i % 2:
+                async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as r:
+                    body = b"".join([c async for c in r.aiter_raw()])
+                    if r.status_code == 200:
+                        assert body.endswith(b"data: [DONE]\n\n")
+                    return r.status_code
+            return (await client.post(gate.url + CHAT, json=chat())).status_code
+
+        statuses = Counter(await asyncio.gather(*(one(i) for i in range(2000))))
+    stop.set()
+    await sampler
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses[200] + statuses[429] == 2000
+    assert statuses[429] > 0
+    assert standin.started == statuses[200]
+    assert standin.max_running <= 2
+    # The line filled to its limit and never past it; the slots, likewise.
+    assert seen == {"active": 2, "queued": 20}
+    await assert_settled(gate, standin, baseline + 1)
+
+
+async def drop_at_random(port: int, rng: random.Random, stream: bool) -> str:
+    """One client that sends a request and hangs up at a random moment (or reads it all)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = (b'{"messages":[{"role":"user","content":"hi"}],"stream":%s}' % (
+        b"true" if stream else b"false"))  # fmt: skip
+    writer.write(
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    outcome = "read"
+    if rng.random() < 0.85:
+        outcome = "dropped"
+        await asyncio.sleep(rng.random() * 0.6)
+    else:
+        async with asyncio.timeout(30):
+            while await reader.read(65536):
+                pass
+    writer.transport.abort()
+    return outcome
+
+
+async def test_clients_dropping_at_random_moments_leak_nothing(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 10, 0.02
+    gate = await start_gate(max_queue=0)
+    baseline = gate_tasks()
+    rng = random.Random(11)
+    outcomes = Counter(
+        await asyncio.gather(
+            *(drop_at_random(gate.port, rng, stream=i % 3 != 0) for i in range(300))
+        )
+    )
+    assert outcomes["dropped"] > 200
+    await assert_settled(gate, standin, baseline)
+    assert standin.max_running <= 2
+    # Every generation a client abandoned was stopped upstream, not left to run out.
+    assert standin.cancelled > 0
+    assert standin.started == standin.finished
+
+
+async def test_restart_with_another_parallel_is_followed(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    await standin.stop()
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
+    await gate.until(lambda: not gate.gate.upstream.ready)
+    assert (await client.get(gate.url + "/readyz")).status_code == 503
+    restarted = StandIn(total_slots=3, port=standin.port, loading=True)
+    await restarted.start()
+    try:
+        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
+        restarted.loading = False
+        await gate.until(lambda: gate.gate.admission.capacity == 3)
+        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    finally:
+        await restarted.stop()
+
+
+PROPS_ANSWER = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 18\r\n\r\n"
+    b'{"total_slots": 1}'
+)
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
+    """A hand-written upstream for faults aiohttp would never produce: /props is fine, any
+    other request gets what the test's handler writes."""
+    servers: list[asyncio.Server] = []
+
+    async def start(on_request: Handler) -> str:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    await reader.readexactly(length)
+                    if head.startswith(b"GET /props"):
+                        writer.write(PROPS_ANSWER)
+                        await writer.drain()
+                        continue
+                    await on_request(reader, writer)
+                    return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
+    start_gate: GateFactory, raw_upstream: Callable[[Handler], Awaitable[str]],
+    client: httpx.AsyncClient,
+) -> None:  # fmt: skip
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\x16\x03\x01 this is not http\r\n\r\n")
+        await writer.drain()
+
+    gate = await start_gate(llama_server_url=await raw_upstream(garbage))
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_failed"
+    assert gate.gate.admission.active == 0
+
+
+async def test_truncated_body_gets_502_and_frees_the_slot(
+    start_gate: GateFactory, raw_upstream: Callable[[Handler], Awaitable[str]],
+    client: httpx.AsyncClient,
+) -> None:  # fmt: skip
+    async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b'Content-Length: 100\r\n\r\n{"choices": [')  # fmt: skip
+        await writer.drain()
+
+    gate = await start_gate(llama_server_url=await raw_upstream(truncated))
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 502
+    assert gate.gate.admission.active == 0
+
+
+async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
+    start_gate: GateFactory, raw_upstream: Callable[[Handler], Awaitable[str]],
+    client: httpx.AsyncClient,
+) -> None:  # fmt: skip
+    events = b'data: {"choices":[{"delta":{"content":"slow"}}]}\n\ndata: [DONE]\n\n'
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+        for byte in events:
+            writer.write(b"1\r\n%b\r\n" % bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    gate = await start_gate(llama_server_url=await raw_upstream(trickle))
+    response = await client.post(gate.url + CHAT, json=chat(stream=True))
+    assert response.status_code == 200
+    assert response.content == events
+    assert gate.gate.admission.active == 0
+
+
+async def test_a_slow_reader_pushes_back_on_upstream_instead_of_filling_memory(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    # 64 MiB of stream, produced as fast as the sockets take it.
+    standin.tokens, standin.token_delay_s, standin.padding = 16_000, 0, 4096
+    total = standin.tokens * (4096 + 100)
+    gate = await start_gate()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gate.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = b'{"messages":[],"stream":true}'
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+    await writer.drain()
+    await reader.read(1024)
+    await asyncio.sleep(1.0)  # the client stops reading
+    stalled_at = standin.sent_bytes
+    await asyncio.sleep(0.5)
+    # The stand-in could not push more than the socket buffers along the way hold: the relay
+    # waits for the client instead of reading ahead into memory.
+    assert standin.sent_bytes == stalled_at
+    assert stalled_at < total / 4
+    received = 0
+    async with asyncio.timeout(60):
+        while chunk := await reader.read(1 << 20):
+            received += len(chunk)
+            if chunk.endswith(b"0\r\n\r\n"):
+                break
+    assert standin.sent_bytes > total * 0.99
+    writer.close()
+    await gate.until(lambda: gate.gate.admission.active == 0)
+
+
+async def test_a_slow_body_sender_takes_no_slot_while_it_trickles(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    body = b'{"messages":[],"stream":false}'
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n")  # fmt: skip
+    for byte in body[:-1]:
+        writer.write(bytes([byte]))
+        await writer.drain()
+        await asyncio.sleep(0.005)
+        assert gate.gate.admission.active == 0
+    writer.write(body[-1:])
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    writer.close()
+
+
+async def test_oversized_headers_get_431_and_never_reach_upstream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 100_000})
+    assert response.status_code == 431
+    assert response.json()["error"]["code"] == "headers_too_large"
+    assert standin.seen == []
