@@ -8,7 +8,10 @@ import sys
 from typing import Any
 
 #: Attributes of a LogRecord that are logging's own, not fields a caller passed in `extra`.
-_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message"}
+_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+}
 
 access = logging.getLogger("slotgate.access")
 
