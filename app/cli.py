@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import socket
 import sys
@@ -122,7 +123,8 @@ def serve(settings: Settings, engine_exit: Callable[[], int | None] | None = Non
         access_log=False,
         server_header=False,
         log_config=None,
-        timeout_graceful_shutdown=int(settings.drain_timeout) or None,
+        # 0 = no drain (uvicorn cancels at once); None would make it wait forever.
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
     )
     server = Server(config, app.state.gate, engine_exit)
     server.run()

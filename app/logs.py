@@ -11,6 +11,7 @@ from typing import Any
 _RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message",
     "asctime",
+    "color_message",
 }
 
 access = logging.getLogger("slotgate.access")

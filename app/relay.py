@@ -19,7 +19,8 @@ import aiohttp
 
 from app.access import Access
 from app.admission import Admission, AdmissionError, NotReady, Ticket
-from app.endpoints import Demand, Endpoint, admitted, check_content_type, demand
+from app.assembly import Assembly, streaming_body
+from app.endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
 from app.errors import (
     BadRequest,
     Flavor,
@@ -68,6 +69,8 @@ _SSE_HEAD: Headers = [
 MAX_HEADER_BYTES = 64 * 1024
 #: Non-streamed answers up to this size are read whole before the head goes out.
 WHOLE_BODY_BYTES = 1024 * 1024
+#: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
+_ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -151,6 +154,7 @@ class Proxy:
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
         self._keepalive_s = settings.keepalive_interval
+        self._assemble = settings.stream_upstream
         self._drop = set(_HOP_BY_HOP)
         if not settings.forward_conversation_id:
             self._drop.add(b"x-conversation-id")
@@ -225,7 +229,11 @@ class Proxy:
                     await ticket.wait()
             self._metrics.admitted[endpoint.route].inc()
             self._metrics.wait[endpoint.route].observe(ticket.wait_s)
-            await self._forward(scope, send, ex, path, head, body, endpoint)
+            assembly = None
+            if self._assemble and not want.stream and endpoint.kind in _ASSEMBLED:
+                assembly = Assembly(endpoint.kind, path)
+                body = streaming_body(body)
+            await self._forward(scope, send, ex, path, head, body, endpoint, assembly)
         except asyncio.CancelledError:
             if watch.ours():
                 ex.outcome = "client_gone"
@@ -278,6 +286,7 @@ class Proxy:
         head: _RequestHead,
         body: bytes,
         endpoint: Endpoint | None,
+        assembly: Assembly | None = None,
     ) -> None:
         url = self._upstream.target(quote(path, safe="/:@!$&'()*+,;=-._~"), scope["query_string"])
         headers = [
@@ -302,6 +311,8 @@ class Proxy:
             ex.upstream_status = response.status
             if ex.sse:
                 await self._relay_into_stream(send, ex, response, flavor)
+            elif assembly is not None and response.content_type == "text/event-stream":
+                await self._relay_assembled(send, ex, response, flavor, assembly)
             else:
                 await self._relay(send, ex, response, flavor)
             clean = True
@@ -358,6 +369,38 @@ class Proxy:
                 return
             await _send_event(send, stream_event(r, flavor), ex)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay_assembled(
+        self,
+        send: Send,
+        ex: _Exchange,
+        response: aiohttp.ClientResponse,
+        flavor: Flavor,
+        assembly: Assembly,
+    ) -> None:
+        """Answer a non-streamed request from the stream slotgate asked llama-server for."""
+        try:
+            async for chunk in response.content.iter_any():
+                assembly.feed(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
+            return
+        except ValueError:
+            failure = UpstreamFailed("llama-server sent a stream event that is not JSON")
+            await self._refuse(send, ex, refusal(failure), flavor)
+            return
+        status, body = assembly.result()
+        if status != 200:
+            ex.outcome = "upstream_error"
+        ex.status = status
+        ex.bytes_out += len(body)
+        headers: Headers = [
+            (b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", ex.id.encode()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_into_stream(
         self, send: Send, ex: _Exchange, response: aiohttp.ClientResponse, flavor: Flavor

@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(
         30.0, ge=0, le=3600, description="Seconds running streams may finish after SIGTERM."
     )
+    stream_upstream: bool = Field(
+        True,
+        description="Ask llama-server for a stream even for non-streamed completions, so it "
+        "notices a client that left; off = forward as sent.",
+    )
     forward_conversation_id: bool = Field(
         False, description="Pass X-Conversation-Id upstream (llama.cpp then ignores client exits)."
     )

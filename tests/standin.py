@@ -49,6 +49,7 @@ class StandIn:
     open_connections: int = 0
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
     _runner: web.AppRunner | None = None
 
     @property
@@ -156,7 +157,10 @@ class StandIn:
         self.max_running = max(self.max_running, self.running)
         try:
             if payload.get("stream"):
-                return await self._stream(request)
+                # Like llama-server, a malformed option falls back to its default.
+                options = payload.get("stream_options")
+                usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                return await self._stream(request, usage)
             return await self._complete()
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -164,6 +168,10 @@ class StandIn:
         finally:
             self.running -= 1
             self.finished += 1
+
+    def _usage(self) -> dict[str, int]:
+        return {"prompt_tokens": 3, "completion_tokens": self.tokens,
+                "total_tokens": 3 + self.tokens}  # fmt: skip
 
     async def _complete(self) -> web.Response:
         if self.fault == "hang":
@@ -173,22 +181,34 @@ class StandIn:
             return web.Response(body=b"\x00\xffnot json", content_type="application/json")
         return web.json_response(
             {
-                "id": "chatcmpl-standin",
-                "object": "chat.completion",
-                "created": int(time.time()),
+                "choices": [{"finish_reason": "stop", "index": 0, "message": {
+                    "role": "assistant", "content": "".join(f"t{i} " for i in range(self.tokens)),
+                }}],
+                "created": self.created,
                 "model": "standin.gguf",
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": "tok " * self.tokens}}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens,
-                          "total_tokens": 3 + self.tokens},
+                "system_fingerprint": "b0-standin",
+                "object": "chat.completion",
+                "usage": self._usage(),
+                "id": "chatcmpl-standin",
+                "timings": {"predicted_n": self.tokens},
             }
         )  # fmt: skip
 
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, usage: bool) -> web.StreamResponse:
+        """Events shaped as llama-server sends them: a role delta first, content deltas, a
+        finish chunk carrying the timings, a usage chunk when asked for, then [DONE]."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
+        head = {"created": self.created, "id": "chatcmpl-standin", "model": "standin.gguf",
+                "system_fingerprint": "b0-standin", "object": "chat.completion.chunk"}  # fmt: skip
+
+        async def event(choices: list[dict[str, Any]], **extra: Any) -> None:
+            data = f"data: {json.dumps({'choices': choices, **head, **extra})}\n\n".encode()
+            await response.write(data)
+            self.sent_bytes += len(data)
+
         for i in range(self.tokens):
             if self.fault == "hang" and i == 1:
                 await asyncio.sleep(3600)
@@ -198,15 +218,15 @@ class StandIn:
                 raise asyncio.CancelledError
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+            if i == 0:
+                await event([{"finish_reason": None, "index": 0,
+                              "delta": {"role": "assistant", "content": None}}])  # fmt: skip
             content = f"t{i} " + "x" * self.padding
-            chunk = {
-                "id": "chatcmpl-standin",
-                "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
-            }
-            data = f"data: {json.dumps(chunk)}\n\n".encode()
-            await response.write(data)
-            self.sent_bytes += len(data)
+            await event([{"finish_reason": None, "index": 0, "delta": {"content": content}}])
+        await event([{"finish_reason": "stop", "index": 0, "delta": {}}],
+                    timings={"predicted_n": self.tokens})  # fmt: skip
+        if usage:
+            await event([], usage=self._usage())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

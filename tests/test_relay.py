@@ -33,14 +33,30 @@ async def hold_stream(
     return chunks
 
 
-async def test_non_streamed_reply_keeps_upstream_status_and_body(
-    start_gate: GateFactory, client: httpx.AsyncClient
+async def test_non_streamed_reply_is_assembled_from_a_stream_into_llama_servers_own_answer(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate()
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 200
-    assert response.json()["choices"][0]["message"]["content"].startswith("tok")
     assert response.headers["x-request-id"]
+    # llama-server was asked for a stream, with usage, so that it notices a client leaving...
+    sent = json.loads(standin.seen[-1].body)
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    # ...and the client still gets exactly the answer llama-server gives a non-streamed request.
+    direct = await client.post(standin.url + CHAT, json=chat())
+    assert response.json() == direct.json()
+
+
+async def test_with_stream_upstream_off_the_request_goes_upstream_as_sent(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(stream_upstream=False)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 200
+    assert json.loads(standin.seen[-1].body) == chat()
+    assert response.json()["choices"][0]["message"]["content"] == "t0 t1 t2 t3 t4 "
 
 
 async def test_stream_is_relayed_as_it_is_produced(

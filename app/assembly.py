@@ -1,0 +1,158 @@
+"""Non-streamed answers put together from llama-server's stream.
+
+llama-server notices that a client left only when it writes to the socket or when a 1-second
+poll finds no result, and that poll never fires while any other request is producing tokens:
+a non-streamed request whose client left then runs to its end, and holds a slot llama-server
+no longer has to offer (measured: still running 15 s after the drop, against 0.5 s for a
+stream). So, for the completion endpoints, slotgate asks llama-server for a stream even when
+the client did not, and assembles the one JSON answer the client asked for. Each token is then
+a write that fails as soon as slotgate closes the connection.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.endpoints import Kind
+
+
+class Assembly:
+    """Collects one stream's events and builds the non-streamed answer from them."""
+
+    def __init__(self, kind: Kind, path: str) -> None:
+        # /completion, /completions and /infill speak llama.cpp's native format;
+        # /v1/completions and the chat routes speak OpenAI's.
+        self._native = kind is Kind.COMPLETION and path != "/v1/completions"
+        self._chat = kind is Kind.CHAT
+        self._pending = b""
+        self._head: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+        self._last: dict[str, Any] = {}
+        self._texts: list[str] = []
+        self._lists: dict[str, list[Any]] = {}
+        self.error: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._pending += data
+        *events, self._pending = self._pending.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self._event(line[5:].strip())
+
+    def _event(self, payload: bytes) -> None:
+        if not payload or payload == b"[DONE]" or self.error is not None:
+            return
+        chunk = json.loads(payload)
+        if not isinstance(chunk, dict):
+            return
+        if "error" in chunk:
+            self.error = chunk
+            return
+        if self._native:
+            self._native_chunk(chunk)
+            return
+        if not self._head:
+            self._head = chunk
+        for key in ("usage", "timings"):
+            if chunk.get(key) is not None:
+                self._last[key] = chunk[key]
+        for choice in chunk.get("choices") or ():
+            self._choice(choice)
+
+    def _choice(self, delta_choice: dict[str, Any]) -> None:
+        index = delta_choice.get("index", 0)
+        choice = self._choices.setdefault(
+            index, {"index": index, "parts": [], "reasoning": [], "tools": {}, "logprobs": {}}
+        )
+        if delta_choice.get("finish_reason") is not None:
+            choice["finish_reason"] = delta_choice["finish_reason"]
+        _extend(choice["logprobs"], delta_choice.get("logprobs"))
+        if not self._chat:
+            choice["parts"].append(delta_choice.get("text") or "")
+            return
+        delta = delta_choice.get("delta") or {}
+        if delta.get("content"):
+            choice["parts"].append(delta["content"])
+        if delta.get("reasoning_content"):
+            choice["reasoning"].append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or ():
+            slot = choice["tools"].setdefault(
+                call.get("index", 0),
+                {"type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            function = call.get("function") or {}
+            slot["function"]["name"] += function.get("name") or ""
+            slot["function"]["arguments"] += function.get("arguments") or ""
+
+    def _native_chunk(self, chunk: dict[str, Any]) -> None:
+        self._texts.append(chunk.get("content") or "")
+        for key in ("tokens", "completion_probabilities", "probs"):
+            if isinstance(chunk.get(key), list):
+                self._lists.setdefault(key, []).extend(chunk[key])
+        self._last = chunk
+
+    def result(self) -> tuple[int, bytes]:
+        """Status and JSON body of the assembled answer (an error one if the stream failed)."""
+        if self.error is not None:
+            code = self.error.get("error", {}).get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            return status, _dump(self.error)
+        if self._native:
+            answer = {**self._last, "content": "".join(self._texts), **self._lists}
+            return 200, _dump(answer)
+        answer = {
+            key: self._head[key]
+            for key in ("id", "created", "model", "system_fingerprint")
+            if key in self._head
+        }
+        answer["object"] = "chat.completion" if self._chat else "text_completion"
+        answer["choices"] = [self._final(c) for _, c in sorted(self._choices.items())]
+        answer.update(self._last)
+        return 200, _dump(answer)
+
+    def _final(self, choice: dict[str, Any]) -> dict[str, Any]:
+        final: dict[str, Any] = {
+            "index": choice["index"],
+            "finish_reason": choice.get("finish_reason"),
+        }
+        if choice["logprobs"]:
+            final["logprobs"] = choice["logprobs"]
+        if not self._chat:
+            final["text"] = "".join(choice["parts"])
+            final.setdefault("logprobs", None)
+            return final
+        tools = [choice["tools"][i] for i in sorted(choice["tools"])]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(choice["parts"]) if choice["parts"] or not tools else None,
+        }
+        if choice["reasoning"]:
+            message["reasoning_content"] = "".join(choice["reasoning"])
+        if tools:
+            message["tool_calls"] = tools
+        final["message"] = message
+        return final
+
+
+def streaming_body(body: bytes) -> bytes:
+    """The request body asking llama-server for a stream, with usage in its last events."""
+    payload = json.loads(body)
+    payload["stream"] = True
+    if "stream_options" not in payload:
+        payload["stream_options"] = {"include_usage": True}
+    return _dump(payload)
+
+
+def _extend(into: dict[str, Any], logprobs: Any) -> None:
+    if isinstance(logprobs, dict):
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                into.setdefault(key, []).extend(value)
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
