@@ -184,7 +184,10 @@ class Proxy:
                 endpoint = admitted(ex.method, path)
             body = await _read_body(receive, head.content_length, self._body_limit)
             if endpoint is None:
-                await self._forward(scope, send, ex, path, head, body, None)
+                if self._gated or admitted(ex.method, path) is None:
+                    await self._forward(scope, send, ex, path, head, body, None)
+                else:
+                    await self._forward_ungated(scope, receive, send, ex, path, head, body)
                 return
             ex.route = endpoint.route
             check_content_type(endpoint, head.content_type)
@@ -201,6 +204,29 @@ class Proxy:
             ex.outcome = "client_gone"
             return
         await self._gate(scope, receive, send, ex, endpoint, path, head, body, want)
+
+    async def _forward_ungated(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        ex: _Exchange,
+        path: str,
+        head: _RequestHead,
+        body: bytes,
+    ) -> None:
+        """A generation with ADMISSION_CONTROL off: no slot, but a client that leaves still
+        closes the upstream connection, so llama-server stops working for nobody."""
+        watch = _Watch(receive)
+        try:
+            await self._forward(scope, send, ex, path, head, body, None)
+        except asyncio.CancelledError:
+            if watch.ours():
+                ex.outcome = "client_gone"
+                return
+            raise
+        finally:
+            watch.stop()
 
     async def _gate(
         self,

@@ -391,3 +391,15 @@ async def test_admission_control_off_passes_everything_straight_through(
     statuses = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(5)))
     assert [r.status_code for r in statuses] == [200] * 5
     assert standin.max_running > 2  # nothing held them back
+
+
+async def test_with_admission_control_off_a_client_that_leaves_still_closes_upstream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 200, 0.05
+    gate = await start_gate(admission_control=False)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        chunks = response.aiter_raw()
+        await anext(chunks)
+    await gate.until(lambda: standin.cancelled == 1)
+    assert standin.running == 0
