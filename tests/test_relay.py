@@ -33,6 +33,14 @@ async def hold_stream(
     return chunks
 
 
+async def occupy(client: httpx.AsyncClient, gate: RunningGate) -> asyncio.Task[list[bytes]]:
+    """Hold a slot with a stream; returns once its first chunk has arrived."""
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream(client, gate, started))
+    await started.wait()
+    return holder
+
+
 async def test_non_streamed_reply_is_assembled_from_a_stream_into_llama_servers_own_answer(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -83,9 +91,7 @@ async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
     standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(max_queue=1)
-    started = asyncio.Event()
-    holder = asyncio.create_task(hold_stream(client, gate, started))
-    await started.wait()
+    holder = await occupy(client, gate)
     waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.gate.admission.queued == 1)
     response = await client.post(gate.url + CHAT, json=chat())
@@ -160,9 +166,7 @@ async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_ups
     standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(max_queue=1)
-    started = asyncio.Event()
-    holder = asyncio.create_task(hold_stream(client, gate, started))
-    await started.wait()
+    holder = await occupy(client, gate)
     leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(leaver=True)))
     await gate.until(lambda: gate.gate.admission.queued == 1)
     leaver.cancel()
@@ -226,9 +230,7 @@ async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     standin.tokens, standin.token_delay_s = 40, 0.05
     standin.total_slots = 1
     gate = await start_gate(queue_timeout=0.2)
-    started = asyncio.Event()
-    holder = asyncio.create_task(hold_stream(client, gate, started))
-    await started.wait()
+    holder = await occupy(client, gate)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "queue_timeout"
@@ -242,9 +244,7 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
     standin.tokens, standin.token_delay_s = 8, 0.05
     standin.total_slots = 1
     gate = await start_gate(keepalive_interval=0.1)
-    started = asyncio.Event()
-    holder = asyncio.create_task(hold_stream(client, gate, started))
-    await started.wait()
+    holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         chunks = response.aiter_raw()
@@ -262,9 +262,7 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     standin.tokens, standin.token_delay_s = 40, 0.05
     standin.total_slots = 1
     gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2)
-    started = asyncio.Event()
-    holder = asyncio.create_task(hold_stream(client, gate, started))
-    await started.wait()
+    holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
     assert response.status_code == 200
