@@ -55,13 +55,6 @@ class Unauthorized(GateError):
     reason = "unauthorized"
 
 
-class NotFound(GateError):
-    status = 404
-    type = "not_found_error"
-    code = "not_found"
-    reason = "bad_request"
-
-
 class PayloadTooLarge(GateError):
     status = 413
     type = "invalid_request_error"

@@ -401,3 +401,17 @@ async def test_with_admission_control_off_a_client_that_leaves_still_closes_upst
         await anext(chunks)
     await gate.until(lambda: standin.cancelled == 1)
     assert standin.running == 0
+
+
+async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0, queue_timeout=0.2)
+    holder = await occupy(client, gate)
+    response = await client.post(gate.url + CHAT, json=chat(stream=True))
+    assert response.status_code == 503
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["code"] == "queue_timeout"
+    await holder
