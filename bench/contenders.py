@@ -24,6 +24,7 @@ class Contender:
     kind: str  # direct | nginx | litellm | slotgate
     slots: int | None = None
     note: str = ""
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def start_standin(logs: Path) -> Server:
@@ -52,7 +53,7 @@ def standin_stats(standin: Server) -> dict[str, object]:
     return stats
 
 
-def start(contender: Contender, standin: Server, logs: Path, **slotgate_env: str) -> Server:
+def start(contender: Contender, standin: Server, logs: Path) -> Server:
     """Start one contender on the server core, in front of the stand-in, and wait until ready."""
     if contender.kind == "direct":
         return standin
@@ -62,7 +63,8 @@ def start(contender: Contender, standin: Server, logs: Path, **slotgate_env: str
         return _litellm(standin.port, logs)
     if contender.slots is not None:
         configure_standin(standin, slots=contender.slots)
-    return start_slotgate(contender.name, f"http://127.0.0.1:{standin.port}", logs, slotgate_env)
+    url = f"http://127.0.0.1:{standin.port}"
+    return start_slotgate(contender.name, url, logs, dict(contender.env))
 
 
 def start_slotgate(

@@ -107,7 +107,9 @@ async def _phase(
 async def _count(
     target: int, raw: bytes, clients: int, seconds: float, warm: float
 ) -> tuple[int, float]:
-    result = await closed_loop(target, raw, clients, seconds, warm, streaming=True, drain_s=120)
+    result = await closed_loop(
+        target, raw, clients, seconds, warm, streaming=True, drain_s=120, pattern=_TOKEN
+    )
     stats = result.stream
     assert stats is not None
     if result.errors or set(result.statuses) - {200}:

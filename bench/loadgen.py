@@ -25,6 +25,8 @@ from typing import Any, cast
 import httptools
 
 Done = Callable[["Exchange", int], None]
+#: The status a request gets when its connection closed before any answer arrived.
+RESEND = -2
 
 #: A streamed token's content is the stand-in's monotonic clock (ns) at the moment it wrote it.
 #: LiteLLM re-encodes chunks, so the pattern allows an optional space after the colon.
@@ -53,6 +55,8 @@ class StreamStats:
     """What streamed answers looked like at the client, within the measuring window."""
 
     window: tuple[int, int]
+    #: What marks one token in the stream; with a group, the group is the stand-in's stamp.
+    pattern: re.Pattern[bytes] = TOKEN_STAMP
     transit_ns: list[int] = field(default_factory=list)  # stand-in write -> client read
     gaps_ns: list[int] = field(default_factory=list)  # between a stream's successive tokens
     ttfb_ns: list[int] = field(default_factory=list)  # request sent -> first body byte
@@ -89,11 +93,13 @@ class StreamProbe:
             if inside:
                 stats.ttfb_ns.append(now - self.sent)
         self.buffer += body
-        for match in TOKEN_STAMP.finditer(self.buffer, self.scan):
+        stamped = stats.pattern.groups > 0
+        for match in stats.pattern.finditer(self.buffer, self.scan):
             self.scan = match.end()
             if inside:
                 stats.tokens += 1
-                stats.transit_ns.append(now - int(match.group(1)))
+                if stamped:
+                    stats.transit_ns.append(now - int(match.group(1)))
                 if self.last:
                     stats.gaps_ns.append(now - self.last)
                 else:
@@ -114,11 +120,13 @@ class Exchange(asyncio.Protocol):
         self.now_ns = 0
         self.body = bytearray()
         self.keep_body = False
+        self.answered = False  # some of the answer to the request in flight has arrived
         self._done: Done | None = None
 
     def send(self, raw: bytes, done: Done | None) -> None:
         self.sent_ns = time.monotonic_ns()
         self._done = done
+        self.answered = False
         self.body.clear()
         if self.probe is not None:
             self.probe.begin(self.sent_ns)
@@ -146,9 +154,14 @@ class Exchange(asyncio.Protocol):
         self.closed = True
         done, self._done = self._done, None
         if done is not None:
-            done(self, -1)
+            # Closed before any answer: the server had dropped an idle keep-alive connection
+            # (llama-server does after a stream), so the request was never taken: resend it.
+            done(self, -1 if self.answered else RESEND)
 
     # -- httptools callbacks -------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.answered = True
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -191,6 +204,7 @@ class LoopResult:
     statuses: collections.Counter[int]
     errors: int
     stream: StreamStats | None = None
+    resent: int = 0
 
     @property
     def completed(self) -> int:
@@ -212,13 +226,16 @@ class _Driver:
         self.latencies: list[int] = []
         self.statuses: collections.Counter[int] = collections.Counter()
         self.errors = 0
+        self.resent = 0
         self.outstanding = 0
         self.idle = asyncio.Event()
 
     def record(self, exchange: Exchange, status: int) -> int:
         now = time.monotonic_ns()
         self.outstanding -= 1
-        if status < 0:
+        if status == RESEND:
+            self.resent += 1
+        elif status < 0:
             self.errors += 1
         elif self.start_ns <= now <= self.end_ns:
             self.latencies.append(now - exchange.sent_ns)
@@ -247,12 +264,13 @@ async def closed_loop(
     warmup_s: float = 0.0,
     streaming: bool = False,
     drain_s: float = 30.0,
+    pattern: re.Pattern[bytes] = TOKEN_STAMP,
 ) -> LoopResult:
     """`concurrency` clients, each sending its next request the moment its answer ends."""
     now = time.monotonic_ns()
     start = now + int(warmup_s * 1e9)
     end = start + int(duration_s * 1e9)
-    stats = StreamStats((start, end)) if streaming else None
+    stats = StreamStats((start, end), pattern) if streaming else None
     driver = _Driver(port, raw, start, end)
     exchanges = await connect(port, concurrency, lambda: StreamProbe(stats) if stats else None)
     pending: set[asyncio.Task[None]] = set()
@@ -283,7 +301,9 @@ async def closed_loop(
     finally:
         for exchange in exchanges:
             exchange.close()
-    return LoopResult(duration_s, driver.latencies, driver.statuses, driver.errors, stats)
+    return LoopResult(
+        duration_s, driver.latencies, driver.statuses, driver.errors, stats, driver.resent
+    )
 
 
 async def open_loop(

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 import traceback
@@ -42,6 +43,17 @@ def contender_list(sizes: Sizes) -> list[Contender]:
             "slotgate",
             sizes.low_slots,
             note=f"capacity {sizes.low_slots}, MAX_QUEUE=0: the queueing path",
+            env=(("MAX_QUEUE", "0"),),
+        ),
+        # Not one of issue 6's contenders: slotgate-high without STREAM_UPSTREAM, which turns
+        # every non-streamed request into a stream and assembles the answer, so the table
+        # shows what the gate costs and what that feature costs, separately.
+        Contender(
+            "slotgate-plain",
+            "slotgate",
+            1024,
+            note="capacity 1024, STREAM_UPSTREAM=false: the gate without answer assembly",
+            env=(("STREAM_UPSTREAM", "false"),),
         ),
     ]
 
@@ -92,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--contenders",
-        default="direct,nginx,litellm,slotgate-high,slotgate-low",
+        default="direct,nginx,litellm,slotgate-high,slotgate-low,slotgate-plain",
         help="comma-separated subset (default: all)",
     )
     parser.add_argument(
@@ -218,10 +230,8 @@ class Bench:
 
     def _contender(self, ctx: Context, contender: Contender, keys: list[str]) -> None:
         found = self.results["scenarios"]
-        env = {"MAX_QUEUE": "0"} if contender.name == "slotgate-low" else {}
         server: Server | dict[str, Any] = self.step(
-            f"start {contender.name}",
-            lambda: contenders.start(contender, ctx.standin, ctx.logs, **env),
+            f"start {contender.name}", lambda: contenders.start(contender, ctx.standin, ctx.logs)
         )
         if isinstance(server, dict):
             for key, name in (("1", "1_nonstream"), ("2", "2_stream")):
@@ -269,6 +279,31 @@ def _machine() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}"
+
+
+def _tree() -> str:
+    """The slotgate code measured: HEAD, plus the files of app/ that differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=BENCH.parent,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--short", "--", "app"],
+            capture_output=True,
+            text=True,
+            cwd=BENCH.parent,
+            timeout=10,
+            check=False,
+        ).stdout.split("\n")
+    except OSError:
+        return "unknown"
+    changed = [line.strip() for line in dirty if line.strip()]
+    return head + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
 def _busy_cpu_s() -> float:
@@ -320,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),
             "duration_s": round(duration, 1),
             "machine": _machine(),
+            "slotgate_tree": _tree(),
             "server_core": SERVER_CORE,
             "client_core": CLIENT_CORE,
             "pinned": pinning_possible(),

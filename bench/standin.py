@@ -267,8 +267,12 @@ class Connection(asyncio.Protocol):
             self.transport.write(_SSE_HEAD)
             self.left = state.tokens
             if state.token_delay_s <= 0:
-                self.transport.write(b"".join(_token() for _ in range(state.tokens)))
-                self._finish(_END)
+                # A whole answer at once, after hold_s: what slotgate's STREAM_UPSTREAM turns a
+                # non-streamed request into, so both shapes hold the slot equally long.
+                if state.hold_s > 0:
+                    asyncio.get_running_loop().call_later(state.hold_s, self._burst)
+                else:
+                    self._burst()
                 return
             self.next_token()
             if self.busy:
@@ -277,6 +281,10 @@ class Connection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(state.hold_s, self._complete)
         else:
             self._finish(state.completion)
+
+    def _burst(self) -> None:
+        if self.busy and self.transport is not None:
+            self._finish(b"".join(_token() for _ in range(self.state.tokens)) + _END)
 
     def _complete(self) -> None:
         if self.busy:

@@ -1,0 +1,133 @@
+"""Profile slotgate with py-spy under one bench scenario and summarise where its time goes.
+
+    python -m bench.profile nonstream|stream|storm|handoff [--seconds 10] [--env KEY=VALUE]
+
+Starts the stand-in (core 1) and slotgate (core 0) as the bench does, drives the scenario's
+load from core 1, samples slotgate with `py-spy record --nonblocking` and writes the raw
+stacks and a self/inclusive table per function to bench/results/profile-SCENARIO.txt.
+Needs py-spy (`pip install py-spy`); it is not installed by the bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import loadgen
+from bench.contenders import BENCH, configure_standin, start_slotgate, start_standin
+from bench.loadgen import chat_body, closed_loop, request_bytes
+from bench.loop import run_loop
+from bench.procs import CLIENT_CORE, Server, pin_self, raise_fd_limit
+
+CHAT = "/v1/chat/completions"
+_LINE = re.compile(r":\d+\)")
+
+
+def _load(scenario: str, gate: Server, standin: Server, seconds: float) -> None:
+    if scenario == "nonstream":
+        body = chat_body(stream=False)
+        if loadgen.wrk_available():
+            loadgen.wrk(gate.port, CHAT, body, 32, seconds)
+            return
+        run_loop(closed_loop(gate.port, request_bytes(gate.port, CHAT, body), 32, seconds))
+    elif scenario == "stream":
+        configure_standin(standin, tokens=64, token_delay_s=0.001)
+        raw = request_bytes(gate.port, CHAT, chat_body(stream=True, max_tokens=64))
+        run_loop(closed_loop(gate.port, raw, 64, seconds, streaming=True))
+    elif scenario == "handoff":
+        configure_standin(standin, hold_s=0.002)
+        raw = request_bytes(gate.port, CHAT, chat_body(stream=False))
+        run_loop(closed_loop(gate.port, raw, 16, seconds))
+    else:
+        run_loop(_storm(gate, seconds))
+
+
+async def _storm(gate: Server, seconds: float) -> None:
+    holders = await loadgen.connect(gate.port, 66)
+    hang = request_bytes(gate.port, CHAT + "?hang=1", chat_body(stream=False))
+    for holder in holders:
+        holder.send(hang, None)
+    await asyncio.sleep(1.0)
+    raw = request_bytes(gate.port, CHAT, chat_body(stream=False))
+    await closed_loop(gate.port, raw, 1000, seconds)
+    for holder in holders:
+        holder.close()
+
+
+def summarise(raw: str, top: int = 30) -> str:
+    """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        samples = int(count)
+        frames = [_LINE.sub(")", frame) for frame in stack.split(";")]
+        total += samples
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            inclusive[frame] += samples
+    if not total:
+        return "no samples\n"
+    out = [f"{total} samples (idle excluded)", "", "self %  function"]
+    out += [f"{n / total:6.1%}  {frame}" for frame, n in own.most_common(top)]
+    out += ["", "incl %  function"]
+    out += [f"{n / total:6.1%}  {frame}" for frame, n in inclusive.most_common(top)]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=("nonstream", "stream", "storm", "handoff"))
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", type=Path, default=BENCH / "results")
+    args = parser.parse_args()
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        raise SystemExit("bench.profile: py-spy is not installed (pip install py-spy)")
+    pin_self(CLIENT_CORE)
+    raise_fd_limit()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-profile-"))
+    env = dict(item.split("=", 1) for item in args.env)
+    slots = {"storm": 2, "handoff": 2}.get(args.scenario, 1024)
+    if args.scenario == "storm":
+        env.setdefault("MAX_QUEUE", "64")
+    standin = start_standin(logs)
+    try:
+        configure_standin(standin, slots=slots, tokens=16, token_delay_s=0, hold_s=0)
+        gate = start_slotgate("slotgate-profile", f"http://127.0.0.1:{standin.port}", logs, env)
+        try:
+            raw_path = args.out / f"profile-{args.scenario}.raw"
+            record = subprocess.Popen(
+                [spy, "record", "--nonblocking", "--function", "--format", "raw",
+                 "--rate", "250", "--duration", str(int(args.seconds)), "--output",
+                 str(raw_path), "--pid", str(gate.process.pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            time.sleep(0.5)
+            _load(args.scenario, gate, standin, args.seconds + 1.0)
+            record.wait(timeout=60)
+        finally:
+            gate.stop()
+    finally:
+        standin.stop()
+    summary = summarise(raw_path.read_text())
+    header = f"py-spy profile of slotgate, scenario {args.scenario}, env {env or 'defaults'}\n\n"
+    (args.out / f"profile-{args.scenario}.txt").write_text(header + summary)
+    print(header + summary)
+
+
+if __name__ == "__main__":
+    main()
