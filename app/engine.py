@@ -259,8 +259,9 @@ class LocalEngine:
         return self._process.pid if self._process is not None else None
 
     def command(self, port: int) -> list[str]:
-        """The child's command line: this file run as a script, with `-P` so that whatever
-        lies in the working directory cannot shadow the standard library it imports."""
+        """The child's command line: this file run as a script. `-P` keeps the script's own
+        directory (slotgate's modules) off the front of sys.path, where a module of slotgate
+        could shadow a standard one; the child needs nothing but the standard library."""
         command = [
             sys.executable, "-P", str(Path(__file__).resolve()), "--model", str(self.model),
             "--port", str(port), "--parallel", str(self.parallel),
@@ -371,7 +372,7 @@ class LocalEngine:
                 return
             if time.monotonic() > deadline:
                 raise EngineFailed(
-                    f"llama.cpp did not answer /health within {self.start_timeout_s:.0f} s; "
+                    f"llama.cpp did not answer /health within {self.start_timeout_s:g} s; "
                     "its log above says how far it got"
                 )
             time.sleep(_HEALTH_POLL_S)
@@ -467,8 +468,8 @@ def _watch_parent() -> None:
 
 
 def _host(args: argparse.Namespace) -> int:
-    # Before the (long) model load: SIGTERM keeps its default action until then, so a
-    # slotgate that vanishes mid-load ends the load at once.
+    # Watched from before the (long) model load on: SIGTERM keeps its default action here,
+    # so a slotgate that vanishes mid-load ends the load at once.
     _watch_parent()
     try:
         import xllamacpp  # the optional extra, needed in this child only

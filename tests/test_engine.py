@@ -1,0 +1,591 @@
+"""The local engine: model and engine resolution, its command line, its start, stop and death.
+
+Most tests run the engine child against a fake llama-server (a small Python script that
+records its arguments and answers /health), which is quick; the ones marked e2e run the real
+xllamacpp engine on the demo model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.engine import (
+    DEMO_PACKAGE,
+    EngineFailed,
+    LocalEngine,
+    cache_dir,
+    checked_model,
+    default_threads,
+    demo_model,
+    find_binary,
+    parse_log_line,
+    resolve_model,
+    server_args,
+)
+
+FAKE_SERVER = """\
+#!{python}
+# A stand-in llama-server: records how it was called, then behaves as FAKE_MODE says.
+import http.server, json, os, signal, sys, time
+
+args = sys.argv[1:]
+with open(os.environ["FAKE_RECORD"], "w") as record:
+    json.dump({{"argv": args, "pid": os.getpid()}}, record)
+mode = os.environ.get("FAKE_MODE", "serve")
+if mode == "fail":
+    print("I load_model: loading model", file=sys.stderr, flush=True)
+    print("E load_model: failed to load model 'x'", file=sys.stderr, flush=True)
+    print("E init: exiting due to model loading error", file=sys.stderr, flush=True)
+    sys.exit(1)
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "mute":
+    while True:
+        time.sleep(1)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b'{{"status":"ok"}}')
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health)
+print("W srv init: fake llama-server listening", file=sys.stderr, flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    return path
+
+
+@pytest.fixture
+def fake_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake llama-server named by LLAMA_SERVER_BIN; returns where it records its call."""
+    script = tmp_path / "llama-server"
+    script.write_text(FAKE_SERVER.format(python=sys.executable))
+    script.chmod(0o755)
+    record = tmp_path / "record.json"
+    monkeypatch.setenv("LLAMA_SERVER_BIN", str(script))
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    return record
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LocalEngine]]:
+    """Engines a test starts, stopped even when the test fails half-way."""
+    started: list[LocalEngine] = []
+    yield started
+    for engine in started:
+        engine.stop()
+
+
+def fake_engine(model: Path, engines: list[LocalEngine], **options: Any) -> LocalEngine:
+    local = LocalEngine(model, parallel=3, ctx_size=1536, threads=1, binary=find_binary(),
+                        **options)  # fmt: skip
+    engines.append(local)
+    return local
+
+
+def recorded(record: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            found: dict[str, Any] = json.loads(record.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+        else:
+            return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie has ended; it only awaits its reaper)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def wait_gone(pid: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while running(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still running"
+        time.sleep(0.02)
+
+
+def health(url: str) -> int:
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+# -- model, engine and threads ------------------------------------------------------------------
+
+
+def test_a_gguf_model_resolves_to_its_absolute_path(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(model.parent)
+
+    assert resolve_model(model.name, demo=False) == model.resolve()
+
+
+def test_a_missing_model_names_the_path_and_the_way_out(tmp_path: Path) -> None:
+    with pytest.raises(EngineFailed, match=r"--model .*nowhere\.gguf: no such file.*--demo"):
+        resolve_model(str(tmp_path / "nowhere.gguf"), demo=False)
+
+
+def test_a_file_that_is_not_gguf_is_refused_before_llama_cpp_sees_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"PK\x03\x04 a zip, not a model")
+
+    with pytest.raises(EngineFailed, match=r"is not a GGUF file"):
+        checked_model(path)
+
+
+def test_a_directory_as_model_says_it_cannot_be_read(tmp_path: Path) -> None:
+    with pytest.raises(EngineFailed, match=r"cannot read it"):
+        checked_model(tmp_path)
+
+
+def test_model_and_demo_together_are_refused(model: Path) -> None:
+    with pytest.raises(EngineFailed, match="exclude each other"):
+        resolve_model(str(model), demo=True)
+
+
+def test_no_model_at_all_says_how_to_give_one() -> None:
+    with pytest.raises(EngineFailed, match=r"give --model PATH\.gguf, or --demo"):
+        resolve_model(None, demo=False)
+
+
+def test_demo_without_its_package_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, DEMO_PACKAGE, None)  # makes the import fail
+
+    with pytest.raises(EngineFailed, match=r"pip install 'slotgate\[demo\]'"):
+        demo_model(tmp_path)
+
+
+class FakeDemoPackage(types.ModuleType):
+    """Stands in for the gemma package: same functions, a 12-byte "model" in one part."""
+
+    MODEL_NAME = "demo.gguf"
+
+    def __init__(self, parts: Path, *, corrupt: bool = False) -> None:
+        super().__init__(DEMO_PACKAGE)
+        self.part = parts / "part00"
+        self.part.write_bytes(b"GGUF" + bytes(8))
+        self.corrupt = corrupt
+        self.assembled = 0
+
+    def verify_chunks(self) -> None:
+        if not self.part.exists():
+            raise FileNotFoundError(self.part)
+
+    def chunk_paths(self) -> list[Path]:
+        return [self.part]
+
+    def assemble(self, output_path: str, overwrite: bool = False) -> Path:
+        self.assembled += 1
+        Path(output_path).write_bytes(self.part.read_bytes())
+        if self.corrupt:
+            raise ValueError("Assembled file sha256 did not match expected value")
+        return Path(output_path)
+
+
+@pytest.fixture
+def demo_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeDemoPackage:
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    package = FakeDemoPackage(parts)
+    monkeypatch.setitem(sys.modules, DEMO_PACKAGE, package)
+    return package
+
+
+def test_the_demo_model_is_assembled_once_then_reused(
+    demo_package: FakeDemoPackage, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+
+    first = demo_model(cache)
+    second = demo_model(cache)
+
+    assert first == second == cache / "demo.gguf"
+    assert first.read_bytes() == demo_package.part.read_bytes()
+    assert demo_package.assembled == 1
+    assert sorted(p.name for p in cache.iterdir()) == ["demo.gguf"]  # no partial file left
+
+
+def test_a_truncated_demo_model_is_assembled_again(
+    demo_package: FakeDemoPackage, tmp_path: Path
+) -> None:
+    (tmp_path / "demo.gguf").write_bytes(b"GGUF")
+
+    path = demo_model(tmp_path)
+
+    assert path.read_bytes() == demo_package.part.read_bytes()
+    assert demo_package.assembled == 1
+
+
+def test_a_demo_model_failing_its_checksum_leaves_nothing_behind(
+    demo_package: FakeDemoPackage, tmp_path: Path
+) -> None:
+    demo_package.corrupt = True
+    cache = tmp_path / "cache"
+
+    with pytest.raises(EngineFailed, match=r"checksum.*--force-reinstall 'slotgate\[demo\]'"):
+        demo_model(cache)
+
+    assert list(cache.iterdir()) == []
+
+
+def test_an_unwritable_cache_names_slotgate_cache_dir(
+    demo_package: FakeDemoPackage, tmp_path: Path
+) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+
+    with pytest.raises(EngineFailed, match=r"could not write the demo model.*SLOTGATE_CACHE_DIR"):
+        demo_model(not_a_directory / "cache")
+
+
+def test_an_incomplete_demo_package_says_to_reinstall(
+    demo_package: FakeDemoPackage, tmp_path: Path
+) -> None:
+    demo_package.part.unlink()
+
+    with pytest.raises(EngineFailed, match=r"incomplete.*--force-reinstall"):
+        demo_model(tmp_path)
+
+
+def test_the_cache_directory_follows_slotgate_then_xdg_then_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SLOTGATE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "slotgate"
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "slotgate"
+
+    monkeypatch.setenv("SLOTGATE_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 2), (4, 3), (16, 15)])
+def test_llama_cpp_leaves_a_core_to_slotgate_and_its_clients(cores: int, threads: int) -> None:
+    assert default_threads(cores) == threads
+
+
+def test_llama_server_bin_that_is_not_a_program_is_named_in_the_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LLAMA_SERVER_BIN", str(tmp_path / "missing-llama-server"))
+
+    with pytest.raises(EngineFailed, match=r"LLAMA_SERVER_BIN=.*missing-llama-server"):
+        find_binary()
+
+
+def test_a_llama_server_on_path_is_preferred(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: Path
+) -> None:
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.delenv("LLAMA_SERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+    local = LocalEngine.from_args(model=str(model), demo=False, parallel=2, ctx_size=64,
+                                  threads=None)  # fmt: skip
+
+    assert local.binary == str(binary)
+    assert local.threads == default_threads()
+
+
+def test_without_any_engine_the_error_says_what_to_install_before_writing_the_demo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_package: FakeDemoPackage
+) -> None:
+    monkeypatch.delenv("LLAMA_SERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLOTGATE_CACHE_DIR", str(tmp_path / "cache"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *rest: None if name == "xllamacpp" else find_spec(name, *rest),
+    )  # fmt: skip
+
+    with pytest.raises(EngineFailed, match=r"pip install 'slotgate\[local\]'.*LLAMA_SERVER_BIN"):
+        LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=64, threads=None)
+
+    assert demo_package.assembled == 0
+
+
+def test_llama_server_gets_only_flags_every_release_knows() -> None:
+    assert server_args("llama-server", Path("/m.gguf"), 8081, 4, 8192, 3) == [
+        "llama-server", "-m", "/m.gguf", "--host", "127.0.0.1", "--port", "8081",
+        "-np", "4", "-c", "8192", "-t", "3", "--metrics",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("line", "level", "text"),
+    [
+        ("0.02.655.775 I srv load_model: start", logging.INFO, "srv load_model: start"),
+        ("0.00.002.597 W srv init: no API key", logging.WARNING, "srv init: no API key"),
+        ("E llama_model_load: error loading", logging.ERROR, "llama_model_load: error loading"),
+        ("D slot update: waiting", logging.DEBUG, "slot update: waiting"),
+        ("main: server is listening", logging.INFO, "main: server is listening"),
+    ],
+)  # fmt: skip
+def test_llama_cpp_log_lines_keep_their_level(line: str, level: int, text: str) -> None:
+    assert parse_log_line(line) == (level, text)
+
+
+# -- start, stop, death (fake llama-server) ------------------------------------------------------
+
+
+def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_log(
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local = fake_engine(model, engines)
+
+    with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+        local.start()
+
+    port = local.url.removeprefix("http://127.0.0.1:")
+    assert recorded(fake_server)["argv"] == [
+        "-m", str(model), "--host", "127.0.0.1", "--port", port,
+        "-np", "3", "-c", "1536", "-t", "1", "--metrics",
+    ]  # fmt: skip
+    assert health(local.url) == 200
+    assert local.poll() is None
+    forwarded = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "slotgate.engine"]
+    assert (logging.WARNING, "srv init: fake llama-server listening") in forwarded
+
+
+def test_stop_ends_the_engine_and_its_llama_server_and_may_be_repeated(
+    model: Path, fake_server: Path, engines: list[LocalEngine]
+) -> None:
+    local = fake_engine(model, engines)
+    local.start()
+    supervisor, server = local.pid, recorded(fake_server)["pid"]
+    assert supervisor is not None
+
+    local.stop()
+    local.stop()
+
+    assert not running(supervisor)
+    assert not running(server)
+    assert local.poll() is not None
+
+
+def test_a_llama_server_that_ignores_sigterm_is_killed_after_the_grace_period(
+    model: Path, fake_server: Path, engines: list[LocalEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "stubborn")
+    local = fake_engine(model, engines, stop_grace_s=0.5)
+    local.start()
+    server = recorded(fake_server)["pid"]
+
+    started = time.monotonic()
+    local.stop()
+
+    assert 0.5 <= time.monotonic() - started < 5
+    assert not running(server)
+
+
+def test_an_engine_that_exits_while_starting_fails_with_its_first_error(
+    model: Path, fake_server: Path, engines: list[LocalEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "fail")
+    local = fake_engine(model, engines)
+
+    with pytest.raises(EngineFailed) as failed:
+        local.start()
+
+    assert str(failed.value) == (
+        "llama.cpp exited with code 1 before it was ready: load_model: failed to load model 'x'"
+    )
+    assert local.pid is not None
+    assert not running(local.pid)
+
+
+def test_an_engine_that_never_answers_health_fails_after_the_start_timeout(
+    model: Path, fake_server: Path, engines: list[LocalEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "mute")
+    local = fake_engine(model, engines, start_timeout_s=1)
+
+    with pytest.raises(EngineFailed, match=r"did not answer /health within 1 s"):
+        local.start()
+
+    assert not running(recorded(fake_server)["pid"])
+
+
+def test_poll_reports_an_engine_that_died_and_stop_still_cleans_up(
+    model: Path, fake_server: Path, engines: list[LocalEngine]
+) -> None:
+    local = fake_engine(model, engines)
+    local.start()
+
+    os.kill(recorded(fake_server)["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while local.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    assert local.poll() == 128 + signal.SIGKILL
+    local.stop()
+    assert local.poll() == 128 + signal.SIGKILL
+
+
+PARENT = """\
+import sys
+from pathlib import Path
+from app.engine import LocalEngine, find_binary
+engine = LocalEngine(Path(sys.argv[1]), parallel=1, ctx_size=512, threads=1,
+                     binary=find_binary())
+engine.start()
+print(engine.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+class Adopter:
+    """Makes this process the reaper of orphans (Linux), so that a test can see them end.
+
+    Without it an orphan goes to PID 1, which in some containers never reaps it.
+    """
+
+    PR_SET_CHILD_SUBREAPER = 36
+
+    def __enter__(self) -> Adopter:
+        self._set(1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._set(0)
+
+    def _set(self, value: int) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.prctl(self.PR_SET_CHILD_SUBREAPER, value, 0, 0, 0) == 0
+
+    @staticmethod
+    def reap(pid: int, timeout_s: float = 15) -> int:
+        """Wait for an adopted orphan to end; its wait status. One that does not end is
+        killed with its group, so that a failing test leaves nothing behind."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"process {pid} outlived its parent by {timeout_s} s")
+            time.sleep(0.02)
+
+
+def kill_parent_and_reap(model: Path) -> int:
+    """Start an engine from a parent process, SIGKILL that parent, and reap the engine child
+    it leaves behind; its pid."""
+    with Adopter():
+        parent = subprocess.Popen(
+            [sys.executable, "-c", PARENT, str(model)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        assert parent.stdin is not None
+        parent.stdin.close()
+        parent.stdout.close()
+        Adopter.reap(child)
+        return child
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reaping orphans is Linux's")
+def test_the_engine_and_its_llama_server_go_when_slotgate_is_killed(
+    model: Path, fake_server: Path
+) -> None:
+    child = kill_parent_and_reap(model)
+
+    assert not running(child)
+    assert not running(recorded(fake_server)["pid"])
+
+
+# -- the real engine ---------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_the_real_engine_starts_answers_and_stops_without_a_trace(
+    engines: list[LocalEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLAMA_SERVER_BIN", raising=False)
+    local = LocalEngine(demo_model(), parallel=1, ctx_size=512, threads=1)
+    engines.append(local)
+    local.start()
+    pid = local.pid
+    assert pid is not None
+
+    assert health(local.url) == 200
+    local.stop()
+
+    assert not running(pid)
+    assert not any(_in_group(pid))
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reaping orphans is Linux's")
+def test_the_real_engine_goes_when_slotgate_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLAMA_SERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", os.defpath)  # no llama-server: xllamacpp it is
+
+    child = kill_parent_and_reap(demo_model())
+
+    assert not running(child)
+
+
+def _in_group(pgid: int) -> Iterator[int]:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                yield int(entry.name)
