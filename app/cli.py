@@ -122,6 +122,8 @@ def serve(settings: Settings, engine_exit: Callable[[], int | None] | None = Non
         lifespan="on",
         access_log=False,
         server_header=False,
+        # slotgate reads no client address, so uvicorn need not rewrite it from X-Forwarded-*.
+        proxy_headers=False,
         log_config=None,
         # 0 = no drain (uvicorn cancels at once); None would make it wait forever.
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),

@@ -15,11 +15,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
-
 from app.access import Access
 from app.admission import Admission, AdmissionError, NotReady, Ticket
 from app.assembly import Assembly, streaming_body
+from app.client import ClientError, Response
 from app.endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
 from app.errors import (
     BadRequest,
@@ -314,19 +313,20 @@ class Proxy:
         endpoint: Endpoint | None,
         assembly: Assembly | None = None,
     ) -> None:
-        url = self._upstream.target(quote(path, safe="/:@!$&'()*+,;=-._~"), scope["query_string"])
-        headers = [
-            (name.decode("latin-1"), value.decode("latin-1"))
-            for name, value in head.raw
-            if name not in self._drop and name not in head.connection_named
-        ]
+        target = quote(path, safe="/:@!$&'()*+,;=-._~")
+        query = scope["query_string"]
+        if query:
+            target += "?" + query.decode("latin-1")
+        drop = self._drop
+        named = head.connection_named
+        headers = [(n, v) for n, v in head.raw if n not in drop and n not in named]
         if self._auth is not None:
             headers.append(self._auth)
         if not head.has_request_id:
-            headers.append(("X-Request-Id", ex.id))
+            headers.append((b"x-request-id", ex.id.encode()))
         flavor: Flavor = endpoint.flavor if endpoint else "openai"
         try:
-            response = await self._upstream.send(ex.method, url, headers, body)
+            response = await self._upstream.send(ex.method, target, headers, body)
         except GateError as exc:
             if endpoint is None:
                 await self._refuse(send, ex, refusal(exc), flavor)
@@ -350,23 +350,18 @@ class Proxy:
             else:
                 response.close()
 
-    async def _relay(
-        self, send: Send, ex: _Exchange, response: aiohttp.ClientResponse, flavor: Flavor
-    ) -> None:
-        content = response.content
+    async def _relay(self, send: Send, ex: _Exchange, response: Response, flavor: Flavor) -> None:
         length = response.content_length
         whole = length is not None and length <= WHOLE_BODY_BYTES
         try:
             # A small body of known length (every non-streamed completion) is read whole, so a
             # truncated one still gets a proper 502; otherwise wait for the first bytes.
-            first = await response.read() if whole else await content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            first = await response.read() if whole else await response.readany()
+        except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
         headers = [
-            (name.lower(), value)
-            for name, value in response.raw_headers
-            if name.lower() not in _RESPONSE_DROP
+            (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
         headers.append((b"x-request-id", ex.id.encode()))
         if response.content_type == "text/event-stream":
@@ -384,8 +379,8 @@ class Proxy:
             while chunk:
                 ex.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                chunk = await content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                chunk = await response.readany()
+        except ClientError as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
             if not ex.sse:
@@ -400,15 +395,15 @@ class Proxy:
         self,
         send: Send,
         ex: _Exchange,
-        response: aiohttp.ClientResponse,
+        response: Response,
         flavor: Flavor,
         assembly: Assembly,
     ) -> None:
         """Answer a non-streamed request from the stream slotgate asked llama-server for."""
         try:
-            async for chunk in response.content.iter_any():
+            while chunk := await response.readany():
                 assembly.feed(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
         except ValueError:
@@ -429,10 +424,9 @@ class Proxy:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _relay_into_stream(
-        self, send: Send, ex: _Exchange, response: aiohttp.ClientResponse, flavor: Flavor
+        self, send: Send, ex: _Exchange, response: Response, flavor: Flavor
     ) -> None:
         """Relay into an SSE stream whose 200 head went out while the request waited."""
-        content = response.content
         try:
             if response.status != 200 or response.content_type != "text/event-stream":
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
@@ -442,10 +436,10 @@ class Proxy:
                 prefix = b"event: error\n" if flavor == "anthropic" else b""
                 await _send_event(send, prefix + b"data: " + error.strip() + b"\n\n", ex)
             else:
-                async for chunk in content.iter_any():
+                while chunk := await response.readany():
                     ex.bytes_out += len(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except ClientError as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
             await _send_event(send, stream_event(r, flavor), ex)

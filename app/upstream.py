@@ -1,18 +1,17 @@
-"""The only code that talks to llama-server: one pooled HTTP client and the capacity follower."""
+"""The only code that talks to llama-server: its connection pool and the capacity follower."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-from yarl import URL
-
 from app.admission import Admission
+from app.client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
 from app.errors import UpstreamFailed, UpstreamUnavailable
 from app.settings import Settings
 
@@ -55,51 +54,39 @@ class Props:
         )
 
 
-async def _read_props(response: aiohttp.ClientResponse) -> Props:
-    if response.status != 200:
-        text = (await response.read())[:200].decode("utf-8", "replace")
-        raise ValueError(f"/props answered {response.status}: {text}")
-    return Props.parse(await response.json(content_type=None))
-
-
 class Upstream:
-    """llama-server behind one aiohttp session, and what slotgate knows of its state."""
+    """llama-server behind one connection pool, and what slotgate knows of its state."""
 
     def __init__(self, settings: Settings, admission: Admission) -> None:
         self.url = settings.llama_server_url
-        self._root = urlsplit(self.url).path
+        parts = urlsplit(self.url)
+        self._root = parts.path
         self._admission = admission
         self._refresh_s = settings.props_refresh_interval
-        self._stall_s = settings.upstream_stall_timeout or None
+        tls = parts.scheme == "https"
+        # The pool has no connection limit: the admission pool bounds concurrent generations,
+        # and a limit here would only become a second, hidden queue behind the gate.
+        self._client = Client(
+            parts.hostname or "127.0.0.1",
+            parts.port or (443 if tls else 80),
+            tls=tls,
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+            keepalive_s=KEEPALIVE_S,
+            stall_s=settings.upstream_stall_timeout or None,
+        )
         key = settings.llama_api_key
-        self.auth: tuple[str, str] | None = (
-            ("Authorization", f"Bearer {key.get_secret_value()}") if key else None
+        self.auth: Header | None = (
+            (b"authorization", f"Bearer {key.get_secret_value()}".encode()) if key else None
         )
         self.props: Props | None = None
         self.ready = False
         self.reason = "llama-server not contacted yet"
-        self._session: aiohttp.ClientSession | None = None
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # limit=0: the admission pool bounds concurrent generations, and a connection limit
-        # here would only turn into a second, hidden queue behind the gate.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=CONNECT_TIMEOUT_S,
-            sock_connect=CONNECT_TIMEOUT_S,
-            sock_read=self._stall_s,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
         self._follower = asyncio.create_task(self._follow(), name="slotgate-props-follower")
 
     async def close(self) -> None:
@@ -107,55 +94,48 @@ class Upstream:
             self._follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follower
-        if self._session is not None:
-            await self._session.close()
+        self._client.close()
 
     # -- requests ------------------------------------------------------------------------------
 
-    def target(self, path: str, query: bytes) -> URL:
-        """The upstream URL for a request path that has already been checked to stay in root."""
-        url = self.url + path
-        if query:
-            url += "?" + query.decode("latin-1")
-        return URL(url, encoded=True)
-
-    async def send(
-        self, method: str, url: URL, headers: list[tuple[str, str]], body: bytes
-    ) -> aiohttp.ClientResponse:
-        """Send one request and return the response with its body still unread."""
-        assert self._session is not None  # noqa: S101 - start() ran in the lifespan
+    async def send(self, method: str, target: str, headers: list[Header], body: bytes) -> Response:
+        """Send one request (target: a checked, quoted path and query) and return the response
+        with its head read and its body still to come."""
         try:
-            return await self._session.request(
-                method, url, headers=headers, data=body or None, allow_redirects=False
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            return await self._client.request(method, self._root + target, headers, body)
+        except (ConnectFailed, Disconnected) as exc:
             self.poke()
             raise UpstreamUnavailable(
-                f"llama-server at {self.url} cannot be reached ({type(exc).__name__}); "
-                "retry shortly"
+                f"llama-server at {self.url} cannot be reached ({exc}); retry shortly"
             ) from None
-        except TimeoutError:
+        except Stalled:
             raise UpstreamFailed(
                 "llama-server did not answer within UPSTREAM_STALL_TIMEOUT"
             ) from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailed(
-                f"llama-server answered something that is not HTTP ({type(exc).__name__})"
-            ) from None
+        except ClientError as exc:
+            raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        headers = [self.auth] if self.auth else []
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            response = await self._client.request("GET", self._root + path, headers, b"")
+            try:
+                body = await response.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response.status, body
 
     async def metrics(self) -> bytes:
         """llama-server's own /metrics (it needs --metrics), or nothing when it has none."""
-        if self._session is None or not self.ready:
+        if not self.ready:
             return b""
-        headers = [self.auth] if self.auth else []
         try:
-            async with (
-                asyncio.timeout(CONNECT_TIMEOUT_S),
-                self._session.get(self.url + "/metrics", headers=headers) as response,
-            ):
-                return await response.read() if response.status == 200 else b""
-        except (aiohttp.ClientError, TimeoutError):
+            status, body = await self._get("/metrics")
+        except (ClientError, TimeoutError):
             return b""
+        return body if status == 200 else b""
 
     def poke(self) -> None:
         """Something went wrong with llama-server: read /props again now, not at the next tick."""
@@ -165,15 +145,13 @@ class Upstream:
 
     async def refresh(self) -> None:
         """Read /props once and follow its slot count; mark not ready on any failure."""
-        assert self._session is not None  # noqa: S101 - start() ran in the lifespan
-        headers = [self.auth] if self.auth else []
         try:
-            async with (
-                asyncio.timeout(CONNECT_TIMEOUT_S),
-                self._session.get(self.url + "/props", headers=headers) as response,
-            ):
-                props = await _read_props(response)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            status, body = await self._get("/props")
+            if status != 200:
+                text = body[:200].decode("utf-8", "replace")
+                raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
+            props = Props.parse(json.loads(body))
+        except (ClientError, TimeoutError, ValueError) as exc:
             self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
             return
         if self.props is None or props.total_slots != self.props.total_slots or not self.ready:

@@ -1,0 +1,91 @@
+"""The upstream HTTP/1.1 client on its own, against the stand-in llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.client import Client, ConnectFailed
+from tests.standin import StandIn
+
+
+def client_for(standin: StandIn, keepalive_s: float = 4.0) -> Client:
+    return Client(
+        "127.0.0.1", standin.port, tls=False, connect_timeout_s=2, keepalive_s=keepalive_s,
+        stall_s=5,
+    )  # fmt: skip
+
+
+async def test_sequential_requests_reuse_one_connection(standin: StandIn) -> None:
+    client = client_for(standin)
+    for _ in range(5):
+        response = await client.request("GET", "/props", [], b"")
+        assert json.loads(await response.read())["total_slots"] == 2
+        response.release()
+    assert standin.connections() == 1
+    client.close()
+
+
+async def test_an_idle_connection_older_than_the_keepalive_is_not_reused(
+    standin: StandIn,
+) -> None:
+    client = client_for(standin, keepalive_s=0.05)
+    first = await client.request("GET", "/props", [], b"")
+    await first.read()
+    first.release()
+    await asyncio.sleep(0.1)
+    second = await client.request("GET", "/props", [], b"")
+    await second.read()
+    second.release()
+    await asyncio.sleep(0.05)
+    assert standin.connections() == 1  # the stale one was closed, the fresh one kept
+    client.close()
+
+
+async def test_an_abandoned_response_closes_its_connection(standin: StandIn) -> None:
+    standin.tokens, standin.token_delay_s = 100, 0.02
+    client = client_for(standin)
+    body = json.dumps({"messages": [], "stream": True}).encode()
+    response = await client.request("POST", "/v1/chat/completions", [], body)
+    assert response.status == 200
+    assert response.content_type == "text/event-stream"
+    assert b"data: " in await response.readany()
+    response.close()
+    async with asyncio.timeout(5):
+        while standin.cancelled == 0:
+            await asyncio.sleep(0.01)
+    assert standin.connections() == 0
+    client.close()
+
+
+async def test_a_chunked_stream_is_decoded_to_its_events(standin: StandIn) -> None:
+    client = client_for(standin)
+    body = json.dumps({"messages": [], "stream": True}).encode()
+    response = await client.request("POST", "/v1/chat/completions", [], body)
+    data = await response.read()
+    assert data.endswith(b"data: [DONE]\n\n")
+    assert b"\r\n" not in data  # no chunk framing left in the body
+    response.release()
+    client.close()
+
+
+async def test_a_head_request_has_no_body_to_wait_for(standin: StandIn) -> None:
+    client = client_for(standin)
+    response = await client.request("HEAD", "/props", [], b"")
+    assert response.status in (200, 405)
+    async with asyncio.timeout(2):
+        assert await response.read() == b""
+    response.release()
+    client.close()
+
+
+async def test_nobody_listening_is_a_connect_failure() -> None:
+    standin = StandIn()
+    await standin.start()
+    port = standin.port
+    await standin.stop()
+    client = Client("127.0.0.1", port, tls=False, connect_timeout_s=2, keepalive_s=4, stall_s=5)
+    with pytest.raises(ConnectFailed):
+        await client.request("GET", "/props", [], b"")
