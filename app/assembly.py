@@ -11,8 +11,9 @@ a write that fails as soon as slotgate closes the connection.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from app.endpoints import Kind
 
@@ -25,7 +26,7 @@ class Assembly:
         # /v1/completions and the chat routes speak OpenAI's.
         self._native = kind is Kind.COMPLETION and path != "/v1/completions"
         self._chat = kind is Kind.CHAT
-        self._pending = b""
+        self._received: list[bytes] = []
         self._head: dict[str, Any] = {}
         self._choices: dict[int, dict[str, Any]] = {}
         self._last: dict[str, Any] = {}
@@ -34,17 +35,20 @@ class Assembly:
         self.error: dict[str, Any] | None = None
 
     def feed(self, data: bytes) -> None:
-        self._pending += data
-        *events, self._pending = self._pending.replace(b"\r\n", b"\n").split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._event(line[5:].strip())
+        # Kept whole and parsed once at the end: the answer needs every event anyway, and one
+        # pass over the joined bytes is far cheaper than re-splitting after every chunk.
+        self._received.append(data)
+
+    def _parse(self) -> None:
+        stream = b"".join(self._received).replace(b"\r\n", b"\n")
+        for line in stream.split(b"\n"):
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip())
 
     def _event(self, payload: bytes) -> None:
         if not payload or payload == b"[DONE]" or self.error is not None:
             return
-        chunk = json.loads(payload)
+        chunk = orjson.loads(payload)
         if not isinstance(chunk, dict):
             return
         if "error" in chunk:
@@ -96,7 +100,11 @@ class Assembly:
         self._last = chunk
 
     def result(self) -> tuple[int, bytes]:
-        """Status and JSON body of the assembled answer (an error one if the stream failed)."""
+        """Status and JSON body of the assembled answer (an error one if the stream failed).
+
+        Raises ValueError when an event is not JSON.
+        """
+        self._parse()
         if self.error is not None:
             code = self.error.get("error", {}).get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
@@ -140,7 +148,7 @@ class Assembly:
 
 def streaming_body(body: bytes) -> bytes:
     """The request body asking llama-server for a stream, with usage in its last events."""
-    payload = json.loads(body)
+    payload = orjson.loads(body)
     payload["stream"] = True
     if "stream_options" not in payload:
         payload["stream_options"] = {"include_usage": True}
@@ -155,4 +163,4 @@ def _extend(into: dict[str, Any], logprobs: Any) -> None:
 
 
 def _dump(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    return orjson.dumps(value)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+import orjson
 
 from app.errors import BadRequest, Flavor, UnsupportedMediaType
 
@@ -114,12 +115,9 @@ def parse_json(body: bytes) -> dict[str, Any]:
     if not body:
         raise BadRequest("request body is empty; send a JSON object")
     try:
-        payload = json.loads(body)
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
-    except UnicodeDecodeError:
-        raise BadRequest("request body is not valid UTF-8") from None
-    except ValueError as exc:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson also refuses invalid UTF-8 and nesting deeper than 1024 levels here.
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest("request body must be a JSON object")

@@ -403,6 +403,7 @@ class Proxy:
         try:
             while chunk := await response.readany():
                 assembly.feed(chunk)
+            status, body = assembly.result()
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -410,7 +411,6 @@ class Proxy:
             failure = UpstreamFailed("llama-server sent a stream event that is not JSON")
             await self._refuse(send, ex, refusal(failure), flavor)
             return
-        status, body = assembly.result()
         if status != 200:
             ex.outcome = "upstream_error"
         ex.status = status
