@@ -10,6 +10,7 @@ import os
 import random
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -34,7 +35,7 @@ def open_fds(pid: int) -> int:
 
 
 async def test_soak_keeps_memory_descriptors_and_the_pool_flat(
-    record_property: pytest.RecordProperty,
+    record_property: Callable[[str, object], None],
 ) -> None:
     seconds = float(os.environ.get("SLOTGATE_SOAK_SECONDS", "20"))
     standin = StandIn(total_slots=2, tokens=6, token_delay_s=0.01)
