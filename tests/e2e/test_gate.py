@@ -232,8 +232,8 @@ async def test_a_prompt_longer_than_a_slot_gets_llama_cpp_own_400_unchanged(
     strict=True,
     reason=(
         "slotgate bug: llama.cpp closes the connection after each streamed answer though it "
-        "sends Keep-Alive; aiohttp pools it, and a waiter handed the slot at that moment is "
-        "sent down the dead connection and answered 503 (ServerDisconnectedError). Fix: send "
+        "sends Keep-Alive; slotgate pools it, and a waiter handed the slot at that moment is "
+        "sent down the dead connection and answered 503 (upstream disconnected). Fix: send "
         "'Connection: close' upstream on streamed requests (app/relay.py)."
     ),
 )
