@@ -392,8 +392,12 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_log(
     ]  # fmt: skip
     assert health(local.url) == 200
     assert local.poll() is None
-    forwarded = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "slotgate.engine"]
-    assert (logging.WARNING, "srv init: fake llama-server listening") in forwarded
+    line = (logging.WARNING, "srv init: fake llama-server listening")
+    deadline = time.monotonic() + 5  # the log is forwarded by a thread of its own
+    while line not in [(r.levelno, r.getMessage()) for r in caplog.records]:
+        assert time.monotonic() < deadline, "the engine's log line was not forwarded"
+        time.sleep(0.02)
+    assert all(r.name == "slotgate.engine" for r in caplog.records if r.getMessage() == line[1])
 
 
 def test_stop_ends_the_engine_and_its_llama_server_and_may_be_repeated(
@@ -424,7 +428,7 @@ def test_a_llama_server_that_ignores_sigterm_is_killed_after_the_grace_period(
     local.stop()
 
     assert 0.5 <= time.monotonic() - started < 5
-    assert not running(server)
+    wait_gone(server, timeout_s=2)  # SIGKILLed with its group, it has no reaper but init
 
 
 def test_an_engine_that_exits_while_starting_fails_with_its_first_error(
