@@ -24,6 +24,7 @@ Header = tuple[bytes, bytes]
 #: Body bytes buffered from a connection before it stops reading from the socket; beyond this
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
 HIGH_WATER_BYTES = 64 * 1024
+_SSE = "text/event-stream"
 
 
 class ClientError(Exception):
@@ -221,7 +222,11 @@ class Response:
             return
         self._done = True
         conn = self._conn
-        if conn.complete and conn.keep_alive and not self._head_only and conn.error is None:
+        # llama-server closes the connection after every streamed answer although its head
+        # says Keep-Alive: pooled, it would fail the next request sent down it (typically a
+        # waiter handed the slot as the stream ends). An event stream's connection is not reused.
+        reusable = conn.keep_alive and not self._head_only and self.content_type != _SSE
+        if conn.complete and reusable and conn.error is None:
             self._client._give_back(conn)
         else:
             conn.close()

@@ -120,9 +120,13 @@ async def test_clients_dropping_at_random_moments_leave_llama_cpp_idle(
     counts = {o: outcomes.count(o) for o in set(outcomes)}
     record_property("chaos_outcomes", counts)
     record_property("chaos_idle_after_last_drop_s", round(since_last, 2))
-    print(f"\nchaos: {counts}; llama.cpp idle "  # noqa: T201
+    print(f"\nchaos: {counts}; max deferred {watch.max_deferred}; llama.cpp idle "  # noqa: T201
           f"{since_last:.2f} s after the last drop (polled every {POLL_S} s)")  # fmt: skip
     assert outcomes.count("dropped") >= 20
     assert idle_s <= 3.0
     assert watch.max_busy <= 2
-    assert watch.max_deferred == 0
+    # Not asserted to be 0 here, unlike the burst without drops: llama.cpp notices a closed
+    # connection only at its next write (one decode step, or the end of prompt processing), and
+    # the slot slotgate freed at the close may already carry the next request, which waits that
+    # long inside llama.cpp. Reported, so the window stays visible.
+    record_property("chaos_max_deferred", watch.max_deferred)
