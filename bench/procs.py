@@ -17,6 +17,8 @@ from pathlib import Path
 SERVER_CORE = 0
 CLIENT_CORE = 1
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+#: Servers that ended before the bench stopped them, for the run's notes.
+DEATHS: list[str] = []
 #: Read once at import, before the runner pins itself to the load generator's core.
 _USABLE = frozenset(os.sched_getaffinity(0))
 
@@ -100,20 +102,37 @@ class Server:
         except OSError:
             return ""
 
+    def listening(self) -> bool:
+        with socket.socket() as probe:
+            probe.settimeout(1.0)
+            return probe.connect_ex(("127.0.0.1", self.port)) == 0
+
     def stop(self) -> None:
-        """SIGTERM the process group this bench created for it, then SIGKILL what is left."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
+        """SIGTERM the process, then SIGKILL it and whatever it started that is left."""
+        code = self.process.poll()
+        if code is not None:
+            # It ended before the bench stopped it: say so, or its figures would be a mystery.
+            DEATHS.append(
+                f"{self.name} exited on its own with status {code} before the bench "
+                f"stopped it (log: {self.log})"
+            )
+        elif self.port and not self.listening():
+            DEATHS.append(
+                f"{self.name} had stopped listening before the bench stopped it: something "
+                "outside the bench signalled it, and its figures from then on are missing"
+            )
+        children = [pid for pid in self.pids() if pid != self.process.pid]
+        if code is None:
+            self.process.terminate()
             try:
                 self.process.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.kill()
                 self.process.wait(timeout=10)
-        # Children that outlived their parent (a worker) still carry the group id.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        # Its children (nginx's worker, a server's helpers) by their ids, never by name.
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         for step in self.cleanup:
             step()
 
@@ -127,7 +146,7 @@ def spawn(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> Server:
-    """Start `command` in its own process group, pinned to `core`, its output in a log file."""
+    """Start `command` pinned to `core`, its output in a log file."""
     log = logs / f"{name}.log"
     pin = pinning_possible()
 
@@ -144,7 +163,9 @@ def spawn(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             cwd=cwd,
-            start_new_session=True,
+            # Kept in the bench's own process group and session: a server moved to a session
+            # of its own looks, to a machine's clean-up, like something left behind, and was
+            # seen to be stopped mid-run.
             preexec_fn=setup,
         )
     return Server(name, port, process, log)
