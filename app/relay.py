@@ -66,6 +66,8 @@ _SSE_HEAD: Headers = [
 #: uvicorn sets no bound on header size; llama-server's HTTP library refuses lines over 8 KiB.
 #: Anything past this is refused here, before it costs a slot or an upstream connection.
 MAX_HEADER_BYTES = 64 * 1024
+#: How long a request runs before slotgate starts watching for its client to leave.
+WATCH_AFTER_S = 0.02
 #: Non-streamed answers up to this size are read whole before the head goes out.
 WHOLE_BODY_BYTES = 1024 * 1024
 #: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
@@ -108,16 +110,26 @@ class _Watch:
     uvicorn answers `receive()` with `http.disconnect` once the client is gone, so one
     pending `receive()` is the cheapest way to learn of it while the task is busy waiting
     for a slot or for llama-server. The task is cancelled rather than polled, so every
-    `finally` on the way out (upstream close, slot release) runs at once.
+    `finally` on the way out (upstream close, slot release) runs at once. The pending
+    `receive()` starts only after WATCH_AFTER_S: a request answered sooner never pays for
+    it, and a client leaving in that time is noticed at most that much later.
     """
 
-    __slots__ = ("_pending", "_task", "done", "gone")
+    __slots__ = ("_pending", "_receive", "_task", "_timer", "done", "gone")
 
     def __init__(self, receive: Receive) -> None:
         self._task = asyncio.current_task()
+        self._receive = receive
         self.gone = False
         self.done = False
-        self._pending = asyncio.ensure_future(receive())
+        self._pending: asyncio.Future[Message] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            WATCH_AFTER_S, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._pending = asyncio.ensure_future(self._receive())
         self._pending.add_done_callback(self._on_message)
 
     def _on_message(self, pending: asyncio.Future[Message]) -> None:
@@ -129,7 +141,10 @@ class _Watch:
 
     def stop(self) -> None:
         self.done = True
-        self._pending.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._pending is not None:
+            self._pending.cancel()
 
     def ours(self) -> bool:
         """After a CancelledError: was it only this watch's doing (so it may end here)?"""

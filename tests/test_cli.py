@@ -63,18 +63,18 @@ async def slotgate(standin: StandIn) -> AsyncIterator[Process]:
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "app", env=env)
     process = Process(proc, f"http://127.0.0.1:{port}")
-    async with httpx.AsyncClient() as client, asyncio.timeout(20):
-        while True:
-            try:
-                if (await client.get(process.url + "/readyz")).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
-    yield process
-    if proc.returncode is None:
-        proc.kill()
-        await proc.wait()
+    try:
+        async with httpx.AsyncClient() as client, asyncio.timeout(20):
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get(process.url + "/readyz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+        yield process
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def test_sigterm_lets_running_streams_finish_then_exits_zero(
