@@ -172,7 +172,7 @@ class Bench:
     def step(self, key: str, work: Callable[[], Any]) -> Any:
         """Run one measurement; a failure is recorded in the results rather than ending the run."""
         started = time.monotonic()
-        busy, own = _busy_cpu_s(), _own_cpu_s()
+        others = _others_cpu_s()
         print(f"bench: {key} ...", flush=True)
         try:
             value = work()
@@ -181,7 +181,7 @@ class Bench:
             value = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         elapsed = time.monotonic() - started
         # Other people's processes on this machine skew figures: say how much ran beside us.
-        foreign = max(0.0, (_busy_cpu_s() - busy) - (_own_cpu_s() - own))
+        foreign = _foreign_s(others)
         self.foreign[key] = round(foreign / (elapsed * (os.cpu_count() or 1)), 3)
         print(
             f"bench: {key} done in {elapsed:.1f} s (foreign CPU {self.foreign[key]:.1%})",
@@ -307,28 +307,27 @@ def _tree() -> str:
     return head + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
-def _busy_cpu_s() -> float:
-    """CPU time the machine's processes spent since boot (user, nice, system).
-
-    Interrupt and softirq time are left out: loopback traffic is processed there, and that
-    is the bench's own traffic, which no process is charged for.
-    """
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(values[:3]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """CPU time of this process, its reaped children and its live descendants."""
+def _others_cpu_s() -> dict[int, float]:
+    """CPU time of every process outside this bench's tree, by pid (reaped children included)."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in descendants(os.getpid()):
+    ours = set(descendants(os.getpid()))
+    found: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in ours:
+            continue
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
+            stat = (entry / "stat").read_text()
         except OSError:
             continue
         parts = stat[stat.rindex(")") + 2 :].split()
-        total += sum(int(v) for v in parts[11:15]) / tick
-    return total
+        found[int(entry.name)] = sum(int(v) for v in parts[11:15]) / tick
+    return found
+
+
+def _foreign_s(before: dict[int, float]) -> float:
+    """CPU other processes used since `before` (those that came and went unseen excepted)."""
+    after = _others_cpu_s()
+    return sum(max(0.0, used - before.get(pid, 0.0)) for pid, used in after.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,12 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.notes.append("scenario 1 load generator: the bench's Python client (wrk not used)")
     started_wall = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     started = time.monotonic()
-    busy_before, own_before = _busy_cpu_s(), _own_cpu_s()
+    others = _others_cpu_s()
     try:
         bench.run()
     finally:
         duration = time.monotonic() - started
-        foreign = max(0.0, (_busy_cpu_s() - busy_before) - (_own_cpu_s() - own_before))
+        foreign = _foreign_s(others)
         results = bench.results
         results["meta"] = {
             "started": started_wall,
