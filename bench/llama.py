@@ -25,11 +25,34 @@ from bench.contenders import REPO
 from bench.loadgen import closed_loop, connect, fetch, request_bytes, wait_http
 from bench.loop import run_loop
 from bench.procs import SERVER_CORE, Server, free_port, spawn
+from bench.stats import percentile
 
 SLOTS = 2
 _TOKEN = re.compile(rb'"delta":\{"content"')
 _DEFERRED = re.compile(rb"^llamacpp:requests_deferred\s+(\S+)", re.MULTILINE)
 _PREDICTED = re.compile(rb"^llamacpp:tokens_predicted_total\s+(\S+)", re.MULTILINE)
+#: llama.cpp's log lines for a slot freed and a slot given its next task, with their clock.
+_SLOT_EVENT = re.compile(
+    r"^(\d+)\.(\d+)\.(\d+)\.(\d+) I slot\s+(release|launch_slot_): id\s+(\d+)", re.MULTILINE
+)
+
+
+def slot_idle_ms(log: str) -> list[float]:
+    """For each slot hand-off in this piece of llama.cpp's log: ms from release to next launch.
+
+    This is the idle time of the engine's own slot, which is what a gate in front of it costs
+    the GPU; a deferred task inside llama.cpp starts in the same loop iteration its slot frees.
+    """
+    freed: dict[str, float] = {}
+    gaps: list[float] = []
+    for match in _SLOT_EVENT.finditer(log):
+        minutes, seconds, millis, micros, kind, slot = match.groups()
+        at = int(minutes) * 60 + int(seconds) + int(millis) / 1e3 + int(micros) / 1e6
+        if kind == "release":
+            freed[slot] = at
+        elif slot in freed:
+            gaps.append(round((at - freed.pop(slot)) * 1000, 3))
+    return gaps
 
 
 def available() -> str | None:
@@ -128,9 +151,12 @@ def scenario(
             phases: dict[str, list[dict[str, Any]]] = {"direct": [], "slotgate": []}
             for _ in range(rounds):
                 for name, port in (("direct", llama.port), ("slotgate", gate.port)):
-                    phases[name].append(
-                        run_loop(_phase(port, llama.port, clients, max_tokens, seconds))
-                    )
+                    mark = llama.log.stat().st_size
+                    phase = run_loop(_phase(port, llama.port, clients, max_tokens, seconds))
+                    with llama.log.open(errors="replace") as log:
+                        log.seek(mark)
+                        phase["slot_idle_ms"] = slot_idle_ms(log.read())
+                    phases[name].append(phase)
         finally:
             gate.stop()
     finally:
@@ -145,11 +171,15 @@ def scenario(
     for name, runs in phases.items():
         tokens = sum(run["tokens"] for run in runs)
         deferred = [d for run in runs for d in run["requests_deferred_samples"]]
+        idle = [gap for run in runs for gap in run["slot_idle_ms"]]
         summary[name] = {
             "tokens_per_s": round(tokens / (seconds * len(runs)), 2),
             "per_round_tokens_per_s": [run["tokens_per_s"] for run in runs],
             "requests_deferred_max": max(deferred) if deferred else None,
             "requests_deferred_samples": deferred,
+            "llama_slot_handoffs": len(idle),
+            "llama_slot_idle_p50_ms": percentile(idle, 50),
+            "llama_slot_idle_p90_ms": percentile(idle, 90),
         }
     direct = summary["direct"]["tokens_per_s"]
     summary["ratio"] = round(summary["slotgate"]["tokens_per_s"] / direct, 4) if direct else None
