@@ -25,6 +25,8 @@ Header = tuple[bytes, bytes]
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
 HIGH_WATER_BYTES = 64 * 1024
 _SSE = "text/event-stream"
+#: Connections opened ahead of need after a stream ends (see Response.release).
+WARM_CONNECTIONS = 2
 
 
 class ClientError(Exception):
@@ -228,8 +230,13 @@ class Response:
         reusable = conn.keep_alive and not self._head_only and self.content_type != _SSE
         if conn.complete and reusable and conn.error is None:
             self._client._give_back(conn)
-        else:
-            conn.close()
+            return
+        conn.close()
+        if conn.complete and conn.error is None:
+            # A finished exchange whose connection cannot be reused (every stream's): open its
+            # replacement now, off the critical path, so the next request (typically the
+            # waiter just handed this slot) does not wait for a TCP handshake.
+            self._client._prepare()
 
     def close(self) -> None:
         """Abandon it: the connection is closed, never pooled (llama-server then cancels)."""
@@ -259,6 +266,7 @@ class Client:
         self._keepalive_s = keepalive_s
         self.stall_s = stall_s
         self._idle: list[_Connection] = []
+        self._warming: set[asyncio.Task[None]] = set()
         self._closed = False
 
     async def request(
@@ -322,7 +330,23 @@ class Client:
             raise ConnectFailed(f"cannot connect to {self._host}:{self._port} ({exc})") from None
         return conn
 
+    def _prepare(self) -> None:
+        if self._closed or len(self._idle) + len(self._warming) >= WARM_CONNECTIONS:
+            return
+        task = asyncio.ensure_future(self._warm())
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self) -> None:
+        try:
+            conn = await self._connect()
+        except ConnectFailed:
+            return  # the next request will find out, and say so
+        self._give_back(conn)
+
     def close(self) -> None:
         self._closed = True
+        for task in self._warming:
+            task.cancel()
         while self._idle:
             self._idle.pop().close()

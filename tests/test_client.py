@@ -89,3 +89,23 @@ async def test_nobody_listening_is_a_connect_failure() -> None:
     client = Client("127.0.0.1", port, tls=False, connect_timeout_s=2, keepalive_s=4, stall_s=5)
     with pytest.raises(ConnectFailed):
         await client.request("GET", "/props", [], b"")
+
+
+async def test_after_a_stream_a_replacement_connection_is_opened_ahead_of_need(
+    standin: StandIn,
+) -> None:
+    standin.tokens, standin.token_delay_s = 2, 0
+    client = client_for(standin)
+    body = json.dumps({"messages": [], "stream": True}).encode()
+    response = await client.request("POST", "/v1/chat/completions", [], body)
+    await response.read()
+    response.release()  # an event stream's connection is closed, never pooled...
+    async with asyncio.timeout(5):
+        while not client._idle:  # ...and a fresh one is made ready for the next request
+            await asyncio.sleep(0.01)
+    warm = client._idle[0]
+    following = await client.request("GET", "/props", [], b"")
+    assert following._conn is warm
+    await following.read()
+    following.release()
+    client.close()
