@@ -14,6 +14,8 @@ from bench.procs import CLIENT_CORE, SERVER_CORE, Server, free_port, spawn
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 LITELLM_VENV = BENCH / ".venv-litellm"
+#: The checkout whose app/ is measured (`--slotgate-tree`), first on slotgate's import path.
+slotgate_tree = REPO
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def start_slotgate(
         "PORT": str(port),
         "HOST": "127.0.0.1",
         "LOG_LEVEL": "warning",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": str(slotgate_tree),
     }
     values.update(env or {})
     # Settings also read ./.env: run from the log folder, where none can be.

@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where latest.json, latest.md and the PNGs go",
     )
     parser.add_argument(
+        "--slotgate-tree",
+        type=Path,
+        default=None,
+        help="measure the app/ of another checkout (an A/B of a change); default: this one",
+    )
+    parser.add_argument(
         "--no-install", action="store_true", help="never run apt-get or pip; skip what is missing"
     )
     for item in fields(Sizes):
@@ -282,14 +288,14 @@ def _machine() -> str:
     return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}"
 
 
-def _tree() -> str:
+def _tree(root: Path) -> str:
     """The slotgate code measured: HEAD, plus the files of app/ that differ from it."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
-            cwd=BENCH.parent,
+            cwd=root,
             timeout=10,
             check=False,
         ).stdout.strip()
@@ -297,7 +303,7 @@ def _tree() -> str:
             ["git", "status", "--short", "--", "app"],
             capture_output=True,
             text=True,
-            cwd=BENCH.parent,
+            cwd=root,
             timeout=10,
             check=False,
         ).stdout.split("\n")
@@ -335,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sizes_from(args)
     pin_self(CLIENT_CORE)
     fd_limit = raise_fd_limit()
+    if args.slotgate_tree is not None:
+        contenders.slotgate_tree = args.slotgate_tree.resolve()
     bench = Bench(args, sizes)
     if not args.no_install:
         provision.everything(bench.notes, any(c.kind == "litellm" for c in bench.contenders))
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),
             "duration_s": round(duration, 1),
             "machine": _machine(),
-            "slotgate_tree": _tree(),
+            "slotgate_tree": _tree(contenders.slotgate_tree),
             "server_core": SERVER_CORE,
             "client_core": CLIENT_CORE,
             "pinned": pinning_possible(),
