@@ -309,8 +309,8 @@ class Proxy:
         finally:
             watch.stop()
             ticket.release()
-            if ticket.admitted:
-                self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)  # type: ignore[operator]
+            if ticket.admitted_at is not None:
+                self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)
 
     async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
         """Wait in line, telling the client where it stands every keep-alive interval."""
