@@ -428,18 +428,16 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         t = [sample["t_s"] for sample in samples]
         figure, axis = plt.subplots(figsize=(10, 4.5))
         axis.plot(t, [sample["queued"] for sample in samples], label="queued (line depth)")
-        axis.plot(t, [sample["active"] for sample in samples], label="active slots")
+        axis.plot(t, [sample["done"] for sample in samples], color="gray", linestyle=":",
+                  label="answered")  # fmt: skip
         axis.set_xlabel("seconds")
         axis.set_ylabel("requests")
+        # Active slots live on their own scale: a handful against hundreds in line.
         other = axis.twinx()
-        other.plot(
-            t,
-            [sample["done"] for sample in samples],
-            color="gray",
-            linestyle=":",
-            label="answered (right axis)",
-        )
-        other.set_ylabel("answered")
+        other.plot(t, [sample["active"] for sample in samples], color="tab:orange",
+                   label="active slots (right axis)")  # fmt: skip
+        other.set_ylabel("active slots")
+        other.set_ylim(0, burst["slots"] + 1)
         axis.set_title(
             f"Burst of {burst['clients']} requests on {burst['slots']} slots "
             f"({burst['generation_s'] * 1000:.0f} ms each), from slotgate's /admission"
