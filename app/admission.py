@@ -142,9 +142,15 @@ class Ticket:
         admission = self._admission
         future = self._future
         assert future is not None  # noqa: S101 - set by Admission.enter for every waiter
+        deadline = admission._deadline(self.entered_at)
         try:
-            async with asyncio.timeout_at(admission._deadline(self.entered_at)):
+            if deadline is None:
+                # No scope at all without QUEUE_TIMEOUT (the default): an idle timeout scope
+                # costs more than the whole hand-off it would wrap.
                 await future
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await future
         except BaseException as exc:
             self.release()
             if isinstance(exc, TimeoutError):

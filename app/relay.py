@@ -75,6 +75,8 @@ _ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
+#: Shared by every request whose Connection header names nothing.
+_NONE_NAMED: frozenset[bytes] = frozenset()
 
 
 class ClientGone(Exception):
@@ -102,6 +104,13 @@ class _Exchange:
         self.bytes_out = 0
         self.weight = 0
         self.ticket: Ticket | None = None
+
+    def upstream_done(self, response: Response) -> None:
+        """llama-server has sent its last byte: its slot is free, so ours is handed on now,
+        before the rest is relayed, and the next request does not wait for the client."""
+        response.release()
+        if self.ticket is not None:
+            self.ticket.release()
 
 
 class _Watch:
@@ -387,6 +396,8 @@ class Proxy:
             # A small body of known length (every non-streamed completion) is read whole, so a
             # truncated one still gets a proper 502; otherwise wait for the first bytes.
             first = await response.read() if whole else await response.readany()
+            if whole:
+                ex.upstream_done(response)
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -410,6 +421,7 @@ class Proxy:
                 ex.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await response.readany()
+            ex.upstream_done(response)
         except ClientError as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
@@ -433,6 +445,7 @@ class Proxy:
         try:
             while chunk := await response.readany():
                 assembly.feed(chunk)
+            ex.upstream_done(response)
             status, body = assembly.result()
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
@@ -462,6 +475,7 @@ class Proxy:
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
                 error = await response.read()
+                ex.upstream_done(response)
                 ex.outcome = "upstream_error"
                 prefix = b"event: error\n" if flavor == "anthropic" else b""
                 await _send_event(send, prefix + b"data: " + error.strip() + b"\n\n", ex)
@@ -469,6 +483,7 @@ class Proxy:
                 while chunk := await response.readany():
                     ex.bytes_out += len(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                ex.upstream_done(response)
         except ClientError as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
@@ -529,7 +544,7 @@ class _RequestHead:
         self.content_length: int | None = None
         self.content_type = ""
         self.has_request_id = False
-        self.connection_named: frozenset[bytes] = frozenset()
+        self.connection_named = _NONE_NAMED
         size = 0
         for name, value in raw:
             size += len(name) + len(value)
