@@ -328,6 +328,8 @@ async def test_thousands_of_random_steps_leak_nothing() -> None:
         held = sum(t.weight for t in holders)
         assert admission.active <= 3
         assert admission.active >= held
+        # The line's count is exactly the waiters still waiting, whatever left from its middle.
+        assert admission.queued == sum(1 for t, _ in tasks if not t.granted)
     for ticket in holders:
         ticket.release()
     for ticket, task in tasks:
@@ -335,4 +337,22 @@ async def test_thousands_of_random_steps_leak_nothing() -> None:
         ticket.release()
     await settle()
     assert refused > 0
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_a_line_emptied_from_its_middle_stays_small_and_counts_right() -> None:
+    admission = pool(1, max_queue=0)
+    holder = admission.enter()
+    waiters = [admission.enter() for _ in range(1000)]
+    # Everyone but the first and the last gives up: the leftovers are compacted away.
+    for ticket in waiters[1:-1]:
+        ticket.release()
+    assert admission.queued == 2
+    assert len(admission._line) < 100
+    holder.release()
+    await waiters[0].wait()
+    waiters[0].release()
+    await waiters[-1].wait()
+    assert waiters[-1].admitted
+    waiters[-1].release()
     assert (admission.active, admission.queued) == (0, 0)
