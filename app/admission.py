@@ -158,27 +158,29 @@ class Ticket:
         if not self._released:
             self.admitted_at = time.monotonic()
 
-    def release(self) -> None:
-        """Give the slots back, or the place in the line; calling it twice is harmless."""
+    def release(self) -> bool:
+        """Give the slots back, or the place in the line; calling it twice is harmless.
+
+        True when the release handed slots to a waiter.
+        """
         if self._released:
-            return
+            return False
         self._released = True
         admission = self._admission
         if self.admitted_at is not None:
-            admission._release(self.weight, time.monotonic() - self.admitted_at)
-            return
+            return admission._release(self.weight, time.monotonic() - self.admitted_at)
         future = self._future
         if future is None:
-            return
+            return False
         if future.done() and not future.cancelled() and future.exception() is None:
             # Handed the slots while its waiter was giving up, before it could resume:
             # pass them on, or they leak.
-            admission._release(self.weight, None)
-            return
+            return admission._release(self.weight, None)
         # Refused by resize or close (an exception set) means already out of the count.
         counted = not future.done() or future.cancelled()
         future.cancel()
         admission._leave(counted)
+        return False
 
 
 class Admission:
@@ -320,11 +322,13 @@ class Admission:
         # The leaver may have been the head that blocked a lighter waiter behind it.
         self._dispatch()
 
-    def _release(self, weight: int, hold_s: float | None) -> None:
+    def _release(self, weight: int, hold_s: float | None) -> bool:
         self._active -= weight
         if hold_s is not None:
             self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
+        before = self.admitted_total
         self._dispatch()
+        return self.admitted_total != before
 
     def _dispatch(self) -> None:
         capacity = self._capacity

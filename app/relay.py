@@ -105,12 +105,14 @@ class _Exchange:
         self.weight = 0
         self.ticket: Ticket | None = None
 
-    def upstream_done(self, response: Response) -> None:
+    async def upstream_done(self, response: Response) -> None:
         """llama-server has sent its last byte: its slot is free, so ours is handed on now,
         before the rest is relayed, and the next request does not wait for the client."""
         response.release()
-        if self.ticket is not None:
-            self.ticket.release()
+        if self.ticket is not None and self.ticket.release():
+            # Let the waiter just handed the slot send its request before this answer is
+            # relayed: llama-server's slot should not sit idle while slotgate writes to a client.
+            await asyncio.sleep(0)
 
 
 class _Watch:
@@ -397,7 +399,7 @@ class Proxy:
             # truncated one still gets a proper 502; otherwise wait for the first bytes.
             first = await response.read() if whole else await response.readany()
             if whole:
-                ex.upstream_done(response)
+                await ex.upstream_done(response)
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -421,7 +423,7 @@ class Proxy:
                 ex.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await response.readany()
-            ex.upstream_done(response)
+            await ex.upstream_done(response)
         except ClientError as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
@@ -445,7 +447,7 @@ class Proxy:
         try:
             while chunk := await response.readany():
                 assembly.feed(chunk)
-            ex.upstream_done(response)
+            await ex.upstream_done(response)
             status, body = assembly.result()
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
@@ -475,7 +477,7 @@ class Proxy:
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
                 error = await response.read()
-                ex.upstream_done(response)
+                await ex.upstream_done(response)
                 ex.outcome = "upstream_error"
                 prefix = b"event: error\n" if flavor == "anthropic" else b""
                 await _send_event(send, prefix + b"data: " + error.strip() + b"\n\n", ex)
@@ -483,7 +485,7 @@ class Proxy:
                 while chunk := await response.readany():
                     ex.bytes_out += len(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                ex.upstream_done(response)
+                await ex.upstream_done(response)
         except ClientError as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason

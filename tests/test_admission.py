@@ -356,3 +356,12 @@ async def test_a_line_emptied_from_its_middle_stays_small_and_counts_right() -> 
     assert waiters[-1].admitted
     waiters[-1].release()
     assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_release_says_whether_it_handed_the_slot_to_a_waiter() -> None:
+    admission = pool(1)
+    first = admission.enter()
+    second = admission.enter()
+    assert first.release() is True  # `second` got the slot
+    await second.wait()
+    assert second.release() is False  # nobody was waiting
