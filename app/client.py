@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import httptools
@@ -27,6 +27,9 @@ HIGH_WATER_BYTES = 64 * 1024
 _SSE = "text/event-stream"
 #: Connections opened ahead of need after a stream ends (see Response.release).
 WARM_CONNECTIONS = 2
+#: How long the first connections that carried an event stream are held aside, to learn
+#: whether the upstream closes them (see Client._after_stream).
+STREAM_PROBE_S = 1.0
 
 
 class ClientError(Exception):
@@ -56,6 +59,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
+        #: Called once if the connection closes while held aside after a stream.
+        self.on_lost: Callable[[], None] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -88,6 +93,9 @@ class _Connection(asyncio.Protocol):
         self.transport = None
         if not self.complete:
             self._fail(Disconnected("upstream closed the connection mid-response"))
+        on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            on_lost()
 
     # -- httptools callbacks ------------------------------------------------------------------
 
@@ -224,18 +232,17 @@ class Response:
             return
         self._done = True
         conn = self._conn
-        # llama-server closes the connection after every streamed answer although its head
-        # says Keep-Alive: pooled, it would fail the next request sent down it (typically a
-        # waiter handed the slot as the stream ends). An event stream's connection is not reused.
-        reusable = conn.keep_alive and not self._head_only and self.content_type != _SSE
-        if conn.complete and reusable and conn.error is None:
-            self._client._give_back(conn)
+        if conn.complete and conn.error is None and conn.keep_alive and not self._head_only:
+            if self.content_type == _SSE:
+                self._client._after_stream(conn)
+            else:
+                self._client._give_back(conn)
             return
         conn.close()
         if conn.complete and conn.error is None:
-            # A finished exchange whose connection cannot be reused (every stream's): open its
-            # replacement now, off the critical path, so the next request (typically the
-            # waiter just handed this slot) does not wait for a TCP handshake.
+            # A finished exchange whose connection cannot be reused: open its replacement now,
+            # off the critical path, so the next request (typically the waiter just handed
+            # this slot) does not wait for a TCP handshake.
             self._client._prepare()
 
     def close(self) -> None:
@@ -267,6 +274,9 @@ class Client:
         self.stall_s = stall_s
         self._idle: list[_Connection] = []
         self._warming: set[asyncio.Task[None]] = set()
+        self._probe: tuple[_Connection, asyncio.TimerHandle] | None = None
+        #: Does the upstream keep a connection open after an event stream? None until seen.
+        self.streams_kept: bool | None = None
         self._closed = False
 
     async def request(
@@ -327,8 +337,52 @@ class Client:
                 f"connecting to {self._host}:{self._port} took over {self._connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
+            # Whatever answers next may be another build: learn its habits afresh.
+            self.streams_kept = None
             raise ConnectFailed(f"cannot connect to {self._host}:{self._port} ({exc})") from None
         return conn
+
+    def _after_stream(self, conn: _Connection) -> None:
+        """Pool or close a connection whose event stream ended cleanly.
+
+        llama-server (the builds measured) closes the connection after every streamed answer
+        although its head says Keep-Alive; pooled, such a connection would fail the next
+        request sent down it, typically the waiter just handed the slot, and a POST cannot
+        be retried safely. Other upstreams keep it, and reusing it saves a TCP handshake per
+        request. Which one this is, is learned from the first stream: its connection is held
+        aside for STREAM_PROBE_S, never used, and the upstream either closes it (stream
+        connections are closed from then on) or leaves it open (pooled from then on).
+        """
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            self.streams_kept = False
+        elif self.streams_kept:
+            self._give_back(conn)
+            return
+        elif self.streams_kept is None and self._probe is None:
+            timer = asyncio.get_running_loop().call_later(STREAM_PROBE_S, self._probed)
+            self._probe = conn, timer
+            conn.on_lost = self._closed_after_stream
+            self._prepare()
+            return
+        conn.close()
+        self._prepare()
+
+    def _probed(self) -> None:
+        assert self._probe is not None  # noqa: S101 - the timer is cancelled with the probe
+        conn, _ = self._probe
+        self._probe = None
+        conn.on_lost = None
+        if self.streams_kept is None:
+            self.streams_kept = True
+        self._give_back(conn)
+        conn.idle_since -= STREAM_PROBE_S  # idle at the upstream since its stream ended
+
+    def _closed_after_stream(self) -> None:
+        if self._probe is not None:
+            self._probe[1].cancel()
+            self._probe = None
+            self.streams_kept = False
 
     def _prepare(self) -> None:
         if self._closed or len(self._idle) + len(self._warming) >= WARM_CONNECTIONS:
@@ -348,5 +402,11 @@ class Client:
         self._closed = True
         for task in self._warming:
             task.cancel()
+        if self._probe is not None:
+            conn, timer = self._probe
+            self._probe = None
+            timer.cancel()
+            conn.on_lost = None
+            conn.close()
         while self._idle:
             self._idle.pop().close()

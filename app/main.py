@@ -74,6 +74,7 @@ class Gate:
                 "url": self.upstream.url,
                 "ready": self.upstream.ready,
                 "reason": self.upstream.reason,
+                "keeps_connections_after_streams": self.upstream.keeps_streams,
                 "n_ctx": props.n_ctx if props else None,
                 "model": props.model if props else None,
                 "build_info": props.build_info if props else None,

@@ -293,7 +293,6 @@ class Proxy:
                 body,
                 endpoint,
                 assembly,
-                want.stream or assembly is not None,
             )
         except asyncio.CancelledError:
             if watch.ours():
@@ -348,7 +347,6 @@ class Proxy:
         body: bytes,
         endpoint: Endpoint | None,
         assembly: Assembly | None = None,
-        streamed: bool = False,
     ) -> None:
         target = quote(path, safe="/:@!$&'()*+,;=-._~")
         query = scope["query_string"]
@@ -361,10 +359,6 @@ class Proxy:
             headers.append(self._auth)
         if not head.has_request_id:
             headers.append((b"x-request-id", ex.id.encode()))
-        if streamed:
-            # llama-server closes the connection after a stream anyway; saying so up front
-            # keeps both sides from treating it as reusable (see app/client.py).
-            headers.append((b"connection", b"close"))
         flavor: Flavor = endpoint.flavor if endpoint else "openai"
         try:
             response = await self._upstream.send(ex.method, target, headers, body)

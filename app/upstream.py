@@ -84,6 +84,11 @@ class Upstream:
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
+    @property
+    def keeps_streams(self) -> bool | None:
+        """Does llama-server keep a connection open after an event stream? None until seen."""
+        return self._client.streams_kept
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -233,7 +233,8 @@ async def test_waiters_handed_a_slot_as_a_stream_ends_are_all_served(
 ) -> None:
     # Many short streams through a deep line: every one of them ends in a hand-over. llama.cpp
     # closes the connection after each streamed answer though its head says Keep-Alive; a
-    # connection pooled anyway would fail the waiter sent down it.
+    # connection pooled anyway would fail the waiter sent down it. slotgate learns this from
+    # the first streams and never pools a stream's connection to it.
     gate = await start_gate(max_queue=0)
     streams = 150
 
@@ -244,3 +245,4 @@ async def test_waiters_handed_a_slot_as_a_stream_ends_are_all_served(
     failed = [(a.status, a.body[:200]) for a in answers if a.status != 200]
     assert failed == []
     assert all(a.body.endswith(b"data: [DONE]\n\n") for a in answers)
+    assert gate.gate.upstream.keeps_streams is False
