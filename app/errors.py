@@ -8,10 +8,11 @@ can succeed.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 from app.admission import (
     AdmissionError,
@@ -195,7 +196,7 @@ def retry_headers(retry_after_s: float | None) -> Headers:
 
 def render(r: Refusal, flavor: Flavor) -> tuple[int, Headers, bytes]:
     """Status, headers and body of a complete error answer."""
-    body = json.dumps(error_object(r, flavor), separators=(",", ":")).encode()
+    body = orjson.dumps(error_object(r, flavor))
     headers: Headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -210,7 +211,7 @@ def stream_event(r: Refusal, flavor: Flavor) -> bytes:
     The OpenAI shape mirrors llama-server's own in-stream error (`data: {"error": ...}`);
     Anthropic clients expect an `event: error` line.
     """
-    payload = json.dumps(error_object(r, flavor), separators=(",", ":"))
+    payload = orjson.dumps(error_object(r, flavor)).decode()
     if flavor == "anthropic":
         return f"event: error\ndata: {payload}\n\n".encode()
     return f"data: {payload}\n\n".encode()
