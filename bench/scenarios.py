@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,15 @@ from bench import loadgen
 from bench.contenders import REPO, configure_standin, standin_stats, start_slotgate
 from bench.loadgen import Exchange, chat_body, closed_loop, connect, fetch, request_bytes
 from bench.loop import run_loop
-from bench.procs import SERVER_CORE, Server, pinning_possible, rss_bytes, wait_until
+from bench.procs import (
+    SERVER_CORE,
+    Server,
+    free_port,
+    pinning_possible,
+    rss_bytes,
+    spawn,
+    wait_until,
+)
 from bench.stats import ms
 
 CHAT = "/v1/chat/completions"
@@ -253,6 +261,11 @@ def storm(ctx: Context) -> dict[str, Any]:
                     "rejections_per_s": round(rate, 1),
                     "p50_ms": ms(closed.latencies_ns, 50),
                     "p99_ms": ms(closed.latencies_ns, 99),
+                    # Little's law: clients that re-fire at once wait, on average, clients /
+                    # rate, whatever the server; the p99 cannot be below this mean.
+                    "littles_law_mean_ms": round(sizes.storm_clients / rate * 1000, 2)
+                    if rate
+                    else None,
                     "statuses": {str(k): v for k, v in closed.statuses.items()},
                     "errors": closed.errors,
                     "cpu_s_per_1k": round(cpu / closed.completed * 1000, 4)
@@ -327,38 +340,71 @@ def _gap_summary(gaps: list[int], rate: float) -> dict[str, Any]:
 
 
 def memory(ctx: Context) -> dict[str, Any]:
-    """RSS of slotgate with `waiters` requests in line, over its RSS with the line empty."""
+    """RSS of slotgate with `waiters` requests in line, over its RSS with the line empty; and
+    the same for bare uvicorn holding as many requests (bench/floor.py), the floor under it."""
     waiters = ctx.sizes.waiters
     with slotgate(ctx, "slotgate-memory", 1, MAX_QUEUE="0") as server:
 
         async def run() -> dict[str, Any]:
             holder = await _hold(server.port, 1, CHAT + "?hang=1")
             try:
-                # Warm every code path a waiter takes, then let those waiters go again.
-                warm = await _hold(server.port, 100, CHAT)
-                await asyncio.to_thread(_await_pool, server, 30, active=1, queued=100)
-                _close(warm)
-                await asyncio.to_thread(_await_pool, server, 30, queued=0)
-                await asyncio.sleep(0.5)
-                before = rss_bytes(server.process.pid)
-                started = time.monotonic()
-                line = await _hold(server.port, waiters, CHAT)
-                await asyncio.to_thread(_await_pool, server, 180, queued=waiters)
-                filled_s = time.monotonic() - started
-                await asyncio.sleep(0.5)
-                after = rss_bytes(server.process.pid)
-                _close(line)
+                return await _fill(server, waiters, lambda n: pool(server)["queued"] == n)
             finally:
                 _close(holder)
-            return {
-                "waiters": waiters,
-                "rss_empty_mb": round(before / 2**20, 1),
-                "rss_full_mb": round(after / 2**20, 1),
-                "kb_per_waiter": round((after - before) / waiters / 1024, 2),
-                "fill_s": round(filled_s, 2),
-            }
 
-        return run_loop(run())
+        result = run_loop(run())
+    floor = _start_floor(ctx)
+    try:
+        held = run_loop(_fill(floor, waiters, lambda n: _held(floor) == n))
+    finally:
+        floor.stop()
+    result["uvicorn_floor_kb_per_request"] = held["kb_per_waiter"]
+    result["slotgate_own_kb_per_waiter"] = round(result["kb_per_waiter"] - held["kb_per_waiter"], 2)
+    return result
+
+
+async def _fill(server: Server, waiters: int, holding: Callable[[int], bool]) -> dict[str, Any]:
+    # Warm every code path a waiter takes, then let those waiters go again.
+    warm = await _hold(server.port, 100, CHAT)
+    await asyncio.to_thread(wait_until, lambda: holding(100), 30, "100 held", 0.2)
+    _close(warm)
+    await asyncio.to_thread(wait_until, lambda: holding(0), 30, "none held", 0.2)
+    await asyncio.sleep(0.5)
+    before = rss_bytes(server.process.pid)
+    started = time.monotonic()
+    line = await _hold(server.port, waiters, CHAT)
+    try:
+        await asyncio.to_thread(wait_until, lambda: holding(waiters), 180, "all held", 0.2)
+        filled_s = time.monotonic() - started
+        await asyncio.sleep(0.5)
+        after = rss_bytes(server.process.pid)
+    finally:
+        _close(line)
+    return {
+        "waiters": waiters,
+        "rss_empty_mb": round(before / 2**20, 1),
+        "rss_full_mb": round(after / 2**20, 1),
+        "kb_per_waiter": round((after - before) / waiters / 1024, 2),
+        "fill_s": round(filled_s, 2),
+    }
+
+
+def _start_floor(ctx: Context) -> Server:
+    port = free_port()
+    command = [sys.executable, "-m", "bench.floor", "--port", str(port)]
+    server = spawn("uvicorn-floor", command, port, SERVER_CORE, ctx.logs, cwd=REPO)
+    try:
+        loadgen.wait_http(port, "/readyz", 30, lambda status: status == 200)
+    except TimeoutError:
+        server.stop()
+        raise RuntimeError(f"bench.floor did not start:\n{server.tail()}") from None
+    return server
+
+
+def _held(server: Server) -> int:
+    _, body = loadgen.http_json(server.port, "/held")
+    assert isinstance(body, dict)
+    return int(body["held"])
 
 
 # -- scenario 5: the admission core alone --
