@@ -141,14 +141,13 @@ class Ticket:
         admission = self._admission
         future = self._future
         assert future is not None  # noqa: S101 - set by Admission.enter for every waiter
-        deadline = admission._deadline(self.entered_at)
         try:
-            if deadline is None:
+            if admission._queue_timeout_s is None:
                 # No scope at all without QUEUE_TIMEOUT (the default): an idle timeout scope
                 # costs more than the whole hand-off it would wrap.
                 await future
             else:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(admission._deadline(self.entered_at)):
                     await future
         except BaseException as exc:
             self.release()
@@ -354,8 +353,7 @@ class Admission:
             return 0
         return min(seq - line[0][0] + 1, self._waiting)
 
-    def _deadline(self, entered_at: float) -> float | None:
-        if self._queue_timeout_s is None:
-            return None
+    def _deadline(self, entered_at: float) -> float:
+        assert self._queue_timeout_s is not None  # noqa: S101 - only called when set
         loop_now = asyncio.get_running_loop().time()
         return loop_now + self._queue_timeout_s - (time.monotonic() - entered_at)
