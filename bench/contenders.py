@@ -23,7 +23,7 @@ class Contender:
     """One way to reach the stand-in; `slots` is the capacity slotgate reads from /props."""
 
     name: str
-    kind: str  # direct | nginx | litellm | slotgate
+    kind: str  # direct | nginx | litellm | uvicorn | slotgate
     slots: int | None = None
     note: str = ""
     env: tuple[tuple[str, str], ...] = ()
@@ -63,10 +63,22 @@ def start(contender: Contender, standin: Server, logs: Path) -> Server:
         return _nginx(standin.port, logs)
     if contender.kind == "litellm":
         return _litellm(standin.port, logs)
+    if contender.kind == "uvicorn":
+        return start_floor(logs, answer=True)
     if contender.slots is not None:
         configure_standin(standin, slots=contender.slots)
     url = f"http://127.0.0.1:{standin.port}"
     return start_slotgate(contender.name, url, logs, dict(contender.env))
+
+
+def start_floor(logs: Path, *, answer: bool) -> Server:
+    """bench/floor.py on the server core: bare uvicorn, answering at once or holding."""
+    port = free_port()
+    command = [sys.executable, "-m", "bench.floor", "--port", str(port)]
+    if answer:
+        command.append("--answer")
+    name = "uvicorn-bare" if answer else "uvicorn-floor"
+    return await_ready(spawn(name, command, port, SERVER_CORE, logs, cwd=REPO), "/readyz", 30)
 
 
 def start_slotgate(
@@ -88,12 +100,16 @@ def start_slotgate(
     }
     values.update(env or {})
     # Settings also read ./.env: run from the log folder, where none can be.
-    server = spawn(name, command, port, core, logs, env=values, cwd=logs)
+    return await_ready(spawn(name, command, port, core, logs, env=values, cwd=logs), "/readyz", 30)
+
+
+def await_ready(server: Server, path: str, timeout_s: float) -> Server:
+    """`server` once `path` answers 200; stopped, and its log's tail raised, if it never does."""
     try:
-        wait_http(port, "/readyz", 30, lambda status: status == 200)
+        wait_http(server.port, path, timeout_s, lambda status: status == 200)
     except TimeoutError:
         server.stop()
-        raise RuntimeError(f"slotgate did not become ready:\n{server.tail()}") from None
+        raise RuntimeError(f"{server.name} did not become ready:\n{server.tail()}") from None
     return server
 
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.contenders import REPO
-from bench.loadgen import closed_loop, connect, fetch, request_bytes, wait_http
+from bench.contenders import REPO, await_ready
+from bench.loadgen import closed_loop, connect, fetch, request_bytes
 from bench.loop import run_loop
 from bench.procs import SERVER_CORE, Server, free_port, spawn
 from bench.stats import percentile
@@ -68,13 +68,7 @@ def available() -> str | None:
 def start(logs: Path) -> Server:
     port = free_port()
     command = [sys.executable, "-m", "bench.llama", "--port", str(port)]
-    server = spawn("llama", command, port, SERVER_CORE, logs, cwd=REPO)
-    try:
-        wait_http(port, "/health", 180, lambda status: status == 200)
-    except TimeoutError:
-        server.stop()
-        raise RuntimeError(f"llama.cpp did not start:\n{server.tail()}") from None
-    return server
+    return await_ready(spawn("llama", command, port, SERVER_CORE, logs, cwd=REPO), "/health", 180)
 
 
 def _body(max_tokens: int) -> dict[str, Any]:

@@ -38,6 +38,13 @@ def contender_list(sizes: Sizes) -> list[Contender]:
         Contender("direct", "direct", note="straight to the stand-in (the floor)"),
         Contender("nginx", "nginx", note="nginx-light, 1 worker, upstream keepalive"),
         Contender("litellm", "litellm", note="LiteLLM proxy, 1 worker, openai/ provider"),
+        # Not one of issue 6's contenders: no proxy at all, but uvicorn as slotgate runs it,
+        # answering every request itself. What is left between it and slotgate is slotgate's.
+        Contender(
+            "uvicorn-bare",
+            "uvicorn",
+            note="bench/floor.py --answer: uvicorn alone, no upstream (scenario 1 only)",
+        ),
         Contender("slotgate-high", "slotgate", 1024, note="capacity 1024: nobody waits"),
         Contender(
             "slotgate-low",
@@ -105,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--contenders",
-        default="direct,nginx,litellm,slotgate-high,slotgate-low,slotgate-plain",
+        default="direct,nginx,litellm,uvicorn-bare,slotgate-high,slotgate-low,slotgate-plain",
         help="comma-separated subset (default: all)",
     )
     parser.add_argument(
@@ -250,7 +257,7 @@ class Bench:
                 found.setdefault("1_nonstream", {})[contender.name] = self.step(
                     f"1_nonstream {contender.name}", lambda: scenarios.nonstream(ctx, server)
                 )
-            if "2" in keys:
+            if "2" in keys and contender.kind != "uvicorn":
                 found.setdefault("2_stream", {})[contender.name] = self.step(
                     f"2_stream {contender.name}", lambda: scenarios.stream(ctx, server)
                 )

@@ -20,16 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
-from bench.contenders import REPO, configure_standin, standin_stats, start_slotgate
+from bench.contenders import (
+    REPO,
+    configure_standin,
+    standin_stats,
+    start_floor,
+    start_slotgate,
+)
 from bench.loadgen import Exchange, chat_body, closed_loop, connect, fetch, request_bytes
 from bench.loop import run_loop
 from bench.procs import (
     SERVER_CORE,
     Server,
-    free_port,
     pinning_possible,
     rss_bytes,
-    spawn,
     wait_until,
 )
 from bench.stats import ms
@@ -353,7 +357,7 @@ def memory(ctx: Context) -> dict[str, Any]:
                 _close(holder)
 
         result = run_loop(run())
-    floor = _start_floor(ctx)
+    floor = start_floor(ctx.logs, answer=False)
     try:
         held = run_loop(_fill(floor, waiters, lambda n: _held(floor) == n))
     finally:
@@ -387,18 +391,6 @@ async def _fill(server: Server, waiters: int, holding: Callable[[int], bool]) ->
         "kb_per_waiter": round((after - before) / waiters / 1024, 2),
         "fill_s": round(filled_s, 2),
     }
-
-
-def _start_floor(ctx: Context) -> Server:
-    port = free_port()
-    command = [sys.executable, "-m", "bench.floor", "--port", str(port)]
-    server = spawn("uvicorn-floor", command, port, SERVER_CORE, ctx.logs, cwd=REPO)
-    try:
-        loadgen.wait_http(port, "/readyz", 30, lambda status: status == 200)
-    except TimeoutError:
-        server.stop()
-        raise RuntimeError(f"bench.floor did not start:\n{server.tail()}") from None
-    return server
 
 
 def _held(server: Server) -> int:
