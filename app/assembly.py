@@ -48,11 +48,11 @@ class Assembly:
             for line in stream.split(b"\n")
             if line.startswith(b"data:") and (payload := line[5:].strip()) != b"[DONE]" and payload
         ]
-        # One parse of all events as a JSON array: a fraction of one call per event.
-        events = orjson.loads(b"[" + b",".join(payloads) + b"]")
-        if len(events) != len(payloads):
-            raise ValueError("an event held more than one JSON value")
-        for chunk in events:
+        # One parse per event, not one of all of them joined as an array (3 us less for 16
+        # tokens): joined, broken events could make a valid whole and go unnoticed.
+        loads = orjson.loads
+        for payload in payloads:
+            chunk = loads(payload)
             if type(chunk) is not dict:
                 continue
             if "error" in chunk:

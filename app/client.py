@@ -12,6 +12,8 @@ response is abandoned, which is what makes llama-server cancel the work behind i
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
@@ -59,6 +61,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
+        self.carried_stream = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
         self._reset()
@@ -167,6 +170,28 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _closed_by_peer(conn: _Connection) -> bool:
+    transport = conn.transport
+    return transport is None or transport.is_closing()
+
+
+def _peer_closed(conn: _Connection) -> bool:
+    """Has the peer's FIN (or anything at all) arrived on this idle connection's socket?"""
+    transport = conn.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return True
+    # A duplicate of the descriptor: uvloop's socket object does not offer recv().
+    with socket.socket(fileno=os.dup(sock.fileno())) as probe:
+        try:
+            probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False  # open, and quiet, as an idle keep-alive connection should be
+        except OSError:
+            return True
+    return True  # b"" (closed) or bytes nobody asked for: not a connection to reuse
 
 
 async def _head(conn: _Connection, stall_s: float | None) -> None:
@@ -310,7 +335,11 @@ class Client:
             conn = idle.pop()
             # llama-server drops idle connections after 5 s; one that may be closing under us
             # could swallow a POST that cannot be retried, so stale ones are closed instead.
-            if conn.transport is None or conn.transport.is_closing():
+            if _closed_by_peer(conn):
+                if conn.carried_stream:
+                    # Pooled after a stream, and closed before it idled out: this upstream
+                    # closes after streams after all (it was restarted as another build).
+                    self.streams_kept = False
                 continue
             if now - conn.idle_since > self._keepalive_s:
                 conn.close()
@@ -337,8 +366,7 @@ class Client:
                 f"connecting to {self._host}:{self._port} took over {self._connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
-            # Whatever answers next may be another build: learn its habits afresh.
-            self.streams_kept = None
+            self.relearn()
             raise ConnectFailed(f"cannot connect to {self._host}:{self._port} ({exc})") from None
         return conn
 
@@ -351,15 +379,16 @@ class Client:
         be retried safely. Other upstreams keep it, and reusing it saves a TCP handshake per
         request. Which one this is, is learned from the first stream: its connection is held
         aside for STREAM_PROBE_S, never used, and the upstream either closes it (stream
-        connections are closed from then on) or leaves it open (pooled from then on).
+        connections are closed from then on) or leaves it open (pooled from then on). A
+        pooled one later found closed by the upstream revokes that (see _take_idle).
         """
-        transport = conn.transport
-        if transport is None or transport.is_closing():
+        if _closed_by_peer(conn):
             self.streams_kept = False
-        elif self.streams_kept:
+        elif self.streams_kept and not self._closed:
+            conn.carried_stream = True
             self._give_back(conn)
             return
-        elif self.streams_kept is None and self._probe is None:
+        elif self.streams_kept is None and self._probe is None and not self._closed:
             timer = asyncio.get_running_loop().call_later(STREAM_PROBE_S, self._probed)
             self._probe = conn, timer
             conn.on_lost = self._closed_after_stream
@@ -373,16 +402,28 @@ class Client:
         conn, _ = self._probe
         self._probe = None
         conn.on_lost = None
-        if self.streams_kept is None:
+        # The kernel's word, not the loop's: after a stall, uvloop runs due timers before it
+        # reads the socket, so a close that arrived in time may not have been seen yet.
+        if _closed_by_peer(conn) or _peer_closed(conn):
+            self.streams_kept = False
+        elif self.streams_kept is None:
             self.streams_kept = True
-        self._give_back(conn)
-        conn.idle_since -= STREAM_PROBE_S  # idle at the upstream since its stream ended
+        if self.streams_kept:
+            conn.carried_stream = True
+            self._give_back(conn)
+            conn.idle_since -= STREAM_PROBE_S  # idle at the upstream since its stream ended
+        else:
+            conn.close()
 
     def _closed_after_stream(self) -> None:
         if self._probe is not None:
             self._probe[1].cancel()
             self._probe = None
             self.streams_kept = False
+
+    def relearn(self) -> None:
+        """The upstream went away: whatever answers next may be another build."""
+        self.streams_kept = None
 
     def _prepare(self) -> None:
         if self._closed or len(self._idle) + len(self._warming) >= WARM_CONNECTIONS:

@@ -159,6 +159,8 @@ class Upstream:
         except (ClientError, TimeoutError, ValueError) as exc:
             self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
             return
+        if self.props is not None and props.build_info != self.props.build_info:
+            self._client.relearn()
         if self.props is None or props.total_slots != self.props.total_slots or not self.ready:
             log.info(
                 "llama-server ready: total_slots=%d n_ctx=%s model=%s",
@@ -172,6 +174,7 @@ class Upstream:
     def _mark_not_ready(self, reason: str) -> None:
         if self.ready or reason != self.reason:
             log.warning("llama-server not ready: %s", reason)
+        self._client.relearn()  # what comes back may be another build
         self.ready = False
         self.reason = reason
         self._admission.resize(None)

@@ -40,7 +40,7 @@ class StandIn:
     loading: bool = False  # answer 503 "Loading model" everywhere, like llama-server does
     fault: str | None = None  # "die_midstream" | "hang" | "garbage" | "error_400"
     padding: int = 0  # extra bytes of content in every streamed chunk
-    close_after_stream: bool = False  # close the connection after a stream, as llama-server does
+    close_after_stream: bool = True  # close the connection after a stream, as llama-server does
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
     running: int = 0
     max_running: int = 0

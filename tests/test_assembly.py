@@ -110,10 +110,14 @@ def test_an_error_event_becomes_the_answer_with_its_own_status() -> None:
     assert answer == error
 
 
-@pytest.mark.parametrize("payload", [b"{not json", b'{"a":1},{"b":2}', b"[1,"])
-def test_an_event_that_is_not_one_json_value_is_refused(payload: bytes) -> None:
+@pytest.mark.parametrize(
+    "payloads", [[b"{not json"], [b'{"a":1},{"b":2}'], [b"[1,"], [b"[1", b"2]", b"3,4"]]
+)
+def test_an_event_that_is_not_one_json_value_is_refused(payloads: list[bytes]) -> None:
+    # The last case: three broken events that would make three values if parsed as one array.
     assembly = Assembly(Kind.CHAT, "/v1/chat/completions")
-    assembly.feed(stream(delta(content="a")) + b"data: " + payload + b"\n\n")
+    assembly.feed(b"".join(b"data: " + payload + b"\n\n" for payload in payloads))
+    assembly.feed(stream(delta(content="a")))
     with pytest.raises(ValueError, match=r"."):
         assembly.result()
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import time
+from collections.abc import Callable
 
 import pytest
+import uvloop
 
 from app import client as client_module
 from app.client import Client, ConnectFailed
@@ -125,16 +130,15 @@ async def stream(client: Client) -> client_module.Response:
 async def test_an_upstream_that_closes_after_streams_never_gets_a_stream_connection_reused(
     standin: StandIn,
 ) -> None:
-    standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, True
+    standin.tokens, standin.token_delay_s = 2, 0  # the stand-in closes, as llama-server does
     client = client_for(standin)
-    first = await stream(client)
+    await stream(client)
     async with asyncio.timeout(5):
         while client.streams_kept is None:
             await asyncio.sleep(0.01)
     assert client.streams_kept is False
     for _ in range(5):  # each right after the last: a reused connection would be dead
         following = await stream(client)
-        assert following._conn is not first._conn
         assert following._conn not in client._idle
     client.close()
 
@@ -143,7 +147,7 @@ async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused
     standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(client_module, "STREAM_PROBE_S", 0.05)
-    standin.tokens, standin.token_delay_s = 2, 0
+    standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
     client = client_for(standin)
     probed = await stream(client)
     assert probed._conn not in client._idle  # held aside while the client learns
@@ -151,9 +155,75 @@ async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused
         while client.streams_kept is None:
             await asyncio.sleep(0.01)
     assert client.streams_kept is True
-    assert probed._conn in client._idle
-    opened = standin.connections()
+    kept = probed._conn
     for _ in range(5):
-        await stream(client)
-    assert standin.connections() == opened  # no new connection for any of them
+        assert client._idle[-1] is kept
+        assert (await stream(client))._conn is kept  # the same connection, every time
     client.close()
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_close_the_loop_has_not_read_yet_is_seen_in_the_kernel(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # After a stall uvloop runs due timers before it reads sockets: the probe's verdict must
+    # not depend on whether the loop has noticed the upstream's close yet.
+    async def scenario() -> tuple[bool, bool]:
+        server_side: list[asyncio.StreamWriter] = []
+
+        async def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            server_side.append(writer)
+
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = Client("127.0.0.1", port, tls=False, connect_timeout_s=2, keepalive_s=4,
+                        stall_s=5)  # fmt: skip
+        open_conn, closed_conn = await client._connect(), await client._connect()
+        async with asyncio.timeout(5):
+            while len(server_side) < 2:
+                await asyncio.sleep(0.01)
+        # A FIN now, from the kernel, not at the server loop's next turn.
+        fd = server_side[1].get_extra_info("socket").fileno()
+        with socket.socket(fileno=os.dup(fd)) as raw:
+            raw.shutdown(socket.SHUT_WR)
+        time.sleep(0.2)  # noqa: ASYNC251 - the loop stalls: the FIN is in, the protocol unaware
+        seen = (client_module._peer_closed(open_conn), client_module._peer_closed(closed_conn))
+        assert closed_conn.transport is not None  # the loop had indeed not read it yet
+        for conn in (open_conn, closed_conn):
+            conn.close()
+        for writer in server_side:
+            writer.close()
+            await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
+        await asyncio.sleep(0.05)  # the client's transports finish closing
+        return seen
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        assert runner.run(scenario()) == (False, True)
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_probe_that_outlives_a_stall_still_sees_the_upstream_close(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "STREAM_PROBE_S", 0.05)
+
+    async def scenario() -> tuple[bool | None, int]:
+        standin = StandIn(tokens=2, token_delay_s=0)  # closes after a stream
+        await standin.start()
+        client = client_for(standin)
+        try:
+            await stream(client)  # released before the upstream's close is read...
+            time.sleep(0.2)  # noqa: ASYNC251 - ...then the loop stalls past the probe's end
+            await asyncio.sleep(0.1)
+            verdict = client.streams_kept
+            for _ in range(5):  # a connection pooled by a wrong verdict would fail these
+                await stream(client)
+            return verdict, standin.finished
+        finally:
+            client.close()
+            await standin.stop()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        assert runner.run(scenario()) == (False, 6)
