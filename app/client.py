@@ -61,6 +61,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
+        self._data_at = 0.0
         self.carried_stream = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
@@ -77,6 +78,9 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        #: Wake the reader only at the end (or at the high-water mark): Response.read.
+        self.lazy = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -85,6 +89,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self._data_at = time.monotonic()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -117,7 +122,8 @@ class _Connection(asyncio.Protocol):
         if self._buffered > HIGH_WATER_BYTES and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        self._wake()
+        if not self.lazy or self._paused:
+            self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -143,18 +149,27 @@ class _Connection(asyncio.Protocol):
         """
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = None if stall_s is None else loop.call_later(stall_s, self._stalled, stall_s)
+        if stall_s is not None:
+            self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
 
     def _stalled(self, stall_s: float) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(Stalled(f"upstream sent nothing for {stall_s:g} s"))
+        if waiter is None or waiter.done():
+            return
+        # A lazy reader is not woken by every chunk: bytes may have come in meanwhile.
+        quiet_s = time.monotonic() - self._data_at
+        if quiet_s < stall_s:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(stall_s - quiet_s, self._stalled, stall_s)
+            return
+        waiter.set_exception(Stalled(f"upstream sent nothing for {stall_s:g} s"))
 
     def take(self) -> bytes:
         chunks = self._chunks
@@ -245,11 +260,27 @@ class Response:
             await conn.wait(self._client.stall_s)
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body, waking once at its end rather than at every chunk.
+
+        An assembled answer from llama-server comes one token per chunk: woken for each, the
+        reader would spend a task switch per token on bytes it only needs at the end.
+        """
+        conn = self._conn
+        if self._head_only:
+            return b""
         parts = []
-        while chunk := await self.readany():
-            parts.append(chunk)
-        return b"".join(parts)
+        conn.lazy = True
+        try:
+            while True:
+                if conn._chunks:
+                    parts.append(conn.take())
+                if conn.complete:
+                    return b"".join(parts)
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(self._client.stall_s)
+        finally:
+            conn.lazy = False
 
     def release(self) -> None:
         """Done with it: a complete response gives its connection back to the pool."""

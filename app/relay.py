@@ -439,8 +439,7 @@ class Proxy:
     ) -> None:
         """Answer a non-streamed request from the stream slotgate asked llama-server for."""
         try:
-            while chunk := await response.readany():
-                assembly.feed(chunk)
+            assembly.feed(await response.read())
             await ex.upstream_done(response)
             status, body = assembly.result()
         except ClientError as exc:

@@ -77,6 +77,31 @@ async def test_a_chunked_stream_is_decoded_to_its_events(standin: StandIn) -> No
     client.close()
 
 
+async def test_a_whole_body_read_wakes_at_its_end_and_stalls_only_on_silence(
+    standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 8 tokens 0.1 s apart: 0.8 s in all, longer than the stall timeout, no gap as long.
+    standin.tokens, standin.token_delay_s = 8, 0.1
+    client = Client("127.0.0.1", standin.port, tls=False, connect_timeout_s=2, keepalive_s=4,
+                    stall_s=0.3)  # fmt: skip
+    waits = 0
+    real_wait = client_module._Connection.wait
+
+    async def counted(conn: client_module._Connection, stall_s: float | None) -> None:
+        nonlocal waits
+        waits += 1
+        await real_wait(conn, stall_s)
+
+    body = json.dumps({"messages": [], "stream": True}).encode()
+    response = await client.request("POST", "/v1/chat/completions", [], body)
+    monkeypatch.setattr(client_module._Connection, "wait", counted)
+    data = await response.read()
+    assert data.count(b"data: ") == 8 + 3  # role, 8 tokens, finish, [DONE]
+    assert waits <= 2  # not one per chunk (11 events)
+    response.release()
+    client.close()
+
+
 async def test_a_head_request_has_no_body_to_wait_for(standin: StandIn) -> None:
     client = client_for(standin)
     response = await client.request("HEAD", "/props", [], b"")
