@@ -367,7 +367,7 @@ class Client:
             # llama-server drops idle connections after 5 s; one that may be closing under us
             # could swallow a POST that cannot be retried, so stale ones are closed instead.
             if _closed_by_peer(conn):
-                if conn.carried_stream:
+                if conn.carried_stream and now - conn.idle_since < self._keepalive_s:
                     # Pooled after a stream, and closed before it idled out: this upstream
                     # closes after streams after all (it was restarted as another build).
                     self.streams_kept = False

@@ -187,6 +187,27 @@ async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused
     client.close()
 
 
+async def test_an_upstream_that_starts_closing_after_streams_revokes_the_verdict(
+    standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "STREAM_PROBE_S", 0.05)
+    standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
+    client = client_for(standin)
+    await stream(client)
+    async with asyncio.timeout(5):
+        while client.streams_kept is None:
+            await asyncio.sleep(0.01)
+    assert client.streams_kept is True
+    standin.close_after_stream = True  # as if restarted as a llama-server build
+    await stream(client)
+    await asyncio.sleep(0.05)  # its close arrives while the connection sits in the pool
+    following = await client.request("GET", "/props", [], b"")
+    await following.read()
+    following.release()
+    assert client.streams_kept is False
+    client.close()
+
+
 @pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
 def test_a_close_the_loop_has_not_read_yet_is_seen_in_the_kernel(
     loop_factory: Callable[[], asyncio.AbstractEventLoop],
