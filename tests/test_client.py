@@ -152,16 +152,21 @@ async def stream(client: Client) -> client_module.Response:
     return response
 
 
+async def verdict(client: Client) -> bool | None:
+    """What the client learned of the upstream from its first stream, once it has."""
+    async with asyncio.timeout(5):
+        while client.streams_kept is None:
+            await asyncio.sleep(0.01)
+    return client.streams_kept
+
+
 async def test_an_upstream_that_closes_after_streams_never_gets_a_stream_connection_reused(
     standin: StandIn,
 ) -> None:
     standin.tokens, standin.token_delay_s = 2, 0  # the stand-in closes, as llama-server does
     client = client_for(standin)
     await stream(client)
-    async with asyncio.timeout(5):
-        while client.streams_kept is None:
-            await asyncio.sleep(0.01)
-    assert client.streams_kept is False
+    assert await verdict(client) is False
     for _ in range(5):  # each right after the last: a reused connection would be dead
         following = await stream(client)
         assert following._conn not in client._idle
@@ -176,10 +181,7 @@ async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused
     client = client_for(standin)
     probed = await stream(client)
     assert probed._conn not in client._idle  # held aside while the client learns
-    async with asyncio.timeout(5):
-        while client.streams_kept is None:
-            await asyncio.sleep(0.01)
-    assert client.streams_kept is True
+    assert await verdict(client) is True
     kept = probed._conn
     for _ in range(5):
         assert client._idle[-1] is kept
@@ -194,10 +196,7 @@ async def test_an_upstream_that_starts_closing_after_streams_revokes_the_verdict
     standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
     client = client_for(standin)
     await stream(client)
-    async with asyncio.timeout(5):
-        while client.streams_kept is None:
-            await asyncio.sleep(0.01)
-    assert client.streams_kept is True
+    assert await verdict(client) is True
     standin.close_after_stream = True  # as if restarted as a llama-server build
     await stream(client)
     await asyncio.sleep(0.05)  # its close arrives while the connection sits in the pool
