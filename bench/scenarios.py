@@ -217,7 +217,7 @@ def _await_pool(server: Server, timeout_s: float, **want: int) -> None:
     )
 
 
-async def _hold(port: int, count: int, path: str) -> list[Exchange]:
+async def hold(port: int, count: int, path: str) -> list[Exchange]:
     """`count` connections whose requests the stand-in never answers (they hold slots)."""
     exchanges = await connect(port, count)
     raw = request_bytes(port, path, chat_body(stream=False))
@@ -226,7 +226,7 @@ async def _hold(port: int, count: int, path: str) -> list[Exchange]:
     return exchanges
 
 
-def _close(exchanges: list[Exchange]) -> None:
+def release(exchanges: list[Exchange]) -> None:
     for exchange in exchanges:
         exchange.close()
 
@@ -241,7 +241,7 @@ def storm(ctx: Context) -> dict[str, Any]:
     with slotgate(ctx, "slotgate-storm", slots, MAX_QUEUE=str(sizes.storm_queue)) as server:
 
         async def run() -> dict[str, Any]:
-            holders = await _hold(server.port, slots + sizes.storm_queue, CHAT + "?hang=1")
+            holders = await hold(server.port, slots + sizes.storm_queue, CHAT + "?hang=1")
             try:
                 await asyncio.to_thread(
                     _await_pool, server, 30, active=slots, queued=sizes.storm_queue
@@ -257,7 +257,7 @@ def storm(ctx: Context) -> dict[str, Any]:
                     server.port, raw, sizes.storm_clients, offered, sizes.duration_s
                 )
             finally:
-                _close(holders)
+                release(holders)
             return {
                 "clients": sizes.storm_clients,
                 "line": f"{slots} slots held, {sizes.storm_queue} waiting (MAX_QUEUE)",
@@ -350,16 +350,16 @@ def memory(ctx: Context) -> dict[str, Any]:
     with slotgate(ctx, "slotgate-memory", 1, MAX_QUEUE="0") as server:
 
         async def run() -> dict[str, Any]:
-            holder = await _hold(server.port, 1, CHAT + "?hang=1")
+            holder = await hold(server.port, 1, CHAT + "?hang=1")
             try:
-                return await _fill(server, waiters, lambda n: pool(server)["queued"] == n)
+                return await fill_line(server, waiters, lambda n: pool(server)["queued"] == n)
             finally:
-                _close(holder)
+                release(holder)
 
         result = run_loop(run())
     floor = start_floor(ctx.logs, answer=False)
     try:
-        held = run_loop(_fill(floor, waiters, lambda n: _held(floor) == n))
+        held = run_loop(fill_line(floor, waiters, lambda n: held_by_floor(floor) == n))
     finally:
         floor.stop()
     result["uvicorn_floor_kb_per_request"] = held["kb_per_waiter"]
@@ -367,23 +367,23 @@ def memory(ctx: Context) -> dict[str, Any]:
     return result
 
 
-async def _fill(server: Server, waiters: int, holding: Callable[[int], bool]) -> dict[str, Any]:
+async def fill_line(server: Server, waiters: int, holding: Callable[[int], bool]) -> dict[str, Any]:
     # Warm every code path a waiter takes, then let those waiters go again.
-    warm = await _hold(server.port, 100, CHAT)
+    warm = await hold(server.port, 100, CHAT)
     await asyncio.to_thread(wait_until, lambda: holding(100), 30, "100 held", 0.2)
-    _close(warm)
+    release(warm)
     await asyncio.to_thread(wait_until, lambda: holding(0), 30, "none held", 0.2)
     await asyncio.sleep(0.5)
-    before = rss_bytes(server.process.pid)
+    before = _rss(server)
     started = time.monotonic()
-    line = await _hold(server.port, waiters, CHAT)
+    line = await hold(server.port, waiters, CHAT)
     try:
         await asyncio.to_thread(wait_until, lambda: holding(waiters), 180, "all held", 0.2)
         filled_s = time.monotonic() - started
         await asyncio.sleep(0.5)
-        after = rss_bytes(server.process.pid)
+        after = _rss(server)
     finally:
-        _close(line)
+        release(line)
     return {
         "waiters": waiters,
         "rss_empty_mb": round(before / 2**20, 1),
@@ -393,7 +393,12 @@ async def _fill(server: Server, waiters: int, holding: Callable[[int], bool]) ->
     }
 
 
-def _held(server: Server) -> int:
+def _rss(server: Server) -> int:
+    # The whole tree: a server may serve from a worker process of its own (granian does).
+    return sum(rss_bytes(pid) for pid in server.pids())
+
+
+def held_by_floor(server: Server) -> int:
     _, body = loadgen.http_json(server.port, "/held")
     assert isinstance(body, dict)
     return int(body["held"])
@@ -482,7 +487,7 @@ def burst(ctx: Context) -> dict[str, Any]:
             sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
-            _close([probe, *clients])
+            release([probe, *clients])
             return {
                 "clients": sizes.burst_clients,
                 "slots": sizes.burst_slots,
