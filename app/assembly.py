@@ -30,8 +30,9 @@ class Assembly:
         self._head: dict[str, Any] = {}
         self._choices: dict[int, dict[str, Any]] = {}
         self._last: dict[str, Any] = {}
-        self._texts: list[str] = []
-        self._lists: dict[str, list[Any]] = {}
+        # Native answers, one per prompt: a `prompt` array makes llama-server interleave the
+        # prompts' events in one stream, each tagged with its prompt's `index`.
+        self._native_answers: dict[int, _NativeAnswer] = {}
         self.error: dict[str, Any] | None = None
 
     def feed(self, data: bytes) -> None:
@@ -109,11 +110,15 @@ class Assembly:
             slot["function"]["arguments"] += function.get("arguments") or ""
 
     def _native_chunk(self, chunk: dict[str, Any]) -> None:
-        self._texts.append(chunk.get("content") or "")
+        index = chunk.get("index", 0)
+        answer = self._native_answers.get(index)
+        if answer is None:
+            answer = self._native_answers[index] = _NativeAnswer()
+        answer.texts.append(chunk.get("content") or "")
         for key in ("tokens", "completion_probabilities", "probs"):
             if isinstance(chunk.get(key), list):
-                self._lists.setdefault(key, []).extend(chunk[key])
-        self._last = chunk
+                answer.lists.setdefault(key, []).extend(chunk[key])
+        answer.last = chunk
 
     def result(self) -> tuple[int, bytes]:
         """Status and JSON body of the assembled answer (an error one if the stream failed).
@@ -126,9 +131,12 @@ class Assembly:
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             return status, _dump(self.error)
         if self._native:
-            answer = {**self._last, "content": "".join(self._texts), **self._lists}
-            return 200, _dump(answer)
-        answer = {
+            answers = [a.result() for _, a in sorted(self._native_answers.items())] or [
+                _NativeAnswer().result()
+            ]
+            # As llama-server answers: one object for one prompt, else an array in prompt order.
+            return 200, _dump(answers[0] if len(answers) == 1 else answers)
+        answer: dict[str, Any] = {
             key: self._head[key]
             for key in ("id", "created", "model", "system_fingerprint")
             if key in self._head
@@ -160,6 +168,20 @@ class Assembly:
             message["tool_calls"] = tools
         final["message"] = message
         return final
+
+
+class _NativeAnswer:
+    """One prompt's answer in llama.cpp's native format, as its events arrive."""
+
+    __slots__ = ("last", "lists", "texts")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.lists: dict[str, list[Any]] = {}
+        self.last: dict[str, Any] = {}
+
+    def result(self) -> dict[str, Any]:
+        return {**self.last, "content": "".join(self.texts), **self.lists}
 
 
 def streaming_body(body: bytes) -> bytes:

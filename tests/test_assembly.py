@@ -103,6 +103,21 @@ def test_native_completion_joins_content_and_keeps_the_last_events_fields() -> N
                       "timings": {"predicted_n": 2}}  # fmt: skip
 
 
+def test_native_completion_of_several_prompts_answers_an_array_in_prompt_order() -> None:
+    # llama-server interleaves the prompts' events in one stream, each with its prompt's index.
+    data = stream(
+        {"index": 1, "content": "x", "stop": False},
+        {"index": 0, "content": "a", "stop": False},
+        {"index": 1, "content": "y", "stop": True, "prompt": "second"},
+        {"index": 0, "content": "b", "stop": True, "prompt": "first"},
+    )
+    _, answer = assemble(data, Kind.COMPLETION, "/completion")
+    assert answer == [
+        {"index": 0, "content": "ab", "stop": True, "prompt": "first"},
+        {"index": 1, "content": "xy", "stop": True, "prompt": "second"},
+    ]
+
+
 def test_an_error_event_becomes_the_answer_with_its_own_status() -> None:
     error = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
     status, answer = assemble(stream(delta(content="a"), error, delta(content="b")))

@@ -47,6 +47,23 @@ async def test_an_assembled_answer_has_the_fields_of_llama_cpps_own(
     assert set(raw) >= set(own_raw) - {"tokens"}
 
 
+async def test_a_native_completion_of_two_prompts_is_assembled_as_llama_cpp_answers_it(
+    start_gate: GateFactory, client: httpx.AsyncClient, llama: Llama
+) -> None:
+    gate = await start_gate()
+    native = {"prompt": ["Once upon a time", "The capital of France"], "n_predict": 6,
+              "ignore_eos": True, "temperature": 0}  # fmt: skip
+    assembled = (await client.post(gate.url + "/completion", json=native)).json()
+    direct = (await client.post(llama.url + "/completion", json=native)).json()
+    assert isinstance(direct, list)
+    assert isinstance(assembled, list)
+    assert [answer["index"] for answer in assembled] == [own["index"] for own in direct] == [0, 1]
+    for answer, own in zip(assembled, direct, strict=True):
+        assert answer["tokens_predicted"] == own["tokens_predicted"] == 6
+        assert answer["content"]
+        assert set(answer) >= set(own) - {"tokens"}
+
+
 @pytest.mark.parametrize("stream_upstream", [True, False])
 async def test_a_non_streamed_client_that_leaves_while_another_streams(
     start_gate: GateFactory,
