@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(describe(exc), file=sys.stderr)  # noqa: T201 - the one line a misconfiguration gets
         return 2
+    except UnicodeDecodeError as exc:
+        line = f"slotgate: invalid .env: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        print(line, file=sys.stderr)  # noqa: T201
+        return 2
     logs.configure(settings.log_level, settings.log_format)
     if not (args.model or args.demo):
         log.info("slotgate fronting %s on http://%s:%d", settings.llama_server_url,

@@ -93,6 +93,13 @@ class Settings(BaseSettings):
             raise ValueError("must be an http:// or https:// URL with a host")
         if parts.query or parts.fragment:
             raise ValueError("must not carry a query or a fragment")
+        if parts.username is not None or parts.password is not None:
+            # slotgate would not send them, and /admission and the logs show the URL.
+            raise ValueError("must not carry user:password@; llama-server's key is LLAMA_API_KEY")
+        try:
+            parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+        except ValueError:
+            raise ValueError("must have a port from 0 to 65535, if any") from None
         return value.rstrip("/")
 
     @field_validator("api_keys", mode="before")
@@ -118,6 +125,6 @@ def describe(error: ValidationError) -> str:
     name = str(first["loc"][0]).upper() if first["loc"] else "configuration"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f"={value!s}"
-    if name == "LLAMA_API_KEY" or name == "API_KEYS":
-        shown = ""
+    if name in ("LLAMA_API_KEY", "API_KEYS") or (name == "LLAMA_SERVER_URL" and "@" in shown):
+        shown = ""  # a secret, or a URL that may carry one
     return f"slotgate: invalid {name}{shown}: {first['msg']}"

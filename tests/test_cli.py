@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -39,6 +40,17 @@ def test_misconfiguration_stops_start_up_with_one_line_naming_the_variable() -> 
     assert result.stderr.strip().splitlines() == [
         "slotgate: invalid QUEUE_PER_SLOT=-3: Input should be greater than or equal to 0"
     ]
+
+
+def test_a_dotenv_that_is_not_utf8_stops_start_up_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_bytes(b"MAX_QUEUE=\xff\xfe\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "app"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("slotgate: invalid .env: not UTF-8")
 
 
 def test_help_lists_every_variable() -> None:

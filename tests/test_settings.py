@@ -55,6 +55,9 @@ def test_empty_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
         ("MAX_BODY_BYTES", "0", "MAX_BODY_BYTES=0"),
         ("LLAMA_SERVER_URL", "localhost:8080", "LLAMA_SERVER_URL=localhost:8080"),
         ("LLAMA_SERVER_URL", "ftp://host", "http:// or https://"),
+        ("LLAMA_SERVER_URL", "http://127.0.0.1:99999", "port from 0 to 65535"),
+        ("LLAMA_SERVER_URL", "http://llama:abc", "port from 0 to 65535"),
+        ("LLAMA_SERVER_URL", "http://llama:8080?x=1", "query"),
         ("LOG_LEVEL", "loud", "LOG_LEVEL=loud"),
         ("LOG_FORMAT", "xml", "LOG_FORMAT=xml"),
         ("DRAIN_TIMEOUT", "1e9", "DRAIN_TIMEOUT"),
@@ -78,3 +81,15 @@ def test_secrets_are_not_echoed_in_the_error_line(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValidationError) as caught:
         Settings(_env_file=None)
     assert "xxx" not in describe(caught.value)
+
+
+def test_a_url_with_credentials_is_refused_without_echoing_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LLAMA_SERVER_URL", "http://user:hunter2@llama:8080")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    line = describe(caught.value)
+    assert line.startswith("slotgate: invalid LLAMA_SERVER_URL")
+    assert "LLAMA_API_KEY" in line
+    assert "hunter2" not in line
