@@ -579,9 +579,12 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
             f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
         )
     message = await receive()
-    body = message.get("body", b"")
+    body: bytes = message.get("body", b"")
+    # A chunked body declares no length, and may arrive whole in one message.
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
     if not message.get("more_body", False):
-        return body  # type: ignore[no-any-return]
+        return body
     chunks = [body]
     size = len(body)
     while message.get("more_body", False):

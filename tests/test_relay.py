@@ -381,6 +381,23 @@ async def test_body_over_the_limit_gets_413_before_any_slot_is_taken(
     assert standin.seen == []
 
 
+async def test_a_chunked_body_over_the_limit_gets_413_even_when_it_arrives_in_one_piece(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate(max_body_bytes=1000)
+    body = json.dumps(chat(padding="x" * 2000)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (CHAT.encode(), len(body), body)
+    )
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status_line.startswith(b"HTTP/1.1 413 ")
+    assert standin.seen == []
+
+
 async def test_admission_control_off_passes_everything_straight_through(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
