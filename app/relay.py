@@ -203,10 +203,14 @@ class Proxy:
         endpoint: Endpoint | None = None
         try:
             path = _checked_path(scope["path"])
-            head = _RequestHead(scope["headers"])
-            self._access.check(path, head.authorization, head.api_key)
+            # Known first, so that every refusal below is counted under the route and spoken
+            # in the route's own error shape.
             if self._gated:
                 endpoint = admitted(ex.method, path)
+                if endpoint is not None:
+                    ex.route = endpoint.route
+            head = _RequestHead(scope["headers"])
+            self._access.check(path, head.authorization, head.api_key)
             body = await _read_body(receive, head.content_length, self._body_limit)
             if endpoint is None:
                 if self._gated or admitted(ex.method, path) is None:
@@ -214,7 +218,6 @@ class Proxy:
                 else:
                     await self._forward_ungated(scope, receive, send, ex, path, head, body)
                 return
-            ex.route = endpoint.route
             check_content_type(endpoint, head.content_type)
             capacity = self._admission.capacity
             if capacity is None:

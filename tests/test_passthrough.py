@@ -188,6 +188,30 @@ async def test_api_keys_guard_every_route_but_the_probes(
     assert ok.status_code == 200
 
 
+async def test_refusals_before_the_body_is_read_count_under_their_route_in_its_shape(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys="k1", max_body_bytes=1000)
+    messages = {"model": "m", "max_tokens": 5, "messages": []}
+    denied = await client.post(gate.url + "/v1/messages", json=messages)
+    assert denied.status_code == 401
+    assert denied.json()["type"] == "error"  # Anthropic's shape on Anthropic's route
+    assert denied.json()["error"]["type"] == "authentication_error"
+    assert (await client.post(gate.url + "/v1/chat/completions", json=chat())).status_code == 401
+    key = {"Authorization": "Bearer k1"}
+    too_big = await client.post(
+        gate.url + "/v1/chat/completions", json=chat(padding="x" * 2000), headers=key
+    )
+    assert too_big.status_code == 413
+    metrics = (await client.get(gate.url + "/metrics", headers=key)).text
+    for reason, route in (("unauthorized", "/v1/messages"),
+                          ("unauthorized", "/v1/chat/completions"),
+                          ("bad_request", "/v1/chat/completions")):  # fmt: skip
+        line = f'slotgate_requests_rejected_total{{reason="{reason}",route="{route}"}} 1.0'
+        assert line in metrics
+    assert standin.seen == []
+
+
 async def test_a_checked_key_is_never_forwarded_upstream(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
