@@ -63,9 +63,11 @@ _SSE_HEAD: Headers = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-#: uvicorn sets no bound on header size; llama-server's HTTP library refuses lines over 8 KiB.
-#: Anything past this is refused here, before it costs a slot or an upstream connection.
+#: uvicorn sets no bound on header size; llama-server's HTTP library (cpp-httplib) answers a
+#: header line over 8 KiB with an empty 400, and only once the request has reached it, slot
+#: and all. Anything past these is refused here, before it costs a slot or a connection.
 MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_LINE_BYTES = 8192
 #: How long a request runs before slotgate starts watching for its client to leave.
 WATCH_AFTER_S = 0.02
 #: Non-streamed answers up to this size are read whole before the head goes out.
@@ -545,7 +547,13 @@ class _RequestHead:
         self.connection_named = _NONE_NAMED
         size = 0
         for name, value in raw:
-            size += len(name) + len(value)
+            line = len(name) + len(value) + 4  # name: value CRLF, as llama-server counts it
+            if line > MAX_HEADER_LINE_BYTES:
+                raise HeadersTooLarge(
+                    f"request header {name[:64].decode('latin-1')} is longer than "
+                    f"{MAX_HEADER_LINE_BYTES} bytes, which llama-server refuses"
+                )
+            size += line
             if name == b"content-length":
                 if not value.isdigit():
                     raise BadRequest("Content-Length is not a number")

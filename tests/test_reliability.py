@@ -311,4 +311,21 @@ async def test_oversized_headers_get_431_and_never_reach_upstream(
     response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 100_000})
     assert response.status_code == 431
     assert response.json()["error"]["code"] == "headers_too_large"
+    # Many lines, each within llama-server's 8 KiB per line, that add up past the total.
+    many = {f"X-Part-{i}": "a" * 8000 for i in range(9)}
+    response = await client.post(gate.url + CHAT, json=chat(), headers=many)
+    assert response.status_code == 431
     assert standin.seen == []
+
+
+async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8200})
+    assert response.status_code == 431
+    assert "x-big" in response.json()["error"]["message"]
+    assert standin.seen == []
+    assert gate.gate.admission.active == 0
+    fits = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8000})
+    assert fits.status_code == 200

@@ -228,6 +228,24 @@ async def test_a_prompt_longer_than_a_slot_gets_llama_cpp_own_400_unchanged(
     assert error["n_prompt_tokens"] > 1024
 
 
+async def test_a_header_line_llama_cpp_would_refuse_is_refused_by_slotgate_first(
+    engine: LocalEngine, start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    body = chat(1, stream=False)
+    # "x-big: " + value + CRLF: 8192 bytes is the longest line llama.cpp's HTTP library takes.
+    longest, too_long = {"X-Big": "a" * (8192 - 9)}, {"X-Big": "a" * (8192 - 8)}
+    for url in (engine.url, gate.url):
+        accepted = await client.post(url + "/v1/chat/completions", json=body, headers=longest)
+        assert accepted.status_code == 200, url
+    refused = await client.post(engine.url + "/v1/chat/completions", json=body, headers=too_long)
+    assert refused.status_code == 400
+    assert refused.content == b""  # llama.cpp's answer: no error a client could read
+    ours = await client.post(gate.url + "/v1/chat/completions", json=body, headers=too_long)
+    assert ours.status_code == 431
+    assert ours.json()["error"]["code"] == "headers_too_large"
+
+
 async def test_waiters_handed_a_slot_as_a_stream_ends_are_all_served(
     start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
