@@ -154,6 +154,10 @@ class Upstream:
             status, body = await self._get("/props")
             if status != 200:
                 text = body[:200].decode("utf-8", "replace")
+                if status == 401 and self.auth is None:
+                    # slotgate needs /props for the slot count, and llama-server started with
+                    # --api-key guards it: only the operator can give slotgate that key.
+                    text = "llama-server wants an API key: set LLAMA_API_KEY to it"
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
         except (ClientError, TimeoutError, ValueError) as exc:

@@ -41,6 +41,7 @@ class StandIn:
     fault: str | None = None  # "die_midstream" | "hang" | "garbage" | "error_400"
     padding: int = 0  # extra bytes of content in every streamed chunk
     close_after_stream: bool = True  # close the connection after a stream, as llama-server does
+    api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
     running: int = 0
     max_running: int = 0
@@ -106,6 +107,14 @@ class StandIn:
     async def _props(self, request: web.Request) -> web.Response:
         if self.loading:
             return self._loading()
+        if self.api_key is not None and request.headers.get("Authorization") != (
+            f"Bearer {self.api_key}"
+        ):
+            return web.json_response(
+                {"error": {"code": 401, "message": "Invalid API Key",
+                           "type": "authentication_error"}},
+                status=401,
+            )  # fmt: skip
         return web.json_response(
             {
                 "total_slots": self.total_slots,

@@ -27,6 +27,18 @@ async def test_healthz_answers_even_without_llama_server(
     assert (await client.get(gate.url + "/health")).status_code == 503
 
 
+async def test_a_llama_server_that_wants_a_key_is_named_in_readyz_until_slotgate_has_it(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.api_key = "secret"
+    gate = await start_gate(ready=False)
+    readyz = await client.get(gate.url + "/readyz")
+    assert readyz.status_code == 503
+    assert "set LLAMA_API_KEY" in readyz.json()["reason"]
+    keyed = await start_gate(llama_api_key="secret")
+    assert (await client.get(keyed.url + "/readyz")).status_code == 200
+
+
 async def test_admission_shows_the_live_pool(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
