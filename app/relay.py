@@ -58,6 +58,9 @@ _RESPONSE_DROP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
      b"proxy-connection", b"date", b"server"}
 )  # fmt: skip
+#: An assembled answer is a JSON body of its own: the stream's framing headers do not apply.
+_BODY_FRAMING = frozenset({b"content-type", b"content-length", b"x-accel-buffering",
+                           b"cache-control"})  # fmt: skip
 _SSE_HEAD: Headers = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -89,8 +92,8 @@ class _Exchange:
     """What one request did, for its access-log line and its metrics."""
 
     __slots__ = (
-        "bytes_out", "id", "method", "outcome", "path", "route", "sse", "started", "status",
-        "ticket", "upstream_status", "weight",
+        "bytes_out", "id", "method", "origin", "outcome", "path", "route", "sse", "started",
+        "status", "ticket", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, request_id: str, method: str, path: str) -> None:
@@ -106,6 +109,16 @@ class _Exchange:
         self.bytes_out = 0
         self.weight = 0
         self.ticket: Ticket | None = None
+        self.origin: bytes | None = None  # the request's Origin, for answers slotgate makes
+
+    def own_headers(self) -> Headers:
+        """Headers every answer slotgate makes itself carries, as llama-server's do: the
+        request id, and the browser's Origin echoed back, as llama-server echoes it, so that
+        a web client can read a 429 or a waiting stream from slotgate as it reads the rest."""
+        headers = [(b"x-request-id", self.id.encode())]
+        if self.origin is not None:
+            headers.append((b"access-control-allow-origin", self.origin))
+        return headers
 
     async def upstream_done(self, response: Response) -> None:
         """llama-server has sent its last byte: its slot is free, so ours is handed on now,
@@ -182,7 +195,8 @@ class Proxy:
         self._body_limit = settings.max_body_bytes
         self._keepalive_s = settings.keepalive_interval
         self._assemble = settings.stream_upstream
-        self._drop = set(_HOP_BY_HOP)
+        # The request id llama-server logs is slotgate's: the client's own when it is valid.
+        self._drop = {*_HOP_BY_HOP, b"x-request-id"}
         if not settings.forward_conversation_id:
             self._drop.add(b"x-conversation-id")
         # Whoever checks or supplies credentials keeps the client's to itself.
@@ -212,7 +226,11 @@ class Proxy:
                 if endpoint is not None:
                     ex.route = endpoint.route
             head = _RequestHead(scope["headers"])
-            self._access.check(path, head.authorization, head.api_key)
+            ex.origin = head.origin
+            # A browser's CORS preflight never carries credentials; llama-server answers it
+            # without a key, and it starts no generation.
+            if ex.method != "OPTIONS":
+                self._access.check(path, head.authorization, head.api_key)
             body = await _read_body(receive, head.content_length, self._body_limit)
             if endpoint is None:
                 if self._gated or admitted(ex.method, path) is None:
@@ -276,7 +294,7 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    head_out = [*_SSE_HEAD, (b"x-request-id", ex.id.encode())]
+                    head_out = [*_SSE_HEAD, *ex.own_headers()]
                     await send({"type": "http.response.start", "status": 200, "headers": head_out})
                     ex.sse = True
                     ex.status = 200
@@ -308,7 +326,10 @@ class Proxy:
                 ex.outcome = "shutdown"
                 message = "slotgate shut down before this request finished"
                 cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
-                await _final_words(send, cut, endpoint.flavor, ex.sse)
+                await _final_words(send, cut, endpoint.flavor, ex)
+                # Answered: the task ends here, as uvicorn's shutdown wants, without an error
+                # logged with a traceback for every request the drain timeout cut.
+                return
             raise
         except (GateError, AdmissionError) as exc:
             if watch.gone:
@@ -362,8 +383,7 @@ class Proxy:
         headers = [(n, v) for n, v in head.raw if n not in drop and n not in named]
         if self._auth is not None:
             headers.append(self._auth)
-        if not head.has_request_id:
-            headers.append((b"x-request-id", ex.id.encode()))
+        headers.append((b"x-request-id", ex.id.encode()))
         flavor: Flavor = endpoint.flavor if endpoint else "openai"
         try:
             response = await self._upstream.send(ex.method, target, headers, body)
@@ -458,7 +478,13 @@ class Proxy:
             ex.outcome = "upstream_error"
         ex.status = status
         ex.bytes_out += len(body)
+        # llama-server's own headers (CORS among them), but those of a JSON body of this size.
         headers: Headers = [
+            (name.lower(), value)
+            for name, value in response.headers
+            if name not in _RESPONSE_DROP and name not in _BODY_FRAMING
+        ]
+        headers += [
             (b"content-type", b"application/json; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
             (b"x-request-id", ex.id.encode()),
@@ -493,7 +519,7 @@ class Proxy:
     async def _refuse(self, send: Send, ex: _Exchange, r: Refusal, flavor: Flavor) -> None:
         ex.outcome = r.reason
         status, headers, body = render(r, flavor)
-        headers.append((b"x-request-id", ex.id.encode()))
+        headers += ex.own_headers()
         ex.status = status
         ex.bytes_out += len(body)
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -534,7 +560,7 @@ class _RequestHead:
 
     __slots__ = (
         "api_key", "authorization", "connection_named", "content_length", "content_type",
-        "has_request_id", "raw",
+        "origin", "raw",
     )  # fmt: skip
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
@@ -543,7 +569,7 @@ class _RequestHead:
         self.api_key: bytes | None = None
         self.content_length: int | None = None
         self.content_type = ""
-        self.has_request_id = False
+        self.origin: bytes | None = None
         self.connection_named = _NONE_NAMED
         size = 0
         for name, value in raw:
@@ -564,8 +590,8 @@ class _RequestHead:
                 self.authorization = value
             elif name == b"x-api-key":
                 self.api_key = value
-            elif name == b"x-request-id":
-                self.has_request_id = True
+            elif name == b"origin":
+                self.origin = value
             elif name == b"connection":
                 # Headers named in Connection are hop-by-hop too, but never ones slotgate
                 # itself relies on: a client cannot make the gate drop credentials it checks.
@@ -632,15 +658,17 @@ async def _send_event(send: Send, event: bytes, ex: _Exchange) -> None:
     await send({"type": "http.response.body", "body": event, "more_body": True})
 
 
-async def _final_words(send: Send, r: Refusal, flavor: Flavor, stream_open: bool) -> None:
+async def _final_words(send: Send, r: Refusal, flavor: Flavor, ex: _Exchange) -> None:
     """Best effort, during cancellation: end the answer with an error rather than silence."""
     try:
         async with asyncio.timeout(1.0):
-            if stream_open:
+            if ex.sse:
                 await send({"type": "http.response.body", "body": stream_event(r, flavor),
                             "more_body": False})  # fmt: skip
             else:
                 status, headers, body = render(r, flavor)
+                ex.status = status
+                headers += ex.own_headers()
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
     except (OSError, RuntimeError, TimeoutError):

@@ -30,6 +30,18 @@ class Seen:
     body: bytes
 
 
+async def _cors(request: web.Request, response: web.StreamResponse) -> None:
+    """As llama-server does: every answer echoes the Origin; a preflight allows the rest."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    if request.method == "OPTIONS":
+        response.headers["Access-Control-Allow-Credentials"] = "true"
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+        response.headers["Access-Control-Allow-Headers"] = "*"
+
+
 @dataclass
 class StandIn:
     """Behaviour knobs (set them from a test) and counters (read them after)."""
@@ -66,6 +78,7 @@ class StandIn:
         for path in GENERATION_PATHS:
             app.router.add_post(path, self._generate)
         app.router.add_route("*", "/{tail:.*}", self._echo)
+        app.on_response_prepare.append(_cors)
         # handler_cancellation: like llama-server, notice a client that left and stop working.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -141,9 +154,6 @@ class StandIn:
         body = await request.read()
         self._record(request, body)
         headers = {"X-Standin": "echo"}
-        if "Origin" in request.headers:  # llama-server echoes the origin, credentials allowed
-            headers["Access-Control-Allow-Origin"] = request.headers["Origin"]
-            headers["Access-Control-Allow-Credentials"] = "true"
         query = request.rel_url.raw_query_string
         answer = {"method": request.method, "path": request.path, "query": query,
                   "body": body.decode("utf-8", "replace")}  # fmt: skip

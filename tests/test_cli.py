@@ -73,7 +73,9 @@ async def slotgate(standin: StandIn) -> AsyncIterator[Process]:
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url,
         "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "3", "LOG_LEVEL": "warning",
     }  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "app", env=env)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "app", env=env, stderr=asyncio.subprocess.PIPE
+    )
     process = Process(proc, f"http://127.0.0.1:{port}")
     try:
         async with httpx.AsyncClient() as client, asyncio.timeout(20):
@@ -116,13 +118,21 @@ async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     ):
         chunks = r.aiter_raw()
         body = await anext(chunks)
+        plain = asyncio.create_task(client.post(slotgate.url + "/v1/chat/completions", json=chat()))
+        await asyncio.sleep(0.3)
         slotgate.proc.send_signal(signal.SIGTERM)
         # The connection may close right after the error event.
         with contextlib.suppress(httpx.RemoteProtocolError):
             body += b"".join([c async for c in chunks])
+        cut = await plain
     assert b"[DONE]" not in body
     assert b"shutting_down" in body
+    assert cut.status_code == 503
+    assert cut.json()["error"]["code"] == "shutting_down"
     async with asyncio.timeout(10):
         assert await slotgate.proc.wait() == 0
+    assert slotgate.proc.stderr is not None
+    logged = (await slotgate.proc.stderr.read()).decode()
+    assert "Traceback" not in logged  # a cut request is an answer, not an error of slotgate's
     await asyncio.sleep(0.2)
-    assert standin.running == 0  # the upstream request was closed, not left running
+    assert standin.running == 0  # the upstream requests were closed, not left running

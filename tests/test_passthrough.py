@@ -245,3 +245,70 @@ async def test_cors_answers_of_llama_server_pass_through_once(
     response = await client.options(gate.url + "/v1/models", headers={"Origin": "http://a.example"})
     assert response.status_code == 200
     assert response.headers.get_list("access-control-allow-origin") == ["http://a.example"]
+
+
+ORIGIN = {"Origin": "http://a.example"}
+
+
+def allowed_origins(response: httpx.Response) -> list[str]:
+    return response.headers.get_list("access-control-allow-origin")
+
+
+async def test_answers_slotgate_makes_echo_the_origin_as_llama_server_does(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
+    gate = await start_gate(max_queue=1, keepalive_interval=5)
+    # An answer assembled from llama-server's stream keeps llama-server's CORS header.
+    assembled = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+    assert assembled.status_code == 200
+    assert allowed_origins(assembled) == ["http://a.example"]
+    assert assembled.headers["content-type"].startswith("application/json")
+    running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
+    await gate.until(lambda: gate.gate.admission.active == 1)
+    # A stream that must wait gets its head from slotgate...
+    async with client.stream(
+        "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=ORIGIN
+    ) as waiting:
+        assert allowed_origins(waiting) == ["http://a.example"]
+        await gate.until(lambda: gate.gate.admission.queued == 1)
+        # ...and so does the 429 for the line that is full.
+        refused = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+        assert refused.status_code == 429
+        assert allowed_origins(refused) == ["http://a.example"]
+        await waiting.aread()
+    await running
+    unasked = await client.post(gate.url + "/v1/chat/completions", content=b"{")
+    assert unasked.status_code == 400
+    assert allowed_origins(unasked) == []  # no Origin, nothing echoed
+
+
+async def test_a_preflight_needs_no_key_as_browsers_send_none(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys="k1")
+    preflight = await client.options(
+        gate.url + "/v1/chat/completions",
+        headers={**ORIGIN, "Access-Control-Request-Method": "POST"},
+    )
+    assert preflight.status_code == 200
+    assert allowed_origins(preflight) == ["http://a.example"]
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert gate.gate.admission.active == 0
+    denied = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+    assert denied.status_code == 401
+    assert allowed_origins(denied) == ["http://a.example"]
+
+
+async def test_llama_server_sees_the_request_id_the_client_and_the_log_see(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    for given in ("bad id!", "req-7"):
+        response = await client.post(
+            gate.url + "/v1/chat/completions", json=chat(), headers={"X-Request-Id": given}
+        )
+        ours = response.headers["x-request-id"]
+        assert (ours == given) == (given == "req-7")
+        upstream = {k.lower(): v for k, v in standin.seen[-1].headers.items()}
+        assert upstream["x-request-id"] == ours
