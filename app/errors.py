@@ -119,6 +119,12 @@ def refusal(exc: Exception) -> Refusal:
     return Refusal(500, "server_error", "internal_error", "slotgate failed internally", "internal")
 
 
+def route_refusal(status: int, message: str) -> Refusal:
+    """An answer the web framework chose for one of slotgate's own routes (405, 404)."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+    return Refusal(status, "invalid_request_error", code, message, "bad_request")
+
+
 def _admission_refusal(exc: AdmissionError) -> Refusal:
     snap = exc.snapshot
     counts = f"active={snap.active}, queued={snap.queued}, capacity={snap.capacity}"

@@ -9,10 +9,11 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from app.access import Access
 from app.admission import Admission
-from app.errors import GateError, refusal, render
+from app.errors import GateError, refusal, render, route_refusal
 from app.metrics import Metrics
 from app.relay import Proxy, Receive, Scope, Send
 from app.settings import Settings
@@ -120,12 +121,21 @@ def create_app(settings: Settings | None = None) -> Gateway:
         status, headers, body = render(refusal(exc), "openai")
         return Response(body, status, {k.decode(): v.decode() for k, v in headers})
 
-    @app.get("/healthz")
+    @app.exception_handler(HTTPException)
+    async def route_error(request: Request, exc: HTTPException) -> Response:
+        # e.g. POST /healthz: the API's error shape, not the framework's {"detail": ...}
+        status, headers, body = render(route_refusal(exc.status_code, str(exc.detail)), "openai")
+        answer = Response(body, status, {k.decode(): v.decode() for k, v in headers})
+        answer.headers.update(exc.headers or {})  # Allow, on a 405
+        return answer
+
+    # HEAD too: some load balancers probe with it.
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> dict[str, str]:
         """slotgate itself is alive (says nothing of llama-server)."""
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz() -> JSONResponse:
         """200 when llama-server answers and its slot count is known; 503 with the reason."""
         if gate.draining:

@@ -27,6 +27,20 @@ async def test_healthz_answers_even_without_llama_server(
     assert (await client.get(gate.url + "/health")).status_code == 503
 
 
+async def test_own_routes_answer_head_probes_and_refuse_other_methods_in_the_api_shape(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    for path in ("/healthz", "/readyz"):
+        assert (await client.head(gate.url + path)).status_code == 200, path
+    refused = await client.post(gate.url + "/healthz")
+    assert refused.status_code == 405
+    assert "GET" in refused.headers["allow"]
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "method_not_allowed"
+
+
 async def test_a_llama_server_that_wants_a_key_is_named_in_readyz_until_slotgate_has_it(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
