@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from app import logs
 from app.main import Gate, create_app
+from app.protocol import BoundedHeadProtocol
 from app.settings import Settings, describe
 
 log = logging.getLogger("slotgate")
@@ -120,7 +121,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         # One worker, always: each process would hold its own pool and multiply the slots.
         workers=1,
         loop="uvloop",
-        http="httptools",
+        http=BoundedHeadProtocol,
         lifespan="on",
         access_log=False,
         server_header=False,

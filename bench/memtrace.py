@@ -67,10 +67,18 @@ async def _close(process: asyncio.subprocess.Process) -> None:
 
 
 def _owner(trace: tracemalloc.Traceback) -> str:
+    """slotgate's line when slotgate's code made the allocation, the library's otherwise.
+
+    From the innermost frame out, the standard library's frames (asyncio making a task, say)
+    act for their caller and are passed over; the first frame of slotgate's or of an installed
+    package (uvicorn, even when called through slotgate's protocol subclass) owns it.
+    """
     frames = list(trace)[::-1]  # most recent first
     for frame in frames:
         if frame.filename.startswith(APP_DIR):
             return f"slotgate {frame.filename.removeprefix(str(REPO) + os.sep)}:{frame.lineno}"
+        if "site-packages" + os.sep in frame.filename:
+            break
     inner = frames[0]
     for marker in ("site-packages" + os.sep, "python3.11" + os.sep):
         if marker in inner.filename:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
+from app.cli import uvicorn_config
 from app.main import Gate, Gateway, create_app
 from app.settings import Settings
 from tests.standin import StandIn
@@ -46,10 +47,9 @@ class RunningGate:
 
 async def serve(settings: Settings) -> RunningGate:
     app = create_app(settings)
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, lifespan="on", log_config=None, access_log=False,
-        http="httptools", loop="none", timeout_graceful_shutdown=2,
-    )  # fmt: skip
+    # uvicorn as `slotgate` runs it, on a free port, and quicker to give up on a drain.
+    config = uvicorn_config(app, settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
+    config.timeout_graceful_shutdown = 2
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -71,7 +71,7 @@ class StandIn:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # llama-server takes big bodies
         app.router.add_get("/props", self._props)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
