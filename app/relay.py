@@ -111,15 +111,6 @@ class _Exchange:
         self.ticket: Ticket | None = None
         self.origin: bytes | None = None  # the request's Origin, for answers slotgate makes
 
-    def own_headers(self) -> Headers:
-        """Headers every answer slotgate makes itself carries, as llama-server's do: the
-        request id, and the browser's Origin echoed back, as llama-server echoes it, so that
-        a web client can read a 429 or a waiting stream from slotgate as it reads the rest."""
-        headers = [(b"x-request-id", self.id.encode())]
-        if self.origin is not None:
-            headers.append((b"access-control-allow-origin", self.origin))
-        return headers
-
     async def upstream_done(self, response: Response) -> None:
         """llama-server has sent its last byte: its slot is free, so ours is handed on now,
         before the rest is relayed, and the next request does not wait for the client."""
@@ -216,27 +207,29 @@ class Proxy:
     # -- one request --------------------------------------------------------------------------
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
-        endpoint: Endpoint | None = None
+        route: Endpoint | None = None  # a generation route, gated or not
         try:
             path = _checked_path(scope["path"])
             # Known first, so that every refusal below is counted under the route and spoken
             # in the route's own error shape.
-            if self._gated:
-                endpoint = admitted(ex.method, path)
-                if endpoint is not None:
-                    ex.route = endpoint.route
+            route = admitted(ex.method, path)
+            if route is not None:
+                ex.route = route.route
+            endpoint = route if self._gated else None
             head = _RequestHead(scope["headers"])
             ex.origin = head.origin
-            # A browser's CORS preflight never carries credentials; llama-server answers it
-            # without a key, and it starts no generation.
-            if ex.method != "OPTIONS":
+            if ex.method == "OPTIONS" and self._access.enabled:
+                # A browser's CORS preflight carries no key, and no body: llama-server answers
+                # it without a key and it starts nothing; so it passes, bodiless, unchecked.
+                body = await _preflight_body(receive, head.content_length)
+            else:
                 self._access.check(path, head.authorization, head.api_key)
-            body = await _read_body(receive, head.content_length, self._body_limit)
+                body = await _read_body(receive, head.content_length, self._body_limit)
             if endpoint is None:
-                if self._gated or admitted(ex.method, path) is None:
+                if route is None:
                     await self._forward(scope, send, ex, path, head, body, None)
                 else:
-                    await self._forward_ungated(scope, receive, send, ex, path, head, body)
+                    await self._forward_ungated(scope, receive, send, ex, path, head, body, route)
                 return
             check_content_type(endpoint, head.content_type)
             capacity = self._admission.capacity
@@ -246,7 +239,7 @@ class Proxy:
             ex.weight = want.weight
             ex.ticket = self._admission.enter(want.weight)
         except (GateError, AdmissionError) as exc:
-            await self._refuse(send, ex, refusal(exc), endpoint.flavor if endpoint else "openai")
+            await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return
         except ClientGone:
             ex.outcome = "client_gone"
@@ -262,6 +255,7 @@ class Proxy:
         path: str,
         head: _RequestHead,
         body: bytes,
+        route: Endpoint,
     ) -> None:
         """A generation with ADMISSION_CONTROL off: no slot, but a client that leaves still
         closes the upstream connection, so llama-server stops working for nobody."""
@@ -271,6 +265,8 @@ class Proxy:
         except asyncio.CancelledError:
             if watch.ours():
                 ex.outcome = "client_gone"
+                return
+            if await self._cut_short(send, ex, route.flavor):
                 return
             raise
         finally:
@@ -294,7 +290,7 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    head_out = [*_SSE_HEAD, *ex.own_headers()]
+                    head_out = [*_SSE_HEAD, *self._own_headers(ex)]
                     await send({"type": "http.response.start", "status": 200, "headers": head_out})
                     ex.sse = True
                     ex.status = 200
@@ -321,14 +317,7 @@ class Proxy:
             if watch.ours():
                 ex.outcome = "client_gone"
                 return
-            # Cancelled from outside: the drain timeout ran out at shutdown. Tell the client.
-            if ex.sse or ex.status == 0:
-                ex.outcome = "shutdown"
-                message = "slotgate shut down before this request finished"
-                cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
-                await _final_words(send, cut, endpoint.flavor, ex)
-                # Answered: the task ends here, as uvicorn's shutdown wants, without an error
-                # logged with a traceback for every request the drain timeout cut.
+            if await self._cut_short(send, ex, endpoint.flavor):
                 return
             raise
         except (GateError, AdmissionError) as exc:
@@ -392,6 +381,8 @@ class Proxy:
                 await self._refuse(send, ex, refusal(exc), flavor)
                 return
             raise
+        if ex.origin is not None:
+            self._upstream.cors.learn(ex.origin, response.headers)
         clean = False
         try:
             ex.upstream_status = response.status
@@ -516,10 +507,31 @@ class Proxy:
             await _send_event(send, stream_event(r, flavor), ex)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _cut_short(self, send: Send, ex: _Exchange, flavor: Flavor) -> bool:
+        """Cancelled from outside: the drain timeout ran out at shutdown. Tell the client
+        while its answer can still carry an error; True when it was told.
+
+        Then the task may end normally, as uvicorn's shutdown wants, rather than log an error
+        with a traceback for every request the drain timeout cut. A plain answer whose head
+        went out can only be left unfinished, which the client sees as a truncation.
+        """
+        if not (ex.sse or ex.status == 0):
+            return False
+        ex.outcome = "shutdown"
+        message = "slotgate shut down before this request finished"
+        cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
+        await _final_words(send, cut, flavor, ex, self._own_headers(ex))
+        return True
+
+    def _own_headers(self, ex: _Exchange) -> Headers:
+        """What an answer slotgate makes itself carries: the request id, and the CORS header
+        llama-server would give the request's Origin (app/cors.py)."""
+        return [(b"x-request-id", ex.id.encode()), *self._upstream.cors.headers_for(ex.origin)]
+
     async def _refuse(self, send: Send, ex: _Exchange, r: Refusal, flavor: Flavor) -> None:
         ex.outcome = r.reason
         status, headers, body = render(r, flavor)
-        headers += ex.own_headers()
+        headers += self._own_headers(ex)
         ex.status = status
         ex.bytes_out += len(body)
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -638,6 +650,15 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
     return b"".join(chunks)
 
 
+async def _preflight_body(receive: Receive, declared: int | None) -> bytes:
+    try:
+        return await _read_body(receive, declared, 0)
+    except PayloadTooLarge:
+        raise BadRequest(
+            "an OPTIONS request without a key is a preflight, and has no body"
+        ) from None
+
+
 def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
@@ -658,7 +679,9 @@ async def _send_event(send: Send, event: bytes, ex: _Exchange) -> None:
     await send({"type": "http.response.body", "body": event, "more_body": True})
 
 
-async def _final_words(send: Send, r: Refusal, flavor: Flavor, ex: _Exchange) -> None:
+async def _final_words(
+    send: Send, r: Refusal, flavor: Flavor, ex: _Exchange, own_headers: Headers
+) -> None:
     """Best effort, during cancellation: end the answer with an error rather than silence."""
     try:
         async with asyncio.timeout(1.0):
@@ -668,7 +691,7 @@ async def _final_words(send: Send, r: Refusal, flavor: Flavor, ex: _Exchange) ->
             else:
                 status, headers, body = render(r, flavor)
                 ex.status = status
-                headers += ex.own_headers()
+                headers += own_headers
                 await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
     except (OSError, RuntimeError, TimeoutError):

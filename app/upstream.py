@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from app.admission import Admission
 from app.client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
+from app.cors import CorsPolicy
 from app.errors import UpstreamFailed, UpstreamUnavailable
 from app.settings import Settings
 
@@ -79,6 +80,8 @@ class Upstream:
             (b"authorization", f"Bearer {key.get_secret_value()}".encode()) if key else None
         )
         self.props: Props | None = None
+        #: Its CORS policy, as its answers show it, for the answers slotgate makes itself.
+        self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
         self._follower: asyncio.Task[None] | None = None
@@ -165,6 +168,7 @@ class Upstream:
             return
         if self.props is not None and props.build_info != self.props.build_info:
             self._client.relearn()
+            self.cors.forget()
         if self.props is None or props.total_slots != self.props.total_slots or not self.ready:
             log.info(
                 "llama-server ready: total_slots=%d n_ctx=%s model=%s",
@@ -179,6 +183,7 @@ class Upstream:
         if self.ready or reason != self.reason:
             log.warning("llama-server not ready: %s", reason)
         self._client.relearn()  # what comes back may be another build
+        self.cors.forget()
         self.ready = False
         self.reason = reason
         self._admission.resize(None)

@@ -166,6 +166,7 @@ def _run(app_name: str, upstream: int, held: int) -> Any:
         try:
             return await _trace(server, held, waiting, hold_slot=app_name == "slotgate")
         finally:
+            server.should_exit = True
             await serving
 
     return run_loop(both())

@@ -30,18 +30,6 @@ class Seen:
     body: bytes
 
 
-async def _cors(request: web.Request, response: web.StreamResponse) -> None:
-    """As llama-server does: every answer echoes the Origin; a preflight allows the rest."""
-    origin = request.headers.get("Origin")
-    if origin is None:
-        return
-    response.headers["Access-Control-Allow-Origin"] = origin
-    if request.method == "OPTIONS":
-        response.headers["Access-Control-Allow-Credentials"] = "true"
-        response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
-        response.headers["Access-Control-Allow-Headers"] = "*"
-
-
 @dataclass
 class StandIn:
     """Behaviour knobs (set them from a test) and counters (read them after)."""
@@ -54,6 +42,7 @@ class StandIn:
     padding: int = 0  # extra bytes of content in every streamed chunk
     close_after_stream: bool = True  # close the connection after a stream, as llama-server does
     api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
+    cors_origins: set[str] | None = None  # None: echo any Origin; else as --cors-origins
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
     running: int = 0
     max_running: int = 0
@@ -78,7 +67,7 @@ class StandIn:
         for path in GENERATION_PATHS:
             app.router.add_post(path, self._generate)
         app.router.add_route("*", "/{tail:.*}", self._echo)
-        app.on_response_prepare.append(_cors)
+        app.on_response_prepare.append(self._cors)
         # handler_cancellation: like llama-server, notice a client that left and stop working.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -116,6 +105,21 @@ class StandIn:
             {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
             status=503,
         )
+
+    async def _cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        """As llama-server does: every answer echoes the Origin (only an allowed one, when
+        started with --cors-origins); a preflight allows the rest."""
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return
+        allowed = self.cors_origins
+        response.headers["Access-Control-Allow-Origin"] = (
+            origin if allowed is None or origin in allowed else ",".join(sorted(allowed))
+        )
+        if request.method == "OPTIONS":
+            response.headers["Access-Control-Allow-Credentials"] = "true"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+            response.headers["Access-Control-Allow-Headers"] = "*"
 
     async def _props(self, request: web.Request) -> web.Response:
         if self.loading:

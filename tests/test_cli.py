@@ -67,11 +67,12 @@ class Process:
 
 
 @pytest.fixture
-async def slotgate(standin: StandIn) -> AsyncIterator[Process]:
+async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIterator[Process]:
     port = free_port()
     env = {
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url,
         "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "3", "LOG_LEVEL": "warning",
+        **getattr(request, "param", {}),
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "app", env=env, stderr=asyncio.subprocess.PIPE
@@ -108,6 +109,9 @@ async def test_sigterm_lets_running_streams_finish_then_exits_zero(
         assert await slotgate.proc.wait() == 0
 
 
+@pytest.mark.parametrize(
+    "slotgate", [{}, {"ADMISSION_CONTROL": "false"}], ids=["gated", "ungated"], indirect=True
+)
 async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     slotgate: Process, standin: StandIn
 ) -> None:

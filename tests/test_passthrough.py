@@ -188,10 +188,11 @@ async def test_api_keys_guard_every_route_but_the_probes(
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("admission_control", [True, False], ids=["gated", "ungated"])
 async def test_refusals_before_the_body_is_read_count_under_their_route_in_its_shape(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, admission_control: bool
 ) -> None:
-    gate = await start_gate(api_keys="k1", max_body_bytes=1000)
+    gate = await start_gate(api_keys="k1", max_body_bytes=1000, admission_control=admission_control)
     messages = {"model": "m", "max_tokens": 5, "messages": []}
     denied = await client.post(gate.url + "/v1/messages", json=messages)
     assert denied.status_code == 401
@@ -254,12 +255,13 @@ def allowed_origins(response: httpx.Response) -> list[str]:
     return response.headers.get_list("access-control-allow-origin")
 
 
-async def test_answers_slotgate_makes_echo_the_origin_as_llama_server_does(
+async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_the_origin(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
     gate = await start_gate(max_queue=1, keepalive_interval=5)
-    # An answer assembled from llama-server's stream keeps llama-server's CORS header.
+    # The answer is assembled from llama-server's stream, and keeps its CORS header: from it
+    # slotgate learns what llama-server gives this Origin.
     assembled = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
     assert assembled.status_code == 200
     assert allowed_origins(assembled) == ["http://a.example"]
@@ -276,11 +278,38 @@ async def test_answers_slotgate_makes_echo_the_origin_as_llama_server_does(
         refused = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
         assert refused.status_code == 429
         assert allowed_origins(refused) == ["http://a.example"]
+        assert refused.headers["vary"] == "Origin"
+        # An Origin llama-server never answered gets nothing it could read.
+        unknown = await client.post(
+            gate.url + "/v1/chat/completions", json=chat(), headers={"Origin": "http://b.example"}
+        )
+        assert unknown.status_code == 429
+        assert allowed_origins(unknown) == []
         await waiting.aread()
     await running
     unasked = await client.post(gate.url + "/v1/chat/completions", content=b"{")
     assert unasked.status_code == 400
     assert allowed_origins(unasked) == []  # no Origin, nothing echoed
+
+
+async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.cors_origins = {"http://trusted.example"}  # as llama-server --cors-origins
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
+    gate = await start_gate(max_queue=0, keepalive_interval=1)
+    evil = {"Origin": "http://evil.example"}
+    first = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=evil)
+    assert allowed_origins(first) == ["http://trusted.example"]  # llama-server's own answer
+    running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
+    await gate.until(lambda: gate.gate.admission.active == 1)
+    # The head of a waiting stream is slotgate's: it must not open what llama-server closed.
+    async with client.stream(
+        "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=evil
+    ) as waiting:
+        assert allowed_origins(waiting) == ["http://trusted.example"]
+        await waiting.aread()
+    await running
 
 
 async def test_a_preflight_needs_no_key_as_browsers_send_none(
@@ -294,10 +323,17 @@ async def test_a_preflight_needs_no_key_as_browsers_send_none(
     assert preflight.status_code == 200
     assert allowed_origins(preflight) == ["http://a.example"]
     assert preflight.headers["access-control-allow-credentials"] == "true"
-    assert gate.gate.admission.active == 0
+    assert [seen.method for seen in standin.seen] == ["OPTIONS"]
+    # Without a key it is a preflight or nothing: a body does not pass.
+    laden = await client.request(
+        "OPTIONS", gate.url + "/v1/chat/completions", content=b"x" * 1000, headers=ORIGIN
+    )
+    assert laden.status_code == 400
+    assert laden.json()["error"]["type"] == "invalid_request_error"
+    assert len(standin.seen) == 1
     denied = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
     assert denied.status_code == 401
-    assert allowed_origins(denied) == ["http://a.example"]
+    assert allowed_origins(denied) == ["http://a.example"]  # learned from the preflight
 
 
 async def test_llama_server_sees_the_request_id_the_client_and_the_log_see(
