@@ -8,41 +8,54 @@ credentials, or local-only. Echoing every Origin would widen it: the head of a w
 would let any page read the generation relayed under it. So slotgate repeats, for each Origin,
 the Access-Control-Allow-Origin llama-server last gave that Origin (a browser's preflight
 teaches it before the first POST), and nothing for an Origin llama-server has not answered.
-Credentials are never allowed on slotgate's own answers: llama-server allows them only on a
-preflight, and a stricter answer is the safe side.
+
+- Credentials are never allowed on slotgate's own answers: llama-server allows them only on a
+  preflight, and a stricter answer is the safe side.
+- Only an answer that carries the header teaches: one refused before llama-server's routing
+  (a header too long, say) has none, and must not let a client unlearn another's Origin.
+- What is learned lasts TTL_S unless llama-server says it again, and is forgotten at once when
+  slotgate sees llama-server restart or change: a policy made stricter by a restart slotgate
+  did not notice outlives it by TTL_S at most.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 Header = tuple[bytes, bytes]
 
 #: Origins remembered; the oldest is forgotten past this (a browser app uses one or a few).
 MAX_ORIGINS = 256
+#: Seconds an Origin's answer is trusted without llama-server repeating it.
+TTL_S = 60.0
 _ALLOW_ORIGIN = b"access-control-allow-origin"
 _VARY = (b"vary", b"Origin")
 
 
 class CorsPolicy:
     def __init__(self) -> None:
-        self._answers: dict[bytes, tuple[Header, ...]] = {}
+        self._answers: dict[bytes, tuple[float, Header]] = {}
 
     def learn(self, origin: bytes, headers: Iterable[Header]) -> None:
         """Remember what llama-server answered a request from `origin` (lowercase names)."""
-        allowed = tuple((name, value) for name, value in headers if name == _ALLOW_ORIGIN)
-        self._answers.pop(origin, None)
-        self._answers[origin] = allowed
-        if len(self._answers) > MAX_ORIGINS:
-            del self._answers[next(iter(self._answers))]
+        for name, value in headers:
+            if name == _ALLOW_ORIGIN:
+                self._answers.pop(origin, None)
+                self._answers[origin] = (time.monotonic() + TTL_S, (name, value))
+                if len(self._answers) > MAX_ORIGINS:
+                    del self._answers[next(iter(self._answers))]
+                return
 
     def headers_for(self, origin: bytes | None) -> list[Header]:
         """The CORS headers for an answer of slotgate's own to a request from `origin`."""
         if origin is None:
             return []
-        allowed = self._answers.get(origin)
+        answer = self._answers.get(origin)
         # Vary even when nothing is allowed: the answer depends on the Origin all the same.
-        return [*allowed, _VARY] if allowed else [_VARY]
+        if answer is None or answer[0] < time.monotonic():
+            return [_VARY]
+        return [answer[1], _VARY]
 
     def forget(self) -> None:
         """llama-server went away or changed: its policy may have changed with it."""

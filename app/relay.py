@@ -54,6 +54,9 @@ _HOP_BY_HOP = frozenset(
     }
 )  # fmt: skip
 _CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+#: Headers slotgate decides by, which a client cannot make hop-by-hop through Connection: then
+#: slotgate would check or key on one value and llama-server see another, or none.
+_DECIDING = _CREDENTIALS | {b"origin"}
 _RESPONSE_DROP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
      b"proxy-connection", b"date", b"server"}
@@ -227,7 +230,7 @@ class Proxy:
                 body = await _read_body(receive, head.content_length, self._body_limit)
             if endpoint is None:
                 if route is None:
-                    await self._forward(scope, send, ex, path, head, body, None)
+                    await self._forward(scope, send, ex, path, head, body)
                 else:
                     await self._forward_ungated(scope, receive, send, ex, path, head, body, route)
                 return
@@ -261,7 +264,7 @@ class Proxy:
         closes the upstream connection, so llama-server stops working for nobody."""
         watch = _Watch(receive)
         try:
-            await self._forward(scope, send, ex, path, head, body, None)
+            await self._forward(scope, send, ex, path, head, body, route.flavor)
         except asyncio.CancelledError:
             if watch.ours():
                 ex.outcome = "client_gone"
@@ -304,14 +307,7 @@ class Proxy:
                 assembly = Assembly(endpoint.kind, path)
                 body = streaming_body(body)
             await self._forward(
-                scope,
-                send,
-                ex,
-                path,
-                head,
-                body,
-                endpoint,
-                assembly,
+                scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
             )
         except asyncio.CancelledError:
             if watch.ours():
@@ -360,9 +356,13 @@ class Proxy:
         path: str,
         head: _RequestHead,
         body: bytes,
-        endpoint: Endpoint | None,
+        flavor: Flavor = "openai",
         assembly: Assembly | None = None,
+        *,
+        gated: bool = False,
     ) -> None:
+        """Send the request to llama-server and relay its answer. A gated request leaves an
+        upstream failure to _gate, which knows whether its client is still there."""
         target = quote(path, safe="/:@!$&'()*+,;=-._~")
         query = scope["query_string"]
         if query:
@@ -373,15 +373,16 @@ class Proxy:
         if self._auth is not None:
             headers.append(self._auth)
         headers.append((b"x-request-id", ex.id.encode()))
-        flavor: Flavor = endpoint.flavor if endpoint else "openai"
         try:
             response = await self._upstream.send(ex.method, target, headers, body)
         except GateError as exc:
-            if endpoint is None:
+            if not gated:
                 await self._refuse(send, ex, refusal(exc), flavor)
                 return
             raise
-        if ex.origin is not None:
+        # Learned from requests that passed the key check (when there is one): a keyless
+        # preflight must not be able to churn what other clients' Origins were taught.
+        if ex.origin is not None and not (ex.method == "OPTIONS" and self._access.enabled):
             self._upstream.cors.learn(ex.origin, response.headers)
         clean = False
         try:
@@ -603,12 +604,15 @@ class _RequestHead:
             elif name == b"x-api-key":
                 self.api_key = value
             elif name == b"origin":
+                # llama-server reads the first; one value only, so both sides read the same.
+                if self.origin is not None:
+                    raise BadRequest("more than one Origin header")
                 self.origin = value
             elif name == b"connection":
                 # Headers named in Connection are hop-by-hop too, but never ones slotgate
-                # itself relies on: a client cannot make the gate drop credentials it checks.
+                # itself decides by: a client cannot make the gate drop what it checked.
                 named = {part.strip().lower() for part in value.split(b",")}
-                self.connection_named = frozenset(named - _CREDENTIALS)
+                self.connection_named = frozenset(named - _DECIDING)
         if size > MAX_HEADER_BYTES:
             raise HeadersTooLarge(f"request headers exceed {MAX_HEADER_BYTES} bytes")
 

@@ -308,8 +308,26 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
         "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=evil
     ) as waiting:
         assert allowed_origins(waiting) == ["http://trusted.example"]
+        assert gate.gate.admission.queued == 1  # the head was slotgate's: the stream waits
         await waiting.aread()
     await running
+
+
+async def test_the_origin_slotgate_decides_by_is_the_one_llama_server_sees(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    two = [("Origin", "http://a.example"), ("Origin", "http://b.example")]
+    refused = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=two)
+    assert refused.status_code == 400
+    assert "Origin" in refused.json()["error"]["message"]
+    assert standin.seen == []
+    # Named in Connection, it would be dropped on the way: it is not.
+    await client.post(
+        gate.url + "/v1/chat/completions", json=chat(),
+        headers={**ORIGIN, "Connection": "keep-alive, origin"},
+    )  # fmt: skip
+    assert standin.seen[-1].headers["Origin"] == "http://a.example"
 
 
 async def test_a_preflight_needs_no_key_as_browsers_send_none(
@@ -333,7 +351,14 @@ async def test_a_preflight_needs_no_key_as_browsers_send_none(
     assert len(standin.seen) == 1
     denied = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
     assert denied.status_code == 401
-    assert allowed_origins(denied) == ["http://a.example"]  # learned from the preflight
+    # Nothing learned from a keyless preflight, which anyone may send; from a keyed request, yes.
+    assert allowed_origins(denied) == []
+    keyed = {**ORIGIN, "Authorization": "Bearer k1"}
+    assert (
+        await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=keyed)
+    ).status_code == 200
+    denied = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+    assert allowed_origins(denied) == ["http://a.example"]
 
 
 async def test_llama_server_sees_the_request_id_the_client_and_the_log_see(
