@@ -300,8 +300,7 @@ class Proxy:
                     await self._wait_streaming(send, ticket)
                 else:
                     await ticket.wait()
-            self._metrics.admitted[endpoint.route].inc()
-            self._metrics.wait[endpoint.route].observe(ticket.wait_s)
+            self._metrics.admit(endpoint.route, ticket.wait_s)
             assembly = None
             if self._assemble and not want.stream and endpoint.kind in _ASSEMBLED:
                 assembly = Assembly(endpoint.kind, path)
