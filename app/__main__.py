@@ -1,5 +1,5 @@
-"""`python -m app` runs slotgate, like the `slotgate` command."""
+"""`python -m slotgate` runs slotgate, like the `slotgate` command."""
 
-from app.cli import main
+from .cli import main
 
 raise SystemExit(main())

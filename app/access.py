@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from app.errors import Unauthorized
+from .errors import Unauthorized
 
 #: Paths that answer without a key: liveness and readiness probes, and llama-server's /health.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v1/health"})

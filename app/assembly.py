@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from app.endpoints import Kind
+from .endpoints import Kind
 
 
 class Assembly:

@@ -18,10 +18,10 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from app import logs
-from app.main import Gate, create_app
-from app.protocol import BoundedHeadProtocol
-from app.settings import Settings, describe
+from . import logs
+from .main import Gate, create_app
+from .protocol import BoundedHeadProtocol
+from .settings import Settings, describe
 
 log = logging.getLogger("slotgate")
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], int | None]]]:
-    from app.engine import EngineFailed, LocalEngine  # xllamacpp is an optional extra
+    from .engine import EngineFailed, LocalEngine  # xllamacpp is an optional extra
 
     try:
         engine = LocalEngine.from_args(

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from app.errors import BadRequest, Flavor, UnsupportedMediaType
+from .errors import BadRequest, Flavor, UnsupportedMediaType
 
 
 class Kind(Enum):

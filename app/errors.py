@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import orjson
 
-from app.admission import (
+from .admission import (
     AdmissionError,
     NotReady,
     QueueFull,

@@ -11,13 +11,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from app.access import Access
-from app.admission import Admission
-from app.errors import GateError, refusal, render, route_refusal
-from app.metrics import Metrics
-from app.relay import Proxy, Receive, Scope, Send
-from app.settings import Settings
-from app.upstream import Upstream
+from .access import Access
+from .admission import Admission
+from .errors import GateError, refusal, render, route_refusal
+from .metrics import Metrics
+from .relay import Proxy, Receive, Scope, Send
+from .settings import Settings
+from .upstream import Upstream
 
 log = logging.getLogger("slotgate")
 

@@ -20,8 +20,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from app.admission import Admission
-from app.endpoints import ENDPOINTS
+from .admission import Admission
+from .endpoints import ENDPOINTS
 
 REASONS = (
     "queue_full",

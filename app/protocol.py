@@ -18,7 +18,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.errors import HeadersTooLarge, refusal, render
+from .errors import HeadersTooLarge, refusal, render
 
 #: A read that ends one request and starts the next is counted whole against the next: reads
 #: are at most 256 KiB, so this leaves any head the relay accepts (64 KiB) room to spare,

@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
-from app.access import Access
-from app.admission import Admission, AdmissionError, NotReady, Ticket
-from app.assembly import Assembly, streaming_body
-from app.client import ClientError, Response
-from app.endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
-from app.errors import (
+from .access import Access
+from .admission import Admission, AdmissionError, NotReady, Ticket
+from .assembly import Assembly, streaming_body
+from .client import ClientError, Response
+from .endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
+from .errors import (
     BadRequest,
     Flavor,
     GateError,
@@ -33,10 +33,10 @@ from app.errors import (
     render,
     stream_event,
 )
-from app.logs import access as access_log
-from app.metrics import Metrics
-from app.settings import Settings
-from app.upstream import Upstream
+from .logs import access as access_log
+from .metrics import Metrics
+from .settings import Settings
+from .upstream import Upstream
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

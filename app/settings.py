@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.admission import QueuePolicy
+from .admission import QueuePolicy
 
 MIB = 1024 * 1024
 

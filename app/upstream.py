@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from app.admission import Admission
-from app.client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
-from app.cors import CorsPolicy
-from app.errors import UpstreamFailed, UpstreamUnavailable
-from app.settings import Settings
+from .admission import Admission
+from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
+from .cors import CorsPolicy
+from .errors import UpstreamFailed, UpstreamUnavailable
+from .settings import Settings
 
 log = logging.getLogger("slotgate.upstream")
 

@@ -90,7 +90,7 @@ def start_slotgate(
 ) -> Server:
     port = free_port()
     script = Path(sys.executable).with_name("slotgate")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "slotgate"]
     values = {
         "LLAMA_SERVER_URL": upstream_url,
         "PORT": str(port),

@@ -21,7 +21,8 @@ import collections
 import json
 import time
 
-from app.admission import Admission, QueuePolicy, Ticket
+from slotgate.admission import Admission, QueuePolicy, Ticket
+
 from bench.loop import run_loop
 
 

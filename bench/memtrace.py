@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(app_name: str, upstream: int, held: int) -> Any:
-    from app.cli import uvicorn_config
-    from app.main import create_app
-    from app.settings import Settings
+    from slotgate.cli import uvicorn_config
+    from slotgate.main import create_app
+    from slotgate.settings import Settings
 
     settings = Settings(
         llama_server_url=f"http://127.0.0.1:{upstream}", port=free_port(), max_queue=0,

@@ -80,7 +80,7 @@ def _start(server: str, app: str, standin: Server, logs: Path, *, answer: bool) 
     if app == "floor":
         return _granian(logs, f"bench.floor:{'answer' if answer else 'hold'}", factory=False,
                         env={})  # fmt: skip
-    return _granian(logs, "app.main:create_app", factory=True, env=env)
+    return _granian(logs, "slotgate.main:create_app", factory=True, env=env)
 
 
 def _rps(server: Server, duration_s: float) -> float:

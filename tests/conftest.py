@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from slotgate.cli import uvicorn_config
+from slotgate.main import Gate, Gateway, create_app
+from slotgate.settings import Settings
 
-from app.cli import uvicorn_config
-from app.main import Gate, Gateway, create_app
-from app.settings import Settings
 from tests.standin import StandIn
 
 

@@ -6,8 +6,7 @@ import asyncio
 import random
 
 import pytest
-
-from app.admission import (
+from slotgate.admission import (
     RETRY_AFTER_CAP_S,
     Admission,
     NotReady,

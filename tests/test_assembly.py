@@ -6,9 +6,8 @@ import json
 from typing import Any
 
 import pytest
-
-from app.assembly import Assembly, streaming_body
-from app.endpoints import Kind
+from slotgate.assembly import Assembly, streaming_body
+from slotgate.endpoints import Kind
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
 

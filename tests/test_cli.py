@@ -14,15 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from slotgate.settings import Settings
 
-from app.settings import Settings
 from tests.conftest import chat
 from tests.standin import StandIn
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app", *args],
+        [sys.executable, "-m", "slotgate", *args],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
 
@@ -45,9 +45,13 @@ def test_misconfiguration_stops_start_up_with_one_line_naming_the_variable() -> 
 def test_a_dotenv_that_is_not_utf8_stops_start_up_with_one_line(tmp_path: Path) -> None:
     (tmp_path / ".env").write_bytes(b"MAX_QUEUE=\xff\xfe\n")
     result = subprocess.run(
-        [sys.executable, "-m", "app"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "slotgate"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("slotgate: invalid .env: not UTF-8")
@@ -75,7 +79,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
         **getattr(request, "param", {}),
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "app", env=env, stderr=asyncio.subprocess.PIPE
+        sys.executable, "-m", "slotgate", env=env, stderr=asyncio.subprocess.PIPE
     )
     process = Process(proc, f"http://127.0.0.1:{port}")
     try:

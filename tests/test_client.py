@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import pytest
 import uvloop
+from slotgate import client as client_module
+from slotgate.client import Client, ConnectFailed
 
-from app import client as client_module
-from app.client import Client, ConnectFailed
 from tests.standin import StandIn
 
 

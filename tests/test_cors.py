@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from app.cors import MAX_ORIGINS, TTL_S, CorsPolicy
+from slotgate.cors import MAX_ORIGINS, TTL_S, CorsPolicy
 
 VARY = (b"vary", b"Origin")
 

@@ -6,9 +6,8 @@ import json
 from typing import Any
 
 import pytest
-
-from app.endpoints import ENDPOINTS, admitted, demand
-from app.errors import BadRequest
+from slotgate.endpoints import ENDPOINTS, admitted, demand
+from slotgate.errors import BadRequest
 
 
 def weight(path: str, body: dict[str, Any], capacity: int = 8) -> int:

@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from app.engine import (
+from slotgate.engine import (
     DEMO_PACKAGE,
     EngineFailed,
     LocalEngine,
@@ -479,7 +478,7 @@ def test_poll_reports_an_engine_that_died_and_stop_still_cleans_up(
 PARENT = """\
 import sys
 from pathlib import Path
-from app.engine import LocalEngine, find_binary
+from slotgate.engine import LocalEngine, find_binary
 engine = LocalEngine(Path(sys.argv[1]), parallel=1, ctx_size=512, threads=1,
                      binary=find_binary())
 engine.start()

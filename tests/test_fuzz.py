@@ -14,9 +14,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from slotgate.endpoints import ENDPOINTS
+from slotgate.settings import Settings
 
-from app.endpoints import ENDPOINTS
-from app.settings import Settings
 from tests.conftest import RunningGate, serve
 from tests.standin import StandIn
 

@@ -8,8 +8,8 @@ import logging
 
 import httpx
 import pytest
+from slotgate.logs import JsonFormatter
 
-from app.logs import JsonFormatter
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
 

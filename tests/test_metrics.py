@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
-from app.admission import Admission, QueuePolicy
-from app.metrics import BUCKETS_S, Metrics
+from slotgate.admission import Admission, QueuePolicy
+from slotgate.metrics import BUCKETS_S, Metrics
 
 ROUTE = "/v1/chat/completions"
 

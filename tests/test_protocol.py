@@ -7,8 +7,8 @@ import json
 from collections.abc import AsyncIterator
 
 import httpx
+from slotgate.protocol import HEAD_LIMIT_BYTES
 
-from app.protocol import HEAD_LIMIT_BYTES
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
 

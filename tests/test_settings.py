@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-
-from app.settings import Settings, describe
+from slotgate.settings import Settings, describe
 
 
 def test_defaults_match_the_documented_ones() -> None:

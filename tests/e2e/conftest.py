@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.engine import LocalEngine
+from slotgate.settings import Settings
 
-from app.engine import LocalEngine
-from app.settings import Settings
 from tests.conftest import RunningGate, serve
 
 #: llama.cpp's /slots and /metrics each post a task to its queue; polling them faster than

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.engine import LocalEngine
 
-from app.engine import LocalEngine
 from tests.e2e.conftest import POLL_S, GateFactory, Llama, Watch, chat, eventually
 
 pytestmark = pytest.mark.e2e
