@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import math
@@ -18,10 +19,10 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from . import logs
+from . import __version__, logs
 from .main import Gate, create_app
 from .protocol import BoundedHeadProtocol
-from .settings import Settings, describe
+from .settings import ENGINE_VARIABLES, Settings, describe, export_engine_variables, misspelt
 
 log = logging.getLogger("slotgate")
 
@@ -32,6 +33,8 @@ def _env_help() -> str:
         default = field.default
         shown = "unset" if default is None or default == () else str(default).lower()
         lines.append(f"  {name.upper():<24} {field.description} [default: {shown}]")
+    for name, (description, shown) in ENGINE_VARIABLES.items():
+        lines.append(f"  {name:<24} {description} [default: {shown}]")
     return "\n".join(lines)
 
 
@@ -46,19 +49,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog=_env_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"slotgate {__version__}")
+    parser.add_argument("--host", help="address to listen on (overrides HOST)")
+    parser.add_argument("--port", type=_port, help="port to listen on (overrides PORT)")
     local = parser.add_argument_group("local llama.cpp engine (instead of LLAMA_SERVER_URL)")
     local.add_argument("--model", metavar="PATH.gguf", help="start llama.cpp on this model")
     local.add_argument(
         "--demo", action="store_true", help="start llama.cpp on the small gemma-3 270M model"
     )
-    local.add_argument("--parallel", type=_positive, default=2, metavar="N", help="slots (2)")
+    local.add_argument("--parallel", type=_positive, metavar="N", help="slots (2)")
+    local.add_argument("--ctx-size", type=_positive, metavar="C", help="total context (4096)")
+    local.add_argument("--threads", type=_positive, metavar="T", help="CPU threads (llama.cpp's)")
     local.add_argument(
-        "--ctx-size", type=_positive, default=4096, metavar="C", help="total context (4096)"
+        "--engine-log",
+        choices=("warnings", "all"),
+        help="llama.cpp's log lines to show: its warnings and errors (default), or all",
     )
-    local.add_argument(
-        "--threads", type=_positive, default=None, metavar="T", help="CPU threads (llama.cpp's)"
-    )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # These only shape a local engine: without one they would be silently ignored.
+    engine_only = {"--parallel": args.parallel, "--ctx-size": args.ctx_size,
+                   "--threads": args.threads, "--engine-log": args.engine_log}  # fmt: skip
+    given = [flag for flag, value in engine_only.items() if value is not None]
+    if given and not (args.model or args.demo):
+        parser.error(f"{given[0]} needs --model or --demo: it applies to a local engine only")
+    args.parallel = args.parallel or 2
+    args.ctx_size = args.ctx_size or 4096
+    args.engine_log = args.engine_log or "warnings"
+    return args
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port from 0 to 65535")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -133,7 +160,53 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
     )
 
 
-def serve(settings: Settings, engine_exit: Callable[[], int | None] | None = None) -> int:
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for HOST and PORT, as uvicorn would open them; OSError otherwise.
+
+    slotgate binds before anything else (reading /props, loading a model), so that a busy
+    port or a wrong address is the one line it prints, not the last of many.
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            # Listening at once holds the port: a second bind would succeed until then.
+            sock.listen(2048)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def cannot_listen(host: str, port: int, names: tuple[str, str], exc: OSError) -> str:
+    """The one line for a listening address slotgate cannot have, naming the variable."""
+    host_name, port_name = names
+    if isinstance(exc, socket.gaierror):
+        name, value, reason = host_name, host, "not an address of this machine or a known name"
+    elif exc.errno == errno.EADDRINUSE:
+        name, value, reason = port_name, str(port), "address already in use"
+    elif exc.errno == errno.EACCES:
+        name, value, reason = port_name, str(port), "permission denied"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        name, value, reason = host_name, host, "not an address of this machine"
+    else:
+        name, value, reason = host_name, host, exc.strerror or str(exc)
+    shown = f"[{host}]" if ":" in host else host
+    return f"slotgate: cannot listen on {shown}:{port} ({name}={value}): {reason}"
+
+
+def serve(
+    settings: Settings,
+    engine_exit: Callable[[], int | None] | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> int:
     app = create_app(settings)
     server = Server(uvicorn_config(app, settings), app.state.gate, engine_exit)
     # Everything built so far (FastAPI, pydantic, uvicorn, the app) lives as long as the
@@ -141,7 +214,7 @@ def serve(settings: Settings, engine_exit: Callable[[], int | None] | None = Non
     # a storm of 1,000 clients cut the open-loop p99 time to a 429 from 2-13 ms to under 1 ms.
     gc.collect()
     gc.freeze()
-    server.run()
+    server.run(sockets)
     if server.engine_died:
         return 1
     return 0 if server.started else 1
@@ -149,8 +222,9 @@ def serve(settings: Settings, engine_exit: Callable[[], int | None] | None = Non
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    given = {"host": args.host, "port": args.port}
     try:
-        settings = Settings()
+        settings = Settings(**{name: value for name, value in given.items() if value is not None})
     except ValidationError as exc:
         print(describe(exc), file=sys.stderr)  # noqa: T201 - the one line a misconfiguration gets
         return 2
@@ -159,14 +233,28 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)  # noqa: T201
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    if not (args.model or args.demo):
-        log.info("slotgate fronting %s on http://%s:%d", settings.llama_server_url,
-                 settings.host, settings.port)  # fmt: skip
-        return serve(settings)
-    with _local_engine(args) as (url, engine_exit):
-        settings = settings.model_copy(update={"llama_server_url": url})
-        _print_usage(settings)
-        return serve(settings, engine_exit)
+    for warning in misspelt():
+        log.warning("%s", warning)
+    try:
+        sockets = listen(settings.host, settings.port)
+    except OSError as exc:
+        names = ("--host" if args.host else "HOST", "--port" if args.port is not None else "PORT")
+        print(cannot_listen(settings.host, settings.port, names, exc), file=sys.stderr)  # noqa: T201
+        return 2
+    try:
+        port = int(sockets[0].getsockname()[1])  # PORT=0 picks one
+        if not (args.model or args.demo):
+            log.info("slotgate fronting %s on http://%s:%d", settings.llama_server_url,
+                     settings.host, port)  # fmt: skip
+            return serve(settings, sockets=sockets)
+        export_engine_variables()
+        with _local_engine(args) as (url, engine_exit):
+            settings = settings.model_copy(update={"llama_server_url": url})
+            _print_usage(settings, port)
+            return serve(settings, engine_exit, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @contextlib.contextmanager
@@ -180,6 +268,7 @@ def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
             parallel=args.parallel,
             ctx_size=args.ctx_size,
             threads=args.threads,
+            log_all=args.engine_log == "all",
         )
         engine.start()
     except EngineFailed as exc:
@@ -194,8 +283,8 @@ def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
 _EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,"stream":true}'
 
 
-def _print_usage(settings: Settings) -> None:
-    base = f"http://{settings.host}:{settings.port}"
+def _print_usage(settings: Settings, port: int) -> None:
+    base = f"http://{settings.host}:{port}"
     print(  # noqa: T201 - the banner a person starting the demo reads
         f"\nslotgate is starting on {base}, in front of llama.cpp at {settings.llama_server_url}\n"
         f"  OpenAI base URL:  {base}/v1   (any API key)\n"

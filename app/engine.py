@@ -46,6 +46,15 @@ _GGUF_MAGIC = b"GGUF"
 # llama.cpp's log lines: an optional "0.02.655.775" timestamp, then one level letter.
 _LOG_LINE = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?([DIWE]) (.*)$")
 _LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+#: The demo model carries no chat template, and llama.cpp's fallback (ChatML) makes gemma
+#: answer `<|im_end|>` and `<|im_start|>` again and again. llama.cpp's built-in gemma template
+#: exists only outside its Jinja mode, which is on by default since late 2025.
+DEMO_CHAT_TEMPLATE = "gemma"
+#: Warnings that are true of llama-server in general but not of an engine on a private
+#: loopback port behind slotgate; shown only with `--engine-log all`, as information.
+_MOOT_WARNINGS = ("security: no API key is set",)
+#: How many hidden lines an engine that ended by itself leaves in slotgate's log.
+_CRASH_LINES = 20
 
 
 class EngineFailed(Exception):
@@ -172,17 +181,27 @@ def default_threads(cores: int | None = None) -> int:
 
 
 def server_args(
-    binary: str, model: Path | str, port: int, parallel: int, ctx_size: int, threads: int
+    binary: str,
+    model: Path | str,
+    port: int,
+    parallel: int,
+    ctx_size: int,
+    threads: int,
+    chat_template: str | None = None,
 ) -> list[str]:
     """A llama-server command line; only flags that every recent llama-server accepts.
 
     An explicit `-np` gives each slot `ctx_size / parallel` of context, with no shared
-    (unified) pool that every request could exhaust at once.
+    (unified) pool that every request could exhaust at once. A built-in chat template is
+    chosen by name only outside Jinja mode; in it the name would be the template's text.
     """
-    return [
+    command = [
         binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(parallel), "-c", str(ctx_size), "-t", str(threads), "--metrics",
     ]  # fmt: skip
+    if chat_template:
+        command += ["--no-jinja", "--chat-template", chat_template]
+    return command
 
 
 def free_port() -> int:
@@ -209,6 +228,8 @@ class LocalEngine:
         ctx_size: int = 4096,
         threads: int | None = None,
         binary: str | None = None,
+        chat_template: str | None = None,
+        log_all: bool = False,
         start_timeout_s: float = START_TIMEOUT_S,
         stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
@@ -217,16 +238,29 @@ class LocalEngine:
         self.ctx_size = ctx_size
         self.threads = threads or default_threads()
         self.binary = binary
+        #: A llama.cpp built-in chat template by name (`gemma`), or None for the model's own.
+        self.chat_template = chat_template
+        #: Forward every line of llama.cpp's log, not only its warnings and errors.
+        self.log_all = log_all
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.url = ""
         self._process: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
-        self._tail: collections.deque[tuple[int, str]] = collections.deque(maxlen=50)
+        #: Its last lines: level, text, and whether slotgate's log has shown them.
+        self._tail: collections.deque[tuple[int, str, bool]] = collections.deque(maxlen=50)
+        self._stopping = False
 
     @classmethod
     def from_args(
-        cls, *, model: str | None, demo: bool, parallel: int, ctx_size: int, threads: int | None
+        cls,
+        *,
+        model: str | None,
+        demo: bool,
+        parallel: int,
+        ctx_size: int,
+        threads: int | None,
+        log_all: bool = False,
     ) -> LocalEngine:
         """The engine slotgate's --model/--demo/--parallel/--ctx-size/--threads ask for.
 
@@ -247,6 +281,8 @@ class LocalEngine:
             ctx_size=ctx_size,
             threads=threads,
             binary=binary,
+            chat_template=DEMO_CHAT_TEMPLATE if demo else None,
+            log_all=log_all,
         )
 
     @property
@@ -269,6 +305,8 @@ class LocalEngine:
         ]  # fmt: skip
         if self.binary:
             command += ["--binary", self.binary]
+        if self.chat_template:
+            command += ["--chat-template", self.chat_template]
         return command
 
     def start(self) -> None:
@@ -333,6 +371,7 @@ class LocalEngine:
         process = self._process
         if process is None or process.returncode is not None:
             return
+        self._stopping = True
         if self.poll() is None:
             log.info("stopping llama.cpp (pid %d)", process.pid)
             assert process.stdin is not None  # noqa: S101 - started with stdin=PIPE
@@ -386,28 +425,44 @@ class LocalEngine:
         return True
 
     def _forward_log(self, output: IO[bytes]) -> None:
+        level = logging.INFO
         for raw in output:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
                 continue
-            level, text = parse_log_line(line)
-            self._tail.append((level, text))
-            log.log(level, "%s", text)
+            # A line without a level letter continues the one before (a multi-line message),
+            # or is output llama.cpp's logger never saw (an assertion, a stack trace): that
+            # much of a crash is shown when the engine ends by itself.
+            found, text = parse_log_line(line)
+            level = level if found is None else found
+            if level >= logging.WARNING and any(moot in text for moot in _MOOT_WARNINGS):
+                level = logging.INFO
+            shown = self.log_all or level >= logging.WARNING
+            self._tail.append((level, text, shown))
+            if shown:
+                log.log(level, "%s", text)
+        if not self._stopping:
+            hidden = [text for _, text, shown in self._tail if not shown][-_CRASH_LINES:]
+            if hidden:
+                log.warning("llama.cpp ended; its last lines before that:")
+            for text in hidden:
+                log.warning("  %s", text)
 
     def _last_words(self) -> str:
         """The first error among its last lines (the cause; later ones are consequences)."""
         tail = list(self._tail)
-        errors = [text for level, text in tail if level >= logging.ERROR]
+        errors = [text for level, text, _ in tail if level >= logging.ERROR]
         if errors:
             return errors[0]
         return tail[-1][1] if tail else "it printed nothing"
 
 
-def parse_log_line(line: str) -> tuple[int, str]:
-    """A llama.cpp log line's logging level and its text without timestamp or level letter."""
+def parse_log_line(line: str) -> tuple[int | None, str]:
+    """A llama.cpp log line's logging level and its text without timestamp or level letter;
+    None for a line without a level letter."""
     match = _LOG_LINE.match(line)
     if match is None:
-        return logging.INFO, line
+        return None, line
     return _LEVELS[match[1]], match[2]
 
 
@@ -441,11 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-size", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--binary")
+    parser.add_argument("--chat-template")
     args = parser.parse_args(argv)
     if args.binary:
         return _supervise(
             server_args(args.binary, args.model, args.port, args.parallel, args.ctx_size,
-                        args.threads)
+                        args.threads, args.chat_template)
         )  # fmt: skip
     return _host(args)
 
@@ -486,6 +542,9 @@ def _host(args: argparse.Namespace) -> int:
     params.port = args.port
     params.endpoint_metrics = True
     params.endpoint_slots = True
+    if args.chat_template:
+        params.chat_template = args.chat_template
+        params.use_jinja = False  # see DEMO_CHAT_TEMPLATE
     try:
         server = xllamacpp.Server(params)
     except Exception as exc:  # whatever it is, slotgate reports it in one line
@@ -509,7 +568,11 @@ def _supervise(command: list[str]) -> int:
     # Started before the watch thread: preexec_fn is only safe while this process has one thread.
     try:
         server = subprocess.Popen(  # noqa: S603 - the operator's own llama-server
-            command, stdin=subprocess.DEVNULL, preexec_fn=_death_signal(signal.SIGKILL)
+            command,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_death_signal(signal.SIGKILL),
+            # Each line with its level letter, so that slotgate can show warnings alone.
+            env={"LLAMA_LOG_PREFIX": "1", **os.environ},
         )
     except OSError as exc:
         _say("E", f"cannot run {command[0]}: {exc.strerror or exc}")

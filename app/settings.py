@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import difflib
+import os
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
+from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .admission import QueuePolicy
 
 MIB = 1024 * 1024
+
+#: Variables slotgate reads besides its Settings: the local engine's (--model, --demo).
+ENGINE_VARIABLES = {
+    "LLAMA_SERVER_BIN": (
+        "llama-server binary for --model/--demo; unset = llama-server on PATH, else xllamacpp.",
+        "unset",
+    ),
+    "SLOTGATE_CACHE_DIR": (
+        "Where --demo keeps its model.",
+        "$XDG_CACHE_HOME/slotgate, else ~/.cache/slotgate",
+    ),
+}
 
 
 class Settings(BaseSettings):
@@ -22,6 +38,8 @@ class Settings(BaseSettings):
         env_ignore_empty=True,
         extra="ignore",
         frozen=True,
+        # nan passes no bound check ("nan <= 3600" is simply false): refuse it by name.
+        allow_inf_nan=False,
     )
 
     llama_server_url: str = Field(
@@ -117,6 +135,28 @@ class Settings(BaseSettings):
     @property
     def queue_policy(self) -> QueuePolicy:
         return QueuePolicy(self.max_queue, self.queue_per_slot, self.min_queue)
+
+
+def export_engine_variables(env_file: Path | str = ".env") -> None:
+    """Put the engine's variables from `env_file` into the environment, where the engine
+    reads them; a variable already set in the environment wins, as for the settings."""
+    for key, value in dotenv_values(env_file).items():
+        if key.upper() in ENGINE_VARIABLES and value:
+            os.environ.setdefault(key.upper(), value)
+
+
+def misspelt(env_file: Path | str = ".env") -> list[str]:
+    """A warning for each key of `env_file` that slotgate does not read but that is close
+    to one it does (QUEUE_PER_SLOTS), naming that one; other keys are someone else's."""
+    known = [name.upper() for name in Settings.model_fields] + list(ENGINE_VARIABLES)
+    # LLAMA_ARG_* are llama-server's: compose hands the same file to both containers.
+    unknown = [key for key in dotenv_values(env_file) if key.upper() not in known]
+    return [
+        f"{env_file} sets {key}, which slotgate does not read; did you mean {close}?"
+        for key in unknown
+        if not key.upper().startswith("LLAMA_ARG_")
+        for close in difflib.get_close_matches(key.upper(), known, n=1, cutoff=0.8)
+    ]
 
 
 def describe(error: ValidationError) -> str:

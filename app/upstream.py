@@ -161,6 +161,12 @@ class Upstream:
                     # slotgate needs /props for the slot count, and llama-server started with
                     # --api-key guards it: only the operator can give slotgate that key.
                     text = "llama-server wants an API key: set LLAMA_API_KEY to it"
+                elif status == 404:
+                    # Most often LLAMA_SERVER_URL is the OpenAI base URL, .../v1.
+                    text = (
+                        f"GET {self.url}/props found nothing; LLAMA_SERVER_URL is llama-server's "
+                        "root URL, without /v1"
+                    )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
         except (ClientError, TimeoutError, ValueError) as exc:

@@ -5,24 +5,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import web
+from slotgate import __version__
 from slotgate.settings import Settings
 
-from tests.conftest import chat
+from tests.conftest import chat, serve
 from tests.standin import StandIn
 
+APP = Path(__file__).resolve().parent.parent / "app"
 
-def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+
+def run(
+    env: dict[str, str], *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "slotgate", *args],
+        [sys.executable, "-m", "slotgate", *args], cwd=cwd,
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
 
@@ -57,11 +64,141 @@ def test_a_dotenv_that_is_not_utf8_stops_start_up_with_one_line(tmp_path: Path) 
     assert line.startswith("slotgate: invalid .env: not UTF-8")
 
 
-def test_help_lists_every_variable() -> None:
+def variables_read() -> set[str]:
+    """Every environment variable slotgate reads: its settings, and those its code looks up."""
+    looked_up = set()
+    for module in APP.glob("*.py"):
+        found = re.findall(
+            r"""(?:environ\.get\(|environ\[|getenv\()["'](\w+)["']""", module.read_text()
+        )
+        looked_up.update(found)
+    assert {"LLAMA_SERVER_BIN", "SLOTGATE_CACHE_DIR"} <= looked_up  # the scan sees them
+    return looked_up | {name.upper() for name in Settings.model_fields}
+
+
+def test_help_and_env_example_list_every_variable_slotgate_reads() -> None:
     result = run({}, "--help")
+    example = (APP.parent / ".env.example").read_text()
     assert result.returncode == 0
-    for name in Settings.model_fields:
-        assert name.upper() in result.stdout
+    for name in variables_read():
+        assert name in result.stdout, name
+        assert name in example, name
+
+
+def test_version_is_printed() -> None:
+    result = run({}, "--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"slotgate {__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--parallel", "--ctx-size", "--threads"])
+def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
+    result = run({}, flag, "4")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"slotgate: error: {flag} needs --model or --demo: it applies to a local engine only"
+    )
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port something else listens on."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_a_busy_port_stops_start_up_with_one_line_naming_port(busy_port: int) -> None:
+    result = run({"PORT": str(busy_port)})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"slotgate: cannot listen on 127.0.0.1:{busy_port} (PORT={busy_port}): "
+        "address already in use"
+    ]
+
+
+def test_a_host_that_is_no_address_stops_start_up_with_one_line_naming_host() -> None:
+    result = run({"HOST": "999.1.1.1", "PORT": str(free_port())})
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("slotgate: cannot listen on 999.1.1.1:")
+    assert "(HOST=999.1.1.1)" in line
+
+
+def test_host_and_port_flags_override_the_environment_and_are_named(busy_port: int) -> None:
+    result = run({"HOST": "999.1.1.1", "PORT": str(free_port())},
+                 "--host", "127.0.0.1", "--port", str(busy_port))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"slotgate: cannot listen on 127.0.0.1:{busy_port} (--port={busy_port}): "
+        "address already in use"
+    ]
+
+
+def test_the_demo_on_a_busy_port_fails_before_it_touches_its_model(
+    busy_port: int, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    result = run({"PORT": str(busy_port), "SLOTGATE_CACHE_DIR": str(cache)}, "--demo")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"slotgate: cannot listen on 127.0.0.1:{busy_port} (PORT={busy_port}): "
+        "address already in use"
+    ]
+    assert not cache.exists()  # the model was not even assembled
+
+
+def test_a_misspelt_dotenv_key_is_warned_about_naming_the_right_one(
+    busy_port: int, tmp_path: Path
+) -> None:
+    (tmp_path / ".env").write_text("QUEUE_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n")
+    result = run({"PORT": str(busy_port)}, cwd=tmp_path)  # stops right after the warnings
+    warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1
+    assert warnings[0].endswith(
+        ".env sets QUEUE_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?"
+    )
+
+
+def test_the_engine_s_variables_are_read_from_dotenv_too(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("LLAMA_SERVER_BIN=/nowhere/llama-server\n")
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_SERVER_BIN"}
+    result = subprocess.run(
+        [sys.executable, "-m", "slotgate", "--demo"], cwd=tmp_path,
+        env={**env, "PORT": str(free_port())}, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("slotgate: LLAMA_SERVER_BIN=/nowhere/llama-server is not an executable file")
+    )
+
+
+async def test_a_props_404_names_the_url_tried_and_the_v1_mistake() -> None:
+    async def not_found(request: web.Request) -> web.Response:
+        body = {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}
+        return web.json_response(body, status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    url = f"http://127.0.0.1:{port}/v1"
+    gate = await serve(Settings(_env_file=None, llama_server_url=url, log_level="error"))
+    try:
+        await gate.until(lambda: "404" in gate.gate.upstream.reason)
+        reason = gate.gate.upstream.reason
+    finally:
+        await gate.stop()
+        await runner.cleanup()
+    assert f"GET {url}/props" in reason
+    assert "without /v1" in reason
 
 
 class Process:
@@ -144,3 +281,31 @@ async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     assert "Traceback" not in logged  # a cut request is an answer, not an error of slotgate's
     await asyncio.sleep(0.2)
     assert standin.running == 0  # the upstream requests were closed, not left running
+
+
+async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_refused(
+    slotgate: Process, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05  # a 2 s stream keeps the drain going
+    seen: list[int] = []
+    limits = httpx.Limits(max_keepalive_connections=0)  # each probe a new connection
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        httpx.AsyncClient(timeout=5, limits=limits) as probe,
+        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+    ):
+        chunks = r.aiter_raw()
+        body = await anext(chunks)
+        slotgate.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    seen.append((await probe.get(slotgate.url + "/readyz")).status_code)
+                except httpx.ConnectError:
+                    break
+                await asyncio.sleep(0.01)
+        body += b"".join([c async for c in chunks])
+    # A probe may land before the signal does; once one has not been told "ready", none is.
+    after_drain_began = seen[seen.index(503) :] if 503 in seen else []
+    assert 200 not in after_drain_began
+    assert body.endswith(b"data: [DONE]\n\n")  # the running stream was still let finish

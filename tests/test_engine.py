@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from slotgate.engine import (
+    DEMO_CHAT_TEMPLATE,
     DEMO_PACKAGE,
     EngineFailed,
     LocalEngine,
@@ -44,7 +45,7 @@ import http.server, json, os, signal, sys, time
 
 args = sys.argv[1:]
 with open(os.environ["FAKE_RECORD"], "w") as record:
-    json.dump({{"argv": args, "pid": os.getpid()}}, record)
+    json.dump({{"argv": args, "pid": os.getpid(), "env": dict(os.environ)}}, record)
 mode = os.environ.get("FAKE_MODE", "serve")
 if mode == "fail":
     print("I load_model: loading model", file=sys.stderr, flush=True)
@@ -67,6 +68,10 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 
 server = http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health)
+print("0.00.002.530 W srv init: security: no API key is set and CORS allows all origins",
+      file=sys.stderr, flush=True)
+print("I srv init: chat template, example_format: '<start_of_turn>user", file=sys.stderr)
+print("Hello<end_of_turn>'", file=sys.stderr)
 print("W srv init: fake llama-server listening", file=sys.stderr, flush=True)
 server.serve_forever()
 """
@@ -356,6 +361,26 @@ def test_llama_server_gets_only_flags_every_release_knows() -> None:
     ]  # fmt: skip
 
 
+def test_a_built_in_chat_template_is_named_outside_jinja_mode() -> None:
+    # In Jinja mode (llama-server's default since late 2025) "gemma" would be the template's
+    # whole text, and every prompt would be the word gemma.
+    assert server_args("llama-server", Path("/m.gguf"), 8081, 4, 8192, 3, "gemma")[-3:] == [
+        "--no-jinja", "--chat-template", "gemma",
+    ]  # fmt: skip
+
+
+def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_with_its_own(
+    demo_package: FakeDemoPackage, model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SLOTGATE_CACHE_DIR", str(tmp_path / "cache"))
+    demo = LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=64, threads=1)
+    own = LocalEngine.from_args(model=str(model), demo=False, parallel=2, ctx_size=64, threads=1)
+
+    assert DEMO_CHAT_TEMPLATE == "gemma"
+    assert demo.command(8081)[-2:] == ["--chat-template", "gemma"]
+    assert "--chat-template" not in own.command(8081)
+
+
 @pytest.mark.parametrize(
     ("line", "level", "text"),
     [
@@ -363,17 +388,29 @@ def test_llama_server_gets_only_flags_every_release_knows() -> None:
         ("0.00.002.597 W srv init: no API key", logging.WARNING, "srv init: no API key"),
         ("E llama_model_load: error loading", logging.ERROR, "llama_model_load: error loading"),
         ("D slot update: waiting", logging.DEBUG, "slot update: waiting"),
-        ("main: server is listening", logging.INFO, "main: server is listening"),
+        ("main: server is listening", None, "main: server is listening"),
     ],
 )  # fmt: skip
-def test_llama_cpp_log_lines_keep_their_level(line: str, level: int, text: str) -> None:
+def test_llama_cpp_log_lines_keep_their_level(line: str, level: int | None, text: str) -> None:
     assert parse_log_line(line) == (level, text)
 
 
 # -- start, stop, death (fake llama-server) ------------------------------------------------------
 
 
-def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_log(
+def forwarded(caplog: pytest.LogCaptureFixture, until: str) -> list[tuple[int, str]]:
+    """The engine's log lines in slotgate's log, once `until` is among them (the log is
+    forwarded by a thread of its own)."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "slotgate.engine"]
+        if any(text == until for _, text in lines):
+            return lines
+        assert time.monotonic() < deadline, f"{until!r} was not forwarded: {lines}"
+        time.sleep(0.02)
+
+
+def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warnings(
     model: Path,
     fake_server: Path,
     engines: list[LocalEngine],
@@ -381,22 +418,73 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_log(
 ) -> None:
     local = fake_engine(model, engines)
 
-    with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+    with caplog.at_level(logging.DEBUG, logger="slotgate.engine"):
         local.start()
+        lines = forwarded(caplog, until="srv init: fake llama-server listening")
 
     port = local.url.removeprefix("http://127.0.0.1:")
-    assert recorded(fake_server)["argv"] == [
+    call = recorded(fake_server)
+    assert call["argv"] == [
         "-m", str(model), "--host", "127.0.0.1", "--port", port,
         "-np", "3", "-c", "1536", "-t", "1", "--metrics",
     ]  # fmt: skip
+    assert call["env"]["LLAMA_LOG_PREFIX"] == "1"  # every line says its level
     assert health(local.url) == 200
     assert local.poll() is None
-    line = (logging.WARNING, "srv init: fake llama-server listening")
-    deadline = time.monotonic() + 5  # the log is forwarded by a thread of its own
-    while line not in [(r.levelno, r.getMessage()) for r in caplog.records]:
-        assert time.monotonic() < deadline, "the engine's log line was not forwarded"
-        time.sleep(0.02)
-    assert all(r.name == "slotgate.engine" for r in caplog.records if r.getMessage() == line[1])
+    assert (logging.WARNING, "srv init: fake llama-server listening") in lines
+    # Neither its information (with the line that continues it) nor its warning that it has
+    # no API key, which is moot on a private loopback port behind slotgate.
+    assert not [text for _, text in lines if "example_format" in text or "<end_of_turn>" in text]
+    assert not [text for _, text in lines if "no API key" in text]
+
+
+def test_with_the_whole_log_asked_for_every_line_is_forwarded_with_its_level(
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local = fake_engine(model, engines, log_all=True)
+
+    with caplog.at_level(logging.DEBUG, logger="slotgate.engine"):
+        local.start()
+        lines = forwarded(caplog, until="srv init: fake llama-server listening")
+
+    assert (logging.INFO, "Hello<end_of_turn>'") in lines  # continues an information line
+    assert (
+        logging.INFO,
+        "srv init: security: no API key is set and CORS allows all origins",
+    ) in lines
+
+
+def test_an_engine_that_dies_leaves_its_last_hidden_lines_in_the_log(
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local = fake_engine(model, engines)
+    with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+        local.start()
+        os.kill(recorded(fake_server)["pid"], signal.SIGKILL)
+        lines = forwarded(caplog, until="  Hello<end_of_turn>'")
+
+    assert (logging.WARNING, "llama.cpp ended; its last lines before that:") in lines
+
+
+def test_an_engine_stopped_by_slotgate_leaves_nothing_more_in_the_log(
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local = fake_engine(model, engines)
+    with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+        local.start()
+        forwarded(caplog, until="srv init: fake llama-server listening")
+        local.stop()
+
+    assert not [r for r in caplog.records if "llama.cpp ended" in r.getMessage()]
 
 
 def test_stop_ends_the_engine_and_its_llama_server_and_may_be_repeated(

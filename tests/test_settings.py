@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from slotgate.settings import Settings, describe
+from slotgate.settings import Settings, describe, misspelt
 
 
 def test_defaults_match_the_documented_ones() -> None:
@@ -60,6 +60,10 @@ def test_empty_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
         ("LOG_LEVEL", "loud", "LOG_LEVEL=loud"),
         ("LOG_FORMAT", "xml", "LOG_FORMAT=xml"),
         ("DRAIN_TIMEOUT", "1e9", "DRAIN_TIMEOUT"),
+        ("DRAIN_TIMEOUT", "nan", "DRAIN_TIMEOUT=nan: Input should be a finite number"),
+        ("QUEUE_TIMEOUT", "inf", "QUEUE_TIMEOUT=inf: Input should be a finite number"),
+        ("UPSTREAM_STALL_TIMEOUT", "-inf", "finite number"),
+        ("KEEPALIVE_INTERVAL", "NaN", "finite number"),
     ],
 )
 def test_a_bad_value_is_described_in_one_line_naming_the_variable(
@@ -92,3 +96,23 @@ def test_a_url_with_credentials_is_refused_without_echoing_them(
     assert line.startswith("slotgate: invalid LLAMA_SERVER_URL")
     assert "LLAMA_API_KEY" in line
     assert "hunter2" not in line
+
+
+def test_dotenv_keys_close_to_a_setting_are_named_with_the_setting(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    env.write_text(
+        "QUEUE_PER_SLOTS=4\nmaxqueue=3\nLLAMA_SERVER_BINARY=x\nMAX_QUEUE=2\n"
+        "LLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=docker/compose.yaml\nSLOTGATE_PORT=8000\n"
+    )
+    assert misspelt(env) == [
+        f"{env} sets QUEUE_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?",
+        f"{env} sets maxqueue, which slotgate does not read; did you mean MAX_QUEUE?",
+        f"{env} sets LLAMA_SERVER_BINARY, which slotgate does not read; "
+        "did you mean LLAMA_SERVER_BIN?",
+    ]
+
+
+def test_no_dotenv_is_nothing_to_warn_about(tmp_path: pytest.TempPathFactory) -> None:
+    assert misspelt(tmp_path / ".env") == []  # type: ignore[operator]
