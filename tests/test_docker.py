@@ -552,6 +552,7 @@ def status(url: str) -> int:
         return error.code
 
 
+@pytest.mark.docker
 def test_the_image_install_steps_give_a_slotgate_that_serves_and_drains_on_sigterm(
     tmp_path: Path,
 ) -> None:

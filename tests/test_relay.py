@@ -186,11 +186,11 @@ async def test_client_that_leaves_mid_stream_closes_upstream_then_frees_its_slot
         chunks = response.aiter_raw()  # held: dropping the iterator would close the stream
         await anext(chunks)
         assert gate.gate.admission.active == 1
+        standin.tokens = 1  # for the waiter: the running stream already counts its 200
         waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
         await gate.until(lambda: gate.gate.admission.queued == 1)
     # Leaving the block closed the client's connection mid-stream.
     await gate.until(lambda: standin.cancelled == 1)
-    standin.tokens = 1
     assert (await waiter).status_code == 200
     assert standin.max_running == 1
     await gate.until(lambda: gate.gate.admission.active == 0)
