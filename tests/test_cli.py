@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -16,6 +15,7 @@ import httpx
 import pytest
 from slotgate.settings import Settings
 
+from bench.procs import free_port
 from tests.conftest import chat
 from tests.standin import StandIn
 
@@ -25,13 +25,6 @@ def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "slotgate", *args],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_misconfiguration_stops_start_up_with_one_line_naming_the_variable() -> None:

@@ -9,7 +9,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from slotgate.settings import Settings
+
+from bench.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -534,13 +535,6 @@ class Replay:
                 check=False,
             )
         assert result.returncode == 0, f"RUN {command}\n{self.log.read_text()[-4000:]}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def status(url: str) -> int:
