@@ -227,7 +227,7 @@ async def test_until_capacity_is_known_requests_get_503_not_ready(
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(queue_timeout=0.2)
     holder = await occupy(client, gate)
@@ -259,7 +259,7 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2)
     holder = await occupy(client, gate)
@@ -423,7 +423,7 @@ async def test_with_admission_control_off_a_client_that_leaves_still_closes_upst
 async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(keepalive_interval=0, queue_timeout=0.2)
     holder = await occupy(client, gate)
