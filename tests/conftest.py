@@ -11,11 +11,18 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from hypothesis import settings as hypothesis_settings
 from slotgate.cli import uvicorn_config
 from slotgate.main import Gate, Gateway, create_app
 from slotgate.settings import Settings
 
 from tests.standin import StandIn
+
+# Property tests: a light run in the fast tier, the full count in scripts/check, which selects
+# the profile with --hypothesis-profile=full.
+hypothesis_settings.register_profile("fast", max_examples=60)
+hypothesis_settings.register_profile("full", max_examples=300)
+hypothesis_settings.load_profile("fast")
 
 
 class Server(uvicorn.Server):
