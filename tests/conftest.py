@@ -4,23 +4,73 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from hypothesis import settings as hypothesis_settings
 from slotgate.cli import uvicorn_config
 from slotgate.main import Gate, Gateway, create_app
 from slotgate.settings import Settings
 
 from tests.standin import StandIn
 
+# Property tests: a light run in the fast tier, the full count in scripts/check, which selects
+# the profile with --hypothesis-profile=full.
+hypothesis_settings.register_profile("fast", max_examples=60)
+hypothesis_settings.register_profile("full", max_examples=300)
+hypothesis_settings.load_profile("fast")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopped without its fixed pauses.
+
+    uvicorn's own main loop checks `should_exit` every 0.1 s, and its shutdown sleeps 0.1 s
+    before it waits for connections and tasks in 0.1 s steps: together about 0.15 s at the end
+    of every test that starts slotgate. This one wakes at once and polls every 5 ms; what it
+    waits for, and in which order, is uvicorn's.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.stopping = asyncio.Event()
+
+    async def main_loop(self) -> None:
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await self.stopping.wait()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                while self.server_state.connections or self.server_state.tasks:
+                    await asyncio.sleep(0.005)
+                for server in self.servers:
+                    await server.wait_closed()
+        except TimeoutError:
+            for task in self.server_state.tasks:
+                task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        await self.lifespan.shutdown()
+
+    def stop(self) -> None:
+        self.should_exit = True
+        self.stopping.set()
+
 
 class RunningGate:
     """slotgate listening on 127.0.0.1 at an ephemeral port, inside the test's event loop."""
 
-    def __init__(self, app: Gateway, server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+    def __init__(self, app: Gateway, server: Server, task: asyncio.Task[None]) -> None:
         self.app = app
         self.server = server
         self.task = task
@@ -34,7 +84,7 @@ class RunningGate:
         return gate
 
     async def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.stop()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self.task, timeout=10)
 
@@ -50,7 +100,7 @@ async def serve(settings: Settings) -> RunningGate:
     # uvicorn as `slotgate` runs it, on a free port, and quicker to give up on a drain.
     config = uvicorn_config(app, settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
     config.timeout_graceful_shutdown = 2
-    server = uvicorn.Server(config)
+    server = Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

@@ -69,7 +69,11 @@ class StandIn:
         app.router.add_route("*", "/{tail:.*}", self._echo)
         app.on_response_prepare.append(self._cors)
         # handler_cancellation: like llama-server, notice a client that left and stop working.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # shutdown_timeout: a stopped llama-server does not wait for its clients (aiohttp's
+        # default waits up to 60 s for requests already read, /props polls among them).
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()

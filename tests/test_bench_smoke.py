@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.bench
+
 REPO = Path(__file__).resolve().parent.parent
 CONTENDERS = {"direct", "slotgate-high", "slotgate-low"}
 SCENARIOS = {"1_nonstream", "2_stream", "3_storm", "3b_handoff", "4_memory", "5_core", "burst"}

@@ -19,6 +19,7 @@ from aiohttp import web
 from slotgate import __version__
 from slotgate.settings import Settings
 
+from bench.procs import free_port
 from tests.conftest import chat, serve
 from tests.standin import StandIn
 
@@ -32,13 +33,6 @@ def run(
         [sys.executable, "-m", "slotgate", *args], cwd=cwd,
         env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_misconfiguration_stops_start_up_with_one_line_naming_the_variable() -> None:
@@ -212,7 +206,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
     port = free_port()
     env = {
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url,
-        "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "3", "LOG_LEVEL": "warning",
+        "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "1", "LOG_LEVEL": "warning",
         **getattr(request, "param", {}),
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
@@ -236,7 +230,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
 async def test_sigterm_lets_running_streams_finish_then_exits_zero(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, within DRAIN_TIMEOUT=1
     async with (
         httpx.AsyncClient(timeout=10) as client,
         client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
@@ -256,7 +250,7 @@ async def test_sigterm_lets_running_streams_finish_then_exits_zero(
 async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT=3
+    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT=1
     async with (
         httpx.AsyncClient(timeout=20) as client,
         client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,

@@ -9,7 +9,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from slotgate.settings import Settings
+
+from bench.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -536,13 +537,6 @@ class Replay:
         assert result.returncode == 0, f"RUN {command}\n{self.log.read_text()[-4000:]}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - http://127.0.0.1 only
@@ -552,6 +546,7 @@ def status(url: str) -> int:
         return error.code
 
 
+@pytest.mark.docker
 def test_the_image_install_steps_give_a_slotgate_that_serves_and_drains_on_sigterm(
     tmp_path: Path,
 ) -> None:

@@ -90,7 +90,7 @@ content_types = st.sampled_from(
 )  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.sampled_from(sorted(ENDPOINTS)), body=bodies, content_type=content_types)
 def test_admitted_routes_never_answer_500(
     gate_http: httpx.Client, background: Background, path: str, body: bytes, content_type: str
@@ -110,7 +110,7 @@ segments = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(
     parts=st.lists(segments, min_size=1, max_size=5),
     method=st.sampled_from(["GET", "POST", "DELETE"]),

@@ -186,11 +186,11 @@ async def test_client_that_leaves_mid_stream_closes_upstream_then_frees_its_slot
         chunks = response.aiter_raw()  # held: dropping the iterator would close the stream
         await anext(chunks)
         assert gate.gate.admission.active == 1
+        standin.tokens = 1  # for the waiter: the running stream already counts its 200
         waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
         await gate.until(lambda: gate.gate.admission.queued == 1)
     # Leaving the block closed the client's connection mid-stream.
     await gate.until(lambda: standin.cancelled == 1)
-    standin.tokens = 1
     assert (await waiter).status_code == 200
     assert standin.max_running == 1
     await gate.until(lambda: gate.gate.admission.active == 0)
@@ -227,7 +227,7 @@ async def test_until_capacity_is_known_requests_get_503_not_ready(
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(queue_timeout=0.2)
     holder = await occupy(client, gate)
@@ -259,7 +259,7 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2)
     holder = await occupy(client, gate)
@@ -423,7 +423,7 @@ async def test_with_admission_control_off_a_client_that_leaves_still_closes_upst
 async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
     gate = await start_gate(keepalive_interval=0, queue_timeout=0.2)
     holder = await occupy(client, gate)

@@ -56,6 +56,7 @@ async def sample_pool(gate: RunningGate, seen: dict[str, int], stop: asyncio.Eve
         await asyncio.sleep(0.001)
 
 
+@pytest.mark.slow
 async def test_storm_of_two_thousand_clients_is_answered_without_5xx(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
@@ -96,7 +97,8 @@ async def drop_at_random(port: int, rng: random.Random, stream: bool) -> str:
     body = (b'{"messages":[{"role":"user","content":"hi"}],"stream":%s}' % (
         b"true" if stream else b"false"))  # fmt: skip
     writer.write(
-        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     await writer.drain()
@@ -115,7 +117,7 @@ async def drop_at_random(port: int, rng: random.Random, stream: bool) -> str:
 async def test_clients_dropping_at_random_moments_leak_nothing(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 10, 0.02
+    standin.tokens, standin.token_delay_s = 10, 0.01
     gate = await start_gate(max_queue=0)
     baseline = gate_tasks()
     rng = random.Random(11)

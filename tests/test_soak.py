@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.procs import free_port
 from tests.conftest import chat
 from tests.standin import StandIn
-from tests.test_cli import free_port
 
 pytestmark = pytest.mark.soak
 

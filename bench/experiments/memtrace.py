@@ -1,6 +1,6 @@
 """Where a waiting request's memory goes, line by line: slotgate's own share and uvicorn's.
 
-    python -m bench.memtrace [--held 1000] [--app slotgate|floor] [--top 15]
+    python -m bench.experiments.memtrace [--held 1000] [--app slotgate|floor] [--top 15]
 
 Scenario 4 reads RSS, which says how much but not what. This runs uvicorn in this process,
 configured as `slotgate` runs it (app/cli.py), with slotgate's app (one slot, held, and an
@@ -52,7 +52,7 @@ async def _client(port: int, count: int, path: str) -> None:
 
 async def _open(port: int, count: int, path: str) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.memtrace", "--client", str(port), str(count), path,
+        sys.executable, "-m", "bench.experiments.memtrace", "--client", str(port), str(count), path,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
     )  # fmt: skip
     assert process.stdout is not None

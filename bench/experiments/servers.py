@@ -1,6 +1,6 @@
 """The ASGI server under slotgate, measured against the alternative: uvicorn and granian.
 
-    python -m bench.servers [--duration-s 5] [--held 5000] [--runs 2] [--no-install]
+    python -m bench.experiments.servers [--duration-s 5] [--held 5000] [--runs 2] [--no-install]
 
 Issue 6 asks that a dependency found to be the bottleneck be measured against its alternatives
 side by side. uvicorn is the floor under two of slotgate's figures (CPU per request, memory per
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         rps = " / ".join(f"{value:,}" for value in row["rps_c32"])
         print(f"| {name} | {rps} | {row['kb_per_held']} |")
     report = {
-        "command": "python -m bench.servers " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m bench.experiments.servers " + " ".join(argv or sys.argv[1:]),
         "seconds": round(time.monotonic() - started),
         "versions": {"uvicorn": _version("uvicorn"), "granian": version},
         "held": args.held,
