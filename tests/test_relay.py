@@ -432,3 +432,53 @@ async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     assert response.headers["content-type"] == "application/json"
     assert response.json()["error"]["code"] == "queue_timeout"
     await holder
+
+
+async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 10, 0.05
+    gate = await start_gate()
+    task = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2, n=1)))
+    await gate.until(lambda: standin.running == 1)
+    assert gate.gate.admission.active == 2
+    second = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2)))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    assert standin.started == 1
+    assert (await task).status_code == 200
+    assert (await second).status_code == 200
+    assert standin.max_running == 1
+
+
+async def test_transcription_without_v1_waits_for_a_slot_like_any_generation(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    gate = await start_gate()
+    holder = await occupy(client, gate)
+    files = {"file": ("a.wav", b"RIFF....", "audio/wav")}
+    waiter = asyncio.create_task(client.post(gate.url + "/audio/transcriptions", files=files))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    assert [seen.path for seen in standin.seen] == [CHAT]
+    await holder
+    assert (await waiter).status_code == 200
+    assert standin.seen[-1].path == "/audio/transcriptions"
+
+
+async def test_json_nested_past_the_limit_is_a_400_in_the_apis_shape_never_a_500(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    # Deeper than orjson writes (254), shallower than it reads (1024): once passed through and
+    # then failed when slotgate rewrote the body as a stream request.
+    nested = b'{"messages": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    for path, shape in ((CHAT, "openai"), ("/v1/messages", "anthropic")):
+        response = await client.post(
+            gate.url + path, content=nested, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400
+        body = response.json()
+        assert "deeper than 254 levels" in body["error"]["message"]
+        assert (body.get("type") == "error") is (shape == "anthropic")
+    assert standin.seen == []
