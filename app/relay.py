@@ -631,12 +631,16 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
             f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
         )
     message = await receive()
+    # A client that closed before its body was whole (or sent broken chunked framing, which
+    # uvicorn answers 400 and closes): nothing it sent may go upstream, not even the head.
+    if message["type"] == "http.disconnect":
+        raise ClientGone
     body: bytes = message.get("body", b"")
     # A chunked body declares no length, and may arrive whole in one message.
     if len(body) > limit:
         raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
     if not message.get("more_body", False):
-        return body
+        return _whole(body, declared)
     chunks = [body]
     size = len(body)
     while message.get("more_body", False):
@@ -650,7 +654,13 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
                 f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)"
             )
         chunks.append(chunk)
-    return b"".join(chunks)
+    return _whole(b"".join(chunks), declared)
+
+
+def _whole(body: bytes, declared: int | None) -> bytes:
+    if declared is not None and len(body) != declared:
+        raise BadRequest(f"request body is {len(body)} bytes, not the {declared} declared")
+    return body
 
 
 async def _preflight_body(receive: Receive, declared: int | None) -> bytes:

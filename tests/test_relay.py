@@ -482,3 +482,33 @@ async def test_json_nested_past_the_limit_is_a_400_in_the_apis_shape_never_a_500
         assert "deeper than 254 levels" in body["error"]["message"]
         assert (body.get("type") == "error") is (shape == "anthropic")
     assert standin.seen == []
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        # A declared body that never comes: the client closes after the head...
+        b"POST /slots/0?action=erase HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n",
+        # ...or after part of it.
+        b'POST /slots/0?action=erase HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"a"',
+        b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"a"',
+        # Chunked framing that is not chunked framing.
+        b"POST /slots/0?action=erase HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\n{}\r\n0\r\n\r\n",
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\n{}\r\nzz\r\n",
+    ],
+)
+async def test_a_request_whose_body_never_arrives_whole_is_never_forwarded(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, request_bytes: bytes
+) -> None:
+    gate = await start_gate()
+    _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(request_bytes)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.3)  # time for a request that was let through to reach the stand-in
+    assert (await client.post(gate.url + "/tokenize", json={"content": "x"})).status_code == 200
+    assert [seen.path for seen in standin.seen] == ["/tokenize"]
+    assert gate.gate.admission.active == 0
