@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
-from .access import Access
+from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, NotReady, Ticket
 from .assembly import Assembly, streaming_body
 from .client import ClientError, Response
@@ -379,9 +379,7 @@ class Proxy:
                 await self._refuse(send, ex, refusal(exc), flavor)
                 return
             raise
-        # Learned from requests that passed the key check (when there is one): a keyless
-        # preflight must not be able to churn what other clients' Origins were taught.
-        if ex.origin is not None and not (ex.method == "OPTIONS" and self._access.enabled):
+        if ex.origin is not None and self._teaches(ex.method, path):
             self._upstream.cors.learn(ex.origin, response.headers)
         clean = False
         try:
@@ -522,6 +520,15 @@ class Proxy:
         cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
         await _final_words(send, cut, flavor, ex, self._own_headers(ex))
         return True
+
+    def _teaches(self, method: str, path: str) -> bool:
+        """Whose answers may teach the CORS table (app/cors.py): with keys, a request whose key
+        was checked (not a preflight, not /health); without keys, one on a generation route,
+        where the Origins a browser app uses show up. Anything cheaper for a stranger to send
+        could fill the table with made-up Origins."""
+        if self._access.enabled:
+            return method != "OPTIONS" and path not in OPEN_PATHS
+        return admitted("POST", path) is not None
 
     def _own_headers(self, ex: _Exchange) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.cors import MAX_ORIGINS
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.standin import StandIn
@@ -512,3 +513,33 @@ async def test_a_request_whose_body_never_arrives_whole_is_never_forwarded(
     assert (await client.post(gate.url + "/tokenize", json={"content": "x"})).status_code == 200
     assert [seen.path for seen in standin.seen] == ["/tokenize"]
     assert gate.gate.admission.active == 0
+
+
+async def test_keyless_requests_from_made_up_origins_neither_teach_nor_flush_cors(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys="k1")
+    cors = gate.gate.upstream.cors
+    app = {"Origin": "http://app.example", "Authorization": "Bearer k1"}
+    assert (await client.post(gate.url + CHAT, json=chat(), headers=app)).status_code == 200
+    for i in range(MAX_ORIGINS + 10):
+        made_up = {"Origin": f"http://{i}.example"}
+        assert (await client.get(gate.url + "/health", headers=made_up)).status_code == 200
+    assert cors.headers_for(b"http://app.example")[0] == (
+        b"access-control-allow-origin",
+        b"http://app.example",
+    )
+    assert cors.headers_for(b"http://0.example") == [(b"vary", b"Origin")]
+
+
+async def test_without_keys_only_answers_on_generation_routes_teach_cors(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    cors = gate.gate.upstream.cors
+    await client.get(gate.url + "/health", headers={"Origin": "http://health.example"})
+    await client.post(gate.url + "/tokenize", json={}, headers={"Origin": "http://tok.example"})
+    await client.post(gate.url + CHAT, json=chat(), headers={"Origin": "http://app.example"})
+    assert cors.headers_for(b"http://health.example") == [(b"vary", b"Origin")]
+    assert cors.headers_for(b"http://tok.example") == [(b"vary", b"Origin")]
+    assert len(cors.headers_for(b"http://app.example")) == 2
