@@ -27,6 +27,7 @@ from .errors import (
     Headers,
     HeadersTooLarge,
     PayloadTooLarge,
+    QueueBytesFull,
     Refusal,
     UpstreamFailed,
     refusal,
@@ -95,8 +96,8 @@ class _Exchange:
     """What one request did, for its access-log line and its metrics."""
 
     __slots__ = (
-        "bytes_out", "id", "method", "origin", "outcome", "path", "route", "sse", "started",
-        "status", "ticket", "upstream_status", "weight",
+        "bytes_out", "held_bytes", "id", "method", "origin", "outcome", "path", "route", "sse",
+        "started", "status", "ticket", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, request_id: str, method: str, path: str) -> None:
@@ -113,6 +114,7 @@ class _Exchange:
         self.weight = 0
         self.ticket: Ticket | None = None
         self.origin: bytes | None = None  # the request's Origin, for answers slotgate makes
+        self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES while it waits
 
     async def upstream_done(self, response: Response) -> None:
         """llama-server has sent its last byte: its slot is free, so ours is handed on now,
@@ -187,6 +189,10 @@ class Proxy:
         self._access = Access(settings.api_keys)
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
+        # Bytes of bodies held by requests waiting in line, bounded by QUEUE_BODY_BYTES (0 = no
+        # bound): a body is read whole before its request waits, and the line may be long.
+        self._queue_body_bytes = settings.queue_body_bytes
+        self._held_bytes = 0
         self._keepalive_s = settings.keepalive_interval
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
@@ -240,7 +246,10 @@ class Proxy:
                 raise NotReady(self._admission.snapshot(), 1.0)
             want = demand(endpoint, body, capacity)
             ex.weight = want.weight
-            ex.ticket = self._admission.enter(want.weight)
+            ticket = self._admission.enter(want.weight)
+            if not ticket.admitted:
+                self._hold(ex, ticket, len(body))
+            ex.ticket = ticket
         except (GateError, AdmissionError) as exc:
             await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return
@@ -300,6 +309,7 @@ class Proxy:
                     await self._wait_streaming(send, ticket)
                 else:
                     await ticket.wait()
+                self._let_go(ex)
             self._metrics.admit(endpoint.route, ticket.wait_s)
             assembly = None
             if self._assemble and not want.stream and endpoint.kind in _ASSEMBLED:
@@ -328,9 +338,31 @@ class Proxy:
                 await self._refuse(send, ex, r, endpoint.flavor)
         finally:
             watch.stop()
+            self._let_go(ex)
             ticket.release()
             if ticket.admitted_at is not None:
                 self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)
+
+    def _hold(self, ex: _Exchange, ticket: Ticket, size: int) -> None:
+        """Count a waiting request's body against QUEUE_BODY_BYTES, or refuse it (429)."""
+        limit = self._queue_body_bytes
+        if limit and self._held_bytes + size > limit:
+            retry_after_s = self._admission.retry_after_s(max(ticket.position, 1))
+            ticket.release()
+            raise QueueBytesFull(
+                f"requests waiting in line already hold {self._held_bytes} bytes of request "
+                f"bodies, and {size} more would pass QUEUE_BODY_BYTES ({limit}); retry after "
+                "Retry-After",
+                self._admission.snapshot(),
+                retry_after_s,
+            )
+        self._held_bytes += size
+        ex.held_bytes = size
+
+    def _let_go(self, ex: _Exchange) -> None:
+        """The request left the line (admitted or gone): its body no longer counts."""
+        self._held_bytes -= ex.held_bytes
+        ex.held_bytes = 0
 
     async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
         """Wait in line, telling the client where it stands every keep-alive interval."""

@@ -543,3 +543,44 @@ async def test_without_keys_only_answers_on_generation_routes_teach_cors(
     assert cors.headers_for(b"http://health.example") == [(b"vary", b"Origin")]
     assert cors.headers_for(b"http://tok.example") == [(b"vary", b"Origin")]
     assert len(cors.headers_for(b"http://app.example")) == 2
+
+
+async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_leave_it(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(queue_body_bytes=1000, max_queue=0)
+    holder = await occupy(client, gate)
+    big = chat(padding="x" * 600)
+    first = asyncio.create_task(client.post(gate.url + CHAT, json=big))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    # A second body that big would put more than 1000 bytes in the line: 429, with a snapshot.
+    refused = await client.post(gate.url + CHAT, json=big)
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert error["code"] == "queue_bytes_full"
+    assert error["type"] == "rate_limit_error"
+    assert "QUEUE_BODY_BYTES (1000)" in error["message"]
+    assert error["admission"]["queued"] == 1
+    assert gate.gate.admission.queued == 1  # the refused request left no place behind
+    # A small one still fits beside it.
+    small = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await holder
+    assert (await first).status_code == 200
+    assert (await small).status_code == 200
+    # Both left the line: their bytes no longer count, and a big body may wait again.
+    holder = await occupy(client, gate)
+    again = asyncio.create_task(client.post(gate.url + CHAT, json=big))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="y" * 200)))
+    await gate.until(lambda: gate.gate.admission.queued == 2)
+    leaver.cancel()
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    # The one that left while waiting gave its bytes back too.
+    late = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="z" * 200)))
+    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await holder
+    assert [(await t).status_code for t in (again, late)] == [200, 200]
