@@ -17,9 +17,9 @@ from urllib.parse import quote
 
 from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, NotReady, Ticket
-from .assembly import Assembly, streaming_body
+from .assembly import Assembly
 from .client import ClientError, Response
-from .endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
+from .endpoints import Demand, Endpoint, admitted, check_content_type
 from .errors import (
     BadRequest,
     Flavor,
@@ -34,6 +34,7 @@ from .errors import (
     render,
     stream_event,
 )
+from .intake import take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
 from .settings import Settings
@@ -79,8 +80,6 @@ MAX_HEADER_LINE_BYTES = 8192
 WATCH_AFTER_S = 0.02
 #: Non-streamed answers up to this size are read whole before the head goes out.
 WHOLE_BODY_BYTES = 1024 * 1024
-#: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
-_ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -244,7 +243,8 @@ class Proxy:
             capacity = self._admission.capacity
             if capacity is None:
                 raise NotReady(self._admission.snapshot(), 1.0)
-            want = demand(endpoint, body, capacity)
+            taken = await take_off_loop(endpoint, body, capacity, assemble=self._assemble)
+            want, body = taken.demand, taken.body
             ex.weight = want.weight
             ticket = self._admission.enter(want.weight)
             if not ticket.admitted:
@@ -256,7 +256,9 @@ class Proxy:
         except ClientGone:
             ex.outcome = "client_gone"
             return
-        await self._gate(scope, receive, send, ex, endpoint, path, head, body, want)
+        await self._gate(
+            scope, receive, send, ex, endpoint, path, head, body, want, taken.assembled
+        )
 
     async def _forward_ungated(
         self,
@@ -295,6 +297,7 @@ class Proxy:
         head: _RequestHead,
         body: bytes,
         want: Demand,
+        assembled: bool,
     ) -> None:
         ticket = ex.ticket
         assert ticket is not None  # noqa: S101 - set by _handle just before
@@ -311,10 +314,8 @@ class Proxy:
                     await ticket.wait()
                 self._let_go(ex)
             self._metrics.admit(endpoint.route, ticket.wait_s)
-            assembly = None
-            if self._assemble and not want.stream and endpoint.kind in _ASSEMBLED:
-                assembly = Assembly(endpoint.kind, path)
-                body = streaming_body(body)
+            # The body was rewritten to ask for a stream already (app/intake.py).
+            assembly = Assembly(endpoint.kind, path) if assembled else None
             await self._forward(
                 scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
             )

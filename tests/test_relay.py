@@ -552,7 +552,7 @@ async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_
     standin.total_slots = 1
     gate = await start_gate(queue_body_bytes=1000, max_queue=0)
     holder = await occupy(client, gate)
-    big = chat(padding="x" * 600)
+    big = chat(padding="x" * 500)
     first = asyncio.create_task(client.post(gate.url + CHAT, json=big))
     await gate.until(lambda: gate.gate.admission.queued == 1)
     # A second body that big would put more than 1000 bytes in the line: 429, with a snapshot.
