@@ -11,6 +11,7 @@ less than the hand-off would, and stay on the loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import signal
 from concurrent.futures import ProcessPoolExecutor
@@ -27,6 +28,8 @@ OFF_LOOP_BYTES = 1024 * 1024
 WORKERS = 2
 #: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
 ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
+
+log = logging.getLogger("slotgate.intake")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +52,19 @@ async def take_off_loop(
     endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool
 ) -> Intake:
     """`take`, in a worker process when the body is big."""
-    if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO:
+    global _broken
+    if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO or _broken:
         return take(endpoint, body, capacity, assemble=assemble)
     loop = asyncio.get_running_loop()
     try:
         result = await loop.run_in_executor(
             _pool(), _take_in_worker, endpoint.route, body, capacity, assemble
         )
-    except BrokenProcessPool:
-        # A worker died (killed from outside, out of memory): this body is read here, and a
-        # fresh pool serves the next one.
+    except (BrokenProcessPool, OSError, RuntimeError) as exc:
+        # No worker could start (no /dev/shm, an entry point without its __main__ guard) or
+        # one died: correctness first, so big bodies are read on the loop from now on.
+        log.warning("cannot parse big bodies in a worker process, so on the loop: %r", exc)
+        _broken = True
         _reset()
         return take(endpoint, body, capacity, assemble=assemble)
     if isinstance(result, Intake):
@@ -78,6 +84,7 @@ def _take_in_worker(
 
 
 _executor: ProcessPoolExecutor | None = None
+_broken = False
 
 
 def _pool() -> ProcessPoolExecutor:

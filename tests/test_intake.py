@@ -52,3 +52,17 @@ async def test_a_big_body_refused_in_the_worker_is_refused_with_its_message_and_
     assert caught.value.param == "n_cmpl"
     with pytest.raises(BadRequest, match="not valid JSON"):
         await take_off_loop(CHAT, big()[:-1], 2, assemble=True)
+
+
+async def test_without_a_working_worker_big_bodies_are_read_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_pool() -> None:
+        raise OSError("no /dev/shm")
+
+    monkeypatch.setattr(intake, "_pool", no_pool)
+    monkeypatch.setattr(intake, "_broken", False)
+    body = big(n_cmpl=2)
+    assert await take_off_loop(CHAT, body, 4, assemble=True) == take(CHAT, body, 4, assemble=True)
+    assert "cannot parse big bodies in a worker process" in caplog.text
+    assert intake._broken is True  # and it is not tried again for every body
