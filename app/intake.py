@@ -24,8 +24,10 @@ from .errors import BadRequest
 
 #: Bodies above this go to the worker: at most ~15 ms of parsing stays on the loop.
 OFF_LOOP_BYTES = 1024 * 1024
-#: Worker processes, started on the first big body and kept for the life of the process.
-WORKERS = 2
+#: Worker processes, started on the first big body and kept for the life of the process. One:
+#: big bodies wait their turn there rather than on the loop, and memory grows by one
+#: interpreter (~25 MiB) plus what one big parse leaves to its allocator.
+WORKERS = 1
 #: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
 ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 
