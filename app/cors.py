@@ -16,6 +16,12 @@ teaches it before the first POST), and nothing for an Origin llama-server has no
 - What is learned lasts TTL_S unless llama-server says it again, and is forgotten at once when
   slotgate sees llama-server restart or change: a policy made stricter by a restart slotgate
   did not notice outlives it by TTL_S at most.
+- Who teaches is the relay's choice (app/relay.py): with API keys, only answers to requests
+  whose key was checked; without, only answers on the generation routes.
+- The table holds MAX_ORIGINS. An entry is live while its TTL runs; when the table is full of
+  live entries a new Origin is not learned (its answers from slotgate carry no CORS header until
+  an entry lapses), rather than evicting one in use: a flood of made-up Origins can then delay
+  a new Origin by TTL_S at most, and never take the header from a browser app already served.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Iterable
 
 Header = tuple[bytes, bytes]
 
-#: Origins remembered; the oldest is forgotten past this (a browser app uses one or a few).
+#: Origins remembered (a browser app uses one or a few); see above for when it is full.
 MAX_ORIGINS = 256
 #: Seconds an Origin's answer is trusted without llama-server repeating it.
 TTL_S = 60.0
@@ -41,10 +47,15 @@ class CorsPolicy:
         """Remember what llama-server answered a request from `origin` (lowercase names)."""
         for name, value in headers:
             if name == _ALLOW_ORIGIN:
-                self._answers.pop(origin, None)
-                self._answers[origin] = (time.monotonic() + TTL_S, (name, value))
-                if len(self._answers) > MAX_ORIGINS:
-                    del self._answers[next(iter(self._answers))]
+                answers = self._answers
+                now = time.monotonic()
+                # Kept in the order last taught, so the first entry is the first to lapse.
+                if answers.pop(origin, None) is None and len(answers) >= MAX_ORIGINS:
+                    while answers and next(iter(answers.values()))[0] < now:
+                        del answers[next(iter(answers))]
+                    if len(answers) >= MAX_ORIGINS:
+                        return  # full of live entries: none is given up for a newcomer
+                answers[origin] = (now + TTL_S, (name, value))
                 return
 
     def headers_for(self, origin: bytes | None) -> list[Header]:

@@ -23,37 +23,79 @@ class Kind(Enum):
     AUDIO = "audio"
 
 
+class Tasks(Enum):
+    """Which array in a body llama-server splits into one task per element."""
+
+    SINGLE = "single"  # one prompt, whatever the body holds
+    PROMPTS = "prompts"  # tokenize_input_prompts: an array with no token id in it is a list
+    DOCUMENTS = "documents"  # rerank: an array of strings, one task per document
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     kind: Kind
     flavor: Flavor
     route: str  # the metrics/log label: the canonical path
+    tasks: Tasks = Tasks.SINGLE
+    #: The fields holding that array, in the order llama-server looks for them.
+    inputs: tuple[str, ...] = ()
+    #: llama-server reads n_cmpl (or else n) here: every prompt then runs that many tasks.
+    choices: bool = False
 
 
-_ADMITTED: dict[str, tuple[Kind, Flavor]] = {
-    "/v1/chat/completions": (Kind.CHAT, "openai"),
-    "/chat/completions": (Kind.CHAT, "openai"),
-    "/completion": (Kind.COMPLETION, "openai"),
-    "/completions": (Kind.COMPLETION, "openai"),
-    "/v1/completions": (Kind.COMPLETION, "openai"),
-    "/infill": (Kind.COMPLETION, "openai"),
-    "/v1/responses": (Kind.RESPONSES, "openai"),
-    "/responses": (Kind.RESPONSES, "openai"),
-    "/v1/messages": (Kind.MESSAGES, "anthropic"),
-    "/embedding": (Kind.EMBEDDING, "openai"),
-    "/embeddings": (Kind.EMBEDDING, "openai"),
-    "/v1/embeddings": (Kind.EMBEDDING, "openai"),
-    "/rerank": (Kind.RERANK, "openai"),
-    "/reranking": (Kind.RERANK, "openai"),
-    "/v1/rerank": (Kind.RERANK, "openai"),
-    "/v1/reranking": (Kind.RERANK, "openai"),
-    "/v1/audio/transcriptions": (Kind.AUDIO, "openai"),
+# Every route on which llama-server starts generation or inference work, as registered in
+# ggml-org/llama.cpp tools/server/server.cpp (`ctx_http.post(...)`), and how its handler in
+# tools/server/server-context.cpp turns a body into tasks:
+# - handle_completions_impl: tokenize_input_prompts(prompt) tasks, each with n_cmpl - 1 child
+#   tasks (server-schema.cpp: field "n_cmpl", alias "n" when n_cmpl is absent or null, refused
+#   outside 1..n_parallel). The chat, Responses and transcription routes build one prompt from
+#   the messages; /infill builds one from input_prefix/input_suffix; the Anthropic converter
+#   (server-chat.cpp) keeps neither n nor n_cmpl, and a transcription's form fields are strings,
+#   which n_cmpl refuses, so both are one task.
+# - handle_embeddings_impl: tokenize_input_prompts of "input" (when present) or "content".
+# - post_rerank: one task per string of "documents" or, failing that, "texts".
+# Not here, as they start no slot's work: /tokenize, /detokenize, /apply-template, the
+# */input_tokens and /v1/messages/count_tokens routes, /v1/chat/completions/control (a control
+# message to a running task), /props, /slots/:id, /lora-adapters, /models*, /tools,
+# /cors-proxy. Vertex AI's predict route (AIP_MODE=PREDICTION) has an operator-chosen path.
+_Row = tuple[Kind, Flavor, Tasks, tuple[str, ...], bool]
+_COMPLETION: _Row = (Kind.COMPLETION, "openai", Tasks.PROMPTS, ("prompt",), True)
+_CHAT: _Row = (Kind.CHAT, "openai", Tasks.SINGLE, (), True)
+_RESPONSES: _Row = (Kind.RESPONSES, "openai", Tasks.SINGLE, (), True)
+_EMBEDDING: _Row = (Kind.EMBEDDING, "openai", Tasks.PROMPTS, ("input", "content"), False)
+_RERANK: _Row = (Kind.RERANK, "openai", Tasks.DOCUMENTS, ("documents", "texts"), False)
+_AUDIO: _Row = (Kind.AUDIO, "openai", Tasks.SINGLE, (), False)
+_ADMITTED: dict[str, _Row] = {
+    "/v1/chat/completions": _CHAT,
+    "/chat/completions": _CHAT,
+    "/completion": _COMPLETION,
+    "/completions": _COMPLETION,
+    "/v1/completions": _COMPLETION,
+    "/infill": (Kind.COMPLETION, "openai", Tasks.SINGLE, (), True),
+    "/v1/responses": _RESPONSES,
+    "/responses": _RESPONSES,
+    "/v1/messages": (Kind.MESSAGES, "anthropic", Tasks.SINGLE, (), False),
+    "/embedding": _EMBEDDING,
+    "/embeddings": _EMBEDDING,
+    "/v1/embeddings": _EMBEDDING,
+    "/rerank": _RERANK,
+    "/reranking": _RERANK,
+    "/v1/rerank": _RERANK,
+    "/v1/reranking": _RERANK,
+    "/v1/audio/transcriptions": _AUDIO,
+    "/audio/transcriptions": _AUDIO,
 }
-ENDPOINTS = {path: Endpoint(kind, flavor, path) for path, (kind, flavor) in _ADMITTED.items()}
+ENDPOINTS = {
+    path: Endpoint(kind, flavor, path, tasks, inputs, choices)
+    for path, (kind, flavor, tasks, inputs, choices) in _ADMITTED.items()
+}
 
 # curl -d sends form-urlencoded by default and llama-server ignores the content type, so those
 # are taken as JSON; a body that declares itself something else is refused.
 _JSON_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/plain")
+
+#: The deepest JSON nesting accepted: orjson writes no deeper (it reads up to 1024 levels).
+MAX_JSON_DEPTH = 254
 
 # Fields that count tokens to generate; llama-server's native n_predict takes -1 for "no limit".
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -97,21 +139,15 @@ def demand(endpoint: Endpoint, body: bytes, capacity: int) -> Demand:
     for name in _TOKEN_LIMITS:
         _check_int(payload, name, minimum=0)
     _check_int(payload, "n_predict", minimum=-1)
-    n = _check_int(payload, "n", minimum=1) or 1
-    if n > capacity:
-        raise BadRequest(
-            f"n={n} asks for more choices than llama-server has slots ({capacity}); "
-            f"ask for at most {capacity}",
-            param="n",
-        )
+    choices = _choices(payload, capacity) if endpoint.choices else 1
     # llama-server runs one task per prompt, input or document in an array; the request
     # holds every slot it fills, and llama-server works through the rest of the array inside
     # those same slots, so the count is capped at the pool's size rather than refused.
-    tasks = _array_length(payload, endpoint.kind)
-    return Demand(min(n * tasks, capacity), stream)
+    return Demand(min(choices * _task_count(payload, endpoint), capacity), stream)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, refused (400) unless every later step can handle it."""
     if not body:
         raise BadRequest("request body is empty; send a JSON object")
     try:
@@ -121,6 +157,16 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest("request body must be a JSON object")
+    # orjson writes at most MAX_JSON_DEPTH levels, and a body slotgate rewrites (app/assembly.py)
+    # is written again: the limit is checked here, once, by writing it. Nesting that deep takes
+    # as many opening brackets, which C counts far faster than the writer runs.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
+        try:
+            orjson.dumps(payload)
+        except orjson.JSONEncodeError:
+            raise BadRequest(
+                f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
+            ) from None
     return payload
 
 
@@ -135,18 +181,35 @@ def _check_int(payload: dict[str, Any], name: str, *, minimum: int) -> int | Non
     return value
 
 
-def _array_length(payload: dict[str, Any], kind: Kind) -> int:
-    if kind is Kind.COMPLETION:
-        items = payload.get("prompt")
-    elif kind is Kind.EMBEDDING:
-        items = payload.get("input", payload.get("content"))
-    elif kind is Kind.RERANK:
-        items = payload.get("documents")
-    else:
-        return 1
-    if not isinstance(items, list) or not items:
-        return 1
-    # A flat list of token ids is one tokenized prompt, not many.
-    if all(isinstance(item, int) and not isinstance(item, bool) for item in items):
-        return 1
-    return len(items)
+def _choices(payload: dict[str, Any], capacity: int) -> int:
+    """How many completions each prompt runs: n_cmpl, else n (null counts as absent)."""
+    name = "n_cmpl" if payload.get("n_cmpl") is not None else "n"
+    n = _check_int(payload, name, minimum=1) or 1
+    if n > capacity:
+        # llama-server refuses it too (n_cmpl is bounded by its slot count), but only once the
+        # request has reached it.
+        raise BadRequest(
+            f"{name}={n} asks for more choices than llama-server has slots ({capacity}); "
+            f"ask for at most {capacity}",
+            param=name,
+        )
+    return n
+
+
+def _task_count(payload: dict[str, Any], endpoint: Endpoint) -> int:
+    if endpoint.tasks is Tasks.PROMPTS:
+        # The first field present is the one read, even when it holds something unusable.
+        items = next((payload[name] for name in endpoint.inputs if name in payload), None)
+        if not isinstance(items, list):
+            return 1
+        # An array holding any token id is one prompt (token ids, or text mixed with them).
+        if any(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            return 1
+        return len(items) or 1
+    if endpoint.tasks is Tasks.DOCUMENTS:
+        # llama-server takes the first field that reads as an array of strings.
+        for name in endpoint.inputs:
+            items = payload.get(name)
+            if isinstance(items, list) and all(isinstance(item, str) for item in items):
+                return len(items) or 1
+    return 1

@@ -95,6 +95,20 @@ class UpstreamFailed(GateError):
     reason = "upstream_failed"
 
 
+class QueueBytesFull(GateError):
+    """The requests waiting in line already hold QUEUE_BODY_BYTES of bodies; a retry may pass."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_bytes_full"
+    reason = "queue_bytes_full"
+
+    def __init__(self, message: str, snapshot: Snapshot, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.snapshot = snapshot
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Everything needed to write an error answer."""
@@ -111,6 +125,11 @@ class Refusal:
 
 def refusal(exc: Exception) -> Refusal:
     """Classify a domain exception; anything unknown is a 500 whose text is not leaked."""
+    if isinstance(exc, QueueBytesFull):
+        return Refusal(
+            exc.status, exc.type, exc.code, exc.message, exc.reason, None,
+            exc.retry_after_s, exc.snapshot,
+        )  # fmt: skip
     if isinstance(exc, GateError):
         retry = 1.0 if isinstance(exc, UpstreamUnavailable) else None
         return Refusal(exc.status, exc.type, exc.code, exc.message, exc.reason, exc.param, retry)

@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
-from .access import Access
+from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, NotReady, Ticket
-from .assembly import Assembly, streaming_body
+from .assembly import Assembly
 from .client import ClientError, Response
-from .endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
+from .endpoints import Demand, Endpoint, admitted, check_content_type
 from .errors import (
     BadRequest,
     Flavor,
@@ -27,12 +27,14 @@ from .errors import (
     Headers,
     HeadersTooLarge,
     PayloadTooLarge,
+    QueueBytesFull,
     Refusal,
     UpstreamFailed,
     refusal,
     render,
     stream_event,
 )
+from .intake import take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
 from .settings import Settings
@@ -78,8 +80,6 @@ MAX_HEADER_LINE_BYTES = 8192
 WATCH_AFTER_S = 0.02
 #: Non-streamed answers up to this size are read whole before the head goes out.
 WHOLE_BODY_BYTES = 1024 * 1024
-#: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
-_ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -95,8 +95,8 @@ class _Exchange:
     """What one request did, for its access-log line and its metrics."""
 
     __slots__ = (
-        "bytes_out", "id", "method", "origin", "outcome", "path", "route", "sse", "started",
-        "status", "ticket", "upstream_status", "weight",
+        "bytes_out", "held_bytes", "id", "method", "origin", "outcome", "path", "route", "sse",
+        "started", "status", "ticket", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, request_id: str, method: str, path: str) -> None:
@@ -113,6 +113,7 @@ class _Exchange:
         self.weight = 0
         self.ticket: Ticket | None = None
         self.origin: bytes | None = None  # the request's Origin, for answers slotgate makes
+        self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES while it waits
 
     async def upstream_done(self, response: Response) -> None:
         """llama-server has sent its last byte: its slot is free, so ours is handed on now,
@@ -187,6 +188,10 @@ class Proxy:
         self._access = Access(settings.api_keys)
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
+        # Bytes of bodies held by requests waiting in line, bounded by QUEUE_BODY_BYTES (0 = no
+        # bound): a body is read whole before its request waits, and the line may be long.
+        self._queue_body_bytes = settings.queue_body_bytes
+        self._held_bytes = 0
         self._keepalive_s = settings.keepalive_interval
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
@@ -238,16 +243,22 @@ class Proxy:
             capacity = self._admission.capacity
             if capacity is None:
                 raise NotReady(self._admission.snapshot(), 1.0)
-            want = demand(endpoint, body, capacity)
+            taken = await take_off_loop(endpoint, body, capacity, assemble=self._assemble)
+            want, body = taken.demand, taken.body
             ex.weight = want.weight
-            ex.ticket = self._admission.enter(want.weight)
+            ticket = self._admission.enter(want.weight)
+            if not ticket.admitted:
+                self._hold(ex, ticket, len(body))
+            ex.ticket = ticket
         except (GateError, AdmissionError) as exc:
             await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return
         except ClientGone:
             ex.outcome = "client_gone"
             return
-        await self._gate(scope, receive, send, ex, endpoint, path, head, body, want)
+        await self._gate(
+            scope, receive, send, ex, endpoint, path, head, body, want, taken.assembled
+        )
 
     async def _forward_ungated(
         self,
@@ -286,6 +297,7 @@ class Proxy:
         head: _RequestHead,
         body: bytes,
         want: Demand,
+        assembled: bool,
     ) -> None:
         ticket = ex.ticket
         assert ticket is not None  # noqa: S101 - set by _handle just before
@@ -300,11 +312,10 @@ class Proxy:
                     await self._wait_streaming(send, ticket)
                 else:
                     await ticket.wait()
+                self._let_go(ex)
             self._metrics.admit(endpoint.route, ticket.wait_s)
-            assembly = None
-            if self._assemble and not want.stream and endpoint.kind in _ASSEMBLED:
-                assembly = Assembly(endpoint.kind, path)
-                body = streaming_body(body)
+            # The body was rewritten to ask for a stream already (app/intake.py).
+            assembly = Assembly(endpoint.kind, path) if assembled else None
             await self._forward(
                 scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
             )
@@ -328,9 +339,31 @@ class Proxy:
                 await self._refuse(send, ex, r, endpoint.flavor)
         finally:
             watch.stop()
+            self._let_go(ex)
             ticket.release()
             if ticket.admitted_at is not None:
                 self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)
+
+    def _hold(self, ex: _Exchange, ticket: Ticket, size: int) -> None:
+        """Count a waiting request's body against QUEUE_BODY_BYTES, or refuse it (429)."""
+        limit = self._queue_body_bytes
+        if limit and self._held_bytes + size > limit:
+            retry_after_s = self._admission.retry_after_s(max(ticket.position, 1))
+            ticket.release()
+            raise QueueBytesFull(
+                f"requests waiting in line already hold {self._held_bytes} bytes of request "
+                f"bodies, and {size} more would pass QUEUE_BODY_BYTES ({limit}); retry after "
+                "Retry-After",
+                self._admission.snapshot(),
+                retry_after_s,
+            )
+        self._held_bytes += size
+        ex.held_bytes = size
+
+    def _let_go(self, ex: _Exchange) -> None:
+        """The request left the line (admitted or gone): its body no longer counts."""
+        self._held_bytes -= ex.held_bytes
+        ex.held_bytes = 0
 
     async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
         """Wait in line, telling the client where it stands every keep-alive interval."""
@@ -379,9 +412,7 @@ class Proxy:
                 await self._refuse(send, ex, refusal(exc), flavor)
                 return
             raise
-        # Learned from requests that passed the key check (when there is one): a keyless
-        # preflight must not be able to churn what other clients' Origins were taught.
-        if ex.origin is not None and not (ex.method == "OPTIONS" and self._access.enabled):
+        if ex.origin is not None and self._teaches(ex.method, path):
             self._upstream.cors.learn(ex.origin, response.headers)
         clean = False
         try:
@@ -523,6 +554,15 @@ class Proxy:
         await _final_words(send, cut, flavor, ex, self._own_headers(ex))
         return True
 
+    def _teaches(self, method: str, path: str) -> bool:
+        """Whose answers may teach the CORS table (app/cors.py): with keys, a request whose key
+        was checked (not a preflight, not /health); without keys, one on a generation route,
+        where the Origins a browser app uses show up. Anything cheaper for a stranger to send
+        could fill the table with made-up Origins."""
+        if self._access.enabled:
+            return method != "OPTIONS" and path not in OPEN_PATHS
+        return admitted("POST", path) is not None
+
     def _own_headers(self, ex: _Exchange) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
         llama-server would give the request's Origin (app/cors.py)."""
@@ -631,12 +671,16 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
             f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
         )
     message = await receive()
+    # A client that closed before its body was whole (or sent broken chunked framing, which
+    # uvicorn answers 400 and closes): nothing it sent may go upstream, not even the head.
+    if message["type"] == "http.disconnect":
+        raise ClientGone
     body: bytes = message.get("body", b"")
     # A chunked body declares no length, and may arrive whole in one message.
     if len(body) > limit:
         raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
     if not message.get("more_body", False):
-        return body
+        return _whole(body, declared)
     chunks = [body]
     size = len(body)
     while message.get("more_body", False):
@@ -650,7 +694,13 @@ async def _read_body(receive: Receive, declared: int | None, limit: int) -> byte
                 f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)"
             )
         chunks.append(chunk)
-    return b"".join(chunks)
+    return _whole(b"".join(chunks), declared)
+
+
+def _whole(body: bytes, declared: int | None) -> bytes:
+    if declared is not None and len(body) != declared:
+        raise BadRequest(f"request body is {len(body)} bytes, not the {declared} declared")
+    return body
 
 
 async def _preflight_body(receive: Receive, declared: int | None) -> bytes:

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         32 * MIB, ge=1, le=2**31, description="Largest request body accepted, in bytes."
     )
+    queue_body_bytes: int = Field(
+        256 * MIB,
+        ge=0,
+        le=2**40,
+        description="Total bytes of request bodies held by requests waiting in line; past it "
+        "429 queue_bytes_full; 0 = unbounded.",
+    )
     upstream_stall_timeout: float = Field(
         600.0,
         ge=0,

@@ -45,12 +45,37 @@ def test_what_was_learned_lapses_unless_llama_server_says_it_again(
     assert policy.headers_for(b"http://a") == [VARY]
 
 
-def test_the_oldest_origin_is_forgotten_past_the_bound_and_all_on_a_restart() -> None:
+def test_a_flood_of_new_origins_never_evicts_one_still_live(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     policy = CorsPolicy()
-    origins = [b"http://%d" % i for i in range(MAX_ORIGINS + 1)]
+    live = b"http://app.example"
+    policy.learn(live, [allow(live)])
+    flood = [b"http://%d.example" % i for i in range(3 * MAX_ORIGINS)]
+    for origin in flood:
+        policy.learn(origin, [allow(origin)])
+    # The table filled up and then refused newcomers: what it held stays.
+    assert policy.headers_for(live) == [allow(live), VARY]
+    assert policy.headers_for(flood[MAX_ORIGINS - 2]) == [allow(flood[MAX_ORIGINS - 2]), VARY]
+    assert policy.headers_for(flood[MAX_ORIGINS - 1]) == [VARY]
+    # An Origin already held is refreshed even when the table is full.
+    now[0] += TTL_S / 2
+    policy.learn(live, [allow(live)])
+    # Once entries lapse, a newcomer takes the place of the oldest lapsed one, not a live one.
+    now[0] += TTL_S / 2 + 1
+    newcomer = b"http://new.example"
+    policy.learn(newcomer, [allow(newcomer)])
+    assert policy.headers_for(newcomer) == [allow(newcomer), VARY]
+    assert policy.headers_for(live) == [allow(live), VARY]
+
+
+def test_everything_is_forgotten_on_a_restart() -> None:
+    policy = CorsPolicy()
+    origins = [b"http://%d" % i for i in range(MAX_ORIGINS)]
     for origin in origins:
         policy.learn(origin, [allow(origin)])
-    assert policy.headers_for(origins[0]) == [VARY]
     assert policy.headers_for(origins[-1]) == [allow(origins[-1]), VARY]
     policy.forget()
     assert policy.headers_for(origins[-1]) == [VARY]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
 import pytest
-from slotgate.endpoints import ENDPOINTS, admitted, demand
+from slotgate.assembly import streaming_body
+from slotgate.endpoints import ENDPOINTS, MAX_JSON_DEPTH, admitted, demand, parse_json
 from slotgate.errors import BadRequest
 
 
@@ -32,6 +34,30 @@ def weight(path: str, body: dict[str, Any], capacity: int = 8) -> int:
         ("/v1/rerank", {"query": "q", "documents": ["a", "b"]}, 2),
         ("/v1/messages", {"messages": [], "max_tokens": 5}, 1),
         ("/v1/responses", {"input": "hi"}, 1),
+        # n_cmpl is llama-server's own name for the number of completions, and wins over n.
+        ("/v1/chat/completions", {"messages": [], "n_cmpl": 2}, 2),
+        ("/v1/chat/completions", {"messages": [], "n_cmpl": 2, "n": 1}, 2),
+        ("/v1/chat/completions", {"messages": [], "n_cmpl": 1, "n": 99}, 1),
+        ("/v1/chat/completions", {"messages": [], "n_cmpl": None, "n": 3}, 3),
+        ("/completion", {"prompt": "a", "n_cmpl": 3}, 3),
+        ("/completion", {"prompt": ["a", "b"], "n_cmpl": 2}, 4),
+        ("/infill", {"input_prefix": "a", "input_suffix": "b", "n_cmpl": 2}, 2),
+        ("/v1/responses", {"input": "hi", "n_cmpl": 2}, 2),
+        ("/responses", {"input": "hi", "n": 3}, 3),
+        # /infill builds one prompt whatever "prompt" holds.
+        ("/infill", {"input_prefix": "a", "prompt": ["a", "b", "c"]}, 1),
+        # An array holding any token id is one prompt: text mixed with token ids.
+        ("/completion", {"prompt": ["a", 12, "b"]}, 1),
+        ("/v1/embeddings", {"input": [[1, 2], "x", [3]]}, 3),
+        # "input" is read when present, even beside "content".
+        ("/embeddings", {"input": "a", "content": ["a", "b"]}, 1),
+        # Rerank's TEI shape names the documents "texts".
+        ("/rerank", {"query": "q", "texts": ["a", "b", "c"]}, 3),
+        ("/rerank", {"query": "q", "documents": [1], "texts": ["a", "b"]}, 2),
+        # The Anthropic converter drops n and n_cmpl: one task, whatever they say.
+        ("/v1/messages", {"messages": [], "max_tokens": 5, "n_cmpl": 5, "n": 5}, 1),
+        # Embeddings and rerank read neither.
+        ("/v1/embeddings", {"input": "a", "n": 3}, 1),
     ],
 )
 def test_slots_taken_follow_llama_servers_task_count(
@@ -49,6 +75,42 @@ def test_n_above_capacity_is_a_bad_request() -> None:
         weight("/v1/chat/completions", {"messages": [], "n": 3}, capacity=2)
 
 
+def test_n_cmpl_above_capacity_is_a_bad_request_naming_n_cmpl() -> None:
+    with pytest.raises(BadRequest, match="at most 2") as caught:
+        weight("/completion", {"prompt": "a", "n_cmpl": 3, "n": 1}, capacity=2)
+    assert caught.value.param == "n_cmpl"
+    with pytest.raises(BadRequest, match="integer"):
+        weight("/completion", {"prompt": "a", "n_cmpl": "2"})
+
+
+# Every route on which llama-server starts slot work, from its route registrations in
+# ggml-org/llama.cpp tools/server/server.cpp (`ctx_http.post(...)` lines whose handler in
+# tools/server/server-context.cpp calls handle_completions_impl, handle_embeddings_impl or
+# runs rerank tasks).
+LLAMA_SERVER_GENERATING_ROUTES = (
+    "/completion", "/completions", "/v1/completions", "/chat/completions",
+    "/v1/chat/completions", "/v1/responses", "/responses", "/v1/audio/transcriptions",
+    "/audio/transcriptions", "/v1/messages", "/infill", "/embedding", "/embeddings",
+    "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
+)  # fmt: skip
+# The other POST routes registered in the same file: no slot's work behind them.
+LLAMA_SERVER_OTHER_POSTS = (
+    "/props", "/v1/chat/completions/control", "/tokenize", "/detokenize", "/apply-template",
+    "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
+    "/responses/input_tokens", "/v1/responses/input_tokens", "/v1/messages/count_tokens",
+    "/lora-adapters", "/slots/0", "/models", "/models/load", "/models/unload", "/cors-proxy",
+    "/tools",
+)  # fmt: skip
+
+
+def test_the_gated_table_is_exactly_llama_servers_generating_routes() -> None:
+    assert set(ENDPOINTS) == set(LLAMA_SERVER_GENERATING_ROUTES)
+    for path in LLAMA_SERVER_GENERATING_ROUTES:
+        assert admitted("POST", path) is not None, path
+    for path in LLAMA_SERVER_OTHER_POSTS:
+        assert admitted("POST", path) is None, path
+
+
 def test_stream_flag_is_read() -> None:
     endpoint = ENDPOINTS["/v1/chat/completions"]
     assert demand(endpoint, b'{"stream": true}', 2).stream is True
@@ -64,5 +126,18 @@ def test_only_posts_to_generating_paths_are_admitted() -> None:
 
 
 def test_audio_transcription_is_admitted_without_reading_its_multipart_body() -> None:
-    endpoint = ENDPOINTS["/v1/audio/transcriptions"]
-    assert demand(endpoint, b"--boundary\r\n...", 2).weight == 1
+    for path in ("/v1/audio/transcriptions", "/audio/transcriptions"):
+        assert demand(ENDPOINTS[path], b"--boundary\r\n...", 2).weight == 1
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 300, 1024])
+def test_json_nested_past_the_one_limit_is_a_bad_request(depth: int) -> None:
+    inner = b"[" * (depth - 1) + b"]" * (depth - 1)
+    with pytest.raises(BadRequest, match=f"deeper than {MAX_JSON_DEPTH}"):
+        parse_json(b'{"messages": ' + inner + b"}")
+
+
+def test_json_nested_to_the_limit_is_parsed_and_can_be_written_again() -> None:
+    inner = b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1)
+    payload = parse_json(b'{"messages": ' + inner + b"}")
+    assert orjson.loads(streaming_body(orjson.dumps(payload)))["stream"] is True

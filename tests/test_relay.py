@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.cors import MAX_ORIGINS
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.standin import StandIn
@@ -432,3 +433,154 @@ async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     assert response.headers["content-type"] == "application/json"
     assert response.json()["error"]["code"] == "queue_timeout"
     await holder
+
+
+async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 10, 0.05
+    gate = await start_gate()
+    task = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2, n=1)))
+    await gate.until(lambda: standin.running == 1)
+    assert gate.gate.admission.active == 2
+    second = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2)))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    assert standin.started == 1
+    assert (await task).status_code == 200
+    assert (await second).status_code == 200
+    assert standin.max_running == 1
+
+
+async def test_transcription_without_v1_waits_for_a_slot_like_any_generation(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    gate = await start_gate()
+    holder = await occupy(client, gate)
+    files = {"file": ("a.wav", b"RIFF....", "audio/wav")}
+    waiter = asyncio.create_task(client.post(gate.url + "/audio/transcriptions", files=files))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    assert [seen.path for seen in standin.seen] == [CHAT]
+    await holder
+    assert (await waiter).status_code == 200
+    assert standin.seen[-1].path == "/audio/transcriptions"
+
+
+async def test_json_nested_past_the_limit_is_a_400_in_the_apis_shape_never_a_500(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    # Deeper than orjson writes (254), shallower than it reads (1024): once passed through and
+    # then failed when slotgate rewrote the body as a stream request.
+    nested = b'{"messages": [], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    for path, shape in ((CHAT, "openai"), ("/v1/messages", "anthropic")):
+        response = await client.post(
+            gate.url + path, content=nested, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400
+        body = response.json()
+        assert "deeper than 254 levels" in body["error"]["message"]
+        assert (body.get("type") == "error") is (shape == "anthropic")
+    assert standin.seen == []
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        # A declared body that never comes: the client closes after the head...
+        b"POST /slots/0?action=erase HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n",
+        # ...or after part of it.
+        b'POST /slots/0?action=erase HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"a"',
+        b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"a"',
+        # Chunked framing that is not chunked framing.
+        b"POST /slots/0?action=erase HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\n{}\r\n0\r\n\r\n",
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\n{}\r\nzz\r\n",
+    ],
+)
+async def test_a_request_whose_body_never_arrives_whole_is_never_forwarded(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, request_bytes: bytes
+) -> None:
+    gate = await start_gate()
+    _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(request_bytes)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.3)  # time for a request that was let through to reach the stand-in
+    assert (await client.post(gate.url + "/tokenize", json={"content": "x"})).status_code == 200
+    assert [seen.path for seen in standin.seen] == ["/tokenize"]
+    assert gate.gate.admission.active == 0
+
+
+async def test_keyless_requests_from_made_up_origins_neither_teach_nor_flush_cors(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys="k1")
+    cors = gate.gate.upstream.cors
+    app = {"Origin": "http://app.example", "Authorization": "Bearer k1"}
+    assert (await client.post(gate.url + CHAT, json=chat(), headers=app)).status_code == 200
+    for i in range(MAX_ORIGINS + 10):
+        made_up = {"Origin": f"http://{i}.example"}
+        assert (await client.get(gate.url + "/health", headers=made_up)).status_code == 200
+    assert cors.headers_for(b"http://app.example")[0] == (
+        b"access-control-allow-origin",
+        b"http://app.example",
+    )
+    assert cors.headers_for(b"http://0.example") == [(b"vary", b"Origin")]
+
+
+async def test_without_keys_only_answers_on_generation_routes_teach_cors(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    cors = gate.gate.upstream.cors
+    await client.get(gate.url + "/health", headers={"Origin": "http://health.example"})
+    await client.post(gate.url + "/tokenize", json={}, headers={"Origin": "http://tok.example"})
+    await client.post(gate.url + CHAT, json=chat(), headers={"Origin": "http://app.example"})
+    assert cors.headers_for(b"http://health.example") == [(b"vary", b"Origin")]
+    assert cors.headers_for(b"http://tok.example") == [(b"vary", b"Origin")]
+    assert len(cors.headers_for(b"http://app.example")) == 2
+
+
+async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_leave_it(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(queue_body_bytes=1000, max_queue=0)
+    holder = await occupy(client, gate)
+    big = chat(padding="x" * 500)
+    first = asyncio.create_task(client.post(gate.url + CHAT, json=big))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    # A second body that big would put more than 1000 bytes in the line: 429, with a snapshot.
+    refused = await client.post(gate.url + CHAT, json=big)
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert error["code"] == "queue_bytes_full"
+    assert error["type"] == "rate_limit_error"
+    assert "QUEUE_BODY_BYTES (1000)" in error["message"]
+    assert error["admission"]["queued"] == 1
+    assert gate.gate.admission.queued == 1  # the refused request left no place behind
+    # A small one still fits beside it.
+    small = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await holder
+    assert (await first).status_code == 200
+    assert (await small).status_code == 200
+    # Both left the line: their bytes no longer count, and a big body may wait again.
+    holder = await occupy(client, gate)
+    again = asyncio.create_task(client.post(gate.url + CHAT, json=big))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="y" * 200)))
+    await gate.until(lambda: gate.gate.admission.queued == 2)
+    leaver.cancel()
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    # The one that left while waiting gave its bytes back too.
+    late = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="z" * 200)))
+    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await holder
+    assert [(await t).status_code for t in (again, late)] == [200, 200]

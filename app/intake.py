@@ -1,0 +1,111 @@
+"""A request body turned into what the gate needs, without stalling the event loop.
+
+Parsing is the one step whose cost grows with what a client sends: a 32 MiB body of token
+ids takes orjson about 0.2 s, and rewriting it as a stream request (app/assembly.py) as long
+again. orjson holds the GIL throughout, so a thread does not help (measured: the loop stalled
+as long with `asyncio.to_thread` as without). Bodies over OFF_LOOP_BYTES are therefore read in
+a worker process, which sends back only the demand and the body to forward; smaller ones cost
+less than the hand-off would, and stay on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from .assembly import streaming_body
+from .endpoints import ENDPOINTS, Demand, Endpoint, Kind, demand
+from .errors import BadRequest
+
+#: Bodies above this go to the worker: at most ~15 ms of parsing stays on the loop.
+OFF_LOOP_BYTES = 1024 * 1024
+#: Worker processes, started on the first big body and kept for the life of the process. One:
+#: big bodies wait their turn there rather than on the loop, and memory grows by one
+#: interpreter (~25 MiB) plus what one big parse leaves to its allocator.
+WORKERS = 1
+#: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
+ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
+
+log = logging.getLogger("slotgate.intake")
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    demand: Demand
+    body: bytes  # what goes upstream
+    assembled: bool  # the body asks llama-server for a stream; the answer is assembled
+
+
+def take(endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool) -> Intake:
+    """Check the body and work out its demand; with `assemble`, ask for a stream if the
+    client did not (app/assembly.py)."""
+    want = demand(endpoint, body, capacity)
+    if assemble and not want.stream and endpoint.kind in ASSEMBLED:
+        return Intake(want, streaming_body(body), True)
+    return Intake(want, body, False)
+
+
+async def take_off_loop(
+    endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool
+) -> Intake:
+    """`take`, in a worker process when the body is big."""
+    global _broken
+    if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO or _broken:
+        return take(endpoint, body, capacity, assemble=assemble)
+    loop = asyncio.get_running_loop()
+    try:
+        result = await loop.run_in_executor(
+            _pool(), _take_in_worker, endpoint.route, body, capacity, assemble
+        )
+    except (BrokenProcessPool, OSError, RuntimeError) as exc:
+        # No worker could start (no /dev/shm, an entry point without its __main__ guard) or
+        # one died: correctness first, so big bodies are read on the loop from now on.
+        log.warning("cannot parse big bodies in a worker process, so on the loop: %r", exc)
+        _broken = True
+        _reset()
+        return take(endpoint, body, capacity, assemble=assemble)
+    if isinstance(result, Intake):
+        return result
+    message, param = result
+    raise BadRequest(message, param=param)
+
+
+def _take_in_worker(
+    route: str, body: bytes, capacity: int, assemble: bool
+) -> Intake | tuple[str, str | None]:
+    # A refusal travels back as plain data: a pickled exception keeps only its first argument.
+    try:
+        return take(ENDPOINTS[route], body, capacity, assemble=assemble)
+    except BadRequest as exc:
+        return exc.message, exc.param
+
+
+_executor: ProcessPoolExecutor | None = None
+_broken = False
+
+
+def _pool() -> ProcessPoolExecutor:
+    global _executor  # one pool per process, started on first need
+    if _executor is None:
+        # spawn, not fork: forking a process that runs an event loop and threads is unsafe.
+        _executor = ProcessPoolExecutor(
+            WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet
+        )
+    return _executor
+
+
+def _reset() -> None:
+    global _executor
+    if _executor is not None:
+        _executor.shutdown(wait=False, cancel_futures=True)
+        _executor = None
+
+
+def _quiet() -> None:
+    # Ctrl-C reaches the whole process group; slotgate itself decides when workers end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
