@@ -416,7 +416,7 @@ class Proxy:
         headers = [
             (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
-        headers.append((b"x-request-id", ex.id.encode()))
+        headers += _id_headers(ex.id)
         if response.content_type == "text/event-stream":
             ex.sse = True
             present = {name for name, _ in headers}
@@ -478,7 +478,7 @@ class Proxy:
         headers += [
             (b"content-type", b"application/json; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", ex.id.encode()),
+            *_id_headers(ex.id),
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -526,7 +526,7 @@ class Proxy:
     def _own_headers(self, ex: _Exchange) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
         llama-server would give the request's Origin (app/cors.py)."""
-        return [(b"x-request-id", ex.id.encode()), *self._upstream.cors.headers_for(ex.origin)]
+        return [*_id_headers(ex.id), *self._upstream.cors.headers_for(ex.origin)]
 
     async def _refuse(self, send: Send, ex: _Exchange, r: Refusal, flavor: Flavor) -> None:
         ex.outcome = r.reason
@@ -669,6 +669,13 @@ def _request_id(scope: Scope) -> str:
                 return bytes(value).decode()
             break
     return f"{_id_prefix}-{next(_ids)}"
+
+
+def _id_headers(request_id: str) -> Headers:
+    """The request id under both names clients read: `x-request-id` (OpenAI's SDKs) and
+    `request-id` (Anthropic's, for the `request_id` of its responses and errors)."""
+    value = request_id.encode()
+    return [(b"x-request-id", value), (b"request-id", value)]
 
 
 def _upstream_failure(exc: BaseException) -> UpstreamFailed:

@@ -57,6 +57,25 @@ async def test_non_streamed_reply_is_assembled_from_a_stream_into_llama_servers_
     assert response.json() == direct.json()
 
 
+async def test_every_answer_carries_the_request_id_under_both_names_sdks_read(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 1
+    gate = await start_gate(max_queue=1)
+    messages = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    answers = [
+        await client.post(gate.url + CHAT, json=chat(), headers={"x-request-id": "req-7"}),
+        await client.post(gate.url + "/v1/messages", json=messages),
+        await client.post(gate.url + CHAT, json=chat(stream=True)),
+        await client.post(gate.url + "/v1/messages", content=b"{not json"),
+        await client.post(gate.url + "/v1/embeddings", json={"input": "hi"}),
+    ]
+    assert answers[0].headers["request-id"] == "req-7"
+    assert [a.status_code for a in answers] == [200, 200, 200, 400, 200]
+    for answer in answers:
+        assert answer.headers["request-id"] == answer.headers["x-request-id"]
+
+
 async def test_with_stream_upstream_off_the_request_goes_upstream_as_sent(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
