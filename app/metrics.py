@@ -78,7 +78,8 @@ class _PoolCollector(Collector):
         )  # fmt: skip
         yield GaugeMetricFamily(
             "slotgate_slot_hold_estimate_seconds",
-            "Moving average of slot hold times, the basis of Retry-After",
+            "Moving average of slot hold times (until one is seen: the mean hold expected "
+            "from max_tokens and llama-server's speed), the basis of Retry-After",
             value=pool.hold_estimate_s,
         )
 

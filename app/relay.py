@@ -35,6 +35,7 @@ from .errors import (
 )
 from .logs import access as access_log
 from .metrics import Metrics
+from .pace import expected_hold_s
 from .settings import Settings
 from .upstream import Upstream
 
@@ -239,6 +240,10 @@ class Proxy:
             if capacity is None:
                 raise NotReady(self._admission.snapshot(), 1.0)
             want = demand(endpoint, body, capacity)
+            if self._admission.cold:
+                expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
+                if expected is not None:
+                    self._admission.expect(expected)
             ex.weight = want.weight
             ex.ticket = self._admission.enter(want.weight)
         except (GateError, AdmissionError) as exc:

@@ -205,10 +205,10 @@ async def test_refusals_before_the_body_is_read_count_under_their_route_in_its_s
     )
     assert too_big.status_code == 413
     metrics = (await client.get(gate.url + "/metrics", headers=key)).text
-    for reason, route in (("unauthorized", "/v1/messages"),
-                          ("unauthorized", "/v1/chat/completions"),
-                          ("bad_request", "/v1/chat/completions")):  # fmt: skip
-        line = f'slotgate_requests_rejected_total{{reason="{reason}",route="{route}"}} 1.0'
+    for reason, family in (("unauthorized", "messages"),
+                           ("unauthorized", "chat"),
+                           ("bad_request", "chat")):  # fmt: skip
+        line = f'slotgate_requests_rejected_total{{family="{family}",reason="{reason}"}} 1.0'
         assert line in metrics
     assert standin.seen == []
 

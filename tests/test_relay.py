@@ -25,8 +25,14 @@ async def hold_stream(
     client: httpx.AsyncClient, gate: RunningGate, started: asyncio.Event
 ) -> list[bytes]:
     """Open a stream, signal once its first chunk arrived, then read it to the end."""
+    return await hold_stream_of(client, gate, chat(stream=True), started)
+
+
+async def hold_stream_of(
+    client: httpx.AsyncClient, gate: RunningGate, body: dict[str, Any], started: asyncio.Event
+) -> list[bytes]:
     chunks: list[bytes] = []
-    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+    async with client.stream("POST", gate.url + CHAT, json=body) as response:
         async for chunk in response.aiter_raw():
             chunks.append(chunk)
             started.set()
@@ -133,6 +139,36 @@ async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
     assert snapshot["retry_after_s"] * 1000 == pytest.approx(
         int(response.headers["retry-after-ms"]), abs=1
     )
+    await holder
+    assert (await waiter).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("tokens_predicted", "speed"), [((0, 0.0), 10.0), ((600, 12.0), 50.0)], ids=["new", "warm"]
+)
+async def test_a_cold_gate_bases_retry_after_on_max_tokens_and_llama_servers_speed(
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    tokens_predicted: tuple[int, float],
+    speed: float,
+) -> None:
+    # A llama-server that has generated nothing yet gets the cold 10 tokens/s; one that has
+    # counts its own speed in /metrics.
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    standin.tokens_predicted = tokens_predicted
+    gate = await start_gate(max_queue=1)
+    body = chat(stream=True, max_tokens=30)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream_of(client, gate, body, started))
+    await started.wait()
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(max_tokens=30)))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    refused = await client.post(gate.url + CHAT, json=chat(max_tokens=30))
+    assert refused.status_code == 429
+    # Each holds about 30 tokens / speed; the refused caller stands 2 holds back on 1 slot.
+    assert int(refused.headers["retry-after-ms"]) == round(2 * 30 / speed * 1000)
     await holder
     assert (await waiter).status_code == 200
 
