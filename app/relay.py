@@ -189,6 +189,7 @@ class Proxy:
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
         self._keepalive_s = settings.keepalive_interval
+        self._head_after_s = settings.stream_head_after
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
         self._drop = {*_HOP_BY_HOP, b"x-request-id"}
@@ -298,11 +299,7 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    head_out = [*_SSE_HEAD, *self._own_headers(ex)]
-                    await send({"type": "http.response.start", "status": 200, "headers": head_out})
-                    ex.sse = True
-                    ex.status = 200
-                    await self._wait_streaming(send, ticket)
+                    await self._wait_streaming(send, ticket, ex)
                 else:
                     await ticket.wait()
             self._metrics.admit(endpoint.route, ticket.wait_s)
@@ -337,10 +334,26 @@ class Proxy:
             if ticket.admitted_at is not None:
                 self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)
 
-    async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
-        """Wait in line, telling the client where it stands every keep-alive interval."""
+    async def _wait_streaming(self, send: Send, ticket: Ticket, ex: _Exchange) -> None:
+        """Wait in line; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head and
+        tell the client where it stands every keep-alive interval.
+
+        The head keeps clients and proxies with idle timeouts from cutting a long wait, but
+        whatever fails after it can only be an in-stream error, which the SDKs do not retry;
+        before it, a refusal is a 503 or 429 with Retry-After, which they do. Most waits are
+        short, so the head waits until the wait is long enough to risk an idle timeout.
+        """
         waiting = asyncio.ensure_future(ticket.wait())
         try:
+            if self._head_after_s:
+                done, _ = await asyncio.wait((waiting,), timeout=self._head_after_s)
+                if done:
+                    waiting.result()
+                    return
+            head = [*_SSE_HEAD, *self._own_headers(ex)]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            ex.sse = True
+            ex.status = 200
             while True:
                 eta = self._admission.retry_after_s(max(ticket.position, 1))
                 comment = f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()

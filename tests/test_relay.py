@@ -298,7 +298,7 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 ) -> None:
     standin.tokens, standin.token_delay_s = 8, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.1)
+    gate = await start_gate(keepalive_interval=0.1, stream_head_after=0)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
@@ -316,7 +316,7 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
 ) -> None:
     standin.tokens, standin.token_delay_s = 40, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2)
+    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
@@ -324,6 +324,60 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     last = body.strip().split(b"\n\n")[-1]
     assert last.startswith(b"data: ")
     assert json.loads(last[len(b"data: ") :])["error"]["code"] == "queue_timeout"
+    await holder
+
+
+async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_servers_own_answer(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 8, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, stream_head_after=30)
+    holder = await occupy(client, gate)
+
+    async def read() -> tuple[int, bytes]:
+        async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+            return response.status_code, b"".join([c async for c in response.aiter_raw()])
+
+    waiter = asyncio.create_task(read())
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    status, body = await waiter
+    assert status == 200
+    assert b": queued" not in body
+    assert body.startswith(b"data: ")
+    assert body.endswith(b"data: [DONE]\n\n")
+    await holder
+
+
+async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30)
+    holder = await occupy(client, gate)
+    response = await client.post(gate.url + CHAT, json=chat(stream=True))
+    assert response.status_code == 503
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-should-retry"] == "true"
+    assert int(response.headers["retry-after-ms"]) >= 1000
+    assert response.json()["error"]["code"] == "queue_timeout"
+    await holder
+
+
+async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keepalives(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 30, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, stream_head_after=0.2)
+    holder = await occupy(client, gate)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        assert gate.gate.admission.queued == 1  # the head is slotgate's: the stream still waits
+        body = b"".join([c async for c in response.aiter_raw()])
+    assert body.startswith(b": queued position=1 eta_s=")
+    assert body.endswith(b"data: [DONE]\n\n")
     await holder
 
 
