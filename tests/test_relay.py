@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.conftest import GateFactory, RunningGate, chat
@@ -541,3 +542,39 @@ async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     assert response.headers["content-type"] == "application/json"
     assert response.json()["error"]["code"] == "queue_timeout"
     await holder
+
+
+@pytest.mark.parametrize("head_after_s", [0, 30], ids=["head-at-once", "head-later"])
+async def test_the_openai_sdk_retries_a_timed_out_stream_only_when_its_head_was_not_sent(
+    start_gate: GateFactory, standin: StandIn, head_after_s: float
+) -> None:
+    # 6 streams on 2 slots that each hold 0.5 s: the last two in line wait 1 s, past the
+    # 0.7 s queue timeout, however fast the machine is.
+    standin.tokens, standin.token_delay_s = 10, 0.05
+    gate = await start_gate(keepalive_interval=0.1, queue_timeout=0.7,
+                            stream_head_after=head_after_s)  # fmt: skip
+    sdk = openai.AsyncOpenAI(base_url=gate.url + "/v1", api_key="unused", timeout=30)
+
+    async def call() -> str:
+        try:
+            stream = await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            async for _ in stream:
+                pass
+        except openai.APIStatusError as exc:
+            return f"status {exc.status_code}"
+        except openai.APIError:
+            return "in-stream error"
+        return "ok"
+
+    async with sdk:
+        outcomes = await asyncio.gather(*(call() for _ in range(6)))
+    timed_out = gate.gate.metrics._rejected.get((CHAT, "queue_timeout"), 0)
+    assert timed_out >= 2
+    if head_after_s:
+        # Each timeout was a 503 with Retry-After, and the SDK's own retries came back for it.
+        assert "in-stream error" not in outcomes
+        assert outcomes.count("ok") > 6 - timed_out
+    else:
+        assert outcomes.count("in-stream error") == timed_out
