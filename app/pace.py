@@ -2,7 +2,8 @@
 
 Until then the gate has no hold time of its own to base Retry-After on, so it starts from what
 can be known: the tokens a request may generate (its max_tokens) over llama-server's measured
-generation speed, or a conservative speed when llama-server has not measured one yet.
+generation speed, or a conservative speed when llama-server has not measured one yet, after a
+second for the prompt.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ COLD_TOKENS_PER_S = 10.0
 #: Tokens assumed for a request that sets no limit (llama-server then generates until the end
 #: of the answer or of the context): a long chat answer.
 COLD_TOKENS = 256
+#: Seconds assumed for what comes before the first token: the prompt's processing, which a
+#: body's size tells too poorly to count (chat templates, images, a cached prefix).
+COLD_PROMPT_S = 1.0
 #: The fields that bound the tokens generated, in the order llama-server reads them.
 _LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 #: Embeddings, rerank and transcriptions generate nothing; their holds are not guessed.
@@ -43,7 +47,7 @@ def expected_hold_s(kind: Kind, body: bytes, tokens_per_s: float | None) -> floa
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 tokens = value
                 break
-    return tokens / (tokens_per_s or COLD_TOKENS_PER_S)
+    return COLD_PROMPT_S + tokens / (tokens_per_s or COLD_TOKENS_PER_S)
 
 
 def generation_speed(metrics: bytes) -> float | None:

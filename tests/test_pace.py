@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 from slotgate.endpoints import Kind
-from slotgate.pace import COLD_TOKENS, COLD_TOKENS_PER_S, expected_hold_s, generation_speed
+from slotgate.pace import (
+    COLD_PROMPT_S,
+    COLD_TOKENS,
+    COLD_TOKENS_PER_S,
+    expected_hold_s,
+    generation_speed,
+)
 
 #: llama-server's /metrics after one 64-token answer (xllamacpp build, 2026-11).
 LLAMA_METRICS = b"""# HELP llamacpp:prompt_seconds_total Total time spent processing prompts
@@ -34,10 +40,10 @@ llamacpp:predicted_tokens_seconds 53.0204
         (Kind.CHAT, b'{"messages": []}', None, COLD_TOKENS / COLD_TOKENS_PER_S),
     ],
 )
-def test_a_generation_is_expected_to_hold_its_slot_for_its_tokens_at_the_engines_speed(
+def test_a_generation_is_expected_to_hold_its_slot_for_a_prompt_and_its_tokens(
     kind: Kind, body: bytes, speed: float | None, hold_s: float
 ) -> None:
-    assert expected_hold_s(kind, body, speed) == pytest.approx(hold_s)
+    assert expected_hold_s(kind, body, speed) == pytest.approx(COLD_PROMPT_S + hold_s)
 
 
 @pytest.mark.parametrize("kind", [Kind.EMBEDDING, Kind.RERANK, Kind.AUDIO])
