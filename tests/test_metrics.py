@@ -141,8 +141,9 @@ async def test_metrics_serve_slotgates_series_and_llama_servers_together_or_apar
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
-def test_slotgates_own_series_pass_promtool() -> None:
-    metrics = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True)
+@pytest.mark.parametrize("capacity", [None, 2], ids=["unknown", "known"])
+def test_slotgates_own_series_pass_promtool(capacity: int | None) -> None:
+    metrics = Metrics(Admission(QueuePolicy(), capacity=capacity), lambda: True)
     metrics.admit(ROUTE, 0.3)
     metrics.hold[ROUTE].observe(2.0)
     metrics.rejected(ROUTE, "queue_full")
