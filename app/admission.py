@@ -15,7 +15,7 @@ from dataclasses import dataclass
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
 #: and gives up past 120 s, so the estimate is capped well below both.
 RETRY_AFTER_CAP_S = 60.0
-#: Until a hold has been observed, assume a generation holds its slot this long.
+#: Until a hold has been observed or expected (`Admission.expect`), assume this one.
 INITIAL_HOLD_S = 1.0
 #: Weight of the newest observation in the moving average of slot hold times.
 HOLD_EWMA_ALPHA = 0.2
@@ -209,6 +209,7 @@ class Admission:
         self._waiting = 0  # the live entries of _line
         self._next_seq = 0
         self._hold_ewma_s = INITIAL_HOLD_S
+        self._expected = 0  # holds expected so far; -1 once a real one has been observed
         self._closed = False
         self.admitted_total = 0
         if capacity is not None:
@@ -236,6 +237,11 @@ class Admission:
     def hold_estimate_s(self) -> float:
         return self._hold_ewma_s
 
+    @property
+    def cold(self) -> bool:
+        """No hold has been observed yet: the estimate rests on `expect`, if anything."""
+        return self._expected >= 0
+
     def snapshot(self) -> Snapshot:
         return Snapshot(self._capacity, self._active, self._waiting, self._limit)
 
@@ -251,6 +257,14 @@ class Admission:
         return min(max(eta, 1.0), RETRY_AFTER_CAP_S)
 
     # -- changing ----------------------------------------------------------------------------
+
+    def expect(self, hold_s: float) -> None:
+        """A request about to enter should hold its slots about `hold_s`. Until a hold has
+        been observed, the estimate is the mean of these; the first real one replaces it."""
+        if self._expected < 0:
+            return
+        self._expected += 1
+        self._hold_ewma_s += (hold_s - self._hold_ewma_s) / self._expected
 
     def enter(self, weight: int = 1) -> Ticket:
         """Take `weight` slots now, or a place in the line, or raise why neither is possible."""
@@ -324,6 +338,9 @@ class Admission:
     def _release(self, weight: int, hold_s: float | None) -> bool:
         self._active -= weight
         if hold_s is not None:
+            if self._expected >= 0:  # the first hold seen: a measurement beats a guess
+                self._expected = -1
+                self._hold_ewma_s = hold_s
             self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
         before = self.admitted_total
         self._dispatch()

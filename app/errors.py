@@ -210,10 +210,13 @@ def error_object(r: Refusal, flavor: Flavor) -> dict[str, Any]:
 
 
 def retry_headers(retry_after_s: float | None) -> Headers:
+    """Retry-After in whole seconds, rounded half up to the nearest (at least 1), so that it
+    is within half a second of retry-after-ms, which carries the estimate to the millisecond.
+    """
     if retry_after_s is None:
         return []
     return [
-        (b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),
+        (b"retry-after", str(max(1, math.floor(retry_after_s + 0.5))).encode()),
         (b"retry-after-ms", str(max(1, round(retry_after_s * 1000))).encode()),
         (b"x-should-retry", b"true"),
     ]

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 
 from .access import Access
 from .admission import Admission
-from .errors import GateError, refusal, render, route_refusal
+from .errors import BadRequest, GateError, refusal, render, route_refusal
 from .metrics import Metrics
 from .relay import Proxy, Receive, Scope, Send
 from .settings import Settings
@@ -23,6 +23,9 @@ log = logging.getLogger("slotgate")
 
 #: The paths slotgate answers itself; everything else belongs to llama-server.
 OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz"})
+#: What `GET /metrics?source=...` serves: both, slotgate's own series (which promtool passes),
+#: or llama-server's `llamacpp:*` alone (which promtool fails on their names).
+METRICS_SOURCES = ("all", "slotgate", "llama-server")
 
 
 class Gateway(FastAPI):
@@ -152,9 +155,16 @@ def create_app(settings: Settings | None = None) -> Gateway:
         return gate.snapshot()
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
-    async def metrics() -> Response:
-        """slotgate's metrics, then llama-server's own when it runs with --metrics."""
-        text = gate.metrics.render() + await gate.upstream.metrics()
+    async def metrics(source: str = "all") -> Response:
+        """slotgate's metrics, then llama-server's own when it runs with --metrics;
+        `?source=slotgate` or `?source=llama-server` for one of them alone."""
+        if source not in METRICS_SOURCES:
+            raise BadRequest(
+                f"source={source!r} is not one of {', '.join(METRICS_SOURCES)}", param="source"
+            )
+        text = gate.metrics.render() if source != "llama-server" else b""
+        if source != "slotgate":
+            text += await gate.upstream.metrics()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -21,10 +21,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .admission import Admission
-from .endpoints import ENDPOINTS
+from .endpoints import ENDPOINTS, Kind
 
 REASONS = (
     "queue_full",
+    "queue_bytes_full",
     "queue_timeout",
     "client_gone",
     "upstream_unavailable",
@@ -33,8 +34,15 @@ REASONS = (
     "unauthorized",
     "internal",
 )
-#: Queue waits and slot holds span milliseconds (a cached embedding) to minutes (long output).
-BUCKETS_S = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Request series are labelled by what operators group by, the kind of work (chat, completion,
+#: responses, messages, embedding, rerank, audio), not by the 17 paths that lead to it.
+FAMILIES = tuple(kind.value for kind in Kind)
+#: Queue waits and slot holds of LLM work: sub-second (embeddings, short answers, no wait) to
+#: minutes (long outputs, deep lines). About 1.5x apart from 1 s to a minute, where most holds
+#: and waits fall, so a quantile read from them is within a quarter of the truth there.
+BUCKETS_S = (
+    0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120, 300, 600,
+)  # fmt: skip
 
 
 class _PoolCollector(Collector):
@@ -57,17 +65,22 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "slotgate_queue_depth", "Requests waiting in line", value=pool.queued
         )
-        yield GaugeMetricFamily(
-            "slotgate_queue_limit", "Line limit; -1 when unbounded",
-            value=-1 if limit is None else limit,
-        )  # fmt: skip
+        # No sample while the capacity is unknown: the limit depends on it (QUEUE_PER_SLOT),
+        # and nobody queues meanwhile (requests are refused as not ready).
+        queue_limit = GaugeMetricFamily(
+            "slotgate_queue_limit", "Line limit; -1 when unbounded, no sample while unknown"
+        )
+        if pool.capacity is not None:
+            queue_limit.add_metric([], -1 if limit is None else limit)
+        yield queue_limit
         yield GaugeMetricFamily(
             "slotgate_upstream_ready", "1 when llama-server answers and its slots are known",
             value=1 if self._ready() else 0,
         )  # fmt: skip
         yield GaugeMetricFamily(
             "slotgate_slot_hold_estimate_seconds",
-            "Moving average of slot hold times, the basis of Retry-After",
+            "Moving average of slot hold times (until one is seen: the mean hold expected "
+            "from max_tokens and llama-server's speed), the basis of Retry-After",
             value=pool.hold_estimate_s,
         )
 
@@ -97,12 +110,20 @@ class _Histogram:
 
 
 class Metrics(Collector):
-    """One registry per app, so that several apps (tests) never share series."""
+    """One registry per app, so that several apps (tests) never share series.
+
+    `admit`, `rejected`, `wait` and `hold` take a request's route (its path); every route of a
+    family shares the family's histograms, so the lookup costs a request nothing more.
+    """
 
     def __init__(self, admission: Admission, ready: Callable[[], bool]) -> None:
+        self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
         self.admitted = dict.fromkeys(ENDPOINTS, 0)
-        self.wait = {route: _Histogram() for route in ENDPOINTS}
-        self.hold = {route: _Histogram() for route in ENDPOINTS}
+        waits = {family: _Histogram() for family in FAMILIES}
+        holds = {family: _Histogram() for family in FAMILIES}
+        self.wait = {route: waits[family] for route, family in self._family.items()}
+        self.hold = {route: holds[family] for route, family in self._family.items()}
+        self._histograms = {"wait": waits, "hold": holds}
         self._rejected: dict[tuple[str, str], int] = {}
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(admission, ready))
@@ -118,26 +139,35 @@ class Metrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         admitted = CounterMetricFamily(
-            "slotgate_requests_admitted", "Requests given slots", labels=["route"]
+            "slotgate_requests_admitted", "Requests given slots", labels=["family"]
         )
+        by_family = dict.fromkeys(FAMILIES, 0)
         for route, count in self.admitted.items():
-            admitted.add_metric([route], count)
+            by_family[self._family[route]] += count
+        for family, count in by_family.items():
+            admitted.add_metric([family], count)
         yield admitted
         rejected = CounterMetricFamily(
             "slotgate_requests_rejected", "Admitted-route requests that were not served",
-            labels=["route", "reason"],
+            labels=["family", "reason"],
         )  # fmt: skip
-        for (route, reason), count in sorted(self._rejected.items()):
-            rejected.add_metric([route, reason], count)
+        # Every reason from the start, at 0: rate() then sees the first rejection, and an alert
+        # on queue_full reads 0 rather than nothing.
+        counts = {(family, reason): 0 for family in FAMILIES for reason in REASONS}
+        for (route, reason), count in self._rejected.items():
+            key = (self._family[route], reason)
+            counts[key] = counts.get(key, 0) + count
+        for (family, reason), count in counts.items():
+            rejected.add_metric([family, reason], count)
         yield rejected
-        for name, doc, histograms in (
-            ("slotgate_queue_wait_seconds", "Time from arrival to admission", self.wait),
-            ("slotgate_slot_hold_seconds", "Time slots were held", self.hold),
+        for name, doc, kind in (
+            ("slotgate_queue_wait_seconds", "Time from arrival to admission", "wait"),
+            ("slotgate_slot_hold_seconds", "Time slots were held", "hold"),
         ):
-            family = HistogramMetricFamily(name, doc, labels=["route"])
-            for route, histogram in histograms.items():
-                family.add_metric([route], histogram.buckets(), histogram.sum)
-            yield family
+            histograms = HistogramMetricFamily(name, doc, labels=["family"])
+            for family, histogram in self._histograms[kind].items():
+                histograms.add_metric([family], histogram.buckets(), histogram.sum)
+            yield histograms
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -37,6 +37,7 @@ from .errors import (
 from .intake import take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
+from .pace import expected_hold_s
 from .settings import Settings
 from .upstream import Upstream
 
@@ -193,6 +194,7 @@ class Proxy:
         self._queue_body_bytes = settings.queue_body_bytes
         self._held_bytes = 0
         self._keepalive_s = settings.keepalive_interval
+        self._head_after_s = settings.stream_head_after
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
         self._drop = {*_HOP_BY_HOP, b"x-request-id"}
@@ -245,6 +247,10 @@ class Proxy:
                 raise NotReady(self._admission.snapshot(), 1.0)
             taken = await take_off_loop(endpoint, body, capacity, assemble=self._assemble)
             want, body = taken.demand, taken.body
+            if self._admission.cold:
+                expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
+                if expected is not None:
+                    self._admission.expect(expected)
             ex.weight = want.weight
             ticket = self._admission.enter(want.weight)
             if not ticket.admitted:
@@ -305,11 +311,7 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    head_out = [*_SSE_HEAD, *self._own_headers(ex)]
-                    await send({"type": "http.response.start", "status": 200, "headers": head_out})
-                    ex.sse = True
-                    ex.status = 200
-                    await self._wait_streaming(send, ticket)
+                    await self._wait_streaming(send, ticket, ex)
                 else:
                     await ticket.wait()
                 self._let_go(ex)
@@ -365,10 +367,26 @@ class Proxy:
         self._held_bytes -= ex.held_bytes
         ex.held_bytes = 0
 
-    async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
-        """Wait in line, telling the client where it stands every keep-alive interval."""
+    async def _wait_streaming(self, send: Send, ticket: Ticket, ex: _Exchange) -> None:
+        """Wait in line; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head and
+        tell the client where it stands every keep-alive interval.
+
+        The head keeps clients and proxies with idle timeouts from cutting a long wait, but
+        whatever fails after it can only be an in-stream error, which the SDKs do not retry;
+        before it, a refusal is a 503 or 429 with Retry-After, which they do. Most waits are
+        short, so the head waits until the wait is long enough to risk an idle timeout.
+        """
         waiting = asyncio.ensure_future(ticket.wait())
         try:
+            if self._head_after_s:
+                done, _ = await asyncio.wait((waiting,), timeout=self._head_after_s)
+                if done:
+                    waiting.result()
+                    return
+            head = [*_SSE_HEAD, *self._own_headers(ex)]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            ex.sse = True
+            ex.status = 200
             while True:
                 eta = self._admission.retry_after_s(max(ticket.position, 1))
                 comment = f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
@@ -447,7 +465,7 @@ class Proxy:
         headers = [
             (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
-        headers.append((b"x-request-id", ex.id.encode()))
+        headers += _id_headers(ex.id)
         if response.content_type == "text/event-stream":
             ex.sse = True
             present = {name for name, _ in headers}
@@ -509,7 +527,7 @@ class Proxy:
         headers += [
             (b"content-type", b"application/json; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", ex.id.encode()),
+            *_id_headers(ex.id),
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -566,7 +584,7 @@ class Proxy:
     def _own_headers(self, ex: _Exchange) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
         llama-server would give the request's Origin (app/cors.py)."""
-        return [(b"x-request-id", ex.id.encode()), *self._upstream.cors.headers_for(ex.origin)]
+        return [*_id_headers(ex.id), *self._upstream.cors.headers_for(ex.origin)]
 
     async def _refuse(self, send: Send, ex: _Exchange, r: Refusal, flavor: Flavor) -> None:
         ex.outcome = r.reason
@@ -719,6 +737,13 @@ def _request_id(scope: Scope) -> str:
                 return bytes(value).decode()
             break
     return f"{_id_prefix}-{next(_ids)}"
+
+
+def _id_headers(request_id: str) -> Headers:
+    """The request id under both names clients read: `x-request-id` (OpenAI's SDKs) and
+    `request-id` (Anthropic's, for the `request_id` of its responses and errors)."""
+    value = request_id.encode()
+    return [(b"x-request-id", value), (b"request-id", value)]
 
 
 def _upstream_failure(exc: BaseException) -> UpstreamFailed:

@@ -69,6 +69,13 @@ class Settings(BaseSettings):
     keepalive_interval: float = Field(
         5.0, ge=0, le=3600, description="Seconds between SSE comments to a waiting stream; 0 = off."
     )
+    stream_head_after: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="Seconds a streamed request waits in line before it gets its 200 head and "
+        "keep-alive comments (until then a refusal keeps its status); 0 = at once.",
+    )
     props_refresh_interval: float = Field(
         10.0, gt=0, le=3600, description="Seconds between reads of llama-server's /props."
     )

@@ -14,6 +14,7 @@ from .admission import Admission
 from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
 from .cors import CorsPolicy
 from .errors import UpstreamFailed, UpstreamUnavailable
+from .pace import generation_speed
 from .settings import Settings
 
 log = logging.getLogger("slotgate.upstream")
@@ -80,6 +81,8 @@ class Upstream:
             (b"authorization", f"Bearer {key.get_secret_value()}".encode()) if key else None
         )
         self.props: Props | None = None
+        #: One generation's tokens per second, as llama-server's /metrics last told it.
+        self.tokens_per_s: float | None = None
         #: Its CORS policy, as its answers show it, for the answers slotgate makes itself.
         self.cors = CorsPolicy()
         self.ready = False
@@ -180,10 +183,25 @@ class Upstream:
                 "llama-server ready: total_slots=%d n_ctx=%s model=%s",
                 props.total_slots, props.n_ctx, props.model,
             )  # fmt: skip
+        if not self.ready and self._admission.cold:
+            await self._learn_speed()
         self.props = props
         self.ready = True
         self.reason = "ready"
         self._admission.resize(props.total_slots)
+
+    async def _learn_speed(self) -> None:
+        """llama-server's generation speed so far, for Retry-After before any hold is seen.
+
+        Read once as llama-server becomes ready (with --metrics; else 501 and nothing learned):
+        each read of /metrics restarts its throughput window, so it is not polled.
+        """
+        try:
+            status, body = await self._get("/metrics")
+        except (ClientError, TimeoutError):
+            return
+        if status == 200:
+            self.tokens_per_s = generation_speed(body) or self.tokens_per_s
 
     def _mark_not_ready(self, reason: str) -> None:
         if self.ready or reason != self.reason:

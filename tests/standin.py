@@ -44,6 +44,7 @@ class StandIn:
     api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
     cors_origins: set[str] | None = None  # None: echo any Origin; else as --cors-origins
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
+    tokens_predicted: tuple[int, float] = (0, 0.0)  # /metrics: tokens generated, seconds taken
     running: int = 0
     max_running: int = 0
     started: int = 0
@@ -155,6 +156,12 @@ class StandIn:
             "# HELP llamacpp:requests_processing Number of requests processing.\n"
             "# TYPE llamacpp:requests_processing gauge\n"
             f"llamacpp:requests_processing {self.running}\n"
+            "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed\n"
+            "# TYPE llamacpp:tokens_predicted_total counter\n"
+            f"llamacpp:tokens_predicted_total {self.tokens_predicted[0]}\n"
+            "# HELP llamacpp:tokens_predicted_seconds_total Total time spent generating tokens\n"
+            "# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
+            f"llamacpp:tokens_predicted_seconds_total {self.tokens_predicted[1]}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 

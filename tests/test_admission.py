@@ -143,6 +143,21 @@ async def test_retry_after_grows_with_the_observed_hold_time_and_is_capped() -> 
     assert admission.retry_after_s(1000) == RETRY_AFTER_CAP_S
 
 
+async def test_before_any_hold_is_seen_retry_after_rests_on_the_holds_expected() -> None:
+    admission = pool(2, max_queue=1)
+    assert admission.retry_after_s(1) == 1.0
+    admission.expect(6.0)
+    admission.expect(10.0)
+    assert admission.cold
+    assert admission.hold_estimate_s == pytest.approx(8.0)
+    assert admission.retry_after_s(3) == pytest.approx(12.0)
+    admission._release(0, 3.0)  # the first hold seen replaces what was expected
+    assert not admission.cold
+    assert admission.hold_estimate_s == pytest.approx(3.0)
+    admission.expect(30.0)  # and expectations no longer count
+    assert admission.hold_estimate_s == pytest.approx(3.0)
+
+
 async def test_unknown_capacity_refuses_as_not_ready() -> None:
     admission = pool(None)
     with pytest.raises(NotReady):

@@ -100,22 +100,16 @@ async def test_metrics_show_both_sides_of_the_gate(
     assert "slotgate_queue_depth 1.0" in mid
     assert "slotgate_queue_limit 1.0" in mid
     assert "slotgate_upstream_ready 1.0" in mid
-    assert (
-        'slotgate_requests_rejected_total{reason="queue_full",route="/v1/chat/completions"} 1.0'
-        in mid
-    )
+    assert 'slotgate_requests_rejected_total{family="chat",reason="queue_full"} 1.0' in mid
     assert "llamacpp:requests_processing 1" in mid
     await asyncio.gather(first, second)
     bad = await client.post(gate.url + "/v1/chat/completions", content=b"{")
     assert bad.status_code == 400
     after = (await client.get(gate.url + "/metrics")).text
-    assert 'slotgate_requests_admitted_total{route="/v1/chat/completions"} 2.0' in after
-    assert (
-        'slotgate_requests_rejected_total{reason="bad_request",route="/v1/chat/completions"} 1.0'
-        in after
-    )
-    assert 'slotgate_queue_wait_seconds_count{route="/v1/chat/completions"} 2.0' in after
-    assert 'slotgate_slot_hold_seconds_count{route="/v1/chat/completions"} 2.0' in after
+    assert 'slotgate_requests_admitted_total{family="chat"} 2.0' in after
+    assert 'slotgate_requests_rejected_total{family="chat",reason="bad_request"} 1.0' in after
+    assert 'slotgate_queue_wait_seconds_count{family="chat"} 2.0' in after
+    assert 'slotgate_slot_hold_seconds_count{family="chat"} 2.0' in after
 
 
 async def test_every_request_gets_one_structured_log_line(

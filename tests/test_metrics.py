@@ -1,10 +1,19 @@
-"""slotgate's request metrics against prometheus_client's own types, in-process."""
+"""slotgate's metrics: its request series against prometheus_client's own types, in-process,
+and /metrics as operators scrape it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
+import httpx
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from slotgate.admission import Admission, QueuePolicy
-from slotgate.metrics import BUCKETS_S, Metrics
+from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics
+
+from tests.conftest import GateFactory, chat
+from tests.standin import StandIn
 
 ROUTE = "/v1/chat/completions"
 
@@ -13,32 +22,134 @@ def series(text: bytes, prefix: str) -> list[str]:
     return [
         line
         for line in text.decode().splitlines()
-        if line.startswith(prefix) and "_created" not in line and f'route="{ROUTE}"' in line
+        if line.startswith(prefix) and "_created" not in line
     ]
+
+
+def sample(text: bytes, line_start: str) -> float:
+    """The value of the one sample whose line starts with `line_start`."""
+    found = [line for line in text.decode().splitlines() if line.startswith(line_start + " ")]
+    assert len(found) == 1, (line_start, found)
+    return float(found[0].rsplit(" ", 1)[1])
 
 
 def test_the_series_are_those_prometheus_clients_own_types_would_expose() -> None:
     metrics = Metrics(Admission(QueuePolicy()), lambda: True)
     reference = CollectorRegistry()
-    admitted = Counter("slotgate_requests_admitted", "x", ["route"], registry=reference)
-    rejected = Counter("slotgate_requests_rejected", "x", ["route", "reason"], registry=reference)
-    wait = Histogram("slotgate_queue_wait_seconds", "x", ["route"], buckets=BUCKETS_S,
+    admitted = Counter("slotgate_requests_admitted", "x", ["family"], registry=reference)
+    rejected = Counter("slotgate_requests_rejected", "x", ["family", "reason"], registry=reference)
+    wait = Histogram("slotgate_queue_wait_seconds", "x", ["family"], buckets=BUCKETS_S,
                      registry=reference)  # fmt: skip
-    hold = Histogram("slotgate_slot_hold_seconds", "x", ["route"], buckets=BUCKETS_S,
+    hold = Histogram("slotgate_slot_hold_seconds", "x", ["family"], buckets=BUCKETS_S,
                      registry=reference)  # fmt: skip
-    # On the bounds, between them and past the last one.
-    values = [0.0, 0.005, 0.0051, *BUCKETS_S, 0.3, 599.9, 601.0, 1e6]
-    for value in values:
-        metrics.admit(ROUTE, value)
-        admitted.labels(ROUTE).inc()
-        wait.labels(ROUTE).observe(value)
-        metrics.hold[ROUTE].observe(value * 2)
-        hold.labels(ROUTE).observe(value * 2)
-    for reason in ("queue_full", "queue_full", "client_gone"):
-        metrics.rejected(ROUTE, reason)
-        rejected.labels(ROUTE, reason).inc()
+    # Every family and reason exists from the start, as .labels() makes them.
+    for family in FAMILIES:
+        admitted.labels(family)
+        wait.labels(family)
+        hold.labels(family)
+        for reason in REASONS:
+            rejected.labels(family, reason)
+    # On the bounds, between them and past the last one; two routes of one family.
+    values = [0.0, 0.05, 0.0501, *BUCKETS_S, 0.3, 599.9, 601.0, 1e6]
+    for route in (ROUTE, "/chat/completions"):
+        for value in values:
+            metrics.admit(route, value)
+            admitted.labels("chat").inc()
+            wait.labels("chat").observe(value)
+            metrics.hold[route].observe(value * 2)
+            hold.labels("chat").observe(value * 2)
+    for route, reason in (
+        (ROUTE, "queue_full"), ("/chat/completions", "queue_full"), ("/rerank", "client_gone"),
+    ):  # fmt: skip
+        metrics.rejected(route, reason)
+        rejected.labels("chat" if "chat" in route else "rerank", reason).inc()
     ours, theirs = metrics.render(), generate_latest(reference)
     for name in ("slotgate_requests_admitted_total", "slotgate_requests_rejected_total",
                  "slotgate_queue_wait_seconds", "slotgate_slot_hold_seconds"):  # fmt: skip
         assert sorted(series(ours, name)) == sorted(series(theirs, name)), name
         assert series(ours, name)
+
+
+def test_every_rejection_reason_reads_zero_before_the_first_rejection() -> None:
+    text = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True).render()
+    rejected = series(text, "slotgate_requests_rejected_total{")
+    assert len(rejected) == len(FAMILIES) * len(REASONS)
+    assert all(line.endswith(" 0.0") for line in rejected)
+    assert sample(text, 'slotgate_requests_rejected_total{family="chat",reason="queue_full"}') == 0
+
+
+def test_request_series_are_labelled_by_family_not_by_route() -> None:
+    metrics = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True)
+    for route in ("/v1/embeddings", "/embedding", "/embeddings"):
+        metrics.admit(route, 0.01)
+    text = metrics.render()
+    assert sample(text, 'slotgate_requests_admitted_total{family="embedding"}') == 3
+    assert sample(text, 'slotgate_queue_wait_seconds_count{family="embedding"}') == 3
+    assert "route=" not in text.decode()
+    families = {line.split('family="')[1].split('"')[0]
+                for line in series(text, "slotgate_slot_hold_seconds_count")}  # fmt: skip
+    assert families == {"chat", "completion", "responses", "messages", "embedding", "rerank",
+                        "audio"}  # fmt: skip
+
+
+def test_a_two_second_hold_is_told_apart_from_one_of_one_and_a_half() -> None:
+    metrics = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True)
+    metrics.hold[ROUTE].observe(1.4)
+    metrics.hold[ROUTE].observe(2.0)
+    text = metrics.render()
+    assert sample(text, 'slotgate_slot_hold_seconds_bucket{family="chat",le="1.5"}') == 1
+    assert sample(text, 'slotgate_slot_hold_seconds_bucket{family="chat",le="2.0"}') == 2
+
+
+@pytest.mark.parametrize(
+    ("capacity", "policy", "shown"),
+    [
+        (None, QueuePolicy(), None),
+        (None, QueuePolicy(max_queue=5), None),
+        (2, QueuePolicy(max_queue=0), -1.0),
+        (2, QueuePolicy(queue_per_slot=3), 6.0),
+    ],
+)
+def test_queue_limit_has_no_sample_while_the_capacity_is_unknown(
+    capacity: int | None, policy: QueuePolicy, shown: float | None
+) -> None:
+    text = Metrics(Admission(policy, capacity=capacity), lambda: True).render()
+    samples = [
+        line for line in text.decode().splitlines() if line.startswith("slotgate_queue_limit")
+    ]
+    assert samples == ([] if shown is None else [f"slotgate_queue_limit {shown}"])
+
+
+async def test_metrics_serve_slotgates_series_and_llama_servers_together_or_apart(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    assert (await client.post(gate.url + ROUTE, json=chat())).status_code == 200
+    both = (await client.get(gate.url + "/metrics")).text
+    own = await client.get(gate.url + "/metrics", params={"source": "slotgate"})
+    theirs = await client.get(gate.url + "/metrics", params={"source": "llama-server"})
+    assert own.status_code == theirs.status_code == 200
+    assert "slotgate_slots_capacity" in own.text
+    assert "llamacpp:" not in own.text
+    assert theirs.text.startswith("# HELP llamacpp:requests_processing")
+    assert "slotgate_" not in theirs.text
+    assert "slotgate_slots_capacity" in both
+    assert "llamacpp:requests_processing" in both
+    wrong = await client.get(gate.url + "/metrics", params={"source": "both"})
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["param"] == "source"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+@pytest.mark.parametrize("capacity", [None, 2], ids=["unknown", "known"])
+def test_slotgates_own_series_pass_promtool(capacity: int | None) -> None:
+    metrics = Metrics(Admission(QueuePolicy(), capacity=capacity), lambda: True)
+    metrics.admit(ROUTE, 0.3)
+    metrics.hold[ROUTE].observe(2.0)
+    metrics.rejected(ROUTE, "queue_full")
+    promtool = shutil.which("promtool")
+    assert promtool is not None
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=metrics.render(), capture_output=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -205,10 +205,10 @@ async def test_refusals_before_the_body_is_read_count_under_their_route_in_its_s
     )
     assert too_big.status_code == 413
     metrics = (await client.get(gate.url + "/metrics", headers=key)).text
-    for reason, route in (("unauthorized", "/v1/messages"),
-                          ("unauthorized", "/v1/chat/completions"),
-                          ("bad_request", "/v1/chat/completions")):  # fmt: skip
-        line = f'slotgate_requests_rejected_total{{reason="{reason}",route="{route}"}} 1.0'
+    for reason, family in (("unauthorized", "messages"),
+                           ("unauthorized", "chat"),
+                           ("bad_request", "chat")):  # fmt: skip
+        line = f'slotgate_requests_rejected_total{{family="{family}",reason="{reason}"}} 1.0'
         assert line in metrics
     assert standin.seen == []
 
@@ -259,7 +259,7 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
-    gate = await start_gate(max_queue=1, keepalive_interval=5)
+    gate = await start_gate(max_queue=1, keepalive_interval=5, stream_head_after=0)
     # The answer is assembled from llama-server's stream, and keeps its CORS header: from it
     # slotgate learns what llama-server gives this Origin.
     assembled = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
@@ -297,7 +297,7 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
 ) -> None:
     standin.cors_origins = {"http://trusted.example"}  # as llama-server --cors-origins
     standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
-    gate = await start_gate(max_queue=0, keepalive_interval=1)
+    gate = await start_gate(max_queue=0, keepalive_interval=1, stream_head_after=0)
     evil = {"Origin": "http://evil.example"}
     first = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=evil)
     assert allowed_origins(first) == ["http://trusted.example"]  # llama-server's own answer

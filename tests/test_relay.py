@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from slotgate.cors import MAX_ORIGINS
 
@@ -26,8 +27,14 @@ async def hold_stream(
     client: httpx.AsyncClient, gate: RunningGate, started: asyncio.Event
 ) -> list[bytes]:
     """Open a stream, signal once its first chunk arrived, then read it to the end."""
+    return await hold_stream_of(client, gate, chat(stream=True), started)
+
+
+async def hold_stream_of(
+    client: httpx.AsyncClient, gate: RunningGate, body: dict[str, Any], started: asyncio.Event
+) -> list[bytes]:
     chunks: list[bytes] = []
-    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+    async with client.stream("POST", gate.url + CHAT, json=body) as response:
         async for chunk in response.aiter_raw():
             chunks.append(chunk)
             started.set()
@@ -56,6 +63,25 @@ async def test_non_streamed_reply_is_assembled_from_a_stream_into_llama_servers_
     # ...and the client still gets exactly the answer llama-server gives a non-streamed request.
     direct = await client.post(standin.url + CHAT, json=chat())
     assert response.json() == direct.json()
+
+
+async def test_every_answer_carries_the_request_id_under_both_names_sdks_read(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 1
+    gate = await start_gate(max_queue=1)
+    messages = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    answers = [
+        await client.post(gate.url + CHAT, json=chat(), headers={"x-request-id": "req-7"}),
+        await client.post(gate.url + "/v1/messages", json=messages),
+        await client.post(gate.url + CHAT, json=chat(stream=True)),
+        await client.post(gate.url + "/v1/messages", content=b"{not json"),
+        await client.post(gate.url + "/v1/embeddings", json={"input": "hi"}),
+    ]
+    assert answers[0].headers["request-id"] == "req-7"
+    assert [a.status_code for a in answers] == [200, 200, 200, 400, 200]
+    for answer in answers:
+        assert answer.headers["request-id"] == answer.headers["x-request-id"]
 
 
 async def test_with_stream_upstream_off_the_request_goes_upstream_as_sent(
@@ -115,6 +141,37 @@ async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
     assert snapshot["retry_after_s"] * 1000 == pytest.approx(
         int(response.headers["retry-after-ms"]), abs=1
     )
+    await holder
+    assert (await waiter).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("tokens_predicted", "speed"), [((0, 0.0), 10.0), ((600, 12.0), 50.0)], ids=["new", "warm"]
+)
+async def test_a_cold_gate_bases_retry_after_on_max_tokens_and_llama_servers_speed(
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    tokens_predicted: tuple[int, float],
+    speed: float,
+) -> None:
+    # A llama-server that has generated nothing yet gets the cold 10 tokens/s; one that has
+    # counts its own speed in /metrics.
+    standin.tokens, standin.token_delay_s = 20, 0.05
+    standin.total_slots = 1
+    standin.tokens_predicted = tokens_predicted
+    gate = await start_gate(max_queue=1)
+    body = chat(stream=True, max_tokens=30)
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream_of(client, gate, body, started))
+    await started.wait()
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(max_tokens=30)))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    refused = await client.post(gate.url + CHAT, json=chat(max_tokens=30))
+    assert refused.status_code == 429
+    # Each holds a second for its prompt and 30 tokens / speed; the refused caller stands 2
+    # holds back on 1 slot.
+    assert int(refused.headers["retry-after-ms"]) == round(2 * (1 + 30 / speed) * 1000)
     await holder
     assert (await waiter).status_code == 200
 
@@ -244,7 +301,7 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 ) -> None:
     standin.tokens, standin.token_delay_s = 8, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.1)
+    gate = await start_gate(keepalive_interval=0.1, stream_head_after=0)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
@@ -262,7 +319,7 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
 ) -> None:
     standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2)
+    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
@@ -270,6 +327,60 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     last = body.strip().split(b"\n\n")[-1]
     assert last.startswith(b"data: ")
     assert json.loads(last[len(b"data: ") :])["error"]["code"] == "queue_timeout"
+    await holder
+
+
+async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_servers_own_answer(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 8, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, stream_head_after=30)
+    holder = await occupy(client, gate)
+
+    async def read() -> tuple[int, bytes]:
+        async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+            return response.status_code, b"".join([c async for c in response.aiter_raw()])
+
+    waiter = asyncio.create_task(read())
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    status, body = await waiter
+    assert status == 200
+    assert b": queued" not in body
+    assert body.startswith(b"data: ")
+    assert body.endswith(b"data: [DONE]\n\n")
+    await holder
+
+
+async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 40, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30)
+    holder = await occupy(client, gate)
+    response = await client.post(gate.url + CHAT, json=chat(stream=True))
+    assert response.status_code == 503
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["x-should-retry"] == "true"
+    assert int(response.headers["retry-after-ms"]) >= 1000
+    assert response.json()["error"]["code"] == "queue_timeout"
+    await holder
+
+
+async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keepalives(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 30, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(keepalive_interval=0.05, stream_head_after=0.2)
+    holder = await occupy(client, gate)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        assert gate.gate.admission.queued == 1  # the head is slotgate's: the stream still waits
+        body = b"".join([c async for c in response.aiter_raw()])
+    assert body.startswith(b": queued position=1 eta_s=")
+    assert body.endswith(b"data: [DONE]\n\n")
     await holder
 
 
@@ -584,3 +695,39 @@ async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_
     await gate.until(lambda: gate.gate.admission.queued == 2)
     await holder
     assert [(await t).status_code for t in (again, late)] == [200, 200]
+
+
+@pytest.mark.parametrize("head_after_s", [0, 30], ids=["head-at-once", "head-later"])
+async def test_the_openai_sdk_retries_a_timed_out_stream_only_when_its_head_was_not_sent(
+    start_gate: GateFactory, standin: StandIn, head_after_s: float
+) -> None:
+    # 6 streams on 2 slots that each hold 0.5 s: the last two in line wait 1 s, past the
+    # 0.7 s queue timeout, however fast the machine is.
+    standin.tokens, standin.token_delay_s = 10, 0.05
+    gate = await start_gate(keepalive_interval=0.1, queue_timeout=0.7,
+                            stream_head_after=head_after_s)  # fmt: skip
+    sdk = openai.AsyncOpenAI(base_url=gate.url + "/v1", api_key="unused", timeout=30)
+
+    async def call() -> str:
+        try:
+            stream = await sdk.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            async for _ in stream:
+                pass
+        except openai.APIStatusError as exc:
+            return f"status {exc.status_code}"
+        except openai.APIError:
+            return "in-stream error"
+        return "ok"
+
+    async with sdk:
+        outcomes = await asyncio.gather(*(call() for _ in range(6)))
+    timed_out = gate.gate.metrics._rejected.get((CHAT, "queue_timeout"), 0)
+    assert timed_out >= 2
+    if head_after_s:
+        # Each timeout was a 503 with Retry-After, and the SDK's own retries came back for it.
+        assert "in-stream error" not in outcomes
+        assert outcomes.count("ok") > 6 - timed_out
+    else:
+        assert outcomes.count("in-stream error") == timed_out
