@@ -209,6 +209,7 @@ class LocalEngine:
         ctx_size: int = 4096,
         threads: int | None = None,
         binary: str | None = None,
+        kv_unified: bool = False,
         start_timeout_s: float = START_TIMEOUT_S,
         stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
@@ -217,6 +218,7 @@ class LocalEngine:
         self.ctx_size = ctx_size
         self.threads = threads or default_threads()
         self.binary = binary
+        self.kv_unified = kv_unified
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.url = ""
@@ -250,6 +252,12 @@ class LocalEngine:
         )
 
     @property
+    def kv_budget_tokens(self) -> int:
+        """KV_BUDGET_TOKENS for this engine: its whole context when its slots share one
+        (unified) cache; 0 otherwise, since each slot then has a context of its own."""
+        return self.ctx_size if self.kv_unified and self.parallel > 1 else 0
+
+    @property
     def kind(self) -> str:
         return f"llama-server ({self.binary})" if self.binary else "xllamacpp"
 
@@ -269,6 +277,8 @@ class LocalEngine:
         ]  # fmt: skip
         if self.binary:
             command += ["--binary", self.binary]
+        if self.kv_unified:
+            command.append("--kv-unified")
         return command
 
     def start(self) -> None:
@@ -441,11 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-size", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--binary")
+    parser.add_argument("--kv-unified", action="store_true")
     args = parser.parse_args(argv)
     if args.binary:
         return _supervise(
             server_args(args.binary, args.model, args.port, args.parallel, args.ctx_size,
-                        args.threads)
+                        args.threads) + (["--kv-unified"] if args.kv_unified else [])
         )  # fmt: skip
     return _host(args)
 
@@ -480,6 +491,7 @@ def _host(args: argparse.Namespace) -> int:
     params.model.path = args.model
     params.n_parallel = args.parallel
     params.n_ctx = args.ctx_size
+    params.kv_unified = args.kv_unified
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.hostnames = ["127.0.0.1"]

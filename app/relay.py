@@ -240,7 +240,9 @@ class Proxy:
                 raise NotReady(self._admission.snapshot(), 1.0)
             want = demand(endpoint, body, capacity)
             ex.weight = want.weight
-            ex.ticket = self._admission.enter(want.weight)
+            budget = self._admission.budget_tokens
+            cost = await self._upstream.cost(endpoint, body, budget) if budget else 0
+            ex.ticket = self._admission.enter(want.weight, cost)
         except (GateError, AdmissionError) as exc:
             await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
+
 from .admission import Admission
 from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
 from .cors import CorsPolicy
+from .cost import reserve
+from .endpoints import Endpoint, parse_json
 from .errors import UpstreamFailed, UpstreamUnavailable
 from .settings import Settings
 
@@ -35,6 +39,8 @@ class Props:
     n_ctx: int | None
     model: str | None
     build_info: str | None
+    #: llama-server's own output limit for a request that sets none (-n); None = unbounded.
+    n_predict: int | None = None
 
     @classmethod
     def parse(cls, body: Any) -> Props:
@@ -47,11 +53,14 @@ class Props:
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
         model = body.get("model_alias") or body.get("model_path")
         build = body.get("build_info")
+        params = settings.get("params") if isinstance(settings, dict) else None
+        n_predict = params.get("n_predict") if isinstance(params, dict) else None
         return cls(
             slots,
             n_ctx if isinstance(n_ctx, int) else None,
             model if isinstance(model, str) else None,
             build if isinstance(build, str) else None,
+            n_predict if isinstance(n_predict, int) and n_predict > 0 else None,
         )
 
 
@@ -64,6 +73,7 @@ class Upstream:
         self._root = parts.path
         self._admission = admission
         self._refresh_s = settings.props_refresh_interval
+        self._kv_budget_tokens = settings.kv_budget_tokens
         tls = parts.scheme == "https"
         # The pool has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
@@ -178,6 +188,63 @@ class Upstream:
         self.ready = True
         self.reason = "ready"
         self._admission.resize(props.total_slots)
+        self._admission.resize_budget(self.kv_budget(props))
+
+    def kv_budget(self, props: Props) -> int | None:
+        """The KV-cache tokens the slots share, when that binds admission; else None.
+
+        llama-server shows neither its total context nor whether its cache is unified (not in
+        /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole pool when
+        unified and its share otherwise), so the budget is KV_BUDGET_TOKENS, which slotgate
+        sets itself for an engine it starts. Unset, it does not bind.
+        """
+        configured = self._kv_budget_tokens
+        if not configured:
+            return None
+        if props.total_slots == 1:
+            return None  # one request at a time: llama-server itself refuses what never fits
+        return configured
+
+    async def cost(self, endpoint: Endpoint, body: bytes, budget: int) -> int:
+        """The KV-cache tokens a (checked) request reserves of `budget` (app/cost.py)."""
+        default = self.props.n_predict if self.props is not None else None
+        return await reserve(endpoint, parse_json(body), budget, self.count_prompt, default)
+
+    async def count_prompt(self, chat: bool, payload: dict[str, Any]) -> int | None:
+        """llama-server's own count of a prompt's tokens (a chat's after its template), or
+        None when it cannot tell (a round trip that fails, an older server)."""
+        try:
+            if chat:
+                status, body = await self._post("/apply-template", payload)
+                if status != 200:
+                    return None
+                prompt = json.loads(body).get("prompt")
+            else:
+                prompt = payload.get("prompt")
+            if not isinstance(prompt, str):
+                return None
+            request = {"content": prompt, "add_special": True, "parse_special": True}
+            status, body = await self._post("/tokenize", request)
+            tokens = json.loads(body).get("tokens") if status == 200 else None
+        except (ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        return len(tokens) if isinstance(tokens, list) else None
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        headers: list[Header] = [(b"content-type", b"application/json")]
+        if self.auth:
+            headers.append(self.auth)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            response = await self._client.request(
+                "POST", self._root + path, headers, orjson.dumps(payload)
+            )
+            try:
+                body = await response.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response.status, body
 
     def _mark_not_ready(self, reason: str) -> None:
         if self.ready or reason != self.reason:
