@@ -412,6 +412,8 @@ class Proxy:
             first = await response.read() if whole else await response.readany()
             if whole:
                 await ex.upstream_done(response)
+            if response.status == 500:
+                self._upstream.check_failure(first)
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -460,6 +462,8 @@ class Proxy:
             assembly.feed(await response.read())
             await ex.upstream_done(response)
             status, body = assembly.result()
+            if status == 500:
+                self._upstream.check_failure(body)
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -494,6 +498,7 @@ class Proxy:
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
                 error = await response.read()
+                self._upstream.check_failure(error)
                 await ex.upstream_done(response)
                 ex.outcome = "upstream_error"
                 prefix = b"event: error\n" if flavor == "anthropic" else b""

@@ -29,6 +29,8 @@ CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_S = 4.0
 #: While llama-server is down or loading, look again this often rather than every refresh.
 NOT_READY_RETRY_S = 1.0
+#: llama-server's message when the requests in flight need more KV cache than it has.
+_CONTEXT_EXHAUSTED = b"Context size has been exceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,8 @@ class Upstream:
         self._admission = admission
         self._refresh_s = settings.props_refresh_interval
         self._kv_budget_tokens = settings.kv_budget_tokens
+        #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
+        self.shared_cache_seen = False
         tls = parts.scheme == "https"
         # The pool has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
@@ -184,6 +188,11 @@ class Upstream:
                 "llama-server ready: total_slots=%d n_ctx=%s model=%s",
                 props.total_slots, props.n_ctx, props.model,
             )  # fmt: skip
+        if self.props is not None and (props.total_slots, props.n_ctx) != (
+            self.props.total_slots,
+            self.props.n_ctx,
+        ):
+            self.shared_cache_seen = False  # restarted with another -np or -c: learn afresh
         self.props = props
         self.ready = True
         self.reason = "ready"
@@ -196,14 +205,34 @@ class Upstream:
         llama-server shows neither its total context nor whether its cache is unified (not in
         /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole pool when
         unified and its share otherwise), so the budget is KV_BUDGET_TOKENS, which slotgate
-        sets itself for an engine it starts. Unset, it does not bind.
+        sets itself for an engine it starts. Unset, it binds once llama-server has been seen
+        to run out of a shared cache (`check_failure`): then the slot's n_ctx is the pool.
         """
         configured = self._kv_budget_tokens
+        if configured is None and self.shared_cache_seen:
+            configured = props.n_ctx
         if not configured:
             return None
         if props.total_slots == 1:
             return None  # one request at a time: llama-server itself refuses what never fits
         return configured
+
+    def check_failure(self, body: bytes) -> None:
+        """A generation failed with 500: was it llama-server running out of a KV cache that its
+        slots share? Only a unified cache fails that way (a slot of its own stops at its n_ctx),
+        so from then on admission counts tokens, when KV_BUDGET_TOKENS left it to slotgate."""
+        if self.shared_cache_seen or _CONTEXT_EXHAUSTED not in body:
+            return
+        self.shared_cache_seen = True
+        if self._kv_budget_tokens is None and self.props is not None:
+            budget = self.kv_budget(self.props)
+            log.warning(
+                "llama-server ran out of KV cache for the requests in flight: its slots share "
+                "one cache; admitting by a budget of %s tokens from now on (set "
+                "KV_BUDGET_TOKENS to say so from the start)",
+                budget,
+            )
+            self._admission.resize_budget(budget)
 
     async def cost(self, endpoint: Endpoint, body: bytes, budget: int) -> int:
         """The KV-cache tokens a (checked) request reserves of `budget` (app/cost.py)."""

@@ -182,6 +182,16 @@ class CountingStandIn(StandIn):
             return web.json_response({"tokens": [1] * len(payload["content"].split())})
         return await super()._echo(request)
 
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if self.fault == "out_of_cache":  # what a unified cache answers when it runs out
+            await request.read()
+            return web.json_response(
+                {"error": {"code": 500, "message": "Context size has been exceeded.",
+                           "type": "server_error"}},
+                status=500,
+            )  # fmt: skip
+        return await super()._generate(request)
+
 
 @pytest.fixture
 async def standin() -> AsyncIterator[StandIn]:
@@ -305,3 +315,22 @@ async def test_a_single_slot_needs_no_budget(start_gate: GateFactory, standin: S
     standin.total_slots = 1
     gate = await start_gate(kv_budget_tokens=1000)
     assert gate.gate.admission.budget_tokens is None
+
+
+@pytest.mark.parametrize(("setting", "learned"), [(None, 1024), (0, None), (500, 500)])
+async def test_running_out_of_a_shared_cache_teaches_the_budget_unless_it_was_set(
+    start_gate: GateFactory,
+    client: httpx.AsyncClient,
+    standin: StandIn,
+    setting: int | None,
+    learned: int | None,
+) -> None:
+    gate = await start_gate(kv_budget_tokens=setting)
+    standin.fault = "out_of_cache"
+    answer = await client.post(gate.url + "/v1/chat/completions", json=words(10))
+    assert answer.status_code == 500
+    assert gate.gate.admission.budget_tokens == learned
+    await asyncio.sleep(0.3)  # a /props refresh keeps what was learned
+    assert gate.gate.admission.budget_tokens == learned
+    snapshot = (await client.get(gate.url + "/admission")).json()
+    assert snapshot["budget_tokens"] == learned
