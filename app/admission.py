@@ -172,6 +172,21 @@ class Ticket:
         if not self._released:
             self.admitted_at = time.monotonic()
 
+    def recost(self, cost: int) -> None:
+        """Reserve `cost` tokens of the budget instead (a better count came in), in line or
+        admitted; a lower cost may let the line move at once."""
+        if self._released:
+            return
+        admission = self._admission
+        if admission._budget is not None:
+            cost = min(cost, admission._budget)
+        if self.granted:
+            admission._committed += cost - self.cost
+        else:
+            admission._costs[self.seq] = cost
+        self.cost = cost
+        admission._dispatch()
+
     def release(self) -> bool:
         """Give the slots back, or the place in the line; calling it twice is harmless.
 

@@ -124,35 +124,58 @@ def _prompts(payload: dict[str, Any]) -> int:
     return 1
 
 
-async def reserve(
-    endpoint: Endpoint,
-    payload: dict[str, Any],
-    budget: int,
-    count: Callable[[bool, dict[str, Any]], Awaitable[int | None]],
-    default_output: int | None = None,
-) -> int:
-    """The tokens to reserve of `budget` for a request; ContextExceeded when its prompt alone
-    could never fit.
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A request's reservation by the local bound, and what a count by llama-server needs."""
 
-    A chat or a single text prompt is counted by llama-server itself (`count`), exactly; other
-    requests, and any whose count fails, by the local upper bound. A request that bounds no
-    output gets llama-server's own default (`default_output`), else the rest of the budget.
-    """
-    cost = estimate(endpoint, payload)
-    copies = _completions(payload)
-    exact: int | None = None
-    if endpoint.kind is Kind.CHAT or (
-        endpoint.kind is Kind.COMPLETION and isinstance(payload.get("prompt"), str)
-    ):
-        exact = await count(endpoint.kind is Kind.CHAT, payload)
-    if exact is not None:
-        # As llama-server decides it: a prompt that fills the whole context never runs.
-        if exact >= budget:
-            raise ContextExceeded(exact, budget)
-        cost = Cost(exact * copies, cost.output)
-    if cost.output is None and default_output is not None and endpoint.kind not in _NO_OUTPUT:
-        cost = Cost(cost.prompt, default_output * copies)
-    return cost.total(budget)
+    endpoint: Endpoint
+    payload: dict[str, Any]
+    budget: int
+    default_output: int | None
+    reserve: int
+
+    @property
+    def countable(self) -> bool:
+        """Can llama-server count this prompt exactly (a chat, or one text prompt)?"""
+        kind = self.endpoint.kind
+        return kind is Kind.CHAT or (
+            kind is Kind.COMPLETION and isinstance(self.payload.get("prompt"), str)
+        )
 
 
-_NO_OUTPUT = frozenset({Kind.EMBEDDING, Kind.RERANK})
+def local(
+    endpoint: Endpoint, payload: dict[str, Any], budget: int, default_output: int | None = None
+) -> Estimate:
+    """The tokens to reserve of `budget`, by the local upper bound. A request that bounds no
+    output gets llama-server's own default (`default_output`, its -n), else the rest."""
+    cost = _defaulted(estimate(endpoint, payload), endpoint, payload, default_output)
+    return Estimate(endpoint, payload, budget, default_output, cost.total(budget))
+
+
+async def counted(
+    est: Estimate, count: Callable[[bool, dict[str, Any]], Awaitable[int | None]]
+) -> int | None:
+    """The reservation with the prompt counted by llama-server (`count`), or None when it
+    cannot count it; ContextExceeded when the prompt alone could never fit."""
+    if not est.countable:
+        return None
+    exact = await count(est.endpoint.kind is Kind.CHAT, est.payload)
+    if exact is None:
+        return None
+    # As llama-server decides it: a prompt that fills the whole context never runs.
+    if exact >= est.budget:
+        raise ContextExceeded(exact, est.budget)
+    output = estimate(est.endpoint, est.payload).output
+    cost = Cost(exact * _completions(est.payload), output)
+    return _defaulted(cost, est.endpoint, est.payload, est.default_output).total(est.budget)
+
+
+def _defaulted(
+    cost: Cost, endpoint: Endpoint, payload: dict[str, Any], default_output: int | None
+) -> Cost:
+    if cost.output is not None or default_output is None or endpoint.kind in _NO_OUTPUT:
+        return cost
+    return Cost(cost.prompt, default_output * _completions(payload))
+
+
+_NO_OUTPUT = frozenset({Kind.EMBEDDING, Kind.RERANK, Kind.AUDIO})

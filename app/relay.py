@@ -241,8 +241,11 @@ class Proxy:
             want = demand(endpoint, body, capacity)
             ex.weight = want.weight
             budget = self._admission.budget_tokens
-            cost = await self._upstream.cost(endpoint, body, budget) if budget else 0
-            ex.ticket = self._admission.enter(want.weight, cost)
+            cost = self._upstream.estimate(endpoint, body, budget) if budget else None
+            ex.ticket = self._admission.enter(want.weight, cost.reserve if cost else 0)
+            if cost is not None:
+                # Counted exactly while it holds its place (or its slot): a refusal costs none.
+                await self._upstream.count(ex.ticket, cost)
         except (GateError, AdmissionError) as exc:
             await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return

@@ -12,10 +12,10 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from .admission import Admission
+from .admission import Admission, Ticket
 from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
 from .cors import CorsPolicy
-from .cost import reserve
+from .cost import Estimate, counted, local
 from .endpoints import Endpoint, parse_json
 from .errors import UpstreamFailed, UpstreamUnavailable
 from .settings import Settings
@@ -234,10 +234,21 @@ class Upstream:
             )
             self._admission.resize_budget(budget)
 
-    async def cost(self, endpoint: Endpoint, body: bytes, budget: int) -> int:
-        """The KV-cache tokens a (checked) request reserves of `budget` (app/cost.py)."""
+    def estimate(self, endpoint: Endpoint, body: bytes, budget: int) -> Estimate:
+        """A (checked) request's reservation of `budget` by the local bound (app/cost.py)."""
         default = self.props.n_predict if self.props is not None else None
-        return await reserve(endpoint, parse_json(body), budget, self.count_prompt, default)
+        return local(endpoint, parse_json(body), budget, default)
+
+    async def count(self, ticket: Ticket, est: Estimate) -> None:
+        """Have llama-server count the prompt of a request that holds `ticket` (admitted or in
+        line), and cut its reservation to that; release it when the prompt can never fit."""
+        try:
+            exact = await counted(est, self.count_prompt)
+        except BaseException:
+            ticket.release()
+            raise
+        if exact is not None:
+            ticket.recost(exact)
 
     async def count_prompt(self, chat: bool, payload: dict[str, Any]) -> int | None:
         """llama-server's own count of a prompt's tokens (a chat's after its template), or

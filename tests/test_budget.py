@@ -13,7 +13,7 @@ import httpx
 import pytest
 from aiohttp import web
 from slotgate.admission import Admission, QueuePolicy
-from slotgate.cost import estimate, reserve
+from slotgate.cost import counted, estimate, local
 from slotgate.endpoints import ENDPOINTS
 from slotgate.engine import LocalEngine
 from slotgate.errors import ContextExceeded
@@ -152,18 +152,40 @@ async def test_a_counted_prompt_that_fills_the_context_is_refused_in_llama_serve
         return 1024
 
     with pytest.raises(ContextExceeded) as caught:
-        await reserve(CHAT, {"messages": [], "max_tokens": 1}, 1024, count)
+        await counted(local(CHAT, {"messages": [], "max_tokens": 1}, 1024), count)
     assert caught.value.extra == {"n_prompt_tokens": 1024, "n_ctx": 1024}
 
 
-async def test_an_exact_count_replaces_the_estimate_and_no_limit_reserves_the_rest() -> None:
+async def test_a_count_replaces_the_bound_and_no_output_limit_reserves_the_rest() -> None:
     async def count(chat: bool, payload: dict[str, Any]) -> int:
         return 300
 
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "x" * 2000}]}
-    assert await reserve(CHAT, {**body, "max_tokens": 80}, 1024, count) == 380
-    assert await reserve(CHAT, body, 1024, count) == 1024
-    assert await reserve(CHAT, body, 1024, count, default_output=100) == 400
+    bounded = local(CHAT, {**body, "max_tokens": 80}, 1024)
+    assert bounded.reserve == 1024  # 2000 bytes: the bound alone is over the budget
+    assert await counted(bounded, count) == 380
+    assert await counted(local(CHAT, body, 1024), count) == 1024
+    assert await counted(local(CHAT, body, 1024, default_output=100), count) == 400
+
+
+async def test_a_lower_cost_in_line_or_admitted_lets_the_line_move() -> None:
+    admission = pool()
+    first = admission.enter(1, 100)
+    second = admission.enter(1, 100)
+    third = admission.enter(1, 30)
+    second.recost(40)  # counted while waiting: still behind 100
+    await settle()
+    assert not second.granted
+    first.recost(50)  # counted once admitted: 50 + 40 fit, 50 + 40 + 30 do not
+    await settle()
+    assert second.granted
+    assert not third.granted
+    assert admission.committed_tokens == 90
+    first.release()
+    second.release()
+    await settle()
+    assert third.granted
+    assert admission.committed_tokens == 30
 
 
 # -- through the gate -------------------------------------------------------------------------
@@ -172,8 +194,11 @@ async def test_an_exact_count_replaces_the_estimate_and_no_limit_reserves_the_re
 class CountingStandIn(StandIn):
     """A stand-in that also answers /apply-template and /tokenize: one token per word."""
 
+    counted = 0
+
     async def _echo(self, request: web.Request) -> web.Response:
         if request.path == "/apply-template":
+            self.counted += 1
             payload = await request.json()
             text = " ".join(m["content"] for m in payload["messages"])
             return web.json_response({"prompt": text})
@@ -295,6 +320,8 @@ async def test_a_full_line_says_how_much_of_the_budget_is_held(
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
     assert refused.status_code == 429
+    assert isinstance(standin, CountingStandIn)
+    assert standin.counted == 2  # the refused request cost llama-server nothing
     snapshot = refused.json()["error"]["admission"]
     assert snapshot["budget_tokens"] == 1000
     assert snapshot["committed_tokens"] == 800
