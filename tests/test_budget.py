@@ -281,6 +281,8 @@ async def test_a_prompt_longer_than_the_cache_is_refused_before_it_waits(
     assert error["n_ctx"] == 1000
     assert "exceeds the available context size (1000 tokens)" in error["message"]
     assert standin.started == 0
+    assert gate.gate.admission.committed_tokens == 0  # it held a place while counted
+    assert gate.gate.admission.active == 0
 
 
 async def test_tokens_come_back_when_the_client_leaves(
