@@ -17,6 +17,7 @@ from slotgate.cost import counted, estimate, local
 from slotgate.endpoints import ENDPOINTS
 from slotgate.engine import LocalEngine
 from slotgate.errors import ContextExceeded
+from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
@@ -363,3 +364,31 @@ async def test_running_out_of_a_shared_cache_teaches_the_budget_unless_it_was_se
     assert gate.gate.admission.budget_tokens == learned
     snapshot = (await client.get(gate.url + "/admission")).json()
     assert snapshot["budget_tokens"] == learned
+
+
+@pytest.mark.parametrize(("env", "expected"), [(None, 1024), ("0", 0), ("700", 700)])
+def test_slotgate_tells_the_gate_what_its_own_engine_shares_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: str | None, expected: int
+) -> None:
+    from slotgate import cli
+
+    engine = LocalEngine(Path("m.gguf"), parallel=4, ctx_size=1024, threads=1, kv_unified=True)
+    monkeypatch.setattr(LocalEngine, "from_args", classmethod(lambda cls, **_: engine))
+    monkeypatch.setattr(LocalEngine, "start", lambda self: None)
+    monkeypatch.setattr(LocalEngine, "stop", lambda self: None)
+    engine.url = "http://127.0.0.1:9"
+    seen: list[Settings] = []
+
+    def serve(settings: Settings, engine_exit: object) -> int:
+        seen.append(settings)
+        return 0
+
+    monkeypatch.setattr(cli, "serve", serve)
+    monkeypatch.setattr(cli, "_print_usage", lambda settings: None)
+    monkeypatch.chdir(tmp_path)
+    if env is None:
+        monkeypatch.delenv("KV_BUDGET_TOKENS", raising=False)
+    else:
+        monkeypatch.setenv("KV_BUDGET_TOKENS", env)
+    assert cli.main(["--demo"]) == 0
+    assert seen[0].kv_budget_tokens == expected
