@@ -182,8 +182,10 @@ class Ticket:
             cost = min(cost, admission._budget)
         if self.granted:
             admission._committed += cost - self.cost
-        else:
+        elif cost:
             admission._costs[self.seq] = cost
+        else:
+            admission._costs.pop(self.seq, None)
         self.cost = cost
         admission._dispatch()
 
@@ -321,7 +323,11 @@ class Admission:
         if budget is not None:
             cost = min(cost, budget)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits.
-        if not waiting and self._active + weight <= capacity and self._fits(cost):
+        if (
+            not waiting
+            and self._active + weight <= capacity
+            and (budget is None or self._fits(cost))
+        ):
             self._active += weight
             self._committed += cost
             self.admitted_total += 1
@@ -411,11 +417,12 @@ class Admission:
                 continue
             if self._active + weight > capacity:
                 return
-            cost = costs.get(seq, 0)
-            if not self._fits(cost):
+            cost = costs.get(seq, 0) if costs else 0  # none unless a budget binds
+            if cost and not self._fits(cost):
                 return
             line.popleft()
-            costs.pop(seq, None)
+            if cost:
+                del costs[seq]
             self._waiting -= 1
             self._active += weight
             self._committed += cost

@@ -392,3 +392,15 @@ def test_slotgate_tells_the_gate_what_its_own_engine_shares_unless_told_otherwis
         monkeypatch.setenv("KV_BUDGET_TOKENS", env)
     assert cli.main(["--demo"]) == 0
     assert seen[0].kv_budget_tokens == expected
+
+
+async def test_a_waiter_counted_at_no_cost_leaves_nothing_behind() -> None:
+    admission = pool(capacity=1)
+    holder = admission.enter(1, 10)
+    waiter = admission.enter(1, 50)
+    waiter.recost(0)
+    holder.release()
+    await waiter.wait()
+    waiter.release()
+    assert admission._costs == {}
+    assert admission.committed_tokens == 0
