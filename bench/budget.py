@@ -4,6 +4,7 @@
     python -m bench.budget cost       # per request: the local bound, and the exact count
     python -m bench.budget burst      # 4 x (335 + 80) tokens on 4 slots sharing 1024
     python -m bench.budget mixed      # long and short requests: direct, slots only, budget
+    python -m bench.budget learn      # KV_BUDGET_TOKENS unset: the burst twice through slotgate
 
 Each starts its own engine (4 slots, one unified cache) and prints what it measured.
 """
@@ -81,7 +82,8 @@ async def engine_and_gates(**budgets: int) -> AsyncIterator[tuple[str, dict[str,
     try:
         for name, budget in budgets.items():
             settings = Settings(_env_file=None, llama_server_url=engine.url,
-                                kv_budget_tokens=budget, log_level="error",
+                                kv_budget_tokens=budget if budget >= 0 else None,
+                                log_level="error",
                                 keepalive_interval=0, host="127.0.0.1", port=0)  # fmt: skip
             app = create_app(settings)
             server = uvicorn.Server(uvicorn_config(app, settings))
@@ -167,6 +169,17 @@ async def mixed() -> None:
                 print(f"{mix} | {name} | {await run(client, str(target), bodies)}", flush=True)
 
 
+async def learn() -> None:
+    async with engine_and_gates(unset=-1) as (_, gates), httpx.AsyncClient(timeout=300) as client:
+        gate = gates["unset:gate"]
+        assert isinstance(gate, Gate)
+        for attempt in ("first", "second"):
+            await asyncio.sleep(1)
+            before = gate.admission.budget_tokens
+            answer = await run(client, str(gates["unset"]), [long(i) for i in range(4)])
+            print(f"{attempt} burst (budget {before}): {answer}")
+
+
 async def run(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]]) -> str:
     started = time.monotonic()
     answers = await asyncio.gather(
@@ -181,7 +194,7 @@ async def run(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]])
 
 
 def main() -> None:
-    steps = {"accuracy": accuracy, "cost": cost, "burst": burst, "mixed": mixed}
+    steps = {"accuracy": accuracy, "cost": cost, "burst": burst, "mixed": mixed, "learn": learn}
     chosen = sys.argv[1:] or list(steps)
     for name in chosen:
         asyncio.run(steps[name]())
