@@ -29,10 +29,19 @@ class Snapshot:
     active: int
     queued: int
     queue_limit: int | None
+    #: The KV-cache budget in tokens (None: it does not bind), and what admitted requests hold.
+    budget_tokens: int | None = None
+    committed_tokens: int = 0
 
     @property
     def free(self) -> int:
         return max((self.capacity or 0) - self.active, 0)
+
+    @property
+    def free_tokens(self) -> int | None:
+        if self.budget_tokens is None:
+            return None
+        return max(self.budget_tokens - self.committed_tokens, 0)
 
 
 class AdmissionError(Exception):
@@ -93,13 +102,19 @@ class QueuePolicy:
 
 
 class Ticket:
-    """One request's claim: a place in the line, then `weight` slots until released."""
+    """One request's claim: a place in the line, then `weight` slots and `cost` tokens of the
+    KV-cache budget until released."""
 
-    __slots__ = ("_admission", "_future", "_released", "admitted_at", "entered_at", "seq", "weight")
+    __slots__ = (
+        "_admission", "_future", "_released", "admitted_at", "cost", "entered_at", "seq", "weight",
+    )  # fmt: skip
 
-    def __init__(self, admission: Admission, weight: int, seq: int, admitted: bool) -> None:
+    def __init__(
+        self, admission: Admission, weight: int, seq: int, admitted: bool, cost: int = 0
+    ) -> None:
         self._admission = admission
         self.weight = weight
+        self.cost = cost
         self.seq = seq
         self.entered_at = time.monotonic()
         self.admitted_at: float | None = self.entered_at if admitted else None
@@ -157,6 +172,23 @@ class Ticket:
         if not self._released:
             self.admitted_at = time.monotonic()
 
+    def recost(self, cost: int) -> None:
+        """Reserve `cost` tokens of the budget instead (a better count came in), in line or
+        admitted; a lower cost may let the line move at once."""
+        if self._released:
+            return
+        admission = self._admission
+        if admission._budget is not None:
+            cost = min(cost, admission._budget)
+        if self.granted:
+            admission._committed += cost - self.cost
+        elif cost:
+            admission._costs[self.seq] = cost
+        else:
+            admission._costs.pop(self.seq, None)
+        self.cost = cost
+        admission._dispatch()
+
     def release(self) -> bool:
         """Give the slots back, or the place in the line; calling it twice is harmless.
 
@@ -167,6 +199,7 @@ class Ticket:
         self._released = True
         admission = self._admission
         if self.admitted_at is not None:
+            admission._committed -= self.cost
             return admission._release(self.weight, time.monotonic() - self.admitted_at)
         future = self._future
         if future is None:
@@ -174,7 +207,9 @@ class Ticket:
         if future.done() and not future.cancelled() and future.exception() is None:
             # Handed the slots while its waiter was giving up, before it could resume:
             # pass them on, or they leak.
+            admission._committed -= self.cost
             return admission._release(self.weight, None)
+        admission._costs.pop(self.seq, None)
         # Refused by resize or close (an exception set) means already out of the count.
         counted = not future.done() or future.cancelled()
         future.cancel()
@@ -212,6 +247,11 @@ class Admission:
         self._expected = 0  # holds expected so far; -1 once a real one has been observed
         self._closed = False
         self.admitted_total = 0
+        # The KV-cache budget: None while it does not bind. The tokens each waiter will take
+        # are kept beside the line, by arrival number, so the line's entries stay as they are.
+        self._budget: int | None = None
+        self._committed = 0
+        self._costs: dict[int, int] = {}
         if capacity is not None:
             self.resize(capacity)
 
@@ -242,8 +282,18 @@ class Admission:
         """No hold has been observed yet: the estimate rests on `expect`, if anything."""
         return self._expected >= 0
 
+    @property
+    def budget_tokens(self) -> int | None:
+        return self._budget
+
+    @property
+    def committed_tokens(self) -> int:
+        return self._committed
+
     def snapshot(self) -> Snapshot:
-        return Snapshot(self._capacity, self._active, self._waiting, self._limit)
+        return Snapshot(
+            self._capacity, self._active, self._waiting, self._limit, self._budget, self._committed
+        )
 
     def retry_after_s(self, position: int) -> float:
         """When a slot could be free for the `position`-th request from now, in seconds.
@@ -266,8 +316,13 @@ class Admission:
         self._expected += 1
         self._hold_ewma_s += (hold_s - self._hold_ewma_s) / self._expected
 
-    def enter(self, weight: int = 1) -> Ticket:
-        """Take `weight` slots now, or a place in the line, or raise why neither is possible."""
+    def enter(self, weight: int = 1, cost: int = 0) -> Ticket:
+        """Take `weight` slots and `cost` tokens of the budget now, or a place in the line, or
+        raise why neither is possible.
+
+        A cost above the whole budget is cut to the budget: such a request runs alone (once
+        nothing else holds tokens), rather than never.
+        """
         capacity = self._capacity
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
@@ -278,14 +333,24 @@ class Admission:
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
+        budget = self._budget
+        if budget is not None:
+            cost = min(cost, budget)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits.
-        if not waiting and self._active + weight <= capacity:
+        if (
+            not waiting
+            and self._active + weight <= capacity
+            and (budget is None or self._fits(cost))
+        ):
             self._active += weight
+            self._committed += cost
             self.admitted_total += 1
-            return Ticket(self, weight, seq, admitted=True)
+            return Ticket(self, weight, seq, admitted=True, cost=cost)
         if self._limit is not None and waiting >= self._limit:
             raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
-        ticket = Ticket(self, weight, seq, admitted=False)
+        ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
+        if cost:
+            self._costs[seq] = cost
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         self._line.append((seq, future, weight))
@@ -309,6 +374,16 @@ class Admission:
             if weight > capacity and not future.done():
                 self._waiting -= 1
                 future.set_exception(TooLarge(self.snapshot(), weight))
+        self._dispatch()
+
+    def resize_budget(self, budget_tokens: int | None) -> None:
+        """Follow the KV-cache budget; None (or 0) means it does not bind.
+
+        Growth admits waiters at once in FIFO order; on shrink, tokens held above the new
+        budget are returned as their holders finish. A waiter's cost was cut to the budget it
+        entered under; one above the new budget now runs alone, once nothing else holds any.
+        """
+        self._budget = budget_tokens or None
         self._dispatch()
 
     def close(self) -> None:
@@ -351,18 +426,31 @@ class Admission:
         if capacity is None:
             return
         line = self._line
+        costs = self._costs
         while line:
-            _seq, future, weight = line[0]
+            seq, future, weight = line[0]
             if future.done():  # gave up or refused: `_leave`, resize or close settled its count
                 line.popleft()
                 continue
             if self._active + weight > capacity:
                 return
+            cost = costs.get(seq, 0) if costs else 0  # none unless a budget binds
+            if cost and not self._fits(cost):
+                return
             line.popleft()
+            if cost:
+                del costs[seq]
             self._waiting -= 1
             self._active += weight
+            self._committed += cost
             self.admitted_total += 1
             future.set_result(None)
+
+    def _fits(self, cost: int) -> bool:
+        """Does `cost` fit what the requests in flight leave of the budget? Always, when nothing
+        holds any (so that no request is stranded) or when the budget does not bind."""
+        budget = self._budget
+        return budget is None or not self._committed or self._committed + cost <= budget
 
     def _position(self, seq: int) -> int:
         line = self._line

@@ -248,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
                      settings.host, port)  # fmt: skip
             return serve(settings, sockets=sockets)
         export_engine_variables()
-        with _local_engine(args) as (url, engine_exit):
-            settings = settings.model_copy(update={"llama_server_url": url})
+        with _local_engine(args) as (url, engine_exit, kv_budget):
+            update: dict[str, object] = {"llama_server_url": url}
+            if settings.kv_budget_tokens is None:
+                update["kv_budget_tokens"] = kv_budget  # it knows whether its slots share a cache
+            settings = settings.model_copy(update=update)
             _print_usage(settings, port)
             return serve(settings, engine_exit, sockets)
     finally:
@@ -258,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], int | None]]]:
+def _local_engine(
+    args: argparse.Namespace,
+) -> Iterator[tuple[str, Callable[[], int | None], int]]:
     from .engine import EngineFailed, LocalEngine  # xllamacpp is an optional extra
 
     try:
@@ -275,7 +280,7 @@ def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
         print(f"slotgate: {exc}", file=sys.stderr)  # noqa: T201 - start-up failure, one line
         raise SystemExit(1) from None
     try:
-        yield engine.url, engine.poll
+        yield engine.url, engine.poll, engine.kv_budget_tokens
     finally:
         engine.stop()
 

@@ -230,6 +230,7 @@ class LocalEngine:
         binary: str | None = None,
         chat_template: str | None = None,
         log_all: bool = False,
+        kv_unified: bool = False,
         start_timeout_s: float = START_TIMEOUT_S,
         stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
@@ -242,6 +243,7 @@ class LocalEngine:
         self.chat_template = chat_template
         #: Forward every line of llama.cpp's log, not only its warnings and errors.
         self.log_all = log_all
+        self.kv_unified = kv_unified
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.url = ""
@@ -286,6 +288,12 @@ class LocalEngine:
         )
 
     @property
+    def kv_budget_tokens(self) -> int:
+        """KV_BUDGET_TOKENS for this engine: its whole context when its slots share one
+        (unified) cache; 0 otherwise, since each slot then has a context of its own."""
+        return self.ctx_size if self.kv_unified and self.parallel > 1 else 0
+
+    @property
     def kind(self) -> str:
         return f"llama-server ({self.binary})" if self.binary else "xllamacpp"
 
@@ -307,6 +315,8 @@ class LocalEngine:
             command += ["--binary", self.binary]
         if self.chat_template:
             command += ["--chat-template", self.chat_template]
+        if self.kv_unified:
+            command.append("--kv-unified")
         return command
 
     def start(self) -> None:
@@ -497,11 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--binary")
     parser.add_argument("--chat-template")
+    parser.add_argument("--kv-unified", action="store_true")
     args = parser.parse_args(argv)
     if args.binary:
         return _supervise(
             server_args(args.binary, args.model, args.port, args.parallel, args.ctx_size,
                         args.threads, args.chat_template)
+            + (["--kv-unified"] if args.kv_unified else []),
         )  # fmt: skip
     return _host(args)
 
@@ -536,6 +548,7 @@ def _host(args: argparse.Namespace) -> int:
     params.model.path = args.model
     params.n_parallel = args.parallel
     params.n_ctx = args.ctx_size
+    params.kv_unified = args.kv_unified
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.hostnames = ["127.0.0.1"]

@@ -109,6 +109,23 @@ class QueueBytesFull(GateError):
         self.retry_after_s = retry_after_s
 
 
+class ContextExceeded(GateError):
+    """The prompt alone is longer than llama-server's KV cache: it could never run. Said in
+    llama-server's own words and shape, before the request waits for anything."""
+
+    status = 400
+    type = "exceed_context_size_error"
+    code = "exceed_context_size_error"
+    reason = "bad_request"
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(
+            f"request ({n_prompt_tokens} tokens) exceeds the available context size "
+            f"({n_ctx} tokens), try increasing it"
+        )
+        self.extra = {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Everything needed to write an error answer."""
@@ -121,6 +138,7 @@ class Refusal:
     param: str | None = None
     retry_after_s: float | None = None
     snapshot: Snapshot | None = None
+    extra: dict[str, Any] | None = None  # llama-server's own fields beside its error's
 
 
 def refusal(exc: Exception) -> Refusal:
@@ -132,7 +150,10 @@ def refusal(exc: Exception) -> Refusal:
         )  # fmt: skip
     if isinstance(exc, GateError):
         retry = 1.0 if isinstance(exc, UpstreamUnavailable) else None
-        return Refusal(exc.status, exc.type, exc.code, exc.message, exc.reason, exc.param, retry)
+        extra = exc.extra if isinstance(exc, ContextExceeded) else None
+        return Refusal(
+            exc.status, exc.type, exc.code, exc.message, exc.reason, exc.param, retry, None, extra
+        )
     if isinstance(exc, AdmissionError):
         return _admission_refusal(exc)
     return Refusal(500, "server_error", "internal_error", "slotgate failed internally", "internal")
@@ -186,6 +207,10 @@ def admission_body(snapshot: Snapshot, retry_after_s: float | None) -> dict[str,
         "free": snapshot.free,
         "queue_limit": snapshot.queue_limit,
     }
+    if snapshot.budget_tokens is not None:
+        body["budget_tokens"] = snapshot.budget_tokens
+        body["committed_tokens"] = snapshot.committed_tokens
+        body["free_tokens"] = snapshot.free_tokens
     if retry_after_s is not None:
         body["retry_after_s"] = round(retry_after_s, 3)
     return body
@@ -202,6 +227,8 @@ def error_object(r: Refusal, flavor: Flavor) -> dict[str, Any]:
         inner: dict[str, Any] = {"type": anthropic_type, "message": r.message, "code": r.code}
     else:
         inner = {"message": r.message, "type": r.type, "code": r.code, "param": r.param}
+    if r.extra is not None:
+        inner.update(r.extra)
     if r.snapshot is not None:
         inner["admission"] = admission_body(r.snapshot, r.retry_after_s)
     if flavor == "anthropic":

@@ -72,6 +72,9 @@ class Gate:
             "queued": snap.queued,
             "free": snap.free,
             "queue_limit": snap.queue_limit,
+            "budget_tokens": snap.budget_tokens,
+            "committed_tokens": snap.committed_tokens,
+            "free_tokens": snap.free_tokens,
             "admission_control": self.settings.admission_control,
             "retry_after_estimate_s": round(self.admission.retry_after_s(snap.queued + 1), 3),
             "upstream": {

@@ -73,6 +73,20 @@ class _PoolCollector(Collector):
         if pool.capacity is not None:
             queue_limit.add_metric([], -1 if limit is None else limit)
         yield queue_limit
+        budget = pool.budget_tokens
+        yield GaugeMetricFamily(
+            "slotgate_kv_budget_tokens",
+            "KV-cache tokens shared by the slots that admission counts; 0 when it does not bind",
+            value=budget or 0,
+        )
+        yield GaugeMetricFamily(
+            "slotgate_kv_committed_tokens", "KV-cache tokens admitted requests may use",
+            value=pool.committed_tokens,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "slotgate_kv_free_tokens", "KV-cache budget left; 0 when it does not bind",
+            value=max((budget or 0) - pool.committed_tokens, 0),
+        )  # fmt: skip
         yield GaugeMetricFamily(
             "slotgate_upstream_ready", "1 when llama-server answers and its slots are known",
             value=1 if self._ready() else 0,

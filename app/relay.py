@@ -252,10 +252,15 @@ class Proxy:
                 if expected is not None:
                     self._admission.expect(expected)
             ex.weight = want.weight
-            ticket = self._admission.enter(want.weight)
+            budget = self._admission.budget_tokens
+            cost = self._upstream.estimate(endpoint, body, budget) if budget else None
+            ticket = self._admission.enter(want.weight, cost.reserve if cost else 0)
             if not ticket.admitted:
                 self._hold(ex, ticket, len(body))
             ex.ticket = ticket
+            if cost is not None:
+                # Counted exactly while it holds its place (or its slot): a refusal costs none.
+                await self._upstream.count(ticket, cost)
         except (GateError, AdmissionError) as exc:
             await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return
@@ -459,6 +464,8 @@ class Proxy:
             first = await response.read() if whole else await response.readany()
             if whole:
                 await ex.upstream_done(response)
+            if response.status == 500:
+                self._upstream.check_failure(first)
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -507,6 +514,8 @@ class Proxy:
             assembly.feed(await response.read())
             await ex.upstream_done(response)
             status, body = assembly.result()
+            if status == 500:
+                self._upstream.check_failure(body)
         except ClientError as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
@@ -541,6 +550,7 @@ class Proxy:
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
                 error = await response.read()
+                self._upstream.check_failure(error)
                 await ex.upstream_done(response)
                 ex.outcome = "upstream_error"
                 prefix = b"event: error\n" if flavor == "anthropic" else b""

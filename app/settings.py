@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     props_refresh_interval: float = Field(
         10.0, gt=0, le=3600, description="Seconds between reads of llama-server's /props."
     )
+    kv_budget_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Tokens of KV cache shared by all slots (llama-server without -np, or "
+        "--kv-unified): admit only what fits; 0 = off; unset = learned.",
+    )
     admission_control: bool = Field(
         True, description="Off = plain pass-through proxy, no slots and no line."
     )

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .admission import Admission
+import orjson
+
+from .admission import Admission, Ticket
 from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
 from .cors import CorsPolicy
+from .cost import Estimate, counted, local
+from .endpoints import Endpoint, parse_json
 from .errors import UpstreamFailed, UpstreamUnavailable
 from .pace import generation_speed
 from .settings import Settings
@@ -26,6 +30,8 @@ CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_S = 4.0
 #: While llama-server is down or loading, look again this often rather than every refresh.
 NOT_READY_RETRY_S = 1.0
+#: llama-server's message when the requests in flight need more KV cache than it has.
+_CONTEXT_EXHAUSTED = b"Context size has been exceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,8 @@ class Props:
     n_ctx: int | None
     model: str | None
     build_info: str | None
+    #: llama-server's own output limit for a request that sets none (-n); None = unbounded.
+    n_predict: int | None = None
 
     @classmethod
     def parse(cls, body: Any) -> Props:
@@ -48,11 +56,14 @@ class Props:
         n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
         model = body.get("model_alias") or body.get("model_path")
         build = body.get("build_info")
+        params = settings.get("params") if isinstance(settings, dict) else None
+        n_predict = params.get("n_predict") if isinstance(params, dict) else None
         return cls(
             slots,
             n_ctx if isinstance(n_ctx, int) else None,
             model if isinstance(model, str) else None,
             build if isinstance(build, str) else None,
+            n_predict if isinstance(n_predict, int) and n_predict > 0 else None,
         )
 
 
@@ -65,6 +76,9 @@ class Upstream:
         self._root = parts.path
         self._admission = admission
         self._refresh_s = settings.props_refresh_interval
+        self._kv_budget_tokens = settings.kv_budget_tokens
+        #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
+        self.shared_cache_seen = False
         tls = parts.scheme == "https"
         # The pool has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
@@ -183,12 +197,105 @@ class Upstream:
                 "llama-server ready: total_slots=%d n_ctx=%s model=%s",
                 props.total_slots, props.n_ctx, props.model,
             )  # fmt: skip
+        if self.props is not None and (props.total_slots, props.n_ctx) != (
+            self.props.total_slots,
+            self.props.n_ctx,
+        ):
+            self.shared_cache_seen = False  # restarted with another -np or -c: learn afresh
         if not self.ready and self._admission.cold:
             await self._learn_speed()
         self.props = props
         self.ready = True
         self.reason = "ready"
         self._admission.resize(props.total_slots)
+        self._admission.resize_budget(self.kv_budget(props))
+
+    def kv_budget(self, props: Props) -> int | None:
+        """The KV-cache tokens the slots share, when that binds admission; else None.
+
+        llama-server shows neither its total context nor whether its cache is unified (not in
+        /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole pool when
+        unified and its share otherwise), so the budget is KV_BUDGET_TOKENS, which slotgate
+        sets itself for an engine it starts. Unset, it binds once llama-server has been seen
+        to run out of a shared cache (`check_failure`): then the slot's n_ctx is the pool.
+        """
+        configured = self._kv_budget_tokens
+        if configured is None and self.shared_cache_seen:
+            configured = props.n_ctx
+        if not configured:
+            return None
+        if props.total_slots == 1:
+            return None  # one request at a time: llama-server itself refuses what never fits
+        return configured
+
+    def check_failure(self, body: bytes) -> None:
+        """A generation failed with 500: was it llama-server running out of a KV cache that its
+        slots share? Only a unified cache fails that way (a slot of its own stops at its n_ctx),
+        so from then on admission counts tokens, when KV_BUDGET_TOKENS left it to slotgate."""
+        if self.shared_cache_seen or _CONTEXT_EXHAUSTED not in body:
+            return
+        self.shared_cache_seen = True
+        if self._kv_budget_tokens is None and self.props is not None:
+            budget = self.kv_budget(self.props)
+            log.warning(
+                "llama-server ran out of KV cache for the requests in flight: its slots share "
+                "one cache; admitting by a budget of %s tokens from now on (set "
+                "KV_BUDGET_TOKENS to say so from the start)",
+                budget,
+            )
+            self._admission.resize_budget(budget)
+
+    def estimate(self, endpoint: Endpoint, body: bytes, budget: int) -> Estimate:
+        """A (checked) request's reservation of `budget` by the local bound (app/cost.py)."""
+        default = self.props.n_predict if self.props is not None else None
+        return local(endpoint, parse_json(body), budget, default)
+
+    async def count(self, ticket: Ticket, est: Estimate) -> None:
+        """Have llama-server count the prompt of a request that holds `ticket` (admitted or in
+        line), and cut its reservation to that; release it when the prompt can never fit."""
+        try:
+            exact = await counted(est, self.count_prompt)
+        except BaseException:
+            ticket.release()
+            raise
+        if exact is not None:
+            ticket.recost(exact)
+
+    async def count_prompt(self, chat: bool, payload: dict[str, Any]) -> int | None:
+        """llama-server's own count of a prompt's tokens (a chat's after its template), or
+        None when it cannot tell (a round trip that fails, an older server)."""
+        try:
+            if chat:
+                status, body = await self._post("/apply-template", payload)
+                if status != 200:
+                    return None
+                prompt = json.loads(body).get("prompt")
+            else:
+                prompt = payload.get("prompt")
+            if not isinstance(prompt, str):
+                return None
+            request = {"content": prompt, "add_special": True, "parse_special": True}
+            status, body = await self._post("/tokenize", request)
+            tokens = json.loads(body).get("tokens") if status == 200 else None
+        except (ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        return len(tokens) if isinstance(tokens, list) else None
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        headers: list[Header] = [(b"content-type", b"application/json")]
+        if self.auth:
+            headers.append(self.auth)
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            response = await self._client.request(
+                "POST", self._root + path, headers, orjson.dumps(payload)
+            )
+            try:
+                body = await response.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response.status, body
 
     async def _learn_speed(self) -> None:
         """llama-server's generation speed so far, for Retry-After before any hold is seen.

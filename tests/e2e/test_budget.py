@@ -1,0 +1,83 @@
+"""A llama.cpp whose 4 slots share one 1024-token KV cache: a burst that needs more than the
+cache fails every request when sent straight to it, and succeeds whole through slotgate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.engine import LocalEngine, demo_model, find_binary
+from slotgate.settings import Settings
+
+from tests.conftest import serve
+from tests.e2e.conftest import eventually
+
+pytestmark = pytest.mark.e2e
+
+CTX = 1024
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def unified() -> Iterator[LocalEngine]:
+    """llama.cpp as llama-server runs without -np: several slots, one (unified) cache."""
+    engine = LocalEngine(
+        demo_model(), parallel=SLOTS, ctx_size=CTX, threads=1, binary=find_binary(),
+        kv_unified=True,
+    )  # fmt: skip
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def story(i: int) -> dict[str, Any]:
+    """About 335 prompt tokens (gemma) and exactly 80 to generate: 4 of them need 1660."""
+    text = f"Request {i}. " + ("Write a short story about a lighthouse keeper. " * 40)[:1600]
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 80,
+        "ignore_eos": True,
+    }
+
+
+async def burst(client: httpx.AsyncClient, url: str) -> list[httpx.Response]:
+    return await asyncio.gather(
+        *(client.post(url + "/v1/chat/completions", json=story(i)) for i in range(SLOTS))
+    )
+
+
+async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_through_the_gate(
+    unified: LocalEngine,
+) -> None:
+    async with httpx.AsyncClient(timeout=300) as client:
+        direct = await burst(client, unified.url)
+        # Straight to llama.cpp, every request in flight fails once the cache runs out.
+        assert [r.status_code for r in direct] == [500] * SLOTS
+        assert all("Context size has been exceeded" in r.text for r in direct)
+
+        settings = Settings(
+            _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
+            keepalive_interval=0, log_level="warning",
+        )  # fmt: skip
+        gate = await serve(settings)
+        try:
+            await eventually(lambda: gate.gate.upstream.ready, timeout_s=10)
+            assert gate.gate.admission.budget_tokens == CTX
+            gated = await burst(client, gate.url)
+            assert [r.status_code for r in gated] == [200] * SLOTS
+            assert all(r.json()["usage"]["completion_tokens"] == 80 for r in gated)
+            assert gate.gate.admission.committed_tokens == 0
+
+            # A prompt longer than the whole cache is refused at once, as llama.cpp words it.
+            long = {"messages": [{"role": "user", "content": "lighthouse " * 1200}]}
+            refused = await client.post(gate.url + "/v1/chat/completions", json=long)
+            assert refused.status_code == 400
+            error = refused.json()["error"]
+            assert error["type"] == "exceed_context_size_error"
+            assert error["n_ctx"] == CTX
+            assert error["n_prompt_tokens"] > CTX
+        finally:
+            await gate.stop()
