@@ -46,7 +46,11 @@ class Gate:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.admission = Admission(settings.queue_policy, queue_timeout_s=settings.queue_timeout)
+        self.admission = Admission(
+            settings.queue_policy,
+            queue_timeout_s=settings.queue_timeout,
+            startup_wait_s=settings.startup_wait,
+        )
         self.upstream = Upstream(settings, self.admission)
         self.metrics = Metrics(self.admission, lambda: self.upstream.ready)
         self.proxy = Proxy(settings, self.admission, self.upstream, self.metrics)

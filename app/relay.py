@@ -10,14 +10,15 @@ import asyncio
 import itertools
 import logging
 import secrets
+import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
 from .access import Access
-from .admission import Admission, AdmissionError, NotReady, Ticket
-from .assembly import Assembly, streaming_body
+from .admission import Admission, AdmissionError, Ticket
+from .assembly import MAX_ASSEMBLED_BYTES, Assembly, streaming_request
 from .client import ClientError, Response
 from .endpoints import Demand, Endpoint, Kind, admitted, check_content_type, demand
 from .errors import (
@@ -36,7 +37,7 @@ from .errors import (
 from .logs import access as access_log
 from .metrics import Metrics
 from .settings import Settings
-from .upstream import Upstream
+from .upstream import Upstream, UpstreamStarting
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -80,6 +81,8 @@ WATCH_AFTER_S = 0.02
 WHOLE_BODY_BYTES = 1024 * 1024
 #: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
 _ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
+#: Stands for the unknown slot count while a request is checked before llama-server is up.
+_UNSIZED = sys.maxsize
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -188,6 +191,7 @@ class Proxy:
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
         self._keepalive_s = settings.keepalive_interval
+        self._startup_wait_s = settings.startup_wait
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
         self._drop = {*_HOP_BY_HOP, b"x-request-id"}
@@ -237,10 +241,20 @@ class Proxy:
             check_content_type(endpoint, head.content_type)
             capacity = self._admission.capacity
             if capacity is None:
-                raise NotReady(self._admission.snapshot(), 1.0)
-            want = demand(endpoint, body, capacity)
+                # llama-server is (re)starting: wait in line, weighed once its slot count is
+                # known (app/admission.py), and ask it for that now, not at the next tick.
+                want = demand(endpoint, body, _UNSIZED)
+                gated = endpoint
+
+                def weigh(capacity: int) -> int:
+                    return demand(gated, body, capacity).weight
+
+                self._upstream.poke()
+                ex.ticket = self._admission.enter(want.weight, weigh)
+            else:
+                want = demand(endpoint, body, capacity)
+                ex.ticket = self._admission.enter(want.weight)
             ex.weight = want.weight
-            ex.ticket = self._admission.enter(want.weight)
         except (GateError, AdmissionError) as exc:
             await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
             return
@@ -293,21 +307,45 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    head_out = [*_SSE_HEAD, *self._own_headers(ex)]
-                    await send({"type": "http.response.start", "status": 200, "headers": head_out})
-                    ex.sse = True
-                    ex.status = 200
-                    await self._wait_streaming(send, ticket)
+                    await self._wait_streaming(send, ex, ticket)
                 else:
                     await ticket.wait()
+            ex.weight = ticket.weight
             self._metrics.admit(endpoint.route, ticket.wait_s)
             assembly = None
-            if self._assemble and not want.stream and endpoint.kind in _ASSEMBLED:
-                assembly = Assembly(endpoint.kind, path)
-                body = streaming_body(body)
-            await self._forward(
-                scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
-            )
+            if (
+                self._assemble
+                and not want.stream
+                and endpoint.kind in _ASSEMBLED
+                and not self._upstream.verbose
+            ):
+                body, payload = streaming_request(body)
+                assembly = Assembly(
+                    endpoint.kind, path, return_tokens=payload.get("return_tokens") is True
+                )
+            back_by: float | None = None
+            resent = False
+            while True:
+                try:
+                    await self._forward(
+                        scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
+                    )
+                    break
+                except UpstreamStarting as exc:
+                    # llama-server is restarting and did not take the request: it keeps its
+                    # slots (the restarted server runs it in one) and is sent again once
+                    # llama-server is back, within STARTUP_WAIT of the first refusal.
+                    if not self._startup_wait_s or (exc.sent and resent):
+                        raise
+                    resent = resent or exc.sent
+                    self._upstream.lost(exc.message)
+                    if back_by is None:
+                        back_by = time.monotonic() + self._startup_wait_s
+                    until = self._admission.known(back_by)
+                    if want.stream and self._keepalive_s:
+                        await self._wait_streaming(send, ex, ticket, until)
+                    else:
+                        await until
         except asyncio.CancelledError:
             if watch.ours():
                 ex.outcome = "client_gone"
@@ -332,9 +370,21 @@ class Proxy:
             if ticket.admitted_at is not None:
                 self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)
 
-    async def _wait_streaming(self, send: Send, ticket: Ticket) -> None:
-        """Wait in line, telling the client where it stands every keep-alive interval."""
-        waiting = asyncio.ensure_future(ticket.wait())
+    async def _wait_streaming(
+        self,
+        send: Send,
+        ex: _Exchange,
+        ticket: Ticket,
+        until: Coroutine[Any, Any, None] | None = None,
+    ) -> None:
+        """Wait in line (or `until` it ends), telling the client where it stands every
+        keep-alive interval, under a 200 event-stream head sent first unless it went out."""
+        if not ex.sse:
+            head_out = [*_SSE_HEAD, *self._own_headers(ex)]
+            await send({"type": "http.response.start", "status": 200, "headers": head_out})
+            ex.sse = True
+            ex.status = 200
+        waiting = asyncio.ensure_future(ticket.wait() if until is None else until)
         try:
             while True:
                 eta = self._admission.retry_after_s(max(ticket.position, 1))
@@ -379,6 +429,12 @@ class Proxy:
                 await self._refuse(send, ex, refusal(exc), flavor)
                 return
             raise
+        if not self._upstream.ready and response.status == 200:
+            self._upstream.poke()  # e.g. its /health: it is back, so read its slot count now
+        elif gated and response.status == 503 and self._startup_wait_s:
+            # llama-server answers 503 to a generation only while it loads the model.
+            response.close()
+            raise UpstreamStarting("llama-server is loading the model (503); retry shortly")
         # Learned from requests that passed the key check (when there is one): a keyless
         # preflight must not be able to churn what other clients' Origins were taught.
         if ex.origin is not None and not (ex.method == "OPTIONS" and self._access.enabled):
@@ -455,7 +511,16 @@ class Proxy:
     ) -> None:
         """Answer a non-streamed request from the stream slotgate asked llama-server for."""
         try:
-            assembly.feed(await response.read())
+            while chunk := await response.readany():
+                assembly.feed(chunk)
+                if assembly.size > MAX_ASSEMBLED_BYTES:
+                    # Raised, not answered here: the connection is closed, not pooled, and
+                    # llama-server stops generating.
+                    raise UpstreamFailed(
+                        f"llama-server's answer exceeds {MAX_ASSEMBLED_BYTES} bytes, the most "
+                        "slotgate assembles for a non-streamed request; ask for a stream "
+                        "(stream: true) or fewer tokens"
+                    )
             await ex.upstream_done(response)
             status, body = assembly.result()
         except ClientError as exc:
@@ -465,6 +530,11 @@ class Proxy:
             failure = UpstreamFailed("llama-server sent a stream event that is not JSON")
             await self._refuse(send, ex, refusal(failure), flavor)
             return
+        if assembly.verbose and not self._upstream.verbose:
+            # Its __verbose object cannot be rebuilt from a stream: from now on such requests
+            # go as sent (this one's is the stream's last).
+            log.info("llama-server runs with --verbose: non-streamed requests now go as sent")
+            self._upstream.verbose = True
         if status != 200:
             ex.outcome = "upstream_error"
         ex.status = status

@@ -43,6 +43,7 @@ class StandIn:
     close_after_stream: bool = True  # close the connection after a stream, as llama-server does
     api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
     cors_origins: set[str] | None = None  # None: echo any Origin; else as --cors-origins
+    shutdown_timeout_s: float = 60.0  # how long stop() lets running handlers finish
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
     running: int = 0
     max_running: int = 0
@@ -69,7 +70,12 @@ class StandIn:
         app.router.add_route("*", "/{tail:.*}", self._echo)
         app.on_response_prepare.append(self._cors)
         # handler_cancellation: like llama-server, notice a client that left and stop working.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.shutdown_timeout_s,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
