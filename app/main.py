@@ -158,7 +158,11 @@ def create_app(settings: Settings | None = None) -> Gateway:
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics() -> Response:
         """slotgate's metrics, then llama-server's own when it runs with --metrics."""
-        text = gate.metrics.render() + await gate.upstream.metrics()
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        theirs, headers = await gate.upstream.metrics()
+        return Response(
+            gate.metrics.render() + theirs,
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+            headers={name.decode("latin-1"): value.decode("latin-1") for name, value in headers},
+        )
 
     return app

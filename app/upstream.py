@@ -30,6 +30,10 @@ NOT_READY_RETRY_S = 1.0
 STARTING_POLL_S = 0.15
 
 
+#: llama-server's own headers on /metrics that slotgate's merged /metrics carries on.
+_METRICS_HEADERS = frozenset({b"process-start-time-unix"})
+
+
 @dataclass(frozen=True, slots=True)
 class Props:
     """What slotgate keeps from llama-server's /props."""
@@ -145,6 +149,10 @@ class Upstream:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
 
     async def _get(self, path: str) -> tuple[int, bytes]:
+        status, body, _ = await self._get_with_headers(path)
+        return status, body
+
+    async def _get_with_headers(self, path: str) -> tuple[int, bytes, list[Header]]:
         headers = [self.auth] if self.auth else []
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             response = await self._client.request("GET", self._root + path, headers, b"")
@@ -154,17 +162,20 @@ class Upstream:
                 response.close()
                 raise
             response.release()
-            return response.status, body
+            return response.status, body, response.headers
 
-    async def metrics(self) -> bytes:
-        """llama-server's own /metrics (it needs --metrics), or nothing when it has none."""
+    async def metrics(self) -> tuple[bytes, list[Header]]:
+        """llama-server's own /metrics (it needs --metrics) and the headers of its own that
+        the merged answer keeps (Process-Start-Time-Unix); nothing when it has none."""
         if not self.ready:
-            return b""
+            return b"", []
         try:
-            status, body = await self._get("/metrics")
+            status, body, headers = await self._get_with_headers("/metrics")
         except (ClientError, TimeoutError):
-            return b""
-        return body if status == 200 else b""
+            return b"", []
+        if status != 200:
+            return b"", []
+        return body, [(name, value) for name, value in headers if name in _METRICS_HEADERS]
 
     def poke(self) -> None:
         """Something went wrong with llama-server, or it seems back: read /props again now,

@@ -158,7 +158,9 @@ class StandIn:
             "# TYPE llamacpp:requests_processing gauge\n"
             f"llamacpp:requests_processing {self.running}\n"
         )
-        return web.Response(text=text, content_type="text/plain")
+        # llama-server sends when it started with its metrics.
+        headers = {"Process-Start-Time-Unix": str(self.created)}
+        return web.Response(text=text, content_type="text/plain", headers=headers)
 
     async def _echo(self, request: web.Request) -> web.Response:
         body = await request.read()
