@@ -12,7 +12,7 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
@@ -341,11 +341,10 @@ class Proxy:
                     self._upstream.lost(exc.message)
                     if back_by is None:
                         back_by = time.monotonic() + self._startup_wait_s
-                    until = self._admission.known(back_by)
                     if want.stream and self._keepalive_s:
-                        await self._wait_streaming(send, ex, ticket, until)
+                        await self._wait_streaming(send, ex, ticket, back_by)
                     else:
-                        await until
+                        await self._admission.known(back_by)
         except asyncio.CancelledError:
             if watch.ours():
                 ex.outcome = "client_gone"
@@ -375,16 +374,19 @@ class Proxy:
         send: Send,
         ex: _Exchange,
         ticket: Ticket,
-        until: Coroutine[Any, Any, None] | None = None,
+        back_by: float | None = None,
     ) -> None:
-        """Wait in line (or `until` it ends), telling the client where it stands every
-        keep-alive interval, under a 200 event-stream head sent first unless it went out."""
+        """Wait in line (or, given `back_by`, for llama-server to be back by then), telling
+        the client where it stands every keep-alive interval, under a 200 event-stream head
+        sent first unless it went out."""
         if not ex.sse:
             head_out = [*_SSE_HEAD, *self._own_headers(ex)]
             await send({"type": "http.response.start", "status": 200, "headers": head_out})
             ex.sse = True
             ex.status = 200
-        waiting = asyncio.ensure_future(ticket.wait() if until is None else until)
+        waiting = asyncio.ensure_future(
+            ticket.wait() if back_by is None else self._admission.known(back_by)
+        )
         try:
             while True:
                 eta = self._admission.retry_after_s(max(ticket.position, 1))

@@ -139,3 +139,24 @@ async def test_a_trickle_of_requests_across_restarts_gets_no_503(
     # request that arrived while it was away or loading waited and was served.
     assert len(failures) <= cut, [body[:120] for body in failures]
     assert not [body for body in failures if b"upstream_not_ready" in body]
+
+
+async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under_comments(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(props_refresh_interval=30, keepalive_interval=0.05)
+    standin.shutdown_timeout_s = 0.05
+    await standin.stop()
+    assert gate.gate.upstream.ready  # slotgate has not noticed yet: the request is admitted
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
+        assert streamed.status_code == 200
+        chunks = streamed.aiter_raw()
+        assert (await anext(chunks)).startswith(b": queued")
+        assert gate.gate.admission.active == 1  # it keeps its slot meanwhile
+        standin.loading = True
+        await standin.start()
+        await asyncio.sleep(0.1)
+        standin.loading = False
+        rest = b"".join([chunk async for chunk in chunks])
+    assert b"data: [DONE]" in rest
+    assert b'"error"' not in rest
