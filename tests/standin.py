@@ -44,6 +44,7 @@ class StandIn:
     api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
     cors_origins: set[str] | None = None  # None: echo any Origin; else as --cors-origins
     shutdown_timeout_s: float = 60.0  # how long stop() lets running handlers finish
+    verbose: bool = False  # add `__verbose` to answers, as llama-server --verbose does
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
     running: int = 0
     max_running: int = 0
@@ -223,6 +224,7 @@ class StandIn:
                 "usage": self._usage(),
                 "id": "chatcmpl-standin",
                 "timings": {"predicted_n": self.tokens},
+                **({"__verbose": {"stream": False}} if self.verbose else {}),
             }
         )  # fmt: skip
 
@@ -255,8 +257,9 @@ class StandIn:
                               "delta": {"role": "assistant", "content": None}}])  # fmt: skip
             content = f"t{i} " + "x" * self.padding
             await event([{"finish_reason": None, "index": 0, "delta": {"content": content}}])
+        extra: dict[str, Any] = {"__verbose": {"stream": True}} if self.verbose else {}
         await event([{"finish_reason": "stop", "index": 0, "delta": {}}],
-                    timings={"predicted_n": self.tokens})  # fmt: skip
+                    timings={"predicted_n": self.tokens}, **extra)  # fmt: skip
         if usage:
             await event([], usage=self._usage())
         await response.write(b"data: [DONE]\n\n")

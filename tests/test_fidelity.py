@@ -52,3 +52,17 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     assert error["code"] == "upstream_failed"
     assert "stream" in error["message"]
     await gate.until(lambda: gate.gate.admission.active == 0)
+
+
+async def test_once_llama_server_shows_verbose_non_streamed_requests_go_as_sent(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.verbose = True
+    gate = await start_gate()
+    first = await client.post(gate.url + CHAT, json=chat())
+    assert first.status_code == 200
+    assert b'"stream":true' in standin.seen[-1].body  # assembled: the stream showed __verbose
+    second = await client.post(gate.url + CHAT, json=chat())
+    assert second.status_code == 200
+    assert b'"stream":true' not in standin.seen[-1].body  # as sent
+    assert second.json()["__verbose"] == {"stream": False}  # llama-server's own answer
