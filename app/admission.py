@@ -3,13 +3,20 @@
 Standard library only; it knows nothing of HTTP. One event loop owns an `Admission`: every
 method runs on that loop, and the methods that change the pool (`enter`, `Ticket.release`,
 `resize`) are synchronous, so no `await` can split a hand-off between two holders.
+
+While the capacity is unknown (llama-server starting or restarting) the pool admits nobody,
+but with a startup wait set it still takes requests into the line, up to the last known line
+limit (the policy's floor before any), each for at most the startup wait: `resize` to a known
+capacity then admits them in arrival order, as any release would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
@@ -88,6 +95,15 @@ class QueuePolicy:
     DEFAULT_PER_SLOT = 16
     DEFAULT_MIN = 64
 
+    def unknown_limit(self) -> int | None:
+        """The line limit before any capacity is known: MAX_QUEUE, else MIN_QUEUE (or its
+        default), else unbounded when QUEUE_PER_SLOT=0."""
+        if self.max_queue is not None:
+            return self.max_queue or None
+        if self.queue_per_slot == 0:
+            return None
+        return self.DEFAULT_MIN if self.min_queue is None else self.min_queue
+
     def limit(self, capacity: int) -> int | None:
         """The line limit in requests, or None for an unbounded line."""
         if self.max_queue is not None:
@@ -157,6 +173,8 @@ class Ticket:
         future = self._future
         assert future is not None  # noqa: S101 - set by Admission.enter for every waiter
         try:
+            if admission._capacity is None and admission._startup_wait_s:
+                await admission._until_known(self)
             if admission._queue_timeout_s is None:
                 # No scope at all without QUEUE_TIMEOUT (the default): an idle timeout scope
                 # costs more than the whole hand-off it would wrap.
@@ -234,11 +252,18 @@ class Admission:
         policy: QueuePolicy | None = None,
         capacity: int | None = None,
         queue_timeout_s: float | None = None,
+        startup_wait_s: float | None = None,
     ) -> None:
         self._policy = policy or QueuePolicy()
         self._queue_timeout_s = queue_timeout_s or None
+        # None or 0: refuse at once (NotReady) while the capacity is unknown.
+        self._startup_wait_s = startup_wait_s or None
         self._capacity: int | None = None
-        self._limit: int | None = None
+        self._limit: int | None = self._policy.unknown_limit()
+        # Waiters that entered while the capacity was unknown and are weighed once it is.
+        self._unsized: dict[asyncio.Future[None], tuple[Ticket, Callable[[int], int]]] = {}
+        self._known = asyncio.Event()
+        self._awaiting_known = 0
         self._active = 0
         self._line: deque[tuple[int, asyncio.Future[None], int]] = deque()
         self._waiting = 0  # the live entries of _line
@@ -272,6 +297,11 @@ class Admission:
     @property
     def queue_limit(self) -> int | None:
         return self._limit
+
+    @property
+    def awaiting_capacity(self) -> bool:
+        """Somebody waits for the capacity to become known (so it is worth reading often)."""
+        return self._capacity is None and (self._waiting > 0 or self._awaiting_known > 0)
 
     @property
     def hold_estimate_s(self) -> float:
@@ -316,18 +346,22 @@ class Admission:
         self._expected += 1
         self._hold_ewma_s += (hold_s - self._hold_ewma_s) / self._expected
 
-    def enter(self, weight: int = 1, cost: int = 0) -> Ticket:
+    def enter(
+        self, weight: int = 1, cost: int = 0, weigh: Callable[[int], int] | None = None
+    ) -> Ticket:
         """Take `weight` slots and `cost` tokens of the budget now, or a place in the line, or
         raise why neither is possible.
 
         A cost above the whole budget is cut to the budget: such a request runs alone (once
-        nothing else holds tokens), rather than never.
+        nothing else holds tokens), rather than never. While the capacity is unknown,
+        `weigh(capacity)` (when given) gives the weight once it is known; it may raise to
+        refuse the request (the waiter's `wait` raises that).
         """
         capacity = self._capacity
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
         if capacity is None:
-            raise NotReady(self.snapshot(), 1.0)
+            return self._enter_unknown(weight, cost, weigh)
         if weight > capacity:
             raise TooLarge(self.snapshot(), weight)
         seq = self._next_seq
@@ -367,9 +401,14 @@ class Admission:
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self._capacity = capacity
-        self._limit = None if capacity is None else self._policy.limit(capacity)
         if capacity is None:
+            # The line keeps the last known limit while llama-server is away.
+            self._known.clear()
             return
+        self._limit = self._policy.limit(capacity)
+        self._known.set()
+        if self._unsized:
+            self._weigh_unsized(capacity)
         for _seq, future, weight in self._line:
             if weight > capacity and not future.done():
                 self._waiting -= 1
@@ -395,6 +434,83 @@ class Admission:
             if not future.done():
                 self._waiting -= 1
                 future.set_exception(error)
+
+    async def known(self, deadline: float) -> None:
+        """Until the capacity is known; NotReady past `deadline` (time.monotonic()).
+
+        For a request that holds its slots and found llama-server restarting: it keeps them,
+        since the restarted llama-server runs it as one of its slots.
+        """
+        self._awaiting_known += 1
+        try:
+            while self._capacity is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NotReady(self.snapshot(), 1.0)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await self._known.wait()
+        finally:
+            self._awaiting_known -= 1
+
+    # -- the capacity-unknown path ------------------------------------------------------------
+
+    def _enter_unknown(self, weight: int, cost: int, weigh: Callable[[int], int] | None) -> Ticket:
+        if self._startup_wait_s is None:
+            raise NotReady(self.snapshot(), 1.0)
+        waiting = self._waiting
+        if self._limit is not None and waiting >= self._limit:
+            raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
+        if cost:
+            self._costs[seq] = cost
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ticket._future = future
+        self._line.append((seq, future, weight))
+        self._waiting = waiting + 1
+        if weigh is not None:
+            unsized = self._unsized
+            if len(unsized) > 2 * self._waiting + 64:  # leavers', pruned amortised O(1)
+                self._unsized = unsized = {f: e for f, e in unsized.items() if not f.done()}
+            unsized[future] = (ticket, weigh)
+        return ticket
+
+    def _weigh_unsized(self, capacity: int) -> None:
+        """The capacity is known: weigh whoever entered without it, in place in the line."""
+        unsized, self._unsized = self._unsized, {}
+        line: deque[tuple[int, asyncio.Future[None], int]] = deque()
+        for seq, future, weight in self._line:
+            entry = unsized.get(future)
+            if entry is None or future.done():
+                line.append((seq, future, weight))
+                continue
+            ticket, weigh = entry
+            try:
+                ticket.weight = weigh(capacity)
+            except Exception as exc:  # the caller's refusal, handed to its waiter
+                self._waiting -= 1
+                future.set_exception(exc)
+            line.append((seq, future, ticket.weight))
+        self._line = line
+
+    async def _until_known(self, ticket: Ticket) -> None:
+        """Wait in line while the capacity is unknown, for at most the startup wait (and the
+        queue timeout, when shorter); NotReady past it if it is still unknown."""
+        future = ticket._future
+        assert future is not None  # noqa: S101 - set by enter for every waiter
+        bound_s = self._startup_wait_s or 0.0
+        if self._queue_timeout_s is not None:
+            bound_s = min(bound_s, self._queue_timeout_s)
+        deadline = ticket.entered_at + bound_s
+        while self._capacity is None and not future.done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NotReady(self.snapshot(), 1.0)
+            # asyncio.wait, not a timeout scope: the future must survive the timeout, as the
+            # waiter stays in line once the capacity is known.
+            await asyncio.wait((future,), timeout=remaining)
 
     # -- internals (called by Ticket) ---------------------------------------------------------
 

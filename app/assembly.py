@@ -7,6 +7,14 @@ no longer has to offer (measured: still running 15 s after the drop, against 0.5
 stream). So, for the completion endpoints, slotgate asks llama-server for a stream even when
 the client did not, and assembles the one JSON answer the client asked for. Each token is then
 a write that fails as soon as slotgate closes the connection.
+
+llama-server's own non-streamed answer is the specification, checked key by key against the
+real server (tests/e2e/test_assembly_differential.py). What a stream cannot carry is made up
+as llama-server would: usage is always asked for (a non-streamed answer always has it), and a
+native answer's `tokens` is `[]` unless `return_tokens` was asked, its
+`generation_settings.stream` false, and its prompt-progress events are not part of it. A
+llama-server started with `--verbose` adds a `__verbose` object that a stream cannot
+reproduce: once one is seen, slotgate forwards non-streamed requests as sent (app/relay.py).
 """
 
 from __future__ import annotations
@@ -17,11 +25,18 @@ import orjson
 
 from .endpoints import Kind
 
+#: The most an assembled answer may take: the stream is held until its end, so past this the
+#: request is cut (its upstream connection closed) and answered 502, rather than holding
+#: whatever llama-server sends. Far above any real completion's answer.
+MAX_ASSEMBLED_BYTES = 64 * 1024 * 1024
+#: The native fields whose pieces are joined across events.
+_NATIVE_LISTS = ("tokens", "completion_probabilities", "probs")
+
 
 class Assembly:
     """Collects one stream's events and builds the non-streamed answer from them."""
 
-    def __init__(self, kind: Kind, path: str) -> None:
+    def __init__(self, kind: Kind, path: str, *, return_tokens: bool = False) -> None:
         # /completion, /completions and /infill speak llama.cpp's native format;
         # /v1/completions and the chat routes speak OpenAI's.
         self._native = kind is Kind.COMPLETION and path != "/v1/completions"
@@ -33,12 +48,17 @@ class Assembly:
         # Native answers, one per prompt: a `prompt` array makes llama-server interleave the
         # prompts' events in one stream, each tagged with its prompt's `index`.
         self._native_answers: dict[int, _NativeAnswer] = {}
+        self._return_tokens = return_tokens
         self.error: dict[str, Any] | None = None
+        #: The stream carried `__verbose` (llama-server runs with --verbose).
+        self.verbose = False
+        self.size = 0
 
     def feed(self, data: bytes) -> None:
         # Kept whole and parsed once at the end: the answer needs every event anyway, and one
         # pass over the joined bytes is far cheaper than re-splitting after every chunk.
         self._received.append(data)
+        self.size += len(data)
 
     def _parse(self) -> None:
         stream = b"".join(self._received)
@@ -59,6 +79,8 @@ class Assembly:
             if "error" in chunk:
                 self.error = chunk
                 return
+            if "__verbose" in chunk:
+                self.verbose = True
             if self._native:
                 self._native_chunk(chunk)
                 continue
@@ -110,12 +132,14 @@ class Assembly:
             slot["function"]["arguments"] += function.get("arguments") or ""
 
     def _native_chunk(self, chunk: dict[str, Any]) -> None:
+        if "prompt_progress" in chunk:
+            return  # return_progress: stream-only events, no part of the answer
         index = chunk.get("index", 0)
         answer = self._native_answers.get(index)
         if answer is None:
-            answer = self._native_answers[index] = _NativeAnswer()
+            answer = self._native_answers[index] = _NativeAnswer(self._return_tokens)
         answer.texts.append(chunk.get("content") or "")
-        for key in ("tokens", "completion_probabilities", "probs"):
+        for key in _NATIVE_LISTS:
             if isinstance(chunk.get(key), list):
                 answer.lists.setdefault(key, []).extend(chunk[key])
         answer.last = chunk
@@ -132,7 +156,7 @@ class Assembly:
             return status, _dump(self.error)
         if self._native:
             answers = [a.result() for _, a in sorted(self._native_answers.items())] or [
-                _NativeAnswer().result()
+                _NativeAnswer(self._return_tokens).result()
             ]
             # As llama-server answers: one object for one prompt, else an array in prompt order.
             return 200, _dump(answers[0] if len(answers) == 1 else answers)
@@ -173,24 +197,51 @@ class Assembly:
 class _NativeAnswer:
     """One prompt's answer in llama.cpp's native format, as its events arrive."""
 
-    __slots__ = ("last", "lists", "texts")
+    __slots__ = ("last", "lists", "return_tokens", "texts")
 
-    def __init__(self) -> None:
+    def __init__(self, return_tokens: bool) -> None:
+        self.return_tokens = return_tokens
         self.texts: list[str] = []
         self.lists: dict[str, list[Any]] = {}
         self.last: dict[str, Any] = {}
 
     def result(self) -> dict[str, Any]:
-        return {**self.last, "content": "".join(self.texts), **self.lists}
+        """The last event (the stream's final result) with the pieces joined in: only the
+        fields it has, so a `response_fields` selection stays as selected."""
+        answer = dict(self.last)
+        if "content" in answer or not answer:
+            answer["content"] = "".join(self.texts)
+        if "tokens" in answer or not answer:
+            # Sent with every streamed token, but in a non-streamed answer only on request.
+            answer["tokens"] = self.lists.get("tokens", []) if self.return_tokens else []
+        for key in _NATIVE_LISTS[1:]:
+            if key in self.lists:
+                answer[key] = self.lists[key]
+        settings = answer.get("generation_settings")
+        if isinstance(settings, dict) and "stream" in settings:
+            answer["generation_settings"] = {**settings, "stream": False}
+        if "generation_settings/stream" in answer:
+            answer["generation_settings/stream"] = False
+        return answer
 
 
 def streaming_body(body: bytes) -> bytes:
     """The request body asking llama-server for a stream, with usage in its last events."""
+    return streaming_request(body)[0]
+
+
+def streaming_request(body: bytes) -> tuple[bytes, dict[str, Any]]:
+    """The body asking llama-server for a stream with usage in its last events (a
+    non-streamed answer always has usage, whatever `stream_options` says), and the payload."""
     payload = orjson.loads(body)
-    payload["stream"] = True
-    if "stream_options" not in payload:
-        payload["stream_options"] = {"include_usage": True}
-    return _dump(payload)
+    asked = dict(payload)
+    asked["stream"] = True
+    options = payload.get("stream_options")
+    asked["stream_options"] = {
+        **(options if isinstance(options, dict) else {}),
+        "include_usage": True,
+    }
+    return _dump(asked), payload
 
 
 def _extend(into: dict[str, Any], logprobs: Any) -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
-from .assembly import streaming_body
+from .assembly import streaming_request
 from .endpoints import ENDPOINTS, Demand, Endpoint, Kind, demand
 from .errors import BadRequest
 
@@ -39,6 +39,7 @@ class Intake:
     demand: Demand
     body: bytes  # what goes upstream
     assembled: bool  # the body asks llama-server for a stream; the answer is assembled
+    return_tokens: bool = False  # an assembled native answer carries its tokens (asked for)
 
 
 def take(endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool) -> Intake:
@@ -46,7 +47,8 @@ def take(endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool) -> I
     client did not (app/assembly.py)."""
     want = demand(endpoint, body, capacity)
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:
-        return Intake(want, streaming_body(body), True)
+        streaming, payload = streaming_request(body)
+        return Intake(want, streaming, True, payload.get("return_tokens") is True)
     return Intake(want, body, False)
 
 

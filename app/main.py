@@ -49,7 +49,11 @@ class Gate:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.admission = Admission(settings.queue_policy, queue_timeout_s=settings.queue_timeout)
+        self.admission = Admission(
+            settings.queue_policy,
+            queue_timeout_s=settings.queue_timeout,
+            startup_wait_s=settings.startup_wait,
+        )
         self.upstream = Upstream(settings, self.admission)
         self.metrics = Metrics(self.admission, lambda: self.upstream.ready)
         self.proxy = Proxy(settings, self.admission, self.upstream, self.metrics)
@@ -166,8 +170,13 @@ def create_app(settings: Settings | None = None) -> Gateway:
                 f"source={source!r} is not one of {', '.join(METRICS_SOURCES)}", param="source"
             )
         text = gate.metrics.render() if source != "llama-server" else b""
+        headers: dict[str, str] = {}
         if source != "slotgate":
-            text += await gate.upstream.metrics()
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+            theirs, kept = await gate.upstream.metrics()
+            text += theirs
+            headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in kept}
+        return Response(
+            text, media_type="text/plain; version=0.0.4; charset=utf-8", headers=headers
+        )
 
     return app

@@ -10,16 +10,17 @@ import asyncio
 import itertools
 import logging
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import quote
 
 from .access import OPEN_PATHS, Access
-from .admission import Admission, AdmissionError, NotReady, Ticket
-from .assembly import Assembly
+from .admission import Admission, AdmissionError, Ticket
+from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import ClientError, Response
-from .endpoints import Demand, Endpoint, admitted, check_content_type
+from .endpoints import Demand, Endpoint, admitted, check_content_type, demand
 from .errors import (
     BadRequest,
     Flavor,
@@ -34,12 +35,12 @@ from .errors import (
     render,
     stream_event,
 )
-from .intake import take_off_loop
+from .intake import Intake, take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
 from .pace import expected_hold_s
 from .settings import Settings
-from .upstream import Upstream
+from .upstream import Upstream, UpstreamStarting
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -81,6 +82,8 @@ MAX_HEADER_LINE_BYTES = 8192
 WATCH_AFTER_S = 0.02
 #: Non-streamed answers up to this size are read whole before the head goes out.
 WHOLE_BODY_BYTES = 1024 * 1024
+#: Stands for the unknown slot count while a request is checked before llama-server is up.
+_UNSIZED = sys.maxsize
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -195,6 +198,7 @@ class Proxy:
         self._held_bytes = 0
         self._keepalive_s = settings.keepalive_interval
         self._head_after_s = settings.stream_head_after
+        self._startup_wait_s = settings.startup_wait
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
         self._drop = {*_HOP_BY_HOP, b"x-request-id"}
@@ -243,10 +247,23 @@ class Proxy:
                 return
             check_content_type(endpoint, head.content_type)
             capacity = self._admission.capacity
-            if capacity is None:
-                raise NotReady(self._admission.snapshot(), 1.0)
-            taken = await take_off_loop(endpoint, body, capacity, assemble=self._assemble)
+            unknown = capacity is None
+            if unknown:
+                # llama-server is (re)starting: wait in line, weighed once its slot count is
+                # known (app/admission.py), and ask it for that now, not at the next tick.
+                self._upstream.poke()
+            assemble = self._assemble and not self._upstream.verbose
+            taken = await take_off_loop(
+                endpoint, body, _UNSIZED if capacity is None else capacity, assemble=assemble
+            )
             want, body = taken.demand, taken.body
+            weigh: Callable[[int], int] | None = None
+            if unknown:
+                gated, sent = endpoint, body
+
+                def weigh(capacity: int) -> int:
+                    return demand(gated, sent, capacity).weight
+
             if self._admission.cold:
                 expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
                 if expected is not None:
@@ -254,7 +271,7 @@ class Proxy:
             ex.weight = want.weight
             budget = self._admission.budget_tokens
             cost = self._upstream.estimate(endpoint, body, budget) if budget else None
-            ticket = self._admission.enter(want.weight, cost.reserve if cost else 0)
+            ticket = self._admission.enter(want.weight, cost.reserve if cost else 0, weigh)
             if not ticket.admitted:
                 self._hold(ex, ticket, len(body))
             ex.ticket = ticket
@@ -267,9 +284,7 @@ class Proxy:
         except ClientGone:
             ex.outcome = "client_gone"
             return
-        await self._gate(
-            scope, receive, send, ex, endpoint, path, head, body, want, taken.assembled
-        )
+        await self._gate(scope, receive, send, ex, endpoint, path, head, body, want, taken)
 
     async def _forward_ungated(
         self,
@@ -308,7 +323,7 @@ class Proxy:
         head: _RequestHead,
         body: bytes,
         want: Demand,
-        assembled: bool,
+        taken: Intake,
     ) -> None:
         ticket = ex.ticket
         assert ticket is not None  # noqa: S101 - set by _handle just before
@@ -316,16 +331,40 @@ class Proxy:
         try:
             if not ticket.admitted:
                 if want.stream and self._keepalive_s:
-                    await self._wait_streaming(send, ticket, ex)
+                    await self._wait_streaming(send, ex, ticket)
                 else:
                     await ticket.wait()
                 self._let_go(ex)
+            ex.weight = ticket.weight
             self._metrics.admit(endpoint.route, ticket.wait_s)
             # The body was rewritten to ask for a stream already (app/intake.py).
-            assembly = Assembly(endpoint.kind, path) if assembled else None
-            await self._forward(
-                scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
+            assembly = (
+                Assembly(endpoint.kind, path, return_tokens=taken.return_tokens)
+                if taken.assembled
+                else None
             )
+            back_by: float | None = None
+            resent = False
+            while True:
+                try:
+                    await self._forward(
+                        scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
+                    )
+                    break
+                except UpstreamStarting as exc:
+                    # llama-server is restarting and did not take the request: it keeps its
+                    # slots (the restarted server runs it in one) and is sent again once
+                    # llama-server is back, within STARTUP_WAIT of the first refusal.
+                    if not self._startup_wait_s or (exc.sent and resent):
+                        raise
+                    resent = resent or exc.sent
+                    self._upstream.lost(exc.message)
+                    if back_by is None:
+                        back_by = time.monotonic() + self._startup_wait_s
+                    if want.stream and self._keepalive_s:
+                        await self._wait_streaming(send, ex, ticket, back_by)
+                    else:
+                        await self._admission.known(back_by)
         except asyncio.CancelledError:
             if watch.ours():
                 ex.outcome = "client_gone"
@@ -372,26 +411,36 @@ class Proxy:
         self._held_bytes -= ex.held_bytes
         ex.held_bytes = 0
 
-    async def _wait_streaming(self, send: Send, ticket: Ticket, ex: _Exchange) -> None:
-        """Wait in line; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head and
-        tell the client where it stands every keep-alive interval.
+    async def _wait_streaming(
+        self,
+        send: Send,
+        ex: _Exchange,
+        ticket: Ticket,
+        back_by: float | None = None,
+    ) -> None:
+        """Wait in line (or, given `back_by`, for llama-server to be back by then); once the
+        wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it went out) and tell
+        the client where it stands every keep-alive interval.
 
         The head keeps clients and proxies with idle timeouts from cutting a long wait, but
         whatever fails after it can only be an in-stream error, which the SDKs do not retry;
         before it, a refusal is a 503 or 429 with Retry-After, which they do. Most waits are
         short, so the head waits until the wait is long enough to risk an idle timeout.
         """
-        waiting = asyncio.ensure_future(ticket.wait())
+        waiting = asyncio.ensure_future(
+            ticket.wait() if back_by is None else self._admission.known(back_by)
+        )
         try:
-            if self._head_after_s:
-                done, _ = await asyncio.wait((waiting,), timeout=self._head_after_s)
-                if done:
-                    waiting.result()
-                    return
-            head = [*_SSE_HEAD, *self._own_headers(ex)]
-            await send({"type": "http.response.start", "status": 200, "headers": head})
-            ex.sse = True
-            ex.status = 200
+            if not ex.sse:
+                if self._head_after_s:
+                    done, _ = await asyncio.wait((waiting,), timeout=self._head_after_s)
+                    if done:
+                        waiting.result()
+                        return
+                head = [*_SSE_HEAD, *self._own_headers(ex)]
+                await send({"type": "http.response.start", "status": 200, "headers": head})
+                ex.sse = True
+                ex.status = 200
             while True:
                 eta = self._admission.retry_after_s(max(ticket.position, 1))
                 comment = f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
@@ -435,6 +484,12 @@ class Proxy:
                 await self._refuse(send, ex, refusal(exc), flavor)
                 return
             raise
+        if not self._upstream.ready and response.status == 200:
+            self._upstream.poke()  # e.g. its /health: it is back, so read its slot count now
+        elif gated and response.status == 503 and self._startup_wait_s:
+            # llama-server answers 503 to a generation only while it loads the model.
+            response.close()
+            raise UpstreamStarting("llama-server is loading the model (503); retry shortly")
         if ex.origin is not None and self._teaches(ex.method, path):
             self._upstream.cors.learn(ex.origin, response.headers)
         clean = False
@@ -511,7 +566,16 @@ class Proxy:
     ) -> None:
         """Answer a non-streamed request from the stream slotgate asked llama-server for."""
         try:
-            assembly.feed(await response.read())
+            while chunk := await response.readany():
+                assembly.feed(chunk)
+                if assembly.size > MAX_ASSEMBLED_BYTES:
+                    # Raised, not answered here: the connection is closed, not pooled, and
+                    # llama-server stops generating.
+                    raise UpstreamFailed(
+                        f"llama-server's answer exceeds {MAX_ASSEMBLED_BYTES} bytes, the most "
+                        "slotgate assembles for a non-streamed request; ask for a stream "
+                        "(stream: true) or fewer tokens"
+                    )
             await ex.upstream_done(response)
             status, body = assembly.result()
             if status == 500:
@@ -523,6 +587,11 @@ class Proxy:
             failure = UpstreamFailed("llama-server sent a stream event that is not JSON")
             await self._refuse(send, ex, refusal(failure), flavor)
             return
+        if assembly.verbose and not self._upstream.verbose:
+            # Its __verbose object cannot be rebuilt from a stream: from now on such requests
+            # go as sent (this one's is the stream's last).
+            log.info("llama-server runs with --verbose: non-streamed requests now go as sent")
+            self._upstream.verbose = True
         if status != 200:
             ex.outcome = "upstream_error"
         ex.status = status

@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(
         0.0, ge=0, le=86400, description="Seconds a request may wait in line; 0 = indefinitely."
     )
+    startup_wait: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="Seconds a request may wait in line while llama-server starts or restarts "
+        "(its slot count unknown); 0 = answer 503 at once.",
+    )
     keepalive_interval: float = Field(
         5.0, ge=0, le=3600, description="Seconds between SSE comments to a waiting stream; 0 = off."
     )

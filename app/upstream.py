@@ -30,8 +30,14 @@ CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_S = 4.0
 #: While llama-server is down or loading, look again this often rather than every refresh.
 NOT_READY_RETRY_S = 1.0
+#: ... and this often while requests wait for it: nothing can be generating then, so reading
+#: /props costs llama-server nothing, and a waiter is let in this soon after it is back.
+STARTING_POLL_S = 0.15
 #: llama-server's message when the requests in flight need more KV cache than it has.
 _CONTEXT_EXHAUSTED = b"Context size has been exceeded"
+
+#: llama-server's own headers on /metrics that slotgate's merged /metrics carries on.
+_METRICS_HEADERS = frozenset({b"process-start-time-unix"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,17 @@ class Props:
             build if isinstance(build, str) else None,
             n_predict if isinstance(n_predict, int) and n_predict > 0 else None,
         )
+
+
+class UpstreamStarting(UpstreamUnavailable):
+    """llama-server is not there or still loading, and did not answer the request: it may be
+    sent again once llama-server is back. `sent`: it may have reached a llama-server that
+    then went away (a connection closed before any answer), so it is sent again once only,
+    in case it was what made llama-server fall over."""
+
+    def __init__(self, message: str, *, sent: bool = False) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class Upstream:
@@ -101,6 +118,8 @@ class Upstream:
         self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
+        #: It adds `__verbose` to its answers (--verbose): assembly cannot rebuild that.
+        self.verbose = False
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
@@ -128,10 +147,15 @@ class Upstream:
         with its head read and its body still to come."""
         try:
             return await self._client.request(method, self._root + target, headers, body)
-        except (ConnectFailed, Disconnected) as exc:
+        except ConnectFailed as exc:
             self.poke()
-            raise UpstreamUnavailable(
+            raise UpstreamStarting(
                 f"llama-server at {self.url} cannot be reached ({exc}); retry shortly"
+            ) from None
+        except Disconnected as exc:
+            self.poke()
+            raise UpstreamStarting(
+                f"llama-server at {self.url} cannot be reached ({exc}); retry shortly", sent=True
             ) from None
         except Stalled:
             raise UpstreamFailed(
@@ -141,6 +165,10 @@ class Upstream:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
 
     async def _get(self, path: str) -> tuple[int, bytes]:
+        status, body, _ = await self._get_with_headers(path)
+        return status, body
+
+    async def _get_with_headers(self, path: str) -> tuple[int, bytes, list[Header]]:
         headers = [self.auth] if self.auth else []
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             response = await self._client.request("GET", self._root + path, headers, b"")
@@ -150,21 +178,31 @@ class Upstream:
                 response.close()
                 raise
             response.release()
-            return response.status, body
+            return response.status, body, response.headers
 
-    async def metrics(self) -> bytes:
-        """llama-server's own /metrics (it needs --metrics), or nothing when it has none."""
+    async def metrics(self) -> tuple[bytes, list[Header]]:
+        """llama-server's own /metrics (it needs --metrics) and the headers of its own that
+        the merged answer keeps (Process-Start-Time-Unix); nothing when it has none."""
         if not self.ready:
-            return b""
+            return b"", []
         try:
-            status, body = await self._get("/metrics")
+            status, body, headers = await self._get_with_headers("/metrics")
         except (ClientError, TimeoutError):
-            return b""
-        return body if status == 200 else b""
+            return b"", []
+        if status != 200:
+            return b"", []
+        return body, [(name, value) for name, value in headers if name in _METRICS_HEADERS]
 
     def poke(self) -> None:
-        """Something went wrong with llama-server: read /props again now, not at the next tick."""
+        """Something went wrong with llama-server, or it seems back: read /props again now,
+        not at the next tick."""
         self._poke.set()
+
+    def lost(self, reason: str) -> None:
+        """llama-server is away (a request found it so): not ready until /props says again."""
+        if self.ready:
+            self._mark_not_ready(reason)
+        self.poke()
 
     # -- capacity ------------------------------------------------------------------------------
 
@@ -315,6 +353,7 @@ class Upstream:
             log.warning("llama-server not ready: %s", reason)
         self._client.relearn()  # what comes back may be another build
         self.cors.forget()
+        self.verbose = False
         self.ready = False
         self.reason = reason
         self._admission.resize(None)
@@ -323,7 +362,12 @@ class Upstream:
         while True:
             self._poke.clear()
             await self.refresh()
-            interval = self._refresh_s if self.ready else min(self._refresh_s, NOT_READY_RETRY_S)
+            if self.ready:
+                interval = self._refresh_s
+            elif self._admission.awaiting_capacity:
+                interval = STARTING_POLL_S
+            else:
+                interval = min(self._refresh_s, NOT_READY_RETRY_S)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self._poke.wait()

@@ -43,6 +43,8 @@ class StandIn:
     close_after_stream: bool = True  # close the connection after a stream, as llama-server does
     api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
     cors_origins: set[str] | None = None  # None: echo any Origin; else as --cors-origins
+    shutdown_timeout_s: float = 60.0  # how long stop() lets running handlers finish
+    verbose: bool = False  # add `__verbose` to answers, as llama-server --verbose does
     sent_bytes: int = 0  # streamed bytes handed to the socket so far
     tokens_predicted: tuple[int, float] = (0, 0.0)  # /metrics: tokens generated, seconds taken
     running: int = 0
@@ -70,10 +72,11 @@ class StandIn:
         app.router.add_route("*", "/{tail:.*}", self._echo)
         app.on_response_prepare.append(self._cors)
         # handler_cancellation: like llama-server, notice a client that left and stop working.
-        # shutdown_timeout: a stopped llama-server does not wait for its clients (aiohttp's
-        # default waits up to 60 s for requests already read, /props polls among them).
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.shutdown_timeout_s,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -163,7 +166,9 @@ class StandIn:
             "# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
             f"llamacpp:tokens_predicted_seconds_total {self.tokens_predicted[1]}\n"
         )
-        return web.Response(text=text, content_type="text/plain")
+        # llama-server sends when it started with its metrics.
+        headers = {"Process-Start-Time-Unix": str(self.created)}
+        return web.Response(text=text, content_type="text/plain", headers=headers)
 
     async def _echo(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -226,6 +231,7 @@ class StandIn:
                 "usage": self._usage(),
                 "id": "chatcmpl-standin",
                 "timings": {"predicted_n": self.tokens},
+                **({"__verbose": {"stream": False}} if self.verbose else {}),
             }
         )  # fmt: skip
 
@@ -258,8 +264,9 @@ class StandIn:
                               "delta": {"role": "assistant", "content": None}}])  # fmt: skip
             content = f"t{i} " + "x" * self.padding
             await event([{"finish_reason": None, "index": 0, "delta": {"content": content}}])
+        extra: dict[str, Any] = {"__verbose": {"stream": True}} if self.verbose else {}
         await event([{"finish_reason": "stop", "index": 0, "delta": {}}],
-                    timings={"predicted_n": self.tokens})  # fmt: skip
+                    timings={"predicted_n": self.tokens}, **extra)  # fmt: skip
         if usage:
             await event([], usage=self._usage())
         await response.write(b"data: [DONE]\n\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from slotgate.admission import (
@@ -379,3 +380,132 @@ async def test_release_says_whether_it_handed_the_slot_to_a_waiter() -> None:
     assert first.release() is True  # `second` got the slot
     await second.wait()
     assert second.release() is False  # nobody was waiting
+
+
+# -- while the capacity is unknown (llama-server starting or restarting) -------------------------
+
+
+def starting(startup_wait_s: float = 5.0, **kwargs: float | None) -> Admission:
+    queue_timeout_s = kwargs.pop("queue_timeout_s", None)
+    return Admission(
+        QueuePolicy(**kwargs),  # type: ignore[arg-type]
+        queue_timeout_s=queue_timeout_s,
+        startup_wait_s=startup_wait_s,
+    )
+
+
+async def test_unknown_capacity_lines_requests_up_and_admits_them_in_order_once_known() -> None:
+    admission = starting()
+    tickets = [admission.enter() for _ in range(3)]
+    assert admission.awaiting_capacity
+    order: list[int] = []
+
+    async def wait(i: int, ticket: Ticket) -> None:
+        await ticket.wait()
+        order.append(i)
+
+    tasks = [asyncio.create_task(wait(i, t)) for i, t in enumerate(tickets)]
+    await settle()
+    assert order == []
+    assert (admission.active, admission.queued) == (0, 3)
+    admission.resize(2)
+    await settle()
+    assert order == [0, 1]
+    tickets[0].release()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2]
+    assert not admission.awaiting_capacity
+
+
+async def test_a_waiter_for_an_unknown_capacity_gets_not_ready_past_the_startup_wait() -> None:
+    admission = starting(0.05)
+    ticket = admission.enter()
+    with pytest.raises(NotReady) as refused:
+        await ticket.wait()
+    assert refused.value.retry_after_s == 1.0
+    assert admission.queued == 0
+    admission.resize(1)
+    assert admission.active == 0  # it left the line for good
+
+
+async def test_a_shorter_queue_timeout_bounds_the_wait_for_capacity() -> None:
+    admission = starting(60.0, queue_timeout_s=0.05)
+    ticket = admission.enter()
+    async with asyncio.timeout(5):
+        with pytest.raises(NotReady):
+            await ticket.wait()
+
+
+async def test_once_the_capacity_is_known_a_waiter_stays_in_line_past_the_startup_wait() -> None:
+    admission = starting(0.05)
+    holder_wait = admission.enter()
+    waiter = admission.enter()
+    admission.resize(1)
+    await holder_wait.wait()
+    task = asyncio.create_task(waiter.wait())
+    await asyncio.sleep(0.15)
+    assert not task.done()
+    holder_wait.release()
+    await task
+    assert waiter.admitted
+
+
+@pytest.mark.parametrize(
+    ("policy", "limit"),
+    [({}, 64), ({"min_queue": 3}, 3), ({"max_queue": 2}, 2), ({"queue_per_slot": 0}, None)],
+)
+async def test_before_any_capacity_the_line_limit_is_min_queue(
+    policy: dict[str, int], limit: int | None
+) -> None:
+    admission = starting(**policy)
+    assert admission.queue_limit == limit
+    if limit is not None:
+        for _ in range(limit):
+            admission.enter()
+        with pytest.raises(QueueFull):
+            admission.enter()
+
+
+async def test_a_restart_keeps_the_last_known_line_limit() -> None:
+    admission = starting(queue_per_slot=2)
+    admission.resize(2)
+    admission.resize(None)
+    assert admission.queue_limit == 4
+    for _ in range(4):
+        admission.enter()
+    with pytest.raises(QueueFull):
+        admission.enter()
+
+
+async def test_a_waiter_that_entered_unknown_is_weighed_once_the_capacity_is_known() -> None:
+    admission = starting()
+
+    def capped(capacity: int) -> int:
+        return min(5, capacity)
+
+    def refused(capacity: int) -> int:
+        raise ValueError(f"needs 5 of {capacity}")
+
+    array = admission.enter(5, weigh=capped)
+    too_many = admission.enter(5, weigh=refused)
+    light = admission.enter(1, weigh=lambda capacity: 1)
+    admission.resize(2)
+    await array.wait()
+    assert (array.weight, admission.active) == (2, 2)
+    with pytest.raises(ValueError, match="needs 5 of 2"):
+        await too_many.wait()
+    array.release()
+    await light.wait()
+    assert (admission.active, admission.queued) == (1, 0)
+
+
+async def test_known_returns_once_the_capacity_is_known_and_refuses_past_its_deadline() -> None:
+    admission = starting()
+    with pytest.raises(NotReady):
+        await admission.known(time.monotonic() + 0.05)
+    waiting = asyncio.create_task(admission.known(time.monotonic() + 5))
+    await settle()
+    assert admission.awaiting_capacity
+    admission.resize(1)
+    await waiting
+    assert not admission.awaiting_capacity

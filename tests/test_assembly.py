@@ -18,8 +18,14 @@ def stream(*events: dict[str, Any], newline: bytes = b"\n") -> bytes:
     return b"".join(line + newline + newline for line in lines)
 
 
-def assemble(data: bytes, kind: Kind = Kind.CHAT, path: str = "/v1/chat/completions") -> Any:
-    assembly = Assembly(kind, path)
+def assemble(
+    data: bytes,
+    kind: Kind = Kind.CHAT,
+    path: str = "/v1/chat/completions",
+    *,
+    return_tokens: bool = False,
+) -> Any:
+    assembly = Assembly(kind, path, return_tokens=return_tokens)
     for at in range(0, len(data), 7):  # the stream arrives in arbitrary pieces
         assembly.feed(data[at : at + 7])
     status, body = assembly.result()
@@ -95,11 +101,42 @@ def test_openai_text_completions_join_their_text() -> None:
 def test_native_completion_joins_content_and_keeps_the_last_events_fields() -> None:
     data = stream(
         {"content": "a", "tokens": [1], "stop": False},
-        {"content": "b", "tokens": [2], "stop": True, "timings": {"predicted_n": 2}},
+        {"content": "b", "tokens": [2], "stop": False},
+        {"content": "", "tokens": [], "stop": True, "timings": {"predicted_n": 2}},
     )
-    _, answer = assemble(data, Kind.COMPLETION, "/completion")
+    _, answer = assemble(data, Kind.COMPLETION, "/completion", return_tokens=True)
     assert answer == {"content": "ab", "tokens": [1, 2], "stop": True,
                       "timings": {"predicted_n": 2}}  # fmt: skip
+
+
+def test_native_tokens_are_empty_unless_asked_for_as_llama_server_answers() -> None:
+    data = stream(
+        {"content": "a", "tokens": [1], "stop": False},
+        {"content": "", "tokens": [], "stop": True, "generation_settings": {"stream": True}},
+    )
+    _, answer = assemble(data, Kind.COMPLETION, "/completion")
+    assert answer == {"content": "a", "tokens": [], "stop": True,
+                      "generation_settings": {"stream": False}}  # fmt: skip
+
+
+def test_native_response_fields_stay_as_selected_and_progress_events_are_left_out() -> None:
+    # return_progress sends prompt-progress events with a placeholder token; a
+    # response_fields selection filters every event, the last one included.
+    data = stream(
+        {"content": "", "tokens": [0], "prompt_progress": {"total": 3, "processed": 3}},
+        {"content": "a"},
+        {"content": "b"},
+        {"content": "", "generation_settings/stream": True},
+    )
+    _, answer = assemble(data, Kind.COMPLETION, "/completion", return_tokens=True)
+    assert answer == {"content": "ab", "generation_settings/stream": False}
+
+
+def test_a_verbose_llama_server_is_noticed() -> None:
+    assembly = Assembly(Kind.COMPLETION, "/completion")
+    assembly.feed(stream({"content": "a", "stop": True, "__verbose": {"content": "a"}}))
+    assembly.result()
+    assert assembly.verbose
 
 
 def test_native_completion_of_several_prompts_answers_an_array_in_prompt_order() -> None:
@@ -136,8 +173,9 @@ def test_an_event_that_is_not_one_json_value_is_refused(payloads: list[bytes]) -
         assembly.result()
 
 
-def test_the_request_asks_for_a_stream_with_usage_unless_the_client_chose_options() -> None:
+def test_the_request_asks_for_a_stream_with_usage_whatever_the_client_chose() -> None:
+    # A non-streamed answer always has usage: stream_options means nothing to it.
     assert json.loads(streaming_body(b'{"stream":false}')) == {
         "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     chosen = json.loads(streaming_body(b'{"stream_options":{"include_usage":false}}'))
-    assert chosen["stream_options"] == {"include_usage": False}
+    assert chosen["stream_options"] == {"include_usage": True}

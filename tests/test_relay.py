@@ -265,11 +265,11 @@ async def test_capacity_follows_llama_server(
     assert (snapshot["capacity"], snapshot["queue_limit"]) == (5, 80)
 
 
-async def test_until_capacity_is_known_requests_get_503_not_ready(
+async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_is_known(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False)
+    gate = await start_gate(ready=False, startup_wait=0)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
@@ -426,7 +426,7 @@ async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot
 async def test_refused_connection_answers_503_and_marks_not_ready(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate()
+    gate = await start_gate(startup_wait=0)
     await standin.stop()
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
@@ -440,7 +440,7 @@ async def test_anthropic_messages_are_refused_in_anthropics_shape(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False)
+    gate = await start_gate(ready=False, startup_wait=0)
     response = await client.post(
         gate.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []}
     )

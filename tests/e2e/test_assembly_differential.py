@@ -1,0 +1,147 @@
+"""Assembled answers equal llama.cpp's own: every request sent straight to the real server,
+non-streamed, and through slotgate (which asks for a stream and assembles the answer), with the
+JSON compared key by key, values too, but for those that differ between any two requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.engine import LocalEngine
+
+from tests.e2e.conftest import GateFactory
+
+pytestmark = pytest.mark.e2e
+
+CHAT, OPENAI, NATIVE = "/v1/chat/completions", "/v1/completions", "/completion"
+ROUTES = (NATIVE, OPENAI, CHAT)
+#: Keys whose values differ between any two requests: compared for presence only.
+LOOSE = frozenset({"id", "created", "system_fingerprint", "timings", "cached_tokens", "id_slot"})
+#: Headers that differ between any two answers, or are the connection's, not the answer's;
+#: and Server, which slotgate leaves off every answer it relays, assembled or not.
+HEADERS_LOOSE = frozenset(
+    {"date", "content-length", "keep-alive", "connection", "x-request-id", "transfer-encoding",
+     "server"}
+)  # fmt: skip
+#: Options whose non-streamed answer a stream cannot reproduce: slotgate forwards requests
+#: carrying them as sent (README, "Non-streamed completions travel upstream as streams").
+#: `__verbose` comes from a llama-server started with --verbose, not from a request: once
+#: slotgate sees one it forwards every non-streamed request as sent (tests/test_assembly.py).
+FORWARDED_AS_SENT: frozenset[str] = frozenset()
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+#: option name -> (routes it applies to, what it adds to the request)
+OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "plain": (ROUTES, {}),
+    "response_fields": (
+        (NATIVE,),
+        {"response_fields": ["content", "generation_settings/n_predict", "tokens"]},
+    ),
+    "n_probs": (ROUTES, {"n_probs": 2}),
+    "post_sampling_probs": ((NATIVE,), {"n_probs": 2, "post_sampling_probs": True}),
+    "logprobs": ((OPENAI,), {"logprobs": 2}),
+    "chat_logprobs": ((CHAT,), {"logprobs": True, "top_logprobs": 2}),
+    "return_tokens": (ROUTES, {"return_tokens": True}),
+    "timings_per_token": (ROUTES, {"timings_per_token": True}),
+    "return_progress": (ROUTES, {"return_progress": True, "return_tokens": True}),
+    "id_slot": (ROUTES, {"id_slot": 1}),
+    "multiple_prompts": ((NATIVE, OPENAI), {"prompt": ["Say hi", "Say yes"]}),
+    "n": (ROUTES, {"n": 2}),
+    "n_cmpl": ((CHAT,), {"n_cmpl": 2}),
+    "stop_word": (ROUTES, {"stop": [" the"]}),
+    "usage_not_asked": ((CHAT, OPENAI), {"stream_options": {"include_usage": False}}),
+    "tools": ((CHAT,), {"tools": [TOOL]}),
+    "tool_required": ((CHAT,), {"tools": [TOOL], "tool_choice": "required"}),
+    "reasoning": ((CHAT,), {"reasoning_format": "deepseek"}),
+    "json_schema": ((NATIVE, CHAT), {"json_schema": {"type": "object"}}),
+    "bad_grammar": (ROUTES, {"grammar": "root ::= ("}),
+    "bad_json_schema": ((CHAT,), {"json_schema": {"type": "nope"}}),
+    "bad_messages": ((CHAT,), {"messages": [{"role": "nobody"}]}),
+    "context_exceeded": ((NATIVE, OPENAI), {"prompt": "x " * 1500}),
+}
+CASES = [
+    pytest.param(route, name, id=f"{route}:{name}")
+    for name, (routes, _) in OPTIONS.items()
+    for route in routes
+]
+
+
+def request(route: str, name: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"temperature": 0, "seed": 14, "n_predict": 6, "max_tokens": 6}
+    if route == CHAT:
+        body["messages"] = [{"role": "user", "content": "Say hi"}]
+    else:
+        body["prompt"] = "Say hi"
+    body.update(OPTIONS[name][1])
+    return body
+
+
+def differences(direct: Any, gated: Any, path: str = "") -> list[str]:
+    """Where two answers differ: keys, nesting, list lengths and values (LOOSE: keys only)."""
+    if isinstance(direct, dict) and isinstance(gated, dict):
+        found = [f"{path}/{k}: only direct" for k in direct.keys() - gated.keys()]
+        found += [f"{path}/{k}: only through slotgate" for k in gated.keys() - direct.keys()]
+        for key in direct.keys() & gated.keys():
+            if key not in LOOSE:
+                found += differences(direct[key], gated[key], f"{path}/{key}")
+        return found
+    if isinstance(direct, list) and isinstance(gated, list):
+        if len(direct) != len(gated):
+            return [f"{path}: {len(direct)} items direct, {len(gated)} through slotgate"]
+        return [
+            d
+            for i, pair in enumerate(zip(direct, gated, strict=True))
+            for d in differences(*pair, f"{path}[{i}]")
+        ]
+    if type(direct) is not type(gated) or direct != gated:
+        return [f"{path}: {direct!r:.80} direct, {gated!r:.80} through slotgate"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def forwarded() -> frozenset[str]:
+    return FORWARDED_AS_SENT
+
+
+async def test_every_option_is_in_the_matrix_or_forwarded_as_sent_and_the_readme_says_which(
+    forwarded: frozenset[str],
+) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for name in forwarded:
+        assert f"`{name}`" in readme
+    assert "__verbose" in readme
+
+
+@pytest.mark.parametrize(("route", "name"), CASES)
+async def test_an_assembled_answer_equals_llama_servers_own(
+    engine: LocalEngine,
+    start_gate: GateFactory,
+    client: httpx.AsyncClient,
+    route: str,
+    name: str,
+) -> None:
+    gate = await start_gate(max_queue=4)
+    body = request(route, name)
+    direct = await client.post(engine.url + route, json=body)
+    gated = await client.post(gate.url + route, json=body)
+    assert gated.status_code == direct.status_code, gated.text
+    found = differences(direct.json(), gated.json())
+    assert found == [], found
+    names = {k for k in direct.headers if k not in HEADERS_LOOSE}
+    assert names == {k for k in gated.headers if k not in HEADERS_LOOSE}
+    for header in names:
+        assert gated.headers[header] == direct.headers[header], header

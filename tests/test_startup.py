@@ -1,0 +1,162 @@
+"""No 503 while llama-server is merely starting or restarting: requests wait for it, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from tests.conftest import GateFactory, chat
+from tests.standin import StandIn
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_served(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.loading = True
+    gate = await start_gate(ready=False, props_refresh_interval=30, keepalive_interval=5)
+    plain = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    assert (await client.get(gate.url + "/readyz")).status_code == 503
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
+        assert streamed.status_code == 200  # a waiting stream's head, at once
+        chunks = streamed.aiter_raw()
+        assert (await anext(chunks)).startswith(b": queued")
+        standin.loading = False
+        rest = b"".join([chunk async for chunk in chunks])
+    answer = await plain
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["message"]["content"].startswith("t0")
+    assert b"data: [DONE]" in rest
+    assert b'"error"' not in rest
+    assert (await client.get(gate.url + "/readyz")).status_code == 200
+
+
+async def test_past_the_startup_wait_the_request_gets_503_with_retry_after(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.loading = True
+    gate = await start_gate(ready=False, startup_wait=0.3)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "upstream_not_ready"
+    assert [seen.path for seen in standin.seen if seen.path == CHAT] == []
+
+
+async def test_a_request_too_big_for_the_pool_that_came_is_refused_when_it_is_known(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.loading = True
+    gate = await start_gate(ready=False)
+    asked = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n=3)))
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    standin.loading = False
+    response = await asked
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
+
+
+async def restart(standin: StandIn, down_s: float, loading_s: float) -> int:
+    """llama-server goes away, comes back loading its model, then serves. Returns how many
+    generations it was running when it went (those are cut short, as a restart cuts them)."""
+    cut = standin.running
+    standin.shutdown_timeout_s = 0.05  # a restart kills what runs, as a process exit does
+    await standin.stop()
+    await asyncio.sleep(down_s)
+    standin.loading = True
+    await standin.start()
+    await asyncio.sleep(loading_s)
+    standin.loading = False
+    return cut
+
+
+async def test_a_client_that_waits_for_health_then_generates_is_served_100_times_in_a_row(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 2, 0.0
+    # The default refresh interval: slotgate learns the slot count from the /health answer
+    # it passes through, not from its timer.
+    gate = await start_gate(props_refresh_interval=10)
+    rng = random.Random(14)
+    served = 0
+    for _ in range(100):
+        restarting = asyncio.create_task(
+            restart(standin, rng.uniform(0, 0.03), rng.uniform(0, 0.05))
+        )
+        await asyncio.sleep(0.001)
+        while True:
+            try:
+                health = await client.get(gate.url + "/health")
+            except httpx.HTTPError:
+                continue
+            if health.status_code == 200 and restarting.done():
+                break
+            await asyncio.sleep(0.005)
+        response = await client.post(gate.url + CHAT, json=chat())
+        assert response.status_code == 200, response.text
+        served += 1
+        await restarting
+    assert served == 100
+
+
+async def test_a_trickle_of_requests_across_restarts_gets_no_503(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 2, 0.005
+    gate = await start_gate(props_refresh_interval=10)
+    statuses: list[int] = []
+    failures: list[bytes] = []
+    cut = 0
+
+    async def one(stream: bool) -> None:
+        async with client.stream("POST", gate.url + CHAT, json=chat(stream=stream)) as r:
+            body = b"".join([c async for c in r.aiter_raw()])
+        failed = r.status_code != 200 or b'"error"' in body
+        statuses.append(599 if failed else 200)
+        if failed:
+            failures.append(body)
+
+    async def trickle() -> None:
+        tasks = []
+        for i in range(150):
+            tasks.append(asyncio.create_task(one(stream=i % 3 == 0)))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+
+    async def restarts() -> None:
+        nonlocal cut
+        for _ in range(3):
+            await asyncio.sleep(0.3)
+            cut += await restart(standin, 0.1, 0.2)
+
+    await asyncio.gather(trickle(), restarts())
+    assert len(statuses) == 150
+    # Only the generations running when llama-server went away fail (it cut them); every
+    # request that arrived while it was away or loading waited and was served.
+    assert len(failures) <= cut, [body[:120] for body in failures]
+    assert not [body for body in failures if b"upstream_not_ready" in body]
+
+
+async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under_comments(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(props_refresh_interval=30, keepalive_interval=0.05)
+    standin.shutdown_timeout_s = 0.05
+    await standin.stop()
+    assert gate.gate.upstream.ready  # slotgate has not noticed yet: the request is admitted
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
+        assert streamed.status_code == 200
+        chunks = streamed.aiter_raw()
+        assert (await anext(chunks)).startswith(b": queued")
+        assert gate.gate.admission.active == 1  # it keeps its slot meanwhile
+        standin.loading = True
+        await standin.start()
+        await asyncio.sleep(0.1)
+        standin.loading = False
+        rest = b"".join([chunk async for chunk in chunks])
+    assert b"data: [DONE]" in rest
+    assert b'"error"' not in rest
