@@ -14,8 +14,9 @@ route's shape.
 
 Heads, in time. A head trickled a byte at a time held its connection for as long as the client
 liked. One sweep per server, every SWEEP_S at most, answers 408 to every connection whose head
-has been arriving for longer than HEAD_TIMEOUT_S while no request of its own was in flight: a
-timer per connection would cost a heap entry per waiting client, the sweep one pass.
+has been arriving for longer than HEAD_TIMEOUT_S while no request of its own was in flight (and
+closes one that has sent nothing for as long): a timer per connection would cost a heap entry
+per waiting client, the sweep one pass.
 
 Upgrades. slotgate switches no protocols (no WebSocket, no h2c, no CONNECT); uvicorn would hand
 such a request to its WebSocket layer or leave it waiting for a body the parser never delivers.
@@ -83,6 +84,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_left: int | None = HEAD_LIMIT_BYTES
         # When the head being read began (loop time); None while no head is being read.
         self._head_since: float | None = None
+        # No byte of a request has arrived yet on this connection.
+        self._fresh = True
         # Requests on this connection whose response may not be complete, oldest first.
         self._cycles: list[RequestResponseCycle] = []
         # Bytes read while a request waits behind another, not yet parsed.
@@ -123,6 +126,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._head_since = self.loop.time()
+        self._fresh = False
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
@@ -177,6 +181,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             or self._head_left is None
             or self._busy()
         ):
+            return
+        if self._fresh:
+            # Nothing was asked: closed as uvicorn closes an idle keep-alive connection.
+            self._head_left = None
+            self.transport.close()
             return
         self._refuse(
             HeadTimeout(

@@ -234,7 +234,8 @@ async def test_every_connection_that_never_finishes_its_head_is_swept(
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n"[: 1 + i % 30])
     answers = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in streams)), 10)
     for i, answer in enumerate(answers):
-        assert answer.startswith(b"HTTP/1.1 408 "), i
+        # The ones that asked nothing are closed without an answer.
+        assert answer.startswith(b"HTTP/1.1 408 ") if i % 4 else answer == b"", i
     for _, writer in streams:
         writer.close()
     assert standin.seen == []
