@@ -75,6 +75,13 @@ class HeadTimeout(GateError):
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
+    # Slots: uvicorn's own attributes fill the instance dict to the brim, and a few more
+    # would double it (1.5 KB a connection).
+    __slots__ = (
+        "_earlier", "_fresh", "_head_left", "_head_since", "_held", "_releasing",
+        "socket_paused",
+    )  # fmt: skip
+
     #: Seconds a request head may take to arrive; 0 = no bound. See `bounded_head_protocol`.
     head_timeout_s: ClassVar[float] = 0.0
 
@@ -86,10 +93,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_since: float | None = None
         # No byte of a request has arrived yet on this connection.
         self._fresh = True
-        # Requests on this connection whose response may not be complete, oldest first.
-        self._cycles: list[RequestResponseCycle] = []
+        # Requests read while another was in flight on this connection (pipelining), which
+        # uvicorn no longer points to; None until there is one.
+        self._earlier: list[RequestResponseCycle] | None = None
         # Bytes read while a request waits behind another, not yet parsed.
-        self._held = bytearray()
+        self._held = b""
         self._releasing = False
         self.socket_paused = False
 
@@ -107,11 +115,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         # uvicorn tells only the newest request; an older one may be waiting for a slot.
-        for cycle in self._cycles:
+        for cycle in self._earlier or ():
             if not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
-        self._held.clear()
+        self._held = b""
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -139,9 +147,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 )
             )
             return
+        previous = self.cycle
         super().on_headers_complete()
-        self._cycles = [c for c in self._cycles if not c.response_complete]
-        self._cycles.append(self.cycle)
+        if previous is not None and not previous.response_complete:
+            earlier = [c for c in self._earlier or () if not c.response_complete]
+            earlier.append(previous)
+            self._earlier = earlier
 
     def on_body(self, body: bytes) -> None:
         if self._head_left is None:
@@ -159,6 +170,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         # A head begun behind the request just answered gets its full time from now.
         if self._head_since is not None:
             self._head_since = self.loop.time()
+        if self._earlier is not None:
+            self._earlier = [c for c in self._earlier if not c.response_complete] or None
         super().on_response_complete()
 
     # -- uvicorn's upgrade handling, replaced by the 400 above -----------------------------------
@@ -228,8 +241,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._releasing = False
         if self.flow.read_paused or self.transport.is_closing() or self._head_left is None:
             return
-        data = bytes(self._held)
-        self._held.clear()
+        data = self._held
+        self._held = b""
         self._parse(data)
         if self.socket_paused and not self.transport.is_closing():
             self.socket_paused = False
@@ -240,7 +253,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def _refuse(self, exc: GateError) -> None:
         self._head_left = None
-        self._held.clear()
+        self._held = b""
         if (
             self.cycle is not None
             and self.cycle.response_started
