@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import select
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -278,7 +279,7 @@ class _HoldingFlow(FlowControl):
     """uvicorn's flow control, except that a pause of reading holds the bytes (the protocol
     does) instead of leaving them in the kernel, where a client's FIN or reset stays unseen."""
 
-    def __init__(self, transport: asyncio.Transport, on_resume: Any) -> None:
+    def __init__(self, transport: asyncio.Transport, on_resume: Callable[[], None]) -> None:
         super().__init__(transport)
         self._on_resume = on_resume
 
