@@ -175,6 +175,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._earlier = [c for c in self._earlier if not c.response_complete] or None
         super().on_response_complete()
 
+    # -- uvicorn's own answers, in the API's shape ----------------------------------------------
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(BadRequest("the request is not valid HTTP/1.1; slotgate could not parse it"))
+
     # -- uvicorn's upgrade handling, replaced by the 400 above -----------------------------------
 
     def _should_upgrade(self) -> bool:

@@ -292,3 +292,23 @@ async def test_an_upgrade_is_refused_at_once_in_the_api_shape(
     assert status == b"HTTP/1.1 400 Bad Request"
     assert error["code"] == "upgrade_not_supported"
     assert standin.seen == []
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", b"\x16\x03\x01"],
+    ids=["h2-prior-knowledge", "bad-header", "tls-hello"],
+)
+async def test_a_request_that_is_not_http_gets_400_in_the_api_shape(
+    start_gate: GateFactory, standin: StandIn, request_bytes: bytes
+) -> None:
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(request_bytes)
+    try:
+        status, error = await read_answer(reader)
+    finally:
+        writer.close()
+    assert status == b"HTTP/1.1 400 Bad Request"
+    assert error["code"] == "invalid_request"
+    assert standin.seen == []
