@@ -18,9 +18,10 @@ has been arriving for longer than HEAD_TIMEOUT_S while no request of its own was
 closes one that has sent nothing for as long): a timer per connection would cost a heap entry
 per waiting client, the sweep one pass.
 
-Upgrades. slotgate switches no protocols (no WebSocket, no h2c, no CONNECT); uvicorn would hand
-such a request to its WebSocket layer or leave it waiting for a body the parser never delivers.
-It is answered 400 at once.
+Upgrades and bad bytes. slotgate switches no protocols (no WebSocket, no h2c, no CONNECT);
+uvicorn would hand such a request to its WebSocket layer or leave it waiting for a body the
+parser never delivers. It is answered 400 at once, as are bytes that are not HTTP/1.1 (uvicorn
+answered those in plain text), in the API's error shape.
 
 Pipelining. uvicorn marks only the newest request on a connection as disconnected when the
 connection ends, and stops reading the socket while a request waits behind another: a client
