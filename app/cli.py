@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from . import __version__, logs
 from .main import Gate, create_app
-from .protocol import BoundedHeadProtocol
+from .protocol import bounded_head_protocol
 from .settings import ENGINE_VARIABLES, Settings, describe, export_engine_variables, misspelt
 
 log = logging.getLogger("slotgate")
@@ -148,7 +148,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         # One worker, always: each process would hold its own pool and multiply the slots.
         workers=1,
         loop="uvloop",
-        http=BoundedHeadProtocol,
+        http=bounded_head_protocol(settings.head_timeout_s),
         lifespan="on",
         access_log=False,
         server_header=False,

@@ -1,9 +1,16 @@
-"""Logging set-up: plain text or one JSON object per line, and the per-request record."""
+"""Logging set-up: plain text or one JSON object per line, and the per-request record.
+
+A record can carry what a client sent (a path with `%0a` or `%00` in it, a header): in the
+text format every control character, the Unicode line breaks and the backslash are written as
+escapes, so one record is always one line and cannot forge another; the JSON format escapes
+them as JSON does.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -15,6 +22,23 @@ _RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
 }
 
 access = logging.getLogger("slotgate.access")
+
+#: C0 and C1 controls, DEL, the Unicode line and paragraph separators, and the backslash (so
+#: that a client's own `\x0a` cannot pass for an escaped one).
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\\]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape(text: str) -> str:
+    """`text` on one line, its control characters written as \\xNN (or \\uNNNN)."""
+    return _UNSAFE.sub(_escaped, text) if _UNSAFE.search(text) else text
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,9 +63,16 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # The message only: a traceback logging appends after it keeps its lines.
+        record.message = escape(record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
-        fields = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _RESERVED)
+        fields = " ".join(
+            f"{k}={escape(str(v))}" for k, v in vars(record).items() if k not in _RESERVED
+        )
         return f"{line} {fields}" if fields else line
 
 

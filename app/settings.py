@@ -114,6 +114,9 @@ class Settings(BaseSettings):
         le=86400,
         description="Seconds llama-server may stay silent on a running request; 0 = forever.",
     )
+    head_timeout_s: float = Field(
+        10.0, ge=0, le=3600, description="Seconds a request head may take to arrive; 0 = forever."
+    )
     drain_timeout: float = Field(
         30.0, ge=0, le=3600, description="Seconds running streams may finish after SIGTERM."
     )

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import struct
 from collections.abc import AsyncIterator
 
 import httpx
-from slotgate.protocol import HEAD_LIMIT_BYTES
+import pytest
+from slotgate.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import GateFactory, RunningGate, chat
 from tests.standin import StandIn
 
 CHAT = "/v1/chat/completions"
@@ -104,3 +108,207 @@ async def test_pipelined_requests_with_large_bodies_are_all_answered(
         await reader.readexactly(length)
     writer.close()
     assert statuses == [b"200"] * 20
+
+
+# -- clients that leave with requests still in line on one connection --------------------------
+
+
+def generation(stream: bool, request_id: str = "queued", padding: int = 0) -> bytes:
+    body = json.dumps(chat(stream=stream, padding="x" * padding)).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: %s\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (CHAT.encode(), request_id.encode(), len(body), body)
+    )
+
+
+async def hold_the_only_slot(gate: RunningGate, standin: StandIn) -> asyncio.StreamWriter:
+    """A streaming generation that keeps the stand-in's one slot busy until it is closed."""
+    standin.tokens, standin.token_delay_s = 100_000, 0.05
+    _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(generation(stream=True, request_id="holder"))
+    await gate.until(lambda: standin.running == 1)
+    standin.tokens = 5  # for what comes after it
+    return writer
+
+
+def queued_behind(connection: object) -> bool:
+    """A request read on this connection waits for the one before it to be answered."""
+    return isinstance(connection, BoundedHeadProtocol) and bool(connection.pipeline)
+
+
+def paused(connection: object) -> bool:
+    """Not even held: the connection's socket is no longer read."""
+    return isinstance(connection, BoundedHeadProtocol) and connection.socket_paused
+
+
+def request_ids(standin: StandIn) -> list[str | None]:
+    return [{k.lower(): v for k, v in s.headers.items()}.get("x-request-id") for s in standin.seen]
+
+
+def hang_up(writer: asyncio.StreamWriter, how: str) -> None:
+    if how == "reset":
+        # SO_LINGER 0: the close sends RST, not FIN, and drops what is unsent.
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()
+
+
+@pytest.mark.parametrize("how", ["fin", "reset"])
+@pytest.mark.parametrize(
+    "then", [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"second", b"second, large"]
+)
+@pytest.mark.parametrize("apart", [False, True])
+async def test_a_pipelined_client_that_hangs_up_takes_its_queued_generation_out_of_line(
+    start_gate: GateFactory, standin: StandIn, how: str, then: bytes, apart: bool
+) -> None:
+    standin.total_slots = 1
+    gate = await start_gate()
+    holder = await hold_the_only_slot(gate, standin)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+        second = then
+        if then.startswith(b"second"):
+            # A large one is more than the connection holds unread: its socket is paused.
+            padding = 4 * HOLD_LIMIT_BYTES if then.endswith(b"large") else 0
+            second = generation(stream=True, request_id="second", padding=padding)
+        writer.write(generation(stream=False))
+        if apart:  # the second request comes once the first is settled in line
+            await gate.until(lambda: gate.gate.admission.queued == 1)
+            await asyncio.sleep(0.2)  # well after it began to watch for its client leaving
+        writer.write(second)
+        await writer.drain()
+        await gate.until(lambda: gate.gate.admission.queued == 1)
+        await gate.until(
+            lambda: any(queued_behind(c) for c in gate.server.server_state.connections)
+        )
+        if apart and then.endswith(b"large"):  # the sweep finds it gone, by asking the kernel
+            await gate.until(lambda: any(paused(c) for c in gate.server.server_state.connections))
+        hang_up(writer, how)
+        # It leaves the line at once, while the slot is still busy; nothing of it goes upstream.
+        await gate.until(lambda: gate.gate.admission.queued == 0)
+        assert standin.running == 1
+        assert request_ids(standin) == ["holder"]
+    finally:
+        holder.close()
+    await gate.until(lambda: gate.gate.admission.active == 0)
+    assert request_ids(standin) == ["holder"]
+
+
+# -- heads that take too long, and upgrades ----------------------------------------------------
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, object]]:
+    """The status line and the JSON error of an answer slotgate ends by closing."""
+    answer = await asyncio.wait_for(reader.read(), 10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], json.loads(body)["error"]
+
+
+async def test_a_head_trickled_byte_by_byte_is_answered_408_after_the_head_timeout(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(head_timeout_s=0.5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            while not writer.is_closing():
+                writer.write(b"a")
+                await writer.drain()
+                await asyncio.sleep(0.02)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        status, error = await read_answer(reader)  # and then the connection is closed
+    finally:
+        trickling.cancel()
+        writer.close()
+    assert status == b"HTTP/1.1 408 Request Timeout"
+    assert error["code"] == "request_timeout"
+    assert "HEAD_TIMEOUT_S" in str(error["message"])
+    assert standin.seen == []
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+
+
+async def test_every_connection_that_never_finishes_its_head_is_swept(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate(head_timeout_s=0.3)
+    streams = [await asyncio.open_connection("127.0.0.1", gate.port) for _ in range(200)]
+    for i, (_, writer) in enumerate(streams):
+        if i % 4:  # and every fourth sends nothing at all
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n"[: 1 + i % 30])
+    answers = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in streams)), 10)
+    for i, answer in enumerate(answers):
+        # The ones that asked nothing are closed without an answer.
+        assert answer.startswith(b"HTTP/1.1 408 ") if i % 4 else answer == b"", i
+    for _, writer in streams:
+        writer.close()
+    assert standin.seen == []
+    await gate.until(lambda: not gate.server.server_state.connections)
+
+
+async def test_a_request_waiting_in_line_is_not_cut_by_the_head_timeout(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    standin.total_slots = 1
+    gate = await start_gate(head_timeout_s=0.2)
+    holder = await hold_the_only_slot(gate, standin)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    # The next request's head begins behind it, and waits as long as the first one does.
+    writer.write(generation(stream=False) + b"GET /health HT")
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await asyncio.sleep(0.6)  # three head timeouts
+    holder.close()
+    writer.write(b"TP/1.1\r\nHost: x\r\n\r\n")
+    first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert first.startswith(b"HTTP/1.1 200 ")
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
+        b"CONNECT 127.0.0.1:8080 HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n",
+    ],
+)
+async def test_an_upgrade_is_refused_at_once_in_the_api_shape(
+    start_gate: GateFactory, standin: StandIn, head: bytes
+) -> None:
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(head)
+    try:
+        status, error = await read_answer(reader)
+    finally:
+        writer.close()
+    assert status == b"HTTP/1.1 400 Bad Request"
+    assert error["code"] == "upgrade_not_supported"
+    assert standin.seen == []
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", b"\x16\x03\x01"],
+    ids=["h2-prior-knowledge", "bad-header", "tls-hello"],
+)
+async def test_a_request_that_is_not_http_gets_400_in_the_api_shape(
+    start_gate: GateFactory, standin: StandIn, request_bytes: bytes
+) -> None:
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(request_bytes)
+    try:
+        status, error = await read_answer(reader)
+    finally:
+        writer.close()
+    assert status == b"HTTP/1.1 400 Bad Request"
+    assert error["code"] == "invalid_request"
+    assert standin.seen == []

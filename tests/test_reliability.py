@@ -7,6 +7,7 @@ import asyncio
 import random
 import resource
 import socket
+import struct
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -91,26 +92,55 @@ async def test_storm_of_two_thousand_clients_is_answered_without_5xx(
     await assert_settled(gate, standin, baseline + 1)
 
 
-async def drop_at_random(port: int, rng: random.Random, stream: bool) -> str:
-    """One client that sends a request and hangs up at a random moment (or reads it all)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+def generation_request(stream: bool, request_id: str = "", close: bool = False) -> bytes:
     body = (b'{"messages":[{"role":"user","content":"hi"}],"stream":%s}' % (
         b"true" if stream else b"false"))  # fmt: skip
-    writer.write(
-        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-        b"Content-Type: application/json\r\n"
-        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    return (
+        b"POST "
+        + CHAT.encode()
+        + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + (b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b"")
+        + (b"Connection: close\r\n" if close else b"")
+        + b"Content-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
     )
+
+
+def pipelined(rng: random.Random, close: bool) -> bytes:
+    """A second request sent behind the first on the same connection, or none."""
+    return rng.choice([
+        b"",
+        b"GET /health HTTP/1.1\r\nHost: x\r\n%s\r\n" % (b"Connection: close\r\n" if close else b""),
+        generation_request(stream=rng.random() < 0.5, close=close),
+    ])  # fmt: skip
+
+
+def hang_up(writer: asyncio.StreamWriter, reset: bool) -> None:
+    """Close with a FIN, or with a reset (SO_LINGER 0: RST, and what is unsent dropped)."""
+    if reset:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def drop_at_random(port: int, rng: random.Random, stream: bool) -> str:
+    """One client that sends a request (and perhaps a second behind it) and hangs up, with a
+    FIN or a reset, at a random moment (or reads it all)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    read = rng.random() >= 0.85
+    writer.write(generation_request(stream, close=read) + pipelined(rng, close=read))
     await writer.drain()
     outcome = "read"
-    if rng.random() < 0.85:
+    if not read:
         outcome = "dropped"
         await asyncio.sleep(rng.random() * 0.6)
     else:
         async with asyncio.timeout(30):
             while await reader.read(65536):
                 pass
-    writer.transport.abort()
+    hang_up(writer, reset=rng.random() < 0.5)
     return outcome
 
 
@@ -132,6 +162,40 @@ async def test_clients_dropping_at_random_moments_leak_nothing(
     # Every generation a client abandoned was stopped upstream, not left to run out.
     assert standin.cancelled > 0
     assert standin.started == standin.finished
+
+
+async def test_clients_that_pipeline_and_leave_while_the_slots_are_busy_all_leave_the_line(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 100_000, 0.05
+    gate = await start_gate(max_queue=0)
+    baseline = gate_tasks()
+    holders = []
+    for i in range(2):
+        _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+        writer.write(generation_request(stream=True, request_id=f"holder-{i}"))
+        holders.append(writer)
+    await gate.until(lambda: standin.running == 2)
+    rng = random.Random(13)
+
+    async def leave(i: int) -> None:
+        _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+        first = generation_request(stream=rng.random() < 0.5, request_id=f"gone-{i}")
+        writer.write(first + pipelined(rng, close=False))
+        await writer.drain()
+        await asyncio.sleep(rng.random() * 0.3)
+        hang_up(writer, reset=rng.random() < 0.5)
+
+    await asyncio.gather(*(leave(i) for i in range(200)))
+    # Every one of them has left the line while the slots are still busy, and llama-server
+    # never saw one of their requests: no generation runs later for a client that left.
+    await gate.until(lambda: gate.gate.admission.queued == 0)
+    assert standin.running == 2
+    assert [s.path for s in standin.seen if s.path == CHAT] == [CHAT, CHAT]
+    for writer in holders:
+        writer.close()
+    await assert_settled(gate, standin, baseline)
+    assert len(standin.seen) == 2
 
 
 async def test_restart_with_another_parallel_is_followed(
