@@ -25,6 +25,9 @@ CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_S = 4.0
 #: While llama-server is down or loading, look again this often rather than every refresh.
 NOT_READY_RETRY_S = 1.0
+#: The most of /props or /metrics slotgate reads; llama-server's are tens of KiB at most (the
+#: chat template is the largest part), and an answer past this is no /props slotgate can use.
+CONTROL_BODY_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,7 @@ class Upstream:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             response = await self._client.request("GET", self._root + path, headers, b"")
             try:
-                body = await response.read()
+                body = await response.read(CONTROL_BODY_BYTES)
             except BaseException:
                 response.close()
                 raise
