@@ -7,7 +7,9 @@ megabytes, an endless error body, 1xx before the real answer, a 101, a stream cu
 
     python -m tests.hostile --port 9100 --answer huge_head
 
-serves one misbehaviour for every request, for measuring slotgate from outside.
+serves one misbehaviour for every request, for measuring slotgate from outside, except that a
+request with the query `?hold` gets a proper stream `--hold-s` seconds late: it holds a slot
+while a stream sent meanwhile waits in line (its head out) for the misbehaviour.
 """
 
 from __future__ import annotations
@@ -124,6 +126,16 @@ def held(release: asyncio.Event, answer: Answer) -> Answer:
         await answer(peer, request)
 
     return holding
+
+
+def late(delay_s: float, answer: Answer) -> Answer:
+    """The answer, `delay_s` seconds late."""
+
+    async def later(peer: Peer, request: Request) -> None:
+        await asyncio.sleep(delay_s)
+        await answer(peer, request)
+
+    return later
 
 
 def huge_head(size: int = 20 * MiB) -> Answer:
@@ -305,8 +317,13 @@ ANSWERS: dict[str, Callable[[], Answer]] = {
 }
 
 
-async def _main(port: int, name: str, total_slots: int) -> None:
-    hostile = Hostile(total_slots=total_slots, fallback=ANSWERS[name]())
+async def _main(port: int, name: str, total_slots: int, hold_s: float) -> None:
+    misbehaviour, holding = ANSWERS[name](), late(hold_s, stream(*CHAT_STREAM))
+
+    async def answer(peer: Peer, request: Request) -> None:
+        await (holding if request.target.endswith("?hold") else misbehaviour)(peer, request)
+
+    hostile = Hostile(total_slots=total_slots, fallback=answer)
     await hostile.start(port)
     print(f"hostile upstream on {hostile.url}, answering {name}", flush=True)  # noqa: T201
     await asyncio.Event().wait()
@@ -317,6 +334,9 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=9100)
     parser.add_argument("--answer", choices=sorted(ANSWERS), default="huge_head")
     parser.add_argument("--total-slots", type=int, default=2)
+    parser.add_argument("--hold-s", type=float, default=1.0)
     arguments = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main(arguments.port, arguments.answer, arguments.total_slots))
+        asyncio.run(
+            _main(arguments.port, arguments.answer, arguments.total_slots, arguments.hold_s)
+        )
