@@ -233,6 +233,7 @@ class Hostile:
     _server: asyncio.Server | None = None
     _numbers: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _peers: set[asyncio.Task[None]] = field(default_factory=set)
+    _stopping: bool = False
 
     @property
     def url(self) -> str:
@@ -249,12 +250,14 @@ class Hostile:
 
     async def stop(self) -> None:
         if self._server is not None:
+            self._stopping = True
             self._server.close()
             for peer in self.peers.values():
                 peer.abort()
-            for task in self._peers:
+            tasks = list(self._peers)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._peers, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -277,6 +280,11 @@ class Hostile:
                 await answer(peer, request)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            # Cancelled by stop(): ending quietly, since asyncio's stream server reports a
+            # cancelled handler as an unhandled exception.
+            if not self._stopping:
+                raise
         finally:
             self._peers.discard(task)
             writer.close()

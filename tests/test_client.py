@@ -403,6 +403,16 @@ async def test_a_head_within_the_bound_is_read_whatever_its_pieces(hostile: Host
     client.close()
 
 
+async def test_a_body_that_arrives_with_its_head_past_the_bound_is_read_intact(
+    hostile: Hostile,
+) -> None:
+    body = bytes(range(256)) * 2000  # 512,000 bytes, one write: the first read crosses the bound
+    hostile.script.append(sends(reply(200, body, (("Content-Type", "application/octet-stream"),))))
+    client = client_of(hostile)
+    assert (await exchange(client))[:2] == (200, body)
+    client.close()
+
+
 async def test_interim_answers_are_skipped_for_the_final_one(hostile: Hostile) -> None:
     hostile.script.append(
         sends(
