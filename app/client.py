@@ -12,8 +12,7 @@ response is abandoned, which is what makes llama-server cancel the work behind i
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
+import select
 import ssl
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +31,10 @@ WARM_CONNECTIONS = 2
 #: How long the first connections that carried an event stream are held aside, to learn
 #: whether the upstream closes them (see Client._after_stream).
 STREAM_PROBE_S = 1.0
+#: The most a response head (interim 1xx heads included) may take. llama-server's heads are a
+#: few hundred bytes; this is slotgate's own bound on request heads (relay.MAX_HEADER_BYTES),
+#: and it is counted before the parser sees the bytes, so a huge head costs no more than this.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class ClientError(Exception):
@@ -54,6 +57,14 @@ class Stalled(ClientError, TimeoutError):
     """The upstream sent nothing for longer than the stall timeout."""
 
 
+class BodyTooLarge(ClientError):
+    """A body read whole is longer than the caller's limit."""
+
+
+class _Surplus(Exception):
+    """A second response began on a connection whose response was already complete."""
+
+
 class _Connection(asyncio.Protocol):
     """One TCP connection, carrying one response at a time."""
 
@@ -63,6 +74,10 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._data_at = 0.0
         self.carried_stream = False
+        #: It sent bytes nobody asked for (while idle, or past its response): never reused.
+        self.poisoned = False
+        #: A response is awaited: from the request's sending to its response's end.
+        self.expecting = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
         self._reset()
@@ -72,6 +87,9 @@ class _Connection(asyncio.Protocol):
         self.headers: list[Header] = []
         self.head_done = False
         self.complete = False
+        self._head_bytes = 0
+        self._interim = False  # the head just parsed is a 1xx: the real one is still to come
+        self._refusal: ClientError | None = None  # why a parser callback stopped the parser
         self.keep_alive = False
         self.error: ClientError | None = None
         self._chunks: list[bytes] = []
@@ -90,12 +108,45 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._data_at = time.monotonic()
+        if not self.expecting:
+            # Idle, or its response is complete: whatever this is, it answers no request, and
+            # parsed, it would become part of the next request's response.
+            self._poison()
+            return
+        if not self.head_done:
+            room = MAX_HEAD_BYTES - self._head_bytes
+            if len(data) > room:
+                self._head_bytes = MAX_HEAD_BYTES
+                if not self._feed(data[:room]):
+                    return
+                if not self.head_done:
+                    self._fail(ProtocolError(f"response head is over {MAX_HEAD_BYTES} bytes"))
+                    self.close()
+                    return
+                self.data_received(data[room:])
+                return
+            self._head_bytes += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ProtocolError(f"upstream answered something that is not HTTP ({exc})"))
-            assert self.transport is not None  # noqa: S101 - data came from it
-            self.transport.close()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.complete:
+                self._poison()  # a complete response, then bytes past its end
+            else:
+                self._fail(
+                    self._refusal
+                    or ProtocolError(f"upstream answered something that is not HTTP ({exc})")
+                )
+                self.close()
+            return False
+        return True
+
+    def _poison(self) -> None:
+        self.poisoned = True
+        self.expecting = False
+        self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -107,11 +158,24 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Surplus
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                self._refusal = ProtocolError("upstream switched protocols (101); not relayed")
+                raise self._refusal
+            # 100 Continue, 103 Early Hints: informational, the real answer follows.
+            self._interim = True
+            self.headers = []
+            return
+        self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         self.head_done = True
         self._wake()
@@ -126,7 +190,11 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
+        self.expecting = False
         self._wake()
 
     # -- used by Response ---------------------------------------------------------------------
@@ -193,20 +261,19 @@ def _closed_by_peer(conn: _Connection) -> bool:
 
 
 def _peer_closed(conn: _Connection) -> bool:
-    """Has the peer's FIN (or anything at all) arrived on this idle connection's socket?"""
+    """Has the peer's FIN (or anything at all) arrived on this idle connection's socket?
+
+    Asked of the kernel, so it also sees what the loop has not read yet. A quiet, open
+    keep-alive connection is not readable; a closed one, or one holding bytes nobody asked
+    for, is, and is no connection to reuse.
+    """
     transport = conn.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None:
         return True
-    # A duplicate of the descriptor: uvloop's socket object does not offer recv().
-    with socket.socket(fileno=os.dup(sock.fileno())) as probe:
-        try:
-            probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False  # open, and quiet, as an idle keep-alive connection should be
-        except OSError:
-            return True
-    return True  # b"" (closed) or bytes nobody asked for: not a connection to reuse
+    poll = select.poll()
+    poll.register(sock.fileno(), select.POLLIN)
+    return bool(poll.poll(0))
 
 
 async def _head(conn: _Connection, stall_s: float | None) -> None:
@@ -259,21 +326,30 @@ class Response:
                 raise conn.error
             await conn.wait(self._client.stall_s)
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
         """The whole body, waking once at its end rather than at every chunk.
 
         An assembled answer from llama-server comes one token per chunk: woken for each, the
         reader would spend a task switch per token on bytes it only needs at the end.
+        A body longer than `limit` raises BodyTooLarge once that much has arrived.
         """
         conn = self._conn
         if self._head_only:
             return b""
+        length = self.content_length
+        if limit is not None and length is not None and length > limit:
+            raise BodyTooLarge(f"the {self.status} answer is {length} bytes, over {limit}")
         parts = []
+        size = 0
         conn.lazy = True
         try:
             while True:
                 if conn._chunks:
-                    parts.append(conn.take())
+                    part = conn.take()
+                    size += len(part)
+                    if limit is not None and size > limit:
+                        raise BodyTooLarge(f"the {self.status} answer is over {limit} bytes")
+                    parts.append(part)
                 if conn.complete:
                     return b"".join(parts)
                 if conn.error is not None:
@@ -288,6 +364,9 @@ class Response:
             return
         self._done = True
         conn = self._conn
+        if conn.poisoned:
+            self._client._prepare()  # closed when it was poisoned
+            return
         if conn.complete and conn.error is None and conn.keep_alive and not self._head_only:
             if self.content_type == _SSE:
                 self._client._after_stream(conn)
@@ -324,7 +403,8 @@ class Client:
         self._host = host
         self._port = port
         self._ssl = ssl.create_default_context() if tls else None
-        self._host_header = f"{host}:{port}".encode("idna")
+        # An IPv6 literal goes in brackets, as in a URL (RFC 9110 section 7.2).
+        self._host_header = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("idna")
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
         self.stall_s = stall_s
@@ -341,6 +421,7 @@ class Client:
         """Send one request and wait for the response's head."""
         conn = self._take_idle() or await self._connect()
         conn._reset()
+        conn.expecting = True
         head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), b"host: ", self._host_header]
         for name, value in headers:
             head += (b"\r\n", name, b": ", value)
@@ -367,12 +448,18 @@ class Client:
             # llama-server drops idle connections after 5 s; one that may be closing under us
             # could swallow a POST that cannot be retried, so stale ones are closed instead.
             if _closed_by_peer(conn):
-                if conn.carried_stream and now - conn.idle_since < self._keepalive_s:
+                if (
+                    conn.carried_stream
+                    and not conn.poisoned
+                    and now - conn.idle_since < self._keepalive_s
+                ):
                     # Pooled after a stream, and closed before it idled out: this upstream
                     # closes after streams after all (it was restarted as another build).
                     self.streams_kept = False
                 continue
-            if now - conn.idle_since > self._keepalive_s:
+            # Also asked of the kernel: a FIN or stray bytes that arrived since the loop last
+            # looked would otherwise fail this request or be read as its response.
+            if now - conn.idle_since > self._keepalive_s or _peer_closed(conn):
                 conn.close()
                 continue
             return conn

@@ -19,7 +19,7 @@ from urllib.parse import quote
 from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, Ticket
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
-from .client import ClientError, Response
+from .client import BodyTooLarge, ClientError, Response
 from .endpoints import Demand, Endpoint, admitted, check_content_type, demand
 from .errors import (
     BadRequest,
@@ -84,6 +84,9 @@ WATCH_AFTER_S = 0.02
 WHOLE_BODY_BYTES = 1024 * 1024
 #: Stands for the unknown slot count while a request is checked before llama-server is up.
 _UNSIZED = sys.maxsize
+#: The most of an upstream error read to relay it as one event into a waiting stream.
+#: llama-server's errors are a few hundred bytes; one longer is no error a client can use.
+ERROR_BODY_BYTES = 64 * 1024
 _REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ids = itertools.count(1)
 _id_prefix = secrets.token_hex(4)
@@ -100,7 +103,7 @@ class _Exchange:
 
     __slots__ = (
         "bytes_out", "held_bytes", "id", "method", "origin", "outcome", "path", "route", "sse",
-        "started", "status", "ticket", "upstream_status", "weight",
+        "started", "status", "tail", "ticket", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, request_id: str, method: str, path: str) -> None:
@@ -111,6 +114,7 @@ class _Exchange:
         self.started = time.monotonic()
         self.status = 0
         self.sse = False  # an event stream's head has gone out: errors now go in-stream
+        self.tail = b"\n\n"  # the last bytes relayed into a stream: did they end an event?
         self.upstream_status: int | None = None
         self.outcome = "served"
         self.bytes_out = 0
@@ -542,6 +546,7 @@ class Proxy:
         try:
             while chunk:
                 ex.bytes_out += len(chunk)
+                ex.tail = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await response.readany()
             await ex.upstream_done(response)
@@ -618,7 +623,7 @@ class Proxy:
             if response.status != 200 or response.content_type != "text/event-stream":
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
-                error = await response.read()
+                error = await response.read(ERROR_BODY_BYTES)
                 self._upstream.check_failure(error)
                 await ex.upstream_done(response)
                 ex.outcome = "upstream_error"
@@ -627,6 +632,7 @@ class Proxy:
             else:
                 while chunk := await response.readany():
                     ex.bytes_out += len(chunk)
+                    ex.tail = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await ex.upstream_done(response)
         except ClientError as exc:
@@ -828,10 +834,13 @@ def _id_headers(request_id: str) -> Headers:
 def _upstream_failure(exc: BaseException) -> UpstreamFailed:
     if isinstance(exc, TimeoutError):
         return UpstreamFailed("llama-server went silent for longer than UPSTREAM_STALL_TIMEOUT")
+    if isinstance(exc, BodyTooLarge):
+        return UpstreamFailed(f"llama-server's error could not be relayed: {exc}")
     return UpstreamFailed(f"llama-server broke off the response ({type(exc).__name__})")
 
 
 async def _send_event(send: Send, event: bytes, ex: _Exchange) -> None:
+    event = _on_boundary(ex, event)
     ex.bytes_out += len(event)
     await send({"type": "http.response.body", "body": event, "more_body": True})
 
@@ -843,7 +852,8 @@ async def _final_words(
     try:
         async with asyncio.timeout(1.0):
             if ex.sse:
-                await send({"type": "http.response.body", "body": stream_event(r, flavor),
+                await send({"type": "http.response.body",
+                            "body": _on_boundary(ex, stream_event(r, flavor)),
                             "more_body": False})  # fmt: skip
             else:
                 status, headers, body = render(r, flavor)
@@ -853,3 +863,11 @@ async def _final_words(
                 await send({"type": "http.response.body", "body": body, "more_body": False})
     except (OSError, RuntimeError, TimeoutError):
         log.debug("could not tell a cancelled client why", exc_info=True)
+
+
+def _on_boundary(ex: _Exchange, event: bytes) -> bytes:
+    """The event, after a blank line if the bytes relayed last left an event unfinished (the
+    upstream cut mid-event): glued on, it would become part of that event's last line."""
+    if ex.tail.endswith((b"\n\n", b"\r\n\r\n")):
+        return event
+    return b"\n\n" + event

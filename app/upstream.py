@@ -38,6 +38,9 @@ _CONTEXT_EXHAUSTED = b"Context size has been exceeded"
 
 #: llama-server's own headers on /metrics that slotgate's merged /metrics carries on.
 _METRICS_HEADERS = frozenset({b"process-start-time-unix"})
+#: The most of /props or /metrics slotgate reads; llama-server's are tens of KiB at most (the
+#: chat template is the largest part), and an answer past this is no /props slotgate can use.
+CONTROL_BODY_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +176,7 @@ class Upstream:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
             response = await self._client.request("GET", self._root + path, headers, b"")
             try:
-                body = await response.read()
+                body = await response.read(CONTROL_BODY_BYTES)
             except BaseException:
                 response.close()
                 raise

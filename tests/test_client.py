@@ -7,13 +7,15 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import uvloop
 from slotgate import client as client_module
-from slotgate.client import Client, ConnectFailed
+from slotgate.client import BodyTooLarge, Client, ConnectFailed, ProtocolError
 
+from tests.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
 from tests.standin import StandIn
 
 
@@ -272,3 +274,201 @@ def test_a_probe_that_outlives_a_stall_still_sees_the_upstream_close(
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         assert runner.run(scenario()) == (False, 6)
+
+
+# -- against a hostile upstream ----------------------------------------------------------------
+
+
+@pytest.fixture
+async def hostile() -> AsyncIterator[Hostile]:
+    upstream = Hostile()
+    await upstream.start()
+    yield upstream
+    await upstream.stop()
+
+
+def client_of(hostile: Hostile) -> Client:
+    return Client(hostile.host, hostile.port, tls=False, connect_timeout_s=2, keepalive_s=4,
+                  stall_s=5)  # fmt: skip
+
+
+async def exchange(client: Client) -> tuple[int, bytes, client_module.Response]:
+    response = await client.request("POST", "/tokenize", [], b"{}")
+    body = await response.read()
+    response.release()
+    return response.status, body, response
+
+
+def connections(hostile: Hostile) -> list[int]:
+    """The connection each answered request came on, in order."""
+    return [request.connection for request in hostile.served()]
+
+
+async def test_two_responses_in_one_read_give_the_first_and_close_the_connection(
+    hostile: Hostile,
+) -> None:
+    hostile.script.append(
+        sends(reply(200, b'{"n":1}') + reply(200, b'{"n":"extra"}', (("X-Extra", "1"),)))
+    )
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    status, body, first = await exchange(client)
+    assert (status, body) == (200, b'{"n":1}')
+    assert first.header(b"x-extra") is None
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 2]  # the one that sent too much was not reused
+    client.close()
+
+
+async def test_a_response_arriving_on_an_idle_connection_closes_it(hostile: Hostile) -> None:
+    hostile.script.append(sends(reply(200, b'{"n":1}'), 0.05, reply(200, b'{"n":"extra"}')))
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    await exchange(client)
+    await asyncio.sleep(0.2)  # the response too many arrives while the connection is pooled
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 2]
+    client.close()
+
+
+async def test_a_response_too_many_never_becomes_part_of_the_next_answer(
+    hostile: Hostile,
+) -> None:
+    # Its head arrives while the connection idles; its body comes with the next real answer.
+    hostile.script.append(
+        sends(reply(200, b'{"n":1}'), 0.05, b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n")
+    )
+
+    async def second(peer: Peer, _: Request) -> None:
+        if peer.number == 1:
+            await peer.write(b'"extra"')
+        await peer.write(reply(200, b'{"n":2}'))
+
+    hostile.script.append(second)
+    client = client_of(hostile)
+    await exchange(client)
+    await asyncio.sleep(0.2)
+    assert (await exchange(client))[:2] == (200, b'{"n":2}')
+    client.close()
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_bytes_the_loop_has_not_read_yet_keep_an_idle_connection_from_reuse(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    async def scenario() -> tuple[bytes, list[int]]:
+        hostile = Hostile(fallback=sends(reply(200, b'{"n":2}')))
+        hostile.script.append(sends(reply(200, b'{"n":1}')))
+        await hostile.start()
+        client = client_of(hostile)
+        try:
+            await exchange(client)
+            hostile.peers[1].write_now(reply(200, b'{"n":"extra"}'))
+            time.sleep(0.05)  # noqa: ASYNC251 - in the kernel now, and the loop has not looked
+            _, body, _ = await exchange(client)
+            return body, connections(hostile)
+        finally:
+            client.close()
+            await hostile.stop()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        assert runner.run(scenario()) == (b'{"n":2}', [1, 2])
+
+
+async def test_a_response_head_over_the_bound_fails_and_costs_no_more_than_the_bound(
+    hostile: Hostile,
+) -> None:
+    hostile.script.append(huge_head(20 * MiB))
+    client = client_of(hostile)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match="head"):
+            await client.request("POST", "/tokenize", [], b"{}")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * MiB  # the bound is 64 KiB: nothing near the 20 MB head was held
+    assert hostile.sent < 20 * MiB  # and slotgate hung up rather than read it all
+    client.close()
+
+
+async def test_a_head_within_the_bound_is_read_whatever_its_pieces(hostile: Hostile) -> None:
+    padding = "a" * (client_module.MAX_HEAD_BYTES - 200)
+    answer = reply(200, b'{"n":1}', (("X-Padding", padding),))
+    hostile.script.append(sends(*(answer[i : i + 1000] for i in range(0, len(answer), 1000))))
+    client = client_of(hostile)
+    status, body, response = await exchange(client)
+    assert (status, body) == (200, b'{"n":1}')
+    assert response.header(b"x-padding") == padding.encode()
+    client.close()
+
+
+async def test_a_body_that_arrives_with_its_head_past_the_bound_is_read_intact(
+    hostile: Hostile,
+) -> None:
+    body = bytes(range(256)) * 2000  # 512,000 bytes, one write: the first read crosses the bound
+    hostile.script.append(sends(reply(200, body, (("Content-Type", "application/octet-stream"),))))
+    client = client_of(hostile)
+    assert (await exchange(client))[:2] == (200, body)
+    client.close()
+
+
+async def test_interim_answers_are_skipped_for_the_final_one(hostile: Hostile) -> None:
+    hostile.script.append(
+        sends(
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n",
+            reply(200, b'{"n":1}', (("X-Final", "1"),)),
+        )
+    )
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    status, body, response = await exchange(client)
+    assert (status, body) == (200, b'{"n":1}')
+    assert response.header(b"x-final") == b"1"
+    assert response.header(b"link") is None  # the interim answer's headers are not the answer's
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 1]  # a 1xx is part of the exchange, not a surplus
+    client.close()
+
+
+async def test_a_switching_protocols_answer_is_a_protocol_error(hostile: Hostile) -> None:
+    hostile.script.append(
+        sends(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\nframes")
+    )
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    with pytest.raises(ProtocolError, match="101"):
+        await client.request("POST", "/tokenize", [], b"{}")
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 2]
+    client.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+async def test_a_body_read_whole_stops_at_its_limit(hostile: Hostile, chunked: bool) -> None:
+    hostile.script.append(huge_error(200 * MiB, chunked=chunked))
+    client = client_of(hostile)
+    response = await client.request("POST", "/tokenize", [], b"{}")
+    assert response.status == 500
+    with pytest.raises(BodyTooLarge, match="65536"):
+        await response.read(limit=65536)
+    response.release()  # an unfinished body: its connection is closed
+    assert not client._idle
+    assert hostile.sent < 200 * MiB
+    client.close()
+
+
+async def test_an_ipv6_upstream_gets_its_host_in_brackets() -> None:
+    hostile = Hostile(host="::1")
+    try:
+        await hostile.start()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    client = client_of(hostile)
+    try:
+        assert (await exchange(client))[0] == 200
+    finally:
+        client.close()
+        await hostile.stop()
+    assert hostile.requests[0].headers[b"host"] == f"[::1]:{hostile.port}".encode()
