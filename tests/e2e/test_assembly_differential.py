@@ -19,10 +19,11 @@ ROUTES = (NATIVE, OPENAI, CHAT)
 #: Keys whose values differ between any two requests: compared for presence only.
 LOOSE = frozenset({"id", "created", "system_fingerprint", "timings", "cached_tokens", "id_slot"})
 #: Headers that differ between any two answers, or are the connection's, not the answer's;
-#: and Server, which slotgate leaves off every answer it relays, assembled or not.
+#: Server, which slotgate leaves off every answer it relays, assembled or not; and the request
+#: id, which slotgate gives every answer under both names SDKs read (x-request-id, request-id).
 HEADERS_LOOSE = frozenset(
-    {"date", "content-length", "keep-alive", "connection", "x-request-id", "transfer-encoding",
-     "server"}
+    {"date", "content-length", "keep-alive", "connection", "x-request-id", "request-id",
+     "transfer-encoding", "server"}
 )  # fmt: skip
 #: Options whose non-streamed answer a stream cannot reproduce: slotgate forwards requests
 #: carrying them as sent (README, "Non-streamed completions travel upstream as streams").
