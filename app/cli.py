@@ -202,6 +202,11 @@ def cannot_listen(host: str, port: int, names: tuple[str, str], exc: OSError) ->
     return f"slotgate: cannot listen on {shown}:{port} ({name}={value}): {reason}"
 
 
+def base_url(host: str, port: int) -> str:
+    """slotgate's URL on `host`, an IPv6 address in brackets as URLs need it."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve(
     settings: Settings,
     engine_exit: Callable[[], int | None] | None = None,
@@ -244,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = int(sockets[0].getsockname()[1])  # PORT=0 picks one
         if not (args.model or args.demo):
-            log.info("slotgate fronting %s on http://%s:%d", settings.llama_server_url,
-                     settings.host, port)  # fmt: skip
+            log.info("slotgate fronting %s on %s", settings.llama_server_url,
+                     base_url(settings.host, port))  # fmt: skip
             return serve(settings, sockets=sockets)
         export_engine_variables()
         with _local_engine(args) as (url, engine_exit):
@@ -284,7 +289,7 @@ _EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,
 
 
 def _print_usage(settings: Settings, port: int) -> None:
-    base = f"http://{settings.host}:{port}"
+    base = base_url(settings.host, port)
     print(  # noqa: T201 - the banner a person starting the demo reads
         f"\nslotgate is starting on {base}, in front of llama.cpp at {settings.llama_server_url}\n"
         f"  OpenAI base URL:  {base}/v1   (any API key)\n"

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -309,3 +310,43 @@ async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_r
     after_drain_began = seen[seen.index(503) :] if 503 in seen else []
     assert 200 not in after_drain_began
     assert body.endswith(b"data: [DONE]\n\n")  # the running stream was still let finish
+
+
+def answered(url: str, timeout_s: float = 20) -> int:
+    """The status `url` answers with, once something listens there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(url).status_code
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_the_start_up_line_gives_an_ipv6_address_as_a_url_that_answers(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "HOST": "::1", "PORT": str(port), "LLAMA_SERVER_URL": "http://127.0.0.1:9"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert line.rstrip().endswith(
+                f"slotgate fronting http://127.0.0.1:9 on http://[::1]:{port}"
+            )
+            url = line.rsplit(" ", 1)[1].strip()
+            assert answered(url + "/healthz") == 200
+        finally:
+            proc.kill()
