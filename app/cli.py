@@ -257,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             settings = settings.model_copy(update={"llama_server_url": url})
             _print_usage(settings, port)
             return serve(settings, engine_exit, sockets)
+    except KeyboardInterrupt:
+        # Ctrl-C before uvicorn took the signal over (assembling the demo model, loading one):
+        # the engine has been stopped on the way out; a traceback would say nothing more.
+        print("slotgate: interrupted while starting; stopped", file=sys.stderr)  # noqa: T201
+        return 130
     finally:
         for sock in sockets:
             sock.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -350,3 +351,34 @@ def test_the_start_up_line_gives_an_ipv6_address_as_a_url_that_answers(tmp_path:
             assert answered(url + "/healthz") == 200
         finally:
             proc.kill()
+
+
+def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    from tests.test_engine import FAKE_SERVER, wait_gone
+
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_SERVER.format(python=sys.executable))
+    server.chmod(0o755)
+    record = tmp_path / "record.json"
+    env = {**os.environ, "LLAMA_SERVER_BIN": str(server), "FAKE_RECORD": str(record),
+           "FAKE_MODE": "mute", "PORT": "0"}  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            while not record.exists() or not record.read_text().endswith("}"):
+                assert proc.poll() is None
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "slotgate: interrupted while starting; stopped"
+    wait_gone(json.loads(record.read_text())["pid"])  # llama-server was stopped too
