@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -38,8 +38,15 @@ def _env_help() -> str:
     return "\n".join(lines)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag answered in one line like a bad variable, not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see slotgate --help\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="slotgate",
         description=(
             "Admission gate for llama.cpp's llama-server: at most N generations through, a "
@@ -50,10 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"slotgate {__version__}")
-    parser.add_argument("--host", help="address to listen on (overrides HOST)")
+    parser.add_argument("--host", type=_address, help="address to listen on (overrides HOST)")
     parser.add_argument("--port", type=_port, help="port to listen on (overrides PORT)")
     local = parser.add_argument_group("local llama.cpp engine (instead of LLAMA_SERVER_URL)")
-    local.add_argument("--model", metavar="PATH.gguf", help="start llama.cpp on this model")
+    local.add_argument(
+        "--model", type=_path, metavar="PATH.gguf", help="start llama.cpp on this model"
+    )
     local.add_argument(
         "--demo", action="store_true", help="start llama.cpp on the small gemma-3 270M model"
     )
@@ -70,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     engine_only = {"--parallel": args.parallel, "--ctx-size": args.ctx_size,
                    "--threads": args.threads, "--engine-log": args.engine_log}  # fmt: skip
     given = [flag for flag, value in engine_only.items() if value is not None]
+    if args.model and args.demo:
+        parser.error("--model and --demo exclude each other; give one of them")
     if given and not (args.model or args.demo):
         parser.error(f"{given[0]} needs --model or --demo: it applies to a local engine only")
     args.parallel = args.parallel or 2
@@ -86,6 +97,19 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port from 0 to 65535")
     return value
+
+
+def _address(text: str) -> str:
+    # An empty --host would listen on every interface of the machine, not on none.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give an address such as 127.0.0.1 or ::1")
+    return text
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give the path of a .gguf model")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -269,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], int | None]]]:
-    from .engine import EngineFailed, LocalEngine  # xllamacpp is an optional extra
+    from .engine import EngineFailed, EngineMisconfigured, LocalEngine  # stdlib only
 
     try:
         engine = LocalEngine.from_args(
@@ -283,7 +307,8 @@ def _local_engine(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
         engine.start()
     except EngineFailed as exc:
         print(f"slotgate: {exc}", file=sys.stderr)  # noqa: T201 - start-up failure, one line
-        raise SystemExit(1) from None
+        # A bad flag or variable exits 2, as a bad setting does; an engine that fails, 1.
+        raise SystemExit(2 if isinstance(exc, EngineMisconfigured) else 1) from None
     try:
         yield engine.url, engine.poll
     finally:

@@ -61,6 +61,11 @@ class EngineFailed(Exception):
     """The local engine could not be set up, started or kept; the message says what to do."""
 
 
+class EngineMisconfigured(EngineFailed):
+    """A flag or variable names what the engine cannot use: a model that is no GGUF file,
+    a LLAMA_SERVER_BIN that is no program. The message names the flag or the variable."""
+
+
 # -- what to run ----------------------------------------------------------------------------------
 
 
@@ -129,13 +134,15 @@ def checked_model(path: Path) -> Path:
         with path.open("rb") as file:
             magic = file.read(len(_GGUF_MAGIC))
     except FileNotFoundError:
-        raise EngineFailed(
+        raise EngineMisconfigured(
             f"--model {path}: no such file; give the path of a llama.cpp .gguf model, or use --demo"
         ) from None
     except OSError as exc:
-        raise EngineFailed(f"--model {path}: cannot read it ({exc.strerror or exc})") from None
+        raise EngineMisconfigured(
+            f"--model {path}: cannot read it ({exc.strerror or exc})"
+        ) from None
     if magic != _GGUF_MAGIC:
-        raise EngineFailed(
+        raise EngineMisconfigured(
             f"--model {path} is not a GGUF file (it does not start with 'GGUF'); "
             "give a llama.cpp .gguf model"
         )
@@ -145,11 +152,13 @@ def checked_model(path: Path) -> Path:
 def resolve_model(model: str | None, demo: bool) -> Path:
     """The model file that --model or --demo names."""
     if model and demo:
-        raise EngineFailed("--model and --demo exclude each other; give one of them")
+        raise EngineMisconfigured("--model and --demo exclude each other; give one of them")
     if demo:
         return demo_model()
     if not model:
-        raise EngineFailed("no model: give --model PATH.gguf, or --demo for the small demo model")
+        raise EngineMisconfigured(
+            "no model: give --model PATH.gguf, or --demo for the small demo model"
+        )
     return checked_model(Path(model).expanduser())
 
 
@@ -159,7 +168,7 @@ def find_binary() -> str | None:
     if named:
         found = shutil.which(named)
         if found is None:
-            raise EngineFailed(
+            raise EngineMisconfigured(
                 f"LLAMA_SERVER_BIN={named} is not an executable file; point it at llama-server, "
                 "or unset it to use xllamacpp"
             )

@@ -97,9 +97,48 @@ def test_version_is_printed() -> None:
 def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
     result = run({}, flag, "4")
     assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
-        f"slotgate: error: {flag} needs --model or --demo: it applies to a local engine only"
-    )
+    assert result.stderr.splitlines() == [
+        f"slotgate: error: {flag} needs --model or --demo: it applies to a local engine only; "
+        "see slotgate --help"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--port", "99999"], "argument --port: '99999' is not a port from 0 to 65535"),
+        (
+            ["--demo", "--model", "x.gguf"],
+            "--model and --demo exclude each other; give one of them",
+        ),
+        (["--model="], "argument --model: is empty; give the path of a .gguf model"),
+        (["--host="], "argument --host: is empty; give an address such as 127.0.0.1 or ::1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+    ids=["port", "model-and-demo", "empty-model", "empty-host", "unknown"],
+)
+def test_a_bad_flag_stops_start_up_with_one_line_naming_it(args: list[str], line: str) -> None:
+    result = run({}, *args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"slotgate: error: {line}; see slotgate --help"]
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [(b"", "no such file"), (b"not a model", "is not a GGUF file")],
+    ids=["missing", "not-gguf"],
+)
+def test_a_model_slotgate_cannot_use_stops_start_up_with_one_line_and_status_2(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    model = tmp_path / "model.gguf"
+    if content:
+        model.write_bytes(content)
+    result = run({"PORT": "0"}, "--model", str(model), cwd=tmp_path)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"slotgate: --model {model}")
+    assert said in line
 
 
 @pytest.fixture
@@ -171,7 +210,7 @@ def test_the_engine_s_variables_are_read_from_dotenv_too(tmp_path: Path) -> None
         env={**env, "PORT": str(free_port())}, capture_output=True, text=True, timeout=60,
         check=False,
     )  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert (
         result.stderr.strip()
         .splitlines()[-1]
