@@ -199,6 +199,9 @@ def listen(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and sockets[1:]:
+                # PORT=0 on a name with several addresses (localhost): one port for them all.
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             sock.bind(address)
             # Listening at once holds the port: a second bind would succeed until then.
             sock.listen(2048)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from aiohttp import web
 from slotgate import __version__
+from slotgate.cli import listen
 from slotgate.settings import Settings
 
 from tests.conftest import chat, serve
@@ -421,3 +422,22 @@ def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == "slotgate: interrupted while starting; stopped"
     wait_gone(json.loads(record.read_text())["pid"])  # llama-server was stopped too
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_port_0_on_a_name_with_two_addresses_listens_on_one_port_for_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    both = [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0)),
+        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+    ]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: both)
+    sockets = listen("localhost", 0)
+    try:
+        ports = {sock.getsockname()[1] for sock in sockets}
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert len(sockets) == 2
+    assert len(ports) == 1
