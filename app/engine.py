@@ -53,6 +53,9 @@ DEMO_CHAT_TEMPLATE = "gemma"
 #: Warnings that are true of llama-server in general but not of an engine on a private
 #: loopback port behind slotgate; shown only with `--engine-log all`, as information.
 _MOOT_WARNINGS = ("security: no API key is set",)
+#: The demo model's own quirk, harmless and nothing its user can act on: llama.cpp calls it
+#: "probably a bug in the model" at every start. Shown for a model of one's own.
+_DEMO_MOOT_WARNINGS = ("control-looking token",)
 #: How many hidden lines an engine that ended by itself leaves in slotgate's log.
 _CRASH_LINES = 20
 
@@ -239,6 +242,7 @@ class LocalEngine:
         binary: str | None = None,
         chat_template: str | None = None,
         log_all: bool = False,
+        moot_warnings: tuple[str, ...] = _MOOT_WARNINGS,
         start_timeout_s: float = START_TIMEOUT_S,
         stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
@@ -251,6 +255,8 @@ class LocalEngine:
         self.chat_template = chat_template
         #: Forward every line of llama.cpp's log, not only its warnings and errors.
         self.log_all = log_all
+        #: Warnings shown as information: true of llama.cpp in general, not of this engine.
+        self.moot_warnings = moot_warnings
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.url = ""
@@ -292,6 +298,7 @@ class LocalEngine:
             binary=binary,
             chat_template=DEMO_CHAT_TEMPLATE if demo else None,
             log_all=log_all,
+            moot_warnings=_MOOT_WARNINGS + _DEMO_MOOT_WARNINGS if demo else _MOOT_WARNINGS,
         )
 
     @property
@@ -444,7 +451,7 @@ class LocalEngine:
             # much of a crash is shown when the engine ends by itself.
             found, text = parse_log_line(line)
             level = level if found is None else found
-            if level >= logging.WARNING and any(moot in text for moot in _MOOT_WARNINGS):
+            if level >= logging.WARNING and any(moot in text for moot in self.moot_warnings):
                 level = logging.INFO
             shown = self.log_all or level >= logging.WARNING
             self._tail.append((level, text, shown))

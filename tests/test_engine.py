@@ -70,6 +70,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 server = http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health)
 print("0.00.002.530 W srv init: security: no API key is set and CORS allows all origins",
       file=sys.stderr, flush=True)
+print("W load: control-looking token:    212 '</s>' was not control-type", file=sys.stderr)
 print("I srv init: chat template, example_format: '<start_of_turn>user", file=sys.stderr)
 print("Hello<end_of_turn>'", file=sys.stderr)
 print("W srv init: fake llama-server listening", file=sys.stderr, flush=True)
@@ -379,6 +380,33 @@ def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_wi
     assert DEMO_CHAT_TEMPLATE == "gemma"
     assert demo.command(8081)[-2:] == ["--chat-template", "gemma"]
     assert "--chat-template" not in own.command(8081)
+
+
+def test_the_demo_model_s_harmless_quirk_is_not_a_warning_but_a_model_of_one_s_own_s_is(
+    demo_package: FakeDemoPackage,
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("SLOTGATE_CACHE_DIR", str(tmp_path / "cache"))
+    quirk = "load: control-looking token:    212 '</s>' was not control-type"
+    warned = {}
+    for demo in (True, False):
+        local = LocalEngine.from_args(
+            model=None if demo else str(model), demo=demo, parallel=2, ctx_size=64, threads=1
+        )
+        engines.append(local)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+            local.start()
+            lines = forwarded(caplog, until="srv init: fake llama-server listening")
+        warned[demo] = (logging.WARNING, quirk) in lines
+        local.stop()
+
+    assert warned == {True: False, False: True}
 
 
 @pytest.mark.parametrize(
