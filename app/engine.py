@@ -46,6 +46,10 @@ _GGUF_MAGIC = b"GGUF"
 # llama.cpp's log lines: an optional "0.02.655.775" timestamp, then one level letter.
 _LOG_LINE = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?([DIWE]) (.*)$")
 _LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+#: What llama.cpp writes when it aborts, bypassing its logger: GGML_ABORT/GGML_ASSERT's
+#: "file.cpp:123: message", or the C++ runtime's uncaught exception. The cause of the crash;
+#: a debugger's backtrace usually follows, lines of no use to the reader.
+_ABORT_LINE = re.compile(r"^\S+\.(?:c|cc|cpp|cu|h|hpp|m|mm):\d+: |^terminate called after")
 #: The demo model carries no chat template, and llama.cpp's fallback (ChatML) makes gemma
 #: answer `<|im_end|>` and `<|im_start|>` again and again. llama.cpp's built-in gemma template
 #: exists only outside its Jinja mode, which is on by default since late 2025.
@@ -442,6 +446,7 @@ class LocalEngine:
 
     def _forward_log(self, output: IO[bytes]) -> None:
         level = logging.INFO
+        aborted = False
         for raw in output:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
@@ -451,12 +456,21 @@ class LocalEngine:
             # much of a crash is shown when the engine ends by itself.
             found, text = parse_log_line(line)
             level = level if found is None else found
-            if level >= logging.WARNING and any(moot in text for moot in self.moot_warnings):
-                level = logging.INFO
-            shown = self.log_all or level >= logging.WARNING
-            self._tail.append((level, text, shown))
+            this = level
+            if found is None and _ABORT_LINE.match(line):
+                this, aborted = logging.ERROR, True
+            elif found is None and aborted:
+                # The backtrace after an abort: out of the tail, where the lines that led to
+                # the abort are worth more to the reader.
+                if self.log_all:
+                    log.log(level, "%s", text)
+                continue
+            if this >= logging.WARNING and any(moot in text for moot in self.moot_warnings):
+                this = level = logging.INFO
+            shown = self.log_all or this >= logging.WARNING
+            self._tail.append((this, text, shown))
             if shown:
-                log.log(level, "%s", text)
+                log.log(this, "%s", text)
         if not self._stopping:
             hidden = [text for _, text, shown in self._tail if not shown][-_CRASH_LINES:]
             if hidden:

@@ -52,6 +52,14 @@ if mode == "fail":
     print("E load_model: failed to load model 'x'", file=sys.stderr, flush=True)
     print("E init: exiting due to model loading error", file=sys.stderr, flush=True)
     sys.exit(1)
+if mode == "abort":  # GGML_ABORT's line, then the debugger's backtrace it runs
+    print("I init: llama threadpool init, n_threads = 1", file=sys.stderr)
+    print("/src/llama.cpp/common/common.cpp:2245: get_sub_batch: failed to add token 1",
+          file=sys.stderr)
+    for frame in range(30):
+        print(f"#{{frame}} 0x00007f4a75245305 in somewhere ()", file=sys.stderr)
+    print("[Inferior 1 (process 11290) detached]", file=sys.stderr, flush=True)
+    os.abort()
 if mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "mute":
@@ -417,6 +425,7 @@ def test_the_demo_model_s_harmless_quirk_is_not_a_warning_but_a_model_of_one_s_o
         ("E llama_model_load: error loading", logging.ERROR, "llama_model_load: error loading"),
         ("D slot update: waiting", logging.DEBUG, "slot update: waiting"),
         ("main: server is listening", None, "main: server is listening"),
+
     ],
 )  # fmt: skip
 def test_llama_cpp_log_lines_keep_their_level(line: str, level: int | None, text: str) -> None:
@@ -560,6 +569,36 @@ def test_an_engine_that_exits_while_starting_fails_with_its_first_error(
     )
     assert local.pid is not None
     assert not running(local.pid)
+
+
+def test_an_engine_that_aborts_while_starting_fails_with_the_abort_s_line_not_a_backtrace(
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "abort")
+    local = fake_engine(model, engines)
+
+    with (
+        caplog.at_level(logging.INFO, logger="slotgate.engine"),
+        pytest.raises(EngineFailed) as failed,
+    ):
+        local.start()
+
+    assert str(failed.value) == (
+        "llama.cpp exited with code 134 before it was ready: "
+        "/src/llama.cpp/common/common.cpp:2245: get_sub_batch: failed to add token 1"
+    )
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "slotgate.engine"]
+    assert (
+        logging.ERROR,
+        "/src/llama.cpp/common/common.cpp:2245: get_sub_batch: failed to add token 1",
+    ) in logged
+    # What led to it is shown, the debugger's backtrace after it is not.
+    assert (logging.WARNING, "  init: llama threadpool init, n_threads = 1") in logged
+    assert not [text for _, text in logged if "0x00007f4a75245305" in text or "Inferior" in text]
 
 
 def test_an_engine_that_never_answers_health_fails_after_the_start_timeout(
