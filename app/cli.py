@@ -146,7 +146,9 @@ class Server(uvicorn.Server):
         if self._engine_exit is not None and counter % 5 == 0:
             code = self._engine_exit()
             if code is not None:
-                log.error("the local llama.cpp engine exited (code %s); slotgate stops", code)
+                from .engine import ended
+
+                log.error("the local llama.cpp engine %s; slotgate stops", ended(code))
                 self.engine_died = True
                 self.should_exit = True
         return await super().on_tick(counter)

@@ -425,7 +425,7 @@ class LocalEngine:
                 if self._reader is not None:
                     self._reader.join(timeout=2)  # so that its last words are in the tail
                 raise EngineFailed(
-                    f"llama.cpp {_ended(code)} before it was ready: {self._last_words()}"
+                    f"llama.cpp {ended(code)} before it was ready: {self._last_words()}"
                 )
             if _healthy(port):
                 return
@@ -496,7 +496,8 @@ def parse_log_line(line: str) -> tuple[int | None, str]:
     return _LEVELS[match[1]], match[2]
 
 
-def _ended(code: int) -> str:
+def ended(code: int) -> str:
+    """How the engine ended, from its exit code: `exited with code 1`, `was killed by SIGKILL`."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"

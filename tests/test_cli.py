@@ -393,10 +393,10 @@ def test_the_start_up_line_gives_an_ipv6_address_as_a_url_that_answers(tmp_path:
             proc.kill()
 
 
-def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
-    tmp_path: Path,
-) -> None:
-    from tests.test_engine import FAKE_SERVER, wait_gone
+def fake_engine_env(tmp_path: Path, mode: str) -> tuple[Path, Path, dict[str, str]]:
+    """A model file, where the fake llama-server records its call, and the environment that
+    makes slotgate --model run that fake (tests/test_engine.py's) on it."""
+    from tests.test_engine import FAKE_SERVER
 
     model = tmp_path / "tiny.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
@@ -405,7 +405,16 @@ def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
     server.chmod(0o755)
     record = tmp_path / "record.json"
     env = {**os.environ, "LLAMA_SERVER_BIN": str(server), "FAKE_RECORD": str(record),
-           "FAKE_MODE": "mute", "PORT": "0"}  # fmt: skip
+           "FAKE_MODE": mode, "PORT": "0"}  # fmt: skip
+    return model, record, env
+
+
+def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    from tests.test_engine import wait_gone
+
+    model, record, env = fake_engine_env(tmp_path, "mute")
     with subprocess.Popen(
         [sys.executable, "-m", "slotgate", "--model", str(model)],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -441,3 +450,29 @@ def test_port_0_on_a_name_with_two_addresses_listens_on_one_port_for_both(
             sock.close()
     assert len(sockets) == 2
     assert len(ports) == 1
+
+
+def test_an_engine_that_dies_under_slotgate_stops_it_with_status_1_and_its_last_lines(
+    tmp_path: Path,
+) -> None:
+    model, record, env = fake_engine_env(tmp_path, "serve")
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                if "llama.cpp is ready" in line:
+                    break
+            server = json.loads(record.read_text())["pid"]
+            # The engine is the fake llama-server's parent: the child slotgate started.
+            engine = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            os.kill(engine, signal.SIGKILL)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "the local llama.cpp engine was killed by SIGKILL; slotgate stops" in stderr
+    assert "llama.cpp ended; its last lines before that:" in stderr
+    assert "Traceback" not in stderr
