@@ -476,3 +476,20 @@ def test_an_engine_that_dies_under_slotgate_stops_it_with_status_1_and_its_last_
     assert "the local llama.cpp engine was killed by SIGKILL; slotgate stops" in stderr
     assert "llama.cpp ended; its last lines before that:" in stderr
     assert "Traceback" not in stderr
+
+
+def test_the_readme_s_commands_install_into_a_venv_and_run_slotgate_from_it() -> None:
+    readme = (APP.parent / "README.md").read_text()
+    commands = [
+        command.strip()
+        for block in re.findall(r"```sh\n(.*?)```", readme, re.DOTALL)
+        for line in block.splitlines()
+        for command in line.split("#")[0].split("&&")
+        if command.strip()
+    ]
+    assert commands
+    for command in commands:
+        program = next(word for word in command.split() if "=" not in word)
+        # A bare pip meets an externally managed Python on many distributions; a bare
+        # slotgate is not on PATH after an install into .venv.
+        assert program not in ("pip", "pip3", "slotgate"), command
