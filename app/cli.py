@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         line = f"slotgate: invalid .env: not UTF-8 text ({exc.reason} at byte {exc.start})"
         print(line, file=sys.stderr)  # noqa: T201
         return 2
+    except OSError as exc:  # a .env that is there but cannot be read
+        print(f"slotgate: cannot read .env: {exc.strerror or exc}", file=sys.stderr)  # noqa: T201
+        return 2
     logs.configure(settings.log_level, settings.log_format)
     for warning in misspelt():
         log.warning("%s", warning)

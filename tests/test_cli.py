@@ -14,11 +14,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
-from slotgate import __version__
+from slotgate import __version__, cli
 from slotgate.cli import listen
 from slotgate.settings import Settings
 
@@ -493,3 +494,15 @@ def test_the_readme_s_commands_install_into_a_venv_and_run_slotgate_from_it() ->
         # A bare pip meets an externally managed Python on many distributions; a bare
         # slotgate is not on PATH after an install into .venv.
         assert program not in ("pip", "pip3", "slotgate"), command
+
+
+def test_a_dotenv_that_cannot_be_read_stops_start_up_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Unreadable(Settings):
+        def __init__(self, **given: Any) -> None:
+            raise PermissionError(13, "Permission denied", ".env")
+
+    monkeypatch.setattr(cli, "Settings", Unreadable)
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err.splitlines() == ["slotgate: cannot read .env: Permission denied"]
