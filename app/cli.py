@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("slotgate fronting %s on %s", settings.llama_server_url,
                      base_url(settings.host, port))  # fmt: skip
             return serve(settings, sockets=sockets)
+        if "llama_server_url" in settings.model_fields_set:
+            log.warning("LLAMA_SERVER_URL=%s is ignored: --model/--demo front their own engine",
+                        settings.llama_server_url)  # fmt: skip
         export_engine_variables()
         with _local_engine(args) as (url, engine_exit):
             settings = settings.model_copy(update={"llama_server_url": url})

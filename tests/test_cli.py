@@ -506,3 +506,17 @@ def test_a_dotenv_that_cannot_be_read_stops_start_up_with_one_line(
     monkeypatch.setattr(cli, "Settings", Unreadable)
     assert cli.main([]) == 2
     assert capsys.readouterr().err.splitlines() == ["slotgate: cannot read .env: Permission denied"]
+
+
+def test_a_llama_server_url_beside_a_local_engine_is_said_to_be_ignored(tmp_path: Path) -> None:
+    model, _, env = fake_engine_env(tmp_path, "fail")
+    env["LLAMA_SERVER_URL"] = "http://127.0.0.1:8080"
+    result = subprocess.run(
+        [sys.executable, "-m", "slotgate", "--model", str(model)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1  # the fake engine fails to load, after the warning
+    warnings = [line for line in result.stderr.splitlines() if " WARNING slotgate " in line]
+    assert [line.split(" slotgate ", 1)[1] for line in warnings] == [
+        "LLAMA_SERVER_URL=http://127.0.0.1:8080 is ignored: --model/--demo front their own engine"
+    ]
