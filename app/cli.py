@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slotgate: cannot read .env: {exc.strerror or exc}", file=sys.stderr)  # noqa: T201
         return 2
     logs.configure(settings.log_level, settings.log_format)
+    if args.engine_log == "all":  # asked for by name: every engine line, whatever LOG_LEVEL says
+        logging.getLogger("slotgate.engine").setLevel(logging.DEBUG)
     for warning in misspelt():
         log.warning("%s", warning)
     try:

@@ -520,3 +520,15 @@ def test_a_llama_server_url_beside_a_local_engine_is_said_to_be_ignored(tmp_path
     assert [line.split(" slotgate ", 1)[1] for line in warnings] == [
         "LLAMA_SERVER_URL=http://127.0.0.1:8080 is ignored: --model/--demo front their own engine"
     ]
+
+
+def test_engine_log_all_shows_every_engine_line_whatever_log_level_says(tmp_path: Path) -> None:
+    model, _, env = fake_engine_env(tmp_path, "fail")
+    env["LOG_LEVEL"] = "warning"
+    result = subprocess.run(
+        [sys.executable, "-m", "slotgate", "--model", str(model), "--engine-log", "all"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert " INFO slotgate.engine load_model: loading model" in result.stderr
+    assert " INFO slotgate " not in result.stderr  # slotgate's own information stays out
