@@ -120,6 +120,12 @@ class Settings(BaseSettings):
             raise ValueError("must have a port from 0 to 65535, if any") from None
         return value.rstrip("/")
 
+    @field_validator("host")
+    @classmethod
+    def _unbracketed(cls, value: str) -> str:
+        # [::1] is how an IPv6 address is written in a URL; the socket wants ::1.
+        return value[1:-1] if value.startswith("[") and value.endswith("]") else value
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:

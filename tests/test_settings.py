@@ -141,3 +141,8 @@ def test_a_bad_value_from_the_environment_is_not_blamed_on_dotenv(
     with pytest.raises(ValidationError) as caught:
         Settings(_env_file=env)
     assert describe(caught.value, env).startswith("slotgate: invalid PORT=abc: ")
+
+
+def test_an_ipv6_host_may_be_written_in_brackets_as_in_a_url() -> None:
+    assert Settings(_env_file=None, host="[::1]").host == "::1"
+    assert Settings(_env_file=None, host="::1").host == "::1"
