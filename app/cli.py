@@ -200,7 +200,11 @@ def listen(host: str, port: int) -> list[socket.socket]:
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                # IPv6 only beside an IPv4 socket of our own; HOST=:: alone takes both, as
+                # with uvicorn, so that a container's dual-stack setting keeps its IPv4 clients.
+                v4 = any(info[0] == socket.AF_INET for info in infos)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v4))
             if port == 0 and sockets[1:]:
                 # PORT=0 on a name with several addresses (localhost): one port for them all.
                 address = (address[0], sockets[0].getsockname()[1], *address[2:])

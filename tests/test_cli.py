@@ -532,3 +532,15 @@ def test_engine_log_all_shows_every_engine_line_whatever_log_level_says(tmp_path
     assert result.returncode == 1
     assert " INFO slotgate.engine load_model: loading model" in result.stderr
     assert " INFO slotgate " not in result.stderr  # slotgate's own information stays out
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_host_all_ipv6_interfaces_takes_ipv4_clients_too_as_with_uvicorn() -> None:
+    sockets = listen("::", 0)
+    try:
+        port = sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        for sock in sockets:
+            sock.close()
