@@ -148,7 +148,8 @@ def demo_model(directory: Path | None = None) -> Path:
 def checked_model(path: Path) -> Path:
     """`path` made absolute, once it is known to be a readable GGUF file."""
     try:
-        with path.open("rb") as file:
+        # Non-blocking, so that a FIFO given as a model is refused, not waited on forever.
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
             magic = file.read(len(_GGUF_MAGIC))
     except FileNotFoundError:
         raise EngineMisconfigured(

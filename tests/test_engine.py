@@ -7,6 +7,8 @@ xllamacpp engine on the demo model.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
 import http.client
 import importlib.util
@@ -187,6 +189,21 @@ def test_a_file_that_is_not_gguf_is_refused_before_llama_cpp_sees_it(tmp_path: P
 def test_a_directory_as_model_says_it_cannot_be_read(tmp_path: Path) -> None:
     with pytest.raises(EngineFailed, match=r"cannot read it"):
         checked_model(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_as_model_is_refused_rather_than_waited_on(tmp_path: Path) -> None:
+    pipe = tmp_path / "model.gguf"
+    os.mkfifo(pipe)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(checked_model, pipe)
+        try:
+            with pytest.raises(EngineFailed, match="is not a GGUF file"):
+                checked.result(timeout=10)
+        finally:
+            # A reader stuck opening the pipe gets a writer, so the test ends either way.
+            with contextlib.suppress(OSError):
+                os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
 
 
 def test_model_and_demo_together_are_refused(model: Path) -> None:
