@@ -347,8 +347,10 @@ class LocalEngine:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         log.info(
-            "starting llama.cpp (%s) at %s: model %s, %d slots, context %d, %d threads",
+            "starting llama.cpp (%s) at %s: model %s, %d slots sharing a context of %d tokens, "
+            "%d CPU thread%s",
             self.kind, self.url, self.model, self.parallel, self.ctx_size, self.threads,
+            "" if self.threads == 1 else "s",
         )  # fmt: skip
         try:
             # A session of its own: a terminal's Ctrl-C reaches slotgate alone, which drains

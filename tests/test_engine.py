@@ -493,6 +493,12 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warning
     assert health(local.url) == 200
     assert local.poll() is None
     assert (logging.WARNING, "srv init: fake llama-server listening") in lines
+    # The context is the total (-c), shared out among the slots, as /props will show.
+    assert (
+        logging.INFO,
+        f"starting llama.cpp (llama-server ({local.binary})) at {local.url}: model {model}, "
+        "3 slots sharing a context of 1536 tokens, 1 CPU thread",
+    ) in lines
     # Neither its information (with the line that continues it) nor its warning that it has
     # no API key, which is moot on a private loopback port behind slotgate.
     assert not [text for _, text in lines if "example_format" in text or "<end_of_turn>" in text]
