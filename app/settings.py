@@ -150,6 +150,12 @@ class Settings(BaseSettings):
             raise ValueError("must have a port from 0 to 65535, if any") from None
         return value.rstrip("/")
 
+    @field_validator("host")
+    @classmethod
+    def _unbracketed(cls, value: str) -> str:
+        # [::1] is how an IPv6 address is written in a URL; the socket wants ::1.
+        return value[1:-1] if value.startswith("[") and value.endswith("]") else value
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
@@ -189,12 +195,17 @@ def misspelt(env_file: Path | str = ".env") -> list[str]:
     ]
 
 
-def describe(error: ValidationError) -> str:
-    """One line naming the variable, the value given and what is accepted."""
+def describe(error: ValidationError, env_file: Path | str = ".env") -> str:
+    """One line naming the variable, the value given (and `env_file` when it came from
+    there rather than the environment) and what is accepted."""
     first = error.errors()[0]
     name = str(first["loc"][0]).upper() if first["loc"] else "configuration"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f"={value!s}"
     if name in ("LLAMA_API_KEY", "API_KEYS") or (name == "LLAMA_SERVER_URL" and "@" in shown):
         shown = ""  # a secret, or a URL that may carry one
-    return f"slotgate: invalid {name}{shown}: {first['msg']}"
+    in_environment = any(key.upper() == name for key, text in os.environ.items() if text)
+    in_file = any(key.upper() == name for key in dotenv_values(env_file))
+    where = f" in {env_file}" if in_file and not in_environment else ""
+    message = str(first["msg"]).removeprefix("Value error, ")  # pydantic's, for a ValueError
+    return f"slotgate: invalid {name}{shown}{where}: {message}"

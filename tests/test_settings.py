@@ -116,3 +116,33 @@ def test_dotenv_keys_close_to_a_setting_are_named_with_the_setting(
 
 def test_no_dotenv_is_nothing_to_warn_about(tmp_path: pytest.TempPathFactory) -> None:
     assert misspelt(tmp_path / ".env") == []  # type: ignore[operator]
+
+
+def test_a_bad_value_from_dotenv_names_the_file_and_a_refused_url_says_why_plainly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    env.write_text("LLAMA_SERVER_URL=ftp://llama\n")
+    monkeypatch.delenv("LLAMA_SERVER_URL", raising=False)
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=env)
+    assert describe(caught.value, env) == (
+        f"slotgate: invalid LLAMA_SERVER_URL=ftp://llama in {env}: "
+        "must be an http:// or https:// URL with a host"
+    )
+
+
+def test_a_bad_value_from_the_environment_is_not_blamed_on_dotenv(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    env.write_text("PORT=8001\n")
+    monkeypatch.setenv("PORT", "abc")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=env)
+    assert describe(caught.value, env).startswith("slotgate: invalid PORT=abc: ")
+
+
+def test_an_ipv6_host_may_be_written_in_brackets_as_in_a_url() -> None:
+    assert Settings(_env_file=None, host="[::1]").host == "::1"
+    assert Settings(_env_file=None, host="::1").host == "::1"
