@@ -49,8 +49,8 @@ class Sent:
     status: int = 0
     failure: str = ""
 
-    def in_flight_at(self, moment: float) -> bool:
-        return self.sent_at <= moment <= self.done_at
+    def in_flight_during(self, kill: tuple[float, float]) -> bool:
+        return self.sent_at <= kill[1] and self.done_at >= kill[0]
 
 
 def engine() -> LocalEngine:
@@ -79,8 +79,9 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
         )
     )
     sent: list[Sent] = []
-    kills: list[float] = []
-    #: Each restart: from its kill to the new engine's first /health 200, on the clock.
+    #: Each kill: from the stop's start to the old engine's exit, on the clock.
+    kills: list[tuple[float, float]] = []
+    #: Each restart: from its kill to the new engine's first /health 200.
     downs: list[tuple[float, float]] = []
     health_then_generate: list[tuple[set[int], int, str]] = []
     stopping = asyncio.Event()
@@ -125,12 +126,13 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
         nonlocal local
         for _ in range(RESTARTS):
             await asyncio.sleep(UP_S)
-            kills.append(time.monotonic())
+            killed_at = time.monotonic()
             await asyncio.to_thread(local.stop)
+            kills.append((killed_at, time.monotonic()))
             watcher = asyncio.create_task(health_then_chat())
             local = engine()
             await asyncio.to_thread(local.start)  # returns once its /health answers 200
-            downs.append((kills[-1], time.monotonic()))
+            downs.append((killed_at, time.monotonic()))
             await watcher
         await asyncio.sleep(UP_S)
         stopping.set()
@@ -144,10 +146,12 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
         await gate.stop()
 
     def cut(request: Sent) -> bool:
-        return any(request.in_flight_at(kill) for kill in kills)
+        return any(request.in_flight_during(kill) for kill in kills)
 
     def away(request: Sent) -> bool:
-        return any(kill < request.sent_at < back for kill, back in downs)
+        return any(
+            gone < request.sent_at < back for (_, gone), (_, back) in zip(kills, downs, strict=True)
+        )
 
     times = [r.done_at - r.sent_at for r in sent if not cut(r)]
     waits = [r.done_at - r.sent_at for r in sent if away(r)]
@@ -165,9 +169,12 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
     assert [r.status for r in sent if r.status == 503] == []
     assert [(r.stream, r.status, r.failure) for r in sent if r.failure and not cut(r)] == []
     for kill in kills:
-        assert sum(1 for r in sent if r.failure and r.in_flight_at(kill)) <= SLOTS
+        assert sum(1 for r in sent if r.failure and r.in_flight_during(kill)) <= SLOTS
     # Requests arrived while llama.cpp was away after every kill, or this proved nothing.
-    assert all(any(kill < r.sent_at < back for r in sent) for kill, back in downs)
+    assert all(
+        any(gone < r.sent_at < back for r in sent)
+        for (_, gone), (_, back) in zip(kills, downs, strict=True)
+    )
     assert len(health_then_generate) == RESTARTS
     for seen, status, text in health_then_generate:
         assert seen - {200}, seen  # it saw llama.cpp away, through slotgate
