@@ -20,7 +20,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from . import __version__, logs
-from .main import Gate, create_app
+from .main import Service, create_app
 from .protocol import bounded_head_protocol
 from .settings import ENGINE_VARIABLES, Settings, describe, export_engine_variables, misspelt
 
@@ -106,10 +106,10 @@ class Server(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, gate: Gate, engine_exit: Callable[[], int | None] | None
+        self, config: uvicorn.Config, service: Service, engine_exit: Callable[[], int | None] | None
     ) -> None:
         super().__init__(config)
-        self._gate = gate
+        self._service = service
         self._engine_exit = engine_exit
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_died = False
@@ -130,7 +130,7 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a signal handler, between any two bytecodes: touch the pool only from the loop.
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._gate.drain)
+            self._loop.call_soon_threadsafe(self._service.drain)
         # Unlike uvicorn's own, do not re-raise the signal after shutdown: a drained stop
         # is a clean exit (status 0), which is what container runtimes expect.
         if self.should_exit and sig == signal.SIGINT:
@@ -208,7 +208,7 @@ def serve(
     sockets: list[socket.socket] | None = None,
 ) -> int:
     app = create_app(settings)
-    server = Server(uvicorn_config(app, settings), app.state.gate, engine_exit)
+    server = Server(uvicorn_config(app, settings), app.state.service, engine_exit)
     # Everything built so far (FastAPI, pydantic, uvicorn, the app) lives as long as the
     # process: out of the collector's sight, a full collection no longer walks it, which under
     # a storm of 1,000 clients cut the open-loop p99 time to a 429 from 2-13 ms to under 1 ms.

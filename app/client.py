@@ -20,7 +20,7 @@ from typing import cast
 
 import httptools
 
-Header = tuple[bytes, bytes]
+from .asgi import Header
 
 #: Body bytes buffered from a connection before it stops reading from the socket; beyond this
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
@@ -37,27 +37,27 @@ STREAM_PROBE_S = 1.0
 MAX_HEAD_BYTES = 64 * 1024
 
 
-class ClientError(Exception):
+class ExchangeFailed(Exception):
     """The exchange with the upstream failed."""
 
 
-class ConnectFailed(ClientError):
+class ConnectFailed(ExchangeFailed):
     """No connection could be made (refused, unreachable, or too slow)."""
 
 
-class Disconnected(ClientError):
+class Disconnected(ExchangeFailed):
     """The upstream closed the connection before the response was complete."""
 
 
-class ProtocolError(ClientError):
+class ProtocolError(ExchangeFailed):
     """The upstream answered something that is not HTTP/1.1."""
 
 
-class Stalled(ClientError, TimeoutError):
+class Stalled(ExchangeFailed, TimeoutError):
     """The upstream sent nothing for longer than the stall timeout."""
 
 
-class BodyTooLarge(ClientError):
+class BodyTooLarge(ExchangeFailed):
     """A body read whole is longer than the caller's limit."""
 
 
@@ -89,9 +89,9 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self._head_bytes = 0
         self._interim = False  # the head just parsed is a 1xx: the real one is still to come
-        self._refusal: ClientError | None = None  # why a parser callback stopped the parser
+        self._refusal: ExchangeFailed | None = None  # why a parser callback stopped the parser
         self.keep_alive = False
-        self.error: ClientError | None = None
+        self.error: ExchangeFailed | None = None
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -199,7 +199,7 @@ class _Connection(asyncio.Protocol):
 
     # -- used by Response ---------------------------------------------------------------------
 
-    def _fail(self, error: ClientError) -> None:
+    def _fail(self, error: ExchangeFailed) -> None:
         if self.error is None:
             self.error = error
         self._wake()
@@ -412,7 +412,7 @@ class Client:
         self._warming: set[asyncio.Task[None]] = set()
         self._probe: tuple[_Connection, asyncio.TimerHandle] | None = None
         #: Does the upstream keep a connection open after an event stream? None until seen.
-        self.streams_kept: bool | None = None
+        self.keeps_streams: bool | None = None
         self._closed = False
 
     async def request(
@@ -455,7 +455,7 @@ class Client:
                 ):
                     # Pooled after a stream, and closed before it idled out: this upstream
                     # closes after streams after all (it was restarted as another build).
-                    self.streams_kept = False
+                    self.keeps_streams = False
                 continue
             # Also asked of the kernel: a FIN or stray bytes that arrived since the loop last
             # looked would otherwise fail this request or be read as its response.
@@ -501,12 +501,12 @@ class Client:
         pooled one later found closed by the upstream revokes that (see _take_idle).
         """
         if _closed_by_peer(conn):
-            self.streams_kept = False
-        elif self.streams_kept and not self._closed:
+            self.keeps_streams = False
+        elif self.keeps_streams and not self._closed:
             conn.carried_stream = True
             self._give_back(conn)
             return
-        elif self.streams_kept is None and self._probe is None and not self._closed:
+        elif self.keeps_streams is None and self._probe is None and not self._closed:
             timer = asyncio.get_running_loop().call_later(STREAM_PROBE_S, self._probed)
             self._probe = conn, timer
             conn.on_lost = self._closed_after_stream
@@ -523,10 +523,10 @@ class Client:
         # The kernel's word, not the loop's: after a stall, uvloop runs due timers before it
         # reads the socket, so a close that arrived in time may not have been seen yet.
         if _closed_by_peer(conn) or _peer_closed(conn):
-            self.streams_kept = False
-        elif self.streams_kept is None:
-            self.streams_kept = True
-        if self.streams_kept:
+            self.keeps_streams = False
+        elif self.keeps_streams is None:
+            self.keeps_streams = True
+        if self.keeps_streams:
             conn.carried_stream = True
             self._give_back(conn)
             conn.idle_since -= STREAM_PROBE_S  # idle at the upstream since its stream ended
@@ -537,11 +537,11 @@ class Client:
         if self._probe is not None:
             self._probe[1].cancel()
             self._probe = None
-            self.streams_kept = False
+            self.keeps_streams = False
 
     def relearn(self) -> None:
         """The upstream went away: whatever answers next may be another build."""
-        self.streams_kept = None
+        self.keeps_streams = None
 
     def _prepare(self) -> None:
         if self._closed or len(self._idle) + len(self._warming) >= WARM_CONNECTIONS:

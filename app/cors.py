@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-Header = tuple[bytes, bytes]
+from .asgi import Header
 
 #: Origins remembered (a browser app uses one or a few); see above for when it is full.
 MAX_ORIGINS = 256

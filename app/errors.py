@@ -23,9 +23,9 @@ from .admission import (
     Snapshot,
     TooLarge,
 )
+from .asgi import Headers
 
 Flavor = Literal["openai", "anthropic"]
-Headers = list[tuple[bytes, bytes]]
 
 
 class GateError(Exception):

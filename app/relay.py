@@ -12,20 +12,19 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 from urllib.parse import quote
 
 from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, Ticket
+from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
-from .client import BodyTooLarge, ClientError, Response
-from .endpoints import Demand, Endpoint, admitted, check_content_type, demand
+from .client import BodyTooLarge, ExchangeFailed, Response
+from .endpoints import Demand, Endpoint, check_content_type, demand, route_of
 from .errors import (
     BadRequest,
     Flavor,
     GateError,
-    Headers,
     HeadersTooLarge,
     PayloadTooLarge,
     QueueBytesFull,
@@ -41,11 +40,6 @@ from .metrics import Metrics
 from .pace import expected_hold_s
 from .settings import Settings
 from .upstream import Upstream, UpstreamStarting
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("slotgate.relay")
 
@@ -230,7 +224,7 @@ class Proxy:
             path = _checked_path(scope["path"])
             # Known first, so that every refusal below is counted under the route and spoken
             # in the route's own error shape.
-            route = admitted(ex.method, path)
+            route = route_of(ex.method, path)
             if route is not None:
                 ex.route = route.route
             endpoint = route if self._gated else None
@@ -525,7 +519,7 @@ class Proxy:
                 await ex.upstream_done(response)
             if response.status == 500:
                 self._upstream.check_failure(first)
-        except ClientError as exc:
+        except ExchangeFailed as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
         headers = [
@@ -550,7 +544,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await response.readany()
             await ex.upstream_done(response)
-        except ClientError as exc:
+        except ExchangeFailed as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
             if not ex.sse:
@@ -585,7 +579,7 @@ class Proxy:
             status, body = assembly.result()
             if status == 500:
                 self._upstream.check_failure(body)
-        except ClientError as exc:
+        except ExchangeFailed as exc:
             await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
             return
         except ValueError:
@@ -635,7 +629,7 @@ class Proxy:
                     ex.tail = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await ex.upstream_done(response)
-        except ClientError as exc:
+        except ExchangeFailed as exc:
             r = refusal(_upstream_failure(exc))
             ex.outcome = r.reason
             await _send_event(send, stream_event(r, flavor), ex)
@@ -664,7 +658,7 @@ class Proxy:
         could fill the table with made-up Origins."""
         if self._access.enabled:
             return method != "OPTIONS" and path not in OPEN_PATHS
-        return admitted("POST", path) is not None
+        return route_of("POST", path) is not None
 
     def _own_headers(self, ex: _Exchange) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 import orjson
 
 from .admission import Admission, Ticket
-from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
+from .asgi import Header
+from .client import Client, ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
 from .cors import CorsPolicy
 from .cost import Estimate, counted, local
 from .endpoints import Endpoint, parse_json
@@ -129,7 +130,7 @@ class Upstream:
     @property
     def keeps_streams(self) -> bool | None:
         """Does llama-server keep a connection open after an event stream? None until seen."""
-        return self._client.streams_kept
+        return self._client.keeps_streams
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ class Upstream:
             raise UpstreamFailed(
                 "llama-server did not answer within UPSTREAM_STALL_TIMEOUT"
             ) from None
-        except ClientError as exc:
+        except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
 
     async def _get(self, path: str) -> tuple[int, bytes]:
@@ -190,7 +191,7 @@ class Upstream:
             return b"", []
         try:
             status, body, headers = await self._get_with_headers("/metrics")
-        except (ClientError, TimeoutError):
+        except (ExchangeFailed, TimeoutError):
             return b"", []
         if status != 200:
             return b"", []
@@ -227,7 +228,7 @@ class Upstream:
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
-        except (ClientError, TimeoutError, ValueError) as exc:
+        except (ExchangeFailed, TimeoutError, ValueError) as exc:
             self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
             return
         if self.props is not None and props.build_info != self.props.build_info:
@@ -318,7 +319,7 @@ class Upstream:
             request = {"content": prompt, "add_special": True, "parse_special": True}
             status, body = await self._post("/tokenize", request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
-        except (ClientError, TimeoutError, ValueError, AttributeError):
+        except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
             return None
         return len(tokens) if isinstance(tokens, list) else None
 
@@ -346,7 +347,7 @@ class Upstream:
         """
         try:
             status, body = await self._get("/metrics")
-        except (ClientError, TimeoutError):
+        except (ExchangeFailed, TimeoutError):
             return
         if status == 200:
             self.tokens_per_s = generation_speed(body) or self.tokens_per_s

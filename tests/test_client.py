@@ -120,10 +120,10 @@ async def test_nobody_listening_is_a_connect_failure_and_a_reason_to_learn_afres
     port = standin.port
     await standin.stop()
     client = Client("127.0.0.1", port, tls=False, connect_timeout_s=2, keepalive_s=4, stall_s=5)
-    client.streams_kept = True  # learned from the server that has now gone
+    client.keeps_streams = True  # learned from the server that has now gone
     with pytest.raises(ConnectFailed):
         await client.request("GET", "/props", [], b"")
-    assert client.streams_kept is None  # whatever answers next may be another build
+    assert client.keeps_streams is None  # whatever answers next may be another build
 
 
 async def test_after_a_stream_a_replacement_connection_is_opened_ahead_of_need(
@@ -157,9 +157,9 @@ async def stream(client: Client) -> client_module.Response:
 async def verdict(client: Client) -> bool | None:
     """What the client learned of the upstream from its first stream, once it has."""
     async with asyncio.timeout(5):
-        while client.streams_kept is None:
+        while client.keeps_streams is None:
             await asyncio.sleep(0.01)
-    return client.streams_kept
+    return client.keeps_streams
 
 
 async def test_an_upstream_that_closes_after_streams_never_gets_a_stream_connection_reused(
@@ -205,7 +205,7 @@ async def test_an_upstream_that_starts_closing_after_streams_revokes_the_verdict
     following = await client.request("GET", "/props", [], b"")
     await following.read()
     following.release()
-    assert client.streams_kept is False
+    assert client.keeps_streams is False
     client.close()
 
 
@@ -264,7 +264,7 @@ def test_a_probe_that_outlives_a_stall_still_sees_the_upstream_close(
             await stream(client)  # released before the upstream's close is read...
             time.sleep(0.2)  # noqa: ASYNC251 - ...then the loop stalls past the probe's end
             await asyncio.sleep(0.1)
-            verdict = client.streams_kept
+            verdict = client.keeps_streams
             for _ in range(5):  # a connection pooled by a wrong verdict would fail these
                 await stream(client)
             return verdict, standin.finished
