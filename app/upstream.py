@@ -14,12 +14,13 @@ import orjson
 
 from .admission import Admission, Ticket
 from .asgi import Header
-from .client import Client, ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
+from .client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
 from .cors import CorsPolicy
 from .cost import Estimate, counted, local
 from .endpoints import Endpoint, parse_json
 from .errors import UpstreamFailed, UpstreamUnavailable
 from .pace import generation_speed
+from .reuse import UpstreamClient
 from .settings import Settings
 
 log = logging.getLogger("slotgate.upstream")
@@ -134,7 +135,7 @@ class Upstream:
         tls = parts.scheme == "https"
         # The pool has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
-        self._client = Client(
+        self._client = UpstreamClient(
             parts.hostname or "127.0.0.1",
             parts.port or (443 if tls else 80),
             tls=tls,
