@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="slotgate",
         description=(
             "Admission gate for llama.cpp's llama-server: at most N generations through, a "
-            "bounded FIFO line for the rest, HTTP 429 with Retry-After when the line is full. "
+            "bounded FIFO queue for the rest, HTTP 429 with Retry-After when the queue is full. "
             "Fronts LLAMA_SERVER_URL, or a local llama.cpp engine started with --model/--demo."
         ),
         epilog=_env_help(),
@@ -102,7 +102,7 @@ class Server(uvicorn.Server):
     """uvicorn's server, told to drain the gate the moment a stop signal arrives.
 
     uvicorn closes its listeners on the signal and waits up to DRAIN_TIMEOUT for running
-    requests; the gate meanwhile turns new work and the waiting line away with 503.
+    requests; the gate meanwhile turns new work and the queue away with 503.
     """
 
     def __init__(

@@ -62,7 +62,7 @@ class Service:
         self.draining = False
 
     def drain(self) -> None:
-        """Shutdown has begun: refuse new work and turn the line away; streams run on."""
+        """Shutdown has begun: refuse new work and turn the queue away; streams run on."""
         if not self.draining:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
