@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 
 from .asgi import Headers, Send
 from .errors import Flavor, Refusal, render, stream_event
@@ -50,11 +51,13 @@ class Answer:
 
     # -- the body ------------------------------------------------------------------------------
 
-    async def relay(self, chunk: bytes) -> None:
-        """Bytes relayed as they came, more to follow."""
+    def relay(self, chunk: bytes) -> Awaitable[None]:
+        """Bytes relayed as they came, more to follow. (It hands back `send`'s awaitable rather
+        than awaiting it: this runs once per relayed chunk, and a coroutine of its own would
+        add a frame to each.)"""
         self.bytes_out += len(chunk)
         self._tail = chunk
-        await self._send({"type": _BODY, "body": chunk, "more_body": True})
+        return self._send({"type": _BODY, "body": chunk, "more_body": True})
 
     async def comment(self, comment: bytes) -> None:
         """slotgate's own keep-alive comment in a waiting stream (not counted as bytes out)."""
