@@ -21,8 +21,8 @@ LOOSE = frozenset({"id", "created", "system_fingerprint", "timings", "cached_tok
 #: Headers that differ between any two answers, or are the connection's, not the answer's;
 #: and Server, which slotgate leaves off every answer it relays, assembled or not.
 HEADERS_LOOSE = frozenset(
-    {"date", "content-length", "keep-alive", "connection", "x-request-id", "transfer-encoding",
-     "server"}
+    {"date", "content-length", "keep-alive", "connection", "x-request-id", "request-id",
+     "transfer-encoding", "server"}
 )  # fmt: skip
 #: Options whose non-streamed answer a stream cannot reproduce: slotgate forwards requests
 #: carrying them as sent (README, "Non-streamed completions travel upstream as streams").
