@@ -64,11 +64,13 @@ class FakeResponse:
         headers: list[Header],
         chunks: Iterable[bytes],
         failure: ExchangeFailed | None = None,
+        hold: asyncio.Event | None = None,
     ) -> None:
         self.status = status
         self.headers = headers
         self._chunks = list(chunks)
         self._failure = failure
+        self._hold = hold  # the body waits for it: a generation that runs until told
         self.released = False
         self.closed = False
         self.failed = False
@@ -87,6 +89,8 @@ class FakeResponse:
 
     async def readany(self) -> bytes:
         await asyncio.sleep(0)
+        if self._hold is not None:
+            await self._hold.wait()
         if self._chunks:
             return self._chunks.pop(0)
         if self._failure is not None:

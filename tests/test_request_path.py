@@ -115,3 +115,24 @@ async def test_an_upstream_that_cannot_be_reached_is_a_503_and_frees_the_slot() 
     assert client.status == 503
     assert client.ended
     assert rig.admission.active == 0
+
+
+async def test_a_client_that_leaves_while_queued_frees_its_place_and_the_holder_its_slot() -> None:
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    rig = Rig(FakeUpstreamClient(held), keepalive_interval=0)
+    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
+    holding = asyncio.ensure_future(rig.call(holder))
+    while rig.admission.active == 0:
+        await asyncio.sleep(0.001)
+    waiting = asyncio.ensure_future(rig.call(waiter))
+    while rig.admission.queued == 0:
+        await asyncio.sleep(0.001)
+    waiter.gone.set()  # noticed by the request's watch, which cancels its task
+    await waiting
+    assert rig.admission.queued == 0
+    assert waiter.sent == []  # nobody left to answer
+    finish.set()
+    await holding
+    assert holder.body == b"data: [DONE]\n\n"
+    assert rig.admission.active == 0
