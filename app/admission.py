@@ -119,7 +119,8 @@ class QueuePolicy:
 
 class Ticket:
     """One request's claim: a place in the line, then `weight` slots and `cost` tokens of the
-    KV-cache budget until released."""
+    KV-cache budget until released. `async with ticket:` releases it on every way out; an
+    earlier `release()` is fine (a second one does nothing)."""
 
     __slots__ = (
         "_admission", "_future", "_released", "admitted_at", "cost", "entered_at", "seq", "weight",
@@ -206,6 +207,12 @@ class Ticket:
             admission._costs.pop(self.seq, None)
         self.cost = cost
         admission._dispatch()
+
+    async def __aenter__(self) -> Ticket:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
 
     def release(self) -> bool:
         """Give the slots back, or the place in the line; calling it twice is harmless.

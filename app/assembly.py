@@ -1,20 +1,6 @@
-"""Non-streamed answers put together from llama-server's stream.
-
-llama-server notices that a client left only when it writes to the socket or when a 1-second
-poll finds no result, and that poll never fires while any other request is producing tokens:
-a non-streamed request whose client left then runs to its end, and holds a slot llama-server
-no longer has to offer (measured: still running 15 s after the drop, against 0.5 s for a
-stream). So, for the completion endpoints, slotgate asks llama-server for a stream even when
-the client did not, and assembles the one JSON answer the client asked for. Each token is then
-a write that fails as soon as slotgate closes the connection.
-
-llama-server's own non-streamed answer is the specification, checked key by key against the
-real server (tests/e2e/test_assembly_differential.py). What a stream cannot carry is made up
-as llama-server would: usage is always asked for (a non-streamed answer always has it), and a
-native answer's `tokens` is `[]` unless `return_tokens` was asked, its
-`generation_settings.stream` false, and its prompt-progress events are not part of it. A
-llama-server started with `--verbose` adds a `__verbose` object that a stream cannot
-reproduce: once one is seen, slotgate forwards non-streamed requests as sent (app/relay.py).
+"""Non-streamed answers put together from llama-server's stream, so that a client that leaves
+frees its slot at once; llama-server's own non-streamed answer is the specification (why and
+how: docs/design.md, "Assembled answers").
 """
 
 from __future__ import annotations

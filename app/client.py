@@ -1,17 +1,13 @@
-"""A small HTTP/1.1 client for one upstream: keep-alive pool, httptools parsing, streamed bodies.
-
-Why not aiohttp or httpx: measured on these machines, the client is most of a relayed
-request's cost. aiohttp spends about 0.16 ms of CPU per request, httpx about 1 ms; this client,
-which parses with the same llhttp-based `httptools` that uvicorn uses and writes each request
-in one call, about a quarter of aiohttp's (see the benchmark). It only has to talk to
-llama-server, so it does exactly what that needs: one host, keep-alive, chunked or
-length-delimited bodies, flow control, and a connection that is closed (never pooled) when a
-response is abandoned, which is what makes llama-server cancel the work behind it.
+"""A small HTTP/1.1 client for one upstream: connections with an explicit state, a keep-alive
+pool, httptools parsing, streamed bodies, and a response that is closed (never pooled) when
+abandoned. What it costs against aiohttp and httpx: `python -m bench.clients` (README table).
+llama-server's own reuse policy (stream probe, warm spares) is app/reuse.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import select
 import ssl
 import time
@@ -20,44 +16,39 @@ from typing import cast
 
 import httptools
 
-Header = tuple[bytes, bytes]
+from .asgi import Header
 
 #: Body bytes buffered from a connection before it stops reading from the socket; beyond this
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
 HIGH_WATER_BYTES = 64 * 1024
 _SSE = "text/event-stream"
-#: Connections opened ahead of need after a stream ends (see Response.release).
-WARM_CONNECTIONS = 2
-#: How long the first connections that carried an event stream are held aside, to learn
-#: whether the upstream closes them (see Client._after_stream).
-STREAM_PROBE_S = 1.0
 #: The most a response head (interim 1xx heads included) may take. llama-server's heads are a
 #: few hundred bytes; this is slotgate's own bound on request heads (relay.MAX_HEADER_BYTES),
 #: and it is counted before the parser sees the bytes, so a huge head costs no more than this.
 MAX_HEAD_BYTES = 64 * 1024
 
 
-class ClientError(Exception):
+class ExchangeFailed(Exception):
     """The exchange with the upstream failed."""
 
 
-class ConnectFailed(ClientError):
+class ConnectFailed(ExchangeFailed):
     """No connection could be made (refused, unreachable, or too slow)."""
 
 
-class Disconnected(ClientError):
+class Disconnected(ExchangeFailed):
     """The upstream closed the connection before the response was complete."""
 
 
-class ProtocolError(ClientError):
+class ProtocolError(ExchangeFailed):
     """The upstream answered something that is not HTTP/1.1."""
 
 
-class Stalled(ClientError, TimeoutError):
+class Stalled(ExchangeFailed, TimeoutError):
     """The upstream sent nothing for longer than the stall timeout."""
 
 
-class BodyTooLarge(ClientError):
+class BodyTooLarge(ExchangeFailed):
     """A body read whole is longer than the caller's limit."""
 
 
@@ -65,22 +56,70 @@ class _Surplus(Exception):
     """A second response began on a connection whose response was already complete."""
 
 
-class _Connection(asyncio.Protocol):
-    """One TCP connection, carrying one response at a time."""
+class State(enum.Enum):
+    NEW = "new"  # connected, never used
+    ACTIVE = "active"  # carrying a request and its response
+    IDLE = "idle"  # its response is done; pooled for the next request
+    CLOSED = "closed"  # by either side, or poisoned
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection, carrying one response at a time: NEW, then ACTIVE and IDLE in
+    turn, and CLOSED at the end."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.state = State.NEW
         self._parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
         self._data_at = 0.0
         self.carried_stream = False
-        #: It sent bytes nobody asked for (while idle, or past its response): never reused.
+        #: It sent bytes nobody asked for (while idle, or past its response): closed, and
+        #: never reused.
         self.poisoned = False
         #: A response is awaited: from the request's sending to its response's end.
         self.expecting = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
         self._reset()
+
+    def __repr__(self) -> str:
+        flags = " poisoned" if self.poisoned else ""
+        if self.state is State.ACTIVE:
+            flags += f" status={self.status}" if self.head_done else " awaiting head"
+            flags += " complete" if self.complete else ""
+        return f"<Connection [{self.state.name}{flags}]>"
+
+    def is_idle(self) -> bool:
+        return self.state is State.IDLE
+
+    def is_closed(self) -> bool:
+        """Closed, or closing: by this side, or by the peer as far as the loop has seen."""
+        transport = self.transport
+        return self.state is State.CLOSED or transport is None or transport.is_closing()
+
+    def has_expired(self, now: float, keepalive_s: float) -> bool:
+        """Pooled for longer than `keepalive_s`, closed, or no longer quiet: not reusable.
+
+        Also asked of the kernel: a FIN or stray bytes that arrived since the loop last
+        looked would otherwise fail the next request or be read as its response.
+        """
+        return now - self.idle_since > keepalive_s or self.is_closed() or _peer_closed(self)
+
+    def peer_closed(self) -> bool:
+        """Closed, as far as the kernel knows (it sees what the loop has not read yet)."""
+        return self.is_closed() or _peer_closed(self)
+
+    def begin(self) -> None:
+        """A request goes out on it now."""
+        self._reset()
+        self.state = State.ACTIVE
+        self.expecting = True
+
+    def pooled(self) -> None:
+        if self.state is not State.NEW:  # a spare opened ahead of need stays NEW
+            self.state = State.IDLE
+        self.idle_since = time.monotonic()
 
     def _reset(self) -> None:
         self.status = 0
@@ -89,9 +128,9 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self._head_bytes = 0
         self._interim = False  # the head just parsed is a 1xx: the real one is still to come
-        self._refusal: ClientError | None = None  # why a parser callback stopped the parser
+        self._refusal: ExchangeFailed | None = None  # why a parser callback stopped the parser
         self.keep_alive = False
-        self.error: ClientError | None = None
+        self.error: ExchangeFailed | None = None
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
@@ -150,6 +189,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.state = State.CLOSED
         if not self.complete:
             self._fail(Disconnected("upstream closed the connection mid-response"))
         on_lost, self.on_lost = self.on_lost, None
@@ -199,7 +239,7 @@ class _Connection(asyncio.Protocol):
 
     # -- used by Response ---------------------------------------------------------------------
 
-    def _fail(self, error: ClientError) -> None:
+    def _fail(self, error: ExchangeFailed) -> None:
         if self.error is None:
             self.error = error
         self._wake()
@@ -250,17 +290,13 @@ class _Connection(asyncio.Protocol):
         return data
 
     def close(self) -> None:
+        self.state = State.CLOSED
         if self.transport is not None:
             self.transport.close()
             self.transport = None
 
 
-def _closed_by_peer(conn: _Connection) -> bool:
-    transport = conn.transport
-    return transport is None or transport.is_closing()
-
-
-def _peer_closed(conn: _Connection) -> bool:
+def _peer_closed(conn: Connection) -> bool:
     """Has the peer's FIN (or anything at all) arrived on this idle connection's socket?
 
     Asked of the kernel, so it also sees what the loop has not read yet. A quiet, open
@@ -276,7 +312,7 @@ def _peer_closed(conn: _Connection) -> bool:
     return bool(poll.poll(0))
 
 
-async def _head(conn: _Connection, stall_s: float | None) -> None:
+async def _head(conn: Connection, stall_s: float | None) -> None:
     while not conn.head_done:
         if conn.error is not None:
             raise conn.error
@@ -288,7 +324,7 @@ class Response:
 
     __slots__ = ("_client", "_conn", "_done", "_head_only", "headers", "status")
 
-    def __init__(self, client: Client, conn: _Connection, head_only: bool) -> None:
+    def __init__(self, client: Client, conn: Connection, head_only: bool) -> None:
         self._client = client
         self._conn = conn
         self._head_only = head_only
@@ -365,20 +401,14 @@ class Response:
         self._done = True
         conn = self._conn
         if conn.poisoned:
-            self._client._prepare()  # closed when it was poisoned
+            self._client._replace()  # closed when it was poisoned
             return
         if conn.complete and conn.error is None and conn.keep_alive and not self._head_only:
-            if self.content_type == _SSE:
-                self._client._after_stream(conn)
-            else:
-                self._client._give_back(conn)
+            self._client._reuse(conn, stream=self.content_type == _SSE)
             return
         conn.close()
         if conn.complete and conn.error is None:
-            # A finished exchange whose connection cannot be reused: open its replacement now,
-            # off the critical path, so the next request (typically the waiter just handed
-            # this slot) does not wait for a TCP handshake.
-            self._client._prepare()
+            self._client._replace()
 
     def close(self) -> None:
         """Abandon it: the connection is closed, never pooled (llama-server then cancels)."""
@@ -388,7 +418,12 @@ class Response:
 
 
 class Client:
-    """Connections to one host:port, reused while they are fresh."""
+    """Connections to one host:port, reused while they are fresh; no limit on their number
+    (the admission pool bounds the work, and a limit here would be a second, hidden queue).
+
+    The hooks `_reuse`, `_replace`, `_closed_while_idle` and `_unreachable` are where an
+    upstream's own reuse policy goes (app/reuse.py); here they pool or do nothing.
+    """
 
     def __init__(
         self,
@@ -408,20 +443,18 @@ class Client:
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
         self.stall_s = stall_s
-        self._idle: list[_Connection] = []
-        self._warming: set[asyncio.Task[None]] = set()
-        self._probe: tuple[_Connection, asyncio.TimerHandle] | None = None
-        #: Does the upstream keep a connection open after an event stream? None until seen.
-        self.streams_kept: bool | None = None
+        self._idle: list[Connection] = []
         self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._host}:{self._port} idle={len(self._idle)}>"
 
     async def request(
         self, method: str, target: str, headers: Iterable[Header], body: bytes
     ) -> Response:
         """Send one request and wait for the response's head."""
         conn = self._take_idle() or await self._connect()
-        conn._reset()
-        conn.expecting = True
+        conn.begin()
         head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), b"host: ", self._host_header]
         for name, value in headers:
             head += (b"\r\n", name, b": ", value)
@@ -440,132 +473,61 @@ class Client:
             raise
         return Response(self, conn, head_only=method == "HEAD")
 
-    def _take_idle(self) -> _Connection | None:
+    def _take_idle(self) -> Connection | None:
         idle = self._idle
         now = time.monotonic()
         while idle:
             conn = idle.pop()
             # llama-server drops idle connections after 5 s; one that may be closing under us
             # could swallow a POST that cannot be retried, so stale ones are closed instead.
-            if _closed_by_peer(conn):
-                if (
-                    conn.carried_stream
-                    and not conn.poisoned
-                    and now - conn.idle_since < self._keepalive_s
-                ):
-                    # Pooled after a stream, and closed before it idled out: this upstream
-                    # closes after streams after all (it was restarted as another build).
-                    self.streams_kept = False
+            if conn.is_closed():
+                self._closed_while_idle(conn, now)
                 continue
-            # Also asked of the kernel: a FIN or stray bytes that arrived since the loop last
-            # looked would otherwise fail this request or be read as its response.
-            if now - conn.idle_since > self._keepalive_s or _peer_closed(conn):
+            if conn.has_expired(now, self._keepalive_s):
                 conn.close()
                 continue
             return conn
         return None
 
-    def _give_back(self, conn: _Connection) -> None:
+    def _give_back(self, conn: Connection) -> None:
         if self._closed or conn.transport is None:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        conn.pooled()
         self._idle.append(conn)
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    _Connection, self._host, self._port, ssl=self._ssl
+                    Connection, self._host, self._port, ssl=self._ssl
                 )
         except TimeoutError:
             raise ConnectFailed(
                 f"connecting to {self._host}:{self._port} took over {self._connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
-            self.relearn()
+            self._unreachable()
             raise ConnectFailed(f"cannot connect to {self._host}:{self._port} ({exc})") from None
         return conn
 
-    def _after_stream(self, conn: _Connection) -> None:
-        """Pool or close a connection whose event stream ended cleanly.
+    # -- hooks for an upstream's reuse policy ---------------------------------------------------
 
-        llama-server (the builds measured) closes the connection after every streamed answer
-        although its head says Keep-Alive; pooled, such a connection would fail the next
-        request sent down it, typically the waiter just handed the slot, and a POST cannot
-        be retried safely. Other upstreams keep it, and reusing it saves a TCP handshake per
-        request. Which one this is, is learned from the first stream: its connection is held
-        aside for STREAM_PROBE_S, never used, and the upstream either closes it (stream
-        connections are closed from then on) or leaves it open (pooled from then on). A
-        pooled one later found closed by the upstream revokes that (see _take_idle).
-        """
-        if _closed_by_peer(conn):
-            self.streams_kept = False
-        elif self.streams_kept and not self._closed:
-            conn.carried_stream = True
-            self._give_back(conn)
-            return
-        elif self.streams_kept is None and self._probe is None and not self._closed:
-            timer = asyncio.get_running_loop().call_later(STREAM_PROBE_S, self._probed)
-            self._probe = conn, timer
-            conn.on_lost = self._closed_after_stream
-            self._prepare()
-            return
-        conn.close()
-        self._prepare()
-
-    def _probed(self) -> None:
-        assert self._probe is not None  # noqa: S101 - the timer is cancelled with the probe
-        conn, _ = self._probe
-        self._probe = None
-        conn.on_lost = None
-        # The kernel's word, not the loop's: after a stall, uvloop runs due timers before it
-        # reads the socket, so a close that arrived in time may not have been seen yet.
-        if _closed_by_peer(conn) or _peer_closed(conn):
-            self.streams_kept = False
-        elif self.streams_kept is None:
-            self.streams_kept = True
-        if self.streams_kept:
-            conn.carried_stream = True
-            self._give_back(conn)
-            conn.idle_since -= STREAM_PROBE_S  # idle at the upstream since its stream ended
-        else:
-            conn.close()
-
-    def _closed_after_stream(self) -> None:
-        if self._probe is not None:
-            self._probe[1].cancel()
-            self._probe = None
-            self.streams_kept = False
-
-    def relearn(self) -> None:
-        """The upstream went away: whatever answers next may be another build."""
-        self.streams_kept = None
-
-    def _prepare(self) -> None:
-        if self._closed or len(self._idle) + len(self._warming) >= WARM_CONNECTIONS:
-            return
-        task = asyncio.ensure_future(self._warm())
-        self._warming.add(task)
-        task.add_done_callback(self._warming.discard)
-
-    async def _warm(self) -> None:
-        try:
-            conn = await self._connect()
-        except ConnectFailed:
-            return  # the next request will find out, and say so
+    def _reuse(self, conn: Connection, *, stream: bool) -> None:
+        """A complete response whose connection may be reused is released."""
         self._give_back(conn)
+
+    def _replace(self) -> None:
+        """A finished exchange's connection could not be reused."""
+
+    def _closed_while_idle(self, conn: Connection, now: float) -> None:
+        """A pooled connection was found closed by the peer."""
+
+    def _unreachable(self) -> None:
+        """A connection attempt failed: the upstream is away."""
 
     def close(self) -> None:
         self._closed = True
-        for task in self._warming:
-            task.cancel()
-        if self._probe is not None:
-            conn, timer = self._probe
-            self._probe = None
-            timer.cancel()
-            conn.on_lost = None
-            conn.close()
         while self._idle:
             self._idle.pop().close()

@@ -1,6 +1,6 @@
 """llama-server's CORS policy, as its own answers show it, for the answers slotgate makes itself.
 
-A 429, a 503 or the head of a stream that waits in line comes from slotgate, not from
+A 429, a 503 or the head of a stream that waits in the queue comes from slotgate, not from
 llama-server, so it carries no CORS header unless slotgate adds one; and a browser client
 cannot read an answer without one. But llama-server's policy is its operator's: by default it
 echoes any Origin, yet it can be started with an allowlist (`--cors-origins`), without
@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-Header = tuple[bytes, bytes]
+from .asgi import Header
 
 #: Origins remembered (a browser app uses one or a few); see above for when it is full.
 MAX_ORIGINS = 256

@@ -101,7 +101,7 @@ MAX_JSON_DEPTH = 254
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-def admitted(method: str, path: str) -> Endpoint | None:
+def route_of(method: str, path: str) -> Endpoint | None:
     """The endpoint behind a request, when it occupies llama-server slots."""
     if method != "POST":
         return None

@@ -23,9 +23,9 @@ from .admission import (
     Snapshot,
     TooLarge,
 )
+from .asgi import Headers
 
 Flavor = Literal["openai", "anthropic"]
-Headers = list[tuple[bytes, bytes]]
 
 
 class GateError(Exception):
@@ -96,7 +96,7 @@ class UpstreamFailed(GateError):
 
 
 class QueueBytesFull(GateError):
-    """The requests waiting in line already hold QUEUE_BODY_BYTES of bodies; a retry may pass."""
+    """The requests in the queue already hold QUEUE_BODY_BYTES of bodies; a retry may pass."""
 
     status = 429
     type = "rate_limit_error"

@@ -1,11 +1,5 @@
-"""A request body turned into what the gate needs, without stalling the event loop.
-
-Parsing is the one step whose cost grows with what a client sends: a 32 MiB body of token
-ids takes orjson about 0.2 s, and rewriting it as a stream request (app/assembly.py) as long
-again. orjson holds the GIL throughout, so a thread does not help (measured: the loop stalled
-as long with `asyncio.to_thread` as without). Bodies over OFF_LOOP_BYTES are therefore read in
-a worker process, which sends back only the demand and the body to forward; smaller ones cost
-less than the hand-off would, and stay on the loop.
+"""A request body turned into what the gate needs (its demand, the body to forward), with big
+bodies parsed in a worker process so the event loop does not stall (docs/design.md, "Intake").
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ from starlette.exceptions import HTTPException
 
 from .access import Access
 from .admission import Admission
+from .asgi import Receive, Scope, Send
 from .errors import BadRequest, GateError, refusal, render, route_refusal
 from .metrics import Metrics
-from .relay import Proxy, Receive, Scope, Send
+from .relay import Proxy
 from .settings import Settings
 from .upstream import Upstream
 
@@ -44,8 +45,8 @@ class Gateway(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-class Gate:
-    """The pieces one app owns, built together and closed together."""
+class Service:
+    """The pieces one app owns (admission, upstream, metrics, proxy), built and closed together."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -61,7 +62,7 @@ class Gate:
         self.draining = False
 
     def drain(self) -> None:
-        """Shutdown has begun: refuse new work and turn the line away; streams run on."""
+        """Shutdown has begun: refuse new work and turn the queue away; streams run on."""
         if not self.draining:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
@@ -96,16 +97,16 @@ class Gate:
 def create_app(settings: Settings | None = None) -> Gateway:
     """Build one slotgate app; its lifespan starts and stops the upstream client."""
     settings = settings or Settings()
-    gate = Gate(settings)
+    service = Service(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gate.upstream.start()
+        await service.upstream.start()
         try:
             yield
         finally:
-            gate.drain()
-            await gate.upstream.close()
+            service.drain()
+            await service.upstream.close()
 
     app = Gateway(
         title="slotgate",
@@ -116,11 +117,11 @@ def create_app(settings: Settings | None = None) -> Gateway:
         openapi_url=None,
         redirect_slashes=False,
     )
-    app.proxy = gate.proxy
-    app.state.gate = gate
+    app.proxy = service.proxy
+    app.state.service = service
 
     async def authorized(request: Request) -> None:
-        gate.access.check(
+        service.access.check(
             request.url.path,
             request.headers.get("authorization", "").encode("latin-1") or None,
             request.headers.get("x-api-key", "").encode("latin-1") or None,
@@ -148,18 +149,20 @@ def create_app(settings: Settings | None = None) -> Gateway:
     @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz() -> JSONResponse:
         """200 when llama-server answers and its slot count is known; 503 with the reason."""
-        if gate.draining:
+        if service.draining:
             return JSONResponse({"status": "draining"}, 503, {"retry-after": "1"})
-        if not gate.upstream.ready:
+        if not service.upstream.ready:
             return JSONResponse(
-                {"status": "not ready", "reason": gate.upstream.reason}, 503, {"retry-after": "1"}
+                {"status": "not ready", "reason": service.upstream.reason},
+                503,
+                {"retry-after": "1"},
             )
-        return JSONResponse({"status": "ready", "capacity": gate.admission.capacity})
+        return JSONResponse({"status": "ready", "capacity": service.admission.capacity})
 
     @app.get("/admission", dependencies=[Depends(authorized)])
     async def admission() -> dict[str, Any]:
         """The live pool: capacity, active, queued, free, queue_limit and the upstream."""
-        return gate.snapshot()
+        return service.snapshot()
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics(source: str = "all") -> Response:
@@ -169,10 +172,10 @@ def create_app(settings: Settings | None = None) -> Gateway:
             raise BadRequest(
                 f"source={source!r} is not one of {', '.join(METRICS_SOURCES)}", param="source"
             )
-        text = gate.metrics.render() if source != "llama-server" else b""
+        text = service.metrics.render() if source != "llama-server" else b""
         headers: dict[str, str] = {}
         if source != "slotgate":
-            theirs, kept = await gate.upstream.metrics()
+            theirs, kept = await service.upstream.metrics()
             text += theirs
             headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in kept}
         return Response(

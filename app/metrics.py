@@ -63,7 +63,7 @@ class _PoolCollector(Collector):
             "slotgate_slots_active", "Slots held by admitted requests", value=pool.active
         )
         yield GaugeMetricFamily(
-            "slotgate_queue_depth", "Requests waiting in line", value=pool.queued
+            "slotgate_queue_depth", "Requests waiting in the queue", value=pool.queued
         )
         # No sample while the capacity is unknown: the limit depends on it (QUEUE_PER_SLOT),
         # and nobody queues meanwhile (requests are refused as not ready).

@@ -1,51 +1,32 @@
-"""The hot path: a plain ASGI app that gates and relays every request slotgate does not own.
-
-It is deliberately framework-free: a request costs one header scan, one body read, one
-admission call and one upstream exchange, with llama-server's bytes relayed as they arrive.
+"""The hot path: a plain ASGI app that gates every request slotgate does not own and relays
+llama-server's answer as it comes. A request is a `Request` (app/request.py), its answer an
+`Answer` (app/answer.py); this module holds the relay modes and the orchestration.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 from urllib.parse import quote
 
 from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, Ticket
+from .answer import Answer
+from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
-from .client import BodyTooLarge, ClientError, Response
-from .endpoints import Demand, Endpoint, admitted, check_content_type, demand
-from .errors import (
-    BadRequest,
-    Flavor,
-    GateError,
-    Headers,
-    HeadersTooLarge,
-    PayloadTooLarge,
-    QueueBytesFull,
-    Refusal,
-    UpstreamFailed,
-    refusal,
-    render,
-    stream_event,
-)
-from .intake import Intake, take_off_loop
+from .client import BodyTooLarge, ExchangeFailed, Response
+from .endpoints import check_content_type, demand, route_of
+from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
+from .intake import take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
 from .pace import expected_hold_s
+from .request import ClientGone, Head, Request, checked_path, preflight_body, read_body
 from .settings import Settings
 from .upstream import Upstream, UpstreamStarting
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger("slotgate.relay")
 
@@ -58,9 +39,6 @@ _HOP_BY_HOP = frozenset(
     }
 )  # fmt: skip
 _CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
-#: Headers slotgate decides by, which a client cannot make hop-by-hop through Connection: then
-#: slotgate would check or key on one value and llama-server see another, or none.
-_DECIDING = _CREDENTIALS | {b"origin"}
 _RESPONSE_DROP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
      b"proxy-connection", b"date", b"server"}
@@ -68,16 +46,12 @@ _RESPONSE_DROP = frozenset(
 #: An assembled answer is a JSON body of its own: the stream's framing headers do not apply.
 _BODY_FRAMING = frozenset({b"content-type", b"content-length", b"x-accel-buffering",
                            b"cache-control"})  # fmt: skip
+_SSE = "text/event-stream"
 _SSE_HEAD: Headers = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-#: uvicorn sets no bound on header size; llama-server's HTTP library (cpp-httplib) answers a
-#: header line over 8 KiB with an empty 400, and only once the request has reached it, slot
-#: and all. Anything past these is refused here, before it costs a slot or a connection.
-MAX_HEADER_BYTES = 64 * 1024
-MAX_HEADER_LINE_BYTES = 8192
 #: How long a request runs before slotgate starts watching for its client to leave.
 WATCH_AFTER_S = 0.02
 #: Non-streamed answers up to this size are read whole before the head goes out.
@@ -87,50 +61,6 @@ _UNSIZED = sys.maxsize
 #: The most of an upstream error read to relay it as one event into a waiting stream.
 #: llama-server's errors are a few hundred bytes; one longer is no error a client can use.
 ERROR_BODY_BYTES = 64 * 1024
-_REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
-_ids = itertools.count(1)
-_id_prefix = secrets.token_hex(4)
-#: Shared by every request whose Connection header names nothing.
-_NONE_NAMED: frozenset[bytes] = frozenset()
-
-
-class ClientGone(Exception):
-    """The client closed its connection; nobody is left to answer."""
-
-
-class _Exchange:
-    """What one request did, for its access-log line and its metrics."""
-
-    __slots__ = (
-        "bytes_out", "held_bytes", "id", "method", "origin", "outcome", "path", "route", "sse",
-        "started", "status", "tail", "ticket", "upstream_status", "weight",
-    )  # fmt: skip
-
-    def __init__(self, request_id: str, method: str, path: str) -> None:
-        self.id = request_id
-        self.method = method
-        self.path = path
-        self.route: str | None = None
-        self.started = time.monotonic()
-        self.status = 0
-        self.sse = False  # an event stream's head has gone out: errors now go in-stream
-        self.tail = b"\n\n"  # the last bytes relayed into a stream: did they end an event?
-        self.upstream_status: int | None = None
-        self.outcome = "served"
-        self.bytes_out = 0
-        self.weight = 0
-        self.ticket: Ticket | None = None
-        self.origin: bytes | None = None  # the request's Origin, for answers slotgate makes
-        self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES while it waits
-
-    async def upstream_done(self, response: Response) -> None:
-        """llama-server has sent its last byte: its slot is free, so ours is handed on now,
-        before the rest is relayed, and the next request does not wait for the client."""
-        response.release()
-        if self.ticket is not None and self.ticket.release():
-            # Let the waiter just handed the slot send its request before this answer is
-            # relayed: llama-server's slot should not sit idle while slotgate writes to a client.
-            await asyncio.sleep(0)
 
 
 class _Watch:
@@ -175,6 +105,12 @@ class _Watch:
         if self._pending is not None:
             self._pending.cancel()
 
+    def __enter__(self) -> _Watch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def ours(self) -> bool:
         """After a CancelledError: was it only this watch's doing (so it may end here)?"""
         return self.gone and self._task is not None and self._task.uncancel() == 0
@@ -196,8 +132,9 @@ class Proxy:
         self._access = Access(settings.api_keys)
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
-        # Bytes of bodies held by requests waiting in line, bounded by QUEUE_BODY_BYTES (0 = no
-        # bound): a body is read whole before its request waits, and the line may be long.
+        # Bytes of bodies held by requests waiting in the queue, bounded by QUEUE_BODY_BYTES
+        # (0 = no bound): a body is read whole before its request waits, and the queue may be
+        # long.
         self._queue_body_bytes = settings.queue_body_bytes
         self._held_bytes = 0
         self._keepalive_s = settings.keepalive_interval
@@ -216,215 +153,203 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        ex = _Exchange(_request_id(scope), scope["method"], scope["path"])
+        request = Request(scope)
+        answer = Answer(send)
         try:
-            await self._handle(scope, receive, send, ex)
+            await self._serve(request, receive, answer)
         finally:
-            self._account(ex)
+            self._account(request, answer)
 
-    # -- one request --------------------------------------------------------------------------
+    # -- one request, top to bottom ------------------------------------------------------------
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
-        route: Endpoint | None = None  # a generation route, gated or not
+    async def _serve(self, request: Request, receive: Receive, answer: Answer) -> None:
         try:
-            path = _checked_path(scope["path"])
-            # Known first, so that every refusal below is counted under the route and spoken
-            # in the route's own error shape.
-            route = admitted(ex.method, path)
-            if route is not None:
-                ex.route = route.route
-            endpoint = route if self._gated else None
-            head = _RequestHead(scope["headers"])
-            ex.origin = head.origin
-            if ex.method == "OPTIONS" and self._access.enabled:
-                # A browser's CORS preflight carries no key, and no body: llama-server answers
-                # it without a key and it starts nothing; so it passes, bodiless, unchecked.
-                body = await _preflight_body(receive, head.content_length)
-            else:
-                self._access.check(path, head.authorization, head.api_key)
-                body = await _read_body(receive, head.content_length, self._body_limit)
-            if endpoint is None:
-                if route is None:
-                    await self._forward(scope, send, ex, path, head, body)
-                else:
-                    await self._forward_ungated(scope, receive, send, ex, path, head, body, route)
+            await self._take_in(request, receive)
+            if not request.gated:
+                await self._pass(request, receive, answer)
                 return
-            check_content_type(endpoint, head.content_type)
-            capacity = self._admission.capacity
-            unknown = capacity is None
-            if unknown:
-                # llama-server is (re)starting: wait in line, weighed once its slot count is
-                # known (app/admission.py), and ask it for that now, not at the next tick.
-                self._upstream.poke()
-            assemble = self._assemble and not self._upstream.verbose
-            taken = await take_off_loop(
-                endpoint, body, _UNSIZED if capacity is None else capacity, assemble=assemble
-            )
-            want, body = taken.demand, taken.body
-            weigh: Callable[[int], int] | None = None
-            if unknown:
-                gated, sent = endpoint, body
-
-                def weigh(capacity: int) -> int:
-                    return demand(gated, sent, capacity).weight
-
-            if self._admission.cold:
-                expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
-                if expected is not None:
-                    self._admission.expect(expected)
-            ex.weight = want.weight
-            budget = self._admission.budget_tokens
-            cost = self._upstream.estimate(endpoint, body, budget) if budget else None
-            ticket = self._admission.enter(want.weight, cost.reserve if cost else 0, weigh)
-            if not ticket.admitted:
-                self._hold(ex, ticket, len(body))
-            ex.ticket = ticket
-            if cost is not None:
-                # Counted exactly while it holds its place (or its slot): a refusal costs none.
-                await self._upstream.count(ticket, cost)
+            ticket = await self._enter(request)
         except (GateError, AdmissionError) as exc:
-            await self._refuse(send, ex, refusal(exc), route.flavor if route else "openai")
+            await self._refuse(request, answer, refusal(exc))
             return
         except ClientGone:
-            ex.outcome = "client_gone"
+            request.outcome = "client_gone"
             return
-        await self._gate(scope, receive, send, ex, endpoint, path, head, body, want, taken)
+        # The one place its slot (or its place in the queue) is given back, whatever happens.
+        async with ticket:
+            await self._gated_exchange(request, receive, answer, ticket)
 
-    async def _forward_ungated(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        ex: _Exchange,
-        path: str,
-        head: _RequestHead,
-        body: bytes,
-        route: Endpoint,
-    ) -> None:
-        """A generation with ADMISSION_CONTROL off: no slot, but a client that leaves still
-        closes the upstream connection, so llama-server stops working for nobody."""
-        watch = _Watch(receive)
-        try:
-            await self._forward(scope, send, ex, path, head, body, route.flavor)
-        except asyncio.CancelledError:
-            if watch.ours():
-                ex.outcome = "client_gone"
-                return
-            if await self._cut_short(send, ex, route.flavor):
-                return
-            raise
-        finally:
-            watch.stop()
+    async def _take_in(self, request: Request, receive: Receive) -> None:
+        """Check the path and the head, and read the body."""
+        path = checked_path(request.path)
+        # Known first, so that every refusal below is counted under the route and spoken in
+        # the route's own error shape.
+        request.endpoint = route_of(request.method, path)
+        request.gated = self._gated and request.endpoint is not None
+        head = request.head = Head(request.headers)
+        request.origin = head.origin
+        if request.method == "OPTIONS" and self._access.enabled:
+            # A browser's CORS preflight carries no key, and no body: llama-server answers
+            # it without a key and it starts nothing; so it passes, bodiless, unchecked.
+            request.body = await preflight_body(receive, head.content_length)
+        else:
+            self._access.check(path, head.authorization, head.api_key)
+            request.body = await read_body(receive, head.content_length, self._body_limit)
 
-    async def _gate(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        ex: _Exchange,
-        endpoint: Endpoint,
-        path: str,
-        head: _RequestHead,
-        body: bytes,
-        want: Demand,
-        taken: Intake,
-    ) -> None:
-        ticket = ex.ticket
-        assert ticket is not None  # noqa: S101 - set by _handle just before
-        watch = _Watch(receive)
-        try:
-            if not ticket.admitted:
-                if want.stream and self._keepalive_s:
-                    await self._wait_streaming(send, ex, ticket)
-                else:
-                    await ticket.wait()
-                self._let_go(ex)
-            ex.weight = ticket.weight
-            self._metrics.admit(endpoint.route, ticket.wait_s)
+    async def _pass(self, request: Request, receive: Receive, answer: Answer) -> None:
+        """Forward a request that takes no slot. A generation with ADMISSION_CONTROL off still
+        closes its upstream connection when its client leaves, so llama-server stops working
+        for nobody."""
+        if request.endpoint is None:
+            await self._forward(request, answer)
+            return
+        with _Watch(receive) as watch:
+            try:
+                await self._forward(request, answer)
+            except asyncio.CancelledError:
+                if watch.ours():
+                    request.outcome = "client_gone"
+                    return
+                if await self._cut_short(request, answer):
+                    return
+                raise
+
+    async def _enter(self, request: Request) -> Ticket:
+        """Read the body's demand and join the queue (or take a slot at once)."""
+        endpoint = request.endpoint
+        head = request.head
+        assert endpoint is not None  # noqa: S101 - gated: _take_in found it
+        assert head is not None  # noqa: S101 - read by _take_in
+        check_content_type(endpoint, head.content_type)
+        capacity = self._admission.capacity
+        unknown = capacity is None
+        if unknown:
+            # llama-server is (re)starting: wait in the queue, weighed once its slot count is
+            # known (app/admission.py), and ask it for that now, not at the next tick.
+            self._upstream.poke()
+        assemble = self._assemble and not self._upstream.verbose
+        taken = await take_off_loop(
+            endpoint, request.body, _UNSIZED if capacity is None else capacity, assemble=assemble
+        )
+        want, body = taken.demand, taken.body
+        request.body = body
+        request.stream = want.stream
+        if taken.assembled:
             # The body was rewritten to ask for a stream already (app/intake.py).
-            assembly = (
-                Assembly(endpoint.kind, path, return_tokens=taken.return_tokens)
-                if taken.assembled
-                else None
+            request.assembly = Assembly(
+                endpoint.kind, request.path, return_tokens=taken.return_tokens
             )
-            back_by: float | None = None
-            resent = False
-            while True:
-                try:
-                    await self._forward(
-                        scope, send, ex, path, head, body, endpoint.flavor, assembly, gated=True
-                    )
-                    break
-                except UpstreamStarting as exc:
-                    # llama-server is restarting and did not take the request: it keeps its
-                    # slots (the restarted server runs it in one) and is sent again once
-                    # llama-server is back, within STARTUP_WAIT of the first refusal.
-                    if not self._startup_wait_s or (exc.sent and resent):
-                        raise
-                    resent = resent or exc.sent
-                    self._upstream.lost(exc.message)
-                    if back_by is None:
-                        back_by = time.monotonic() + self._startup_wait_s
-                    if want.stream and self._keepalive_s:
-                        await self._wait_streaming(send, ex, ticket, back_by)
-                    else:
-                        await self._admission.known(back_by)
-        except asyncio.CancelledError:
-            if watch.ours():
-                ex.outcome = "client_gone"
-                return
-            if await self._cut_short(send, ex, endpoint.flavor):
-                return
-            raise
-        except (GateError, AdmissionError) as exc:
-            if watch.gone:
-                ex.outcome = "client_gone"
-                return
-            r = refusal(exc)
-            if ex.sse:
-                ex.outcome = r.reason
-                await _send_event(send, stream_event(r, endpoint.flavor), ex)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            else:
-                await self._refuse(send, ex, r, endpoint.flavor)
-        finally:
-            watch.stop()
-            self._let_go(ex)
-            ticket.release()
-            if ticket.admitted_at is not None:
-                self._metrics.hold[endpoint.route].observe(time.monotonic() - ticket.admitted_at)
+        weigh: Callable[[int], int] | None = None
+        if unknown:
 
-    def _hold(self, ex: _Exchange, ticket: Ticket, size: int) -> None:
+            def weigh(capacity: int) -> int:
+                return demand(endpoint, body, capacity).weight
+
+        if self._admission.cold:
+            expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
+            if expected is not None:
+                self._admission.expect(expected)
+        request.weight = want.weight
+        budget = self._admission.budget_tokens
+        cost = self._upstream.estimate(endpoint, body, budget) if budget else None
+        ticket = self._admission.enter(want.weight, cost.reserve if cost else 0, weigh)
+        if not ticket.admitted:
+            self._hold(request, ticket)
+        request.ticket = ticket
+        request.estimate = cost
+        return ticket
+
+    async def _gated_exchange(
+        self, request: Request, receive: Receive, answer: Answer, ticket: Ticket
+    ) -> None:
+        """Count, wait for the slot, forward; the client leaving cancels whatever is under way."""
+        with _Watch(receive) as watch:
+            try:
+                if request.estimate is not None:
+                    # Counted exactly while it holds its place (or its slot): a refusal costs
+                    # none.
+                    await self._upstream.count(ticket, request.estimate)
+                if not ticket.admitted:
+                    await self._wait(request, answer, ticket)
+                    self._let_go(request)
+                request.weight = ticket.weight
+                self._metrics.admit(request.route or "", ticket.wait_s)
+                await self._forward_when_up(request, answer, ticket)
+            except asyncio.CancelledError:
+                if watch.ours():
+                    request.outcome = "client_gone"
+                    return
+                if await self._cut_short(request, answer):
+                    return
+                raise
+            except (GateError, AdmissionError) as exc:
+                if watch.gone:
+                    request.outcome = "client_gone"
+                    return
+                await self._refuse(request, answer, refusal(exc))
+            finally:
+                self._let_go(request)
+
+    async def _forward_when_up(self, request: Request, answer: Answer, ticket: Ticket) -> None:
+        """Forward; while llama-server is restarting (and did not take the request), keep the
+        slot and send it again once llama-server is back, within STARTUP_WAIT of the first
+        refusal (the restarted server runs it in one)."""
+        back_by: float | None = None
+        resent = False
+        while True:
+            try:
+                await self._forward(request, answer)
+            except UpstreamStarting as exc:
+                if not self._startup_wait_s or (exc.sent and resent):
+                    raise
+                resent = resent or exc.sent
+                self._upstream.lost(exc.message)
+                if back_by is None:
+                    back_by = time.monotonic() + self._startup_wait_s
+                await self._wait(request, answer, ticket, back_by)
+            else:
+                return
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def _hold(self, request: Request, ticket: Ticket) -> None:
         """Count a waiting request's body against QUEUE_BODY_BYTES, or refuse it (429)."""
         limit = self._queue_body_bytes
+        size = len(request.body)
         if limit and self._held_bytes + size > limit:
             retry_after_s = self._admission.retry_after_s(max(ticket.position, 1))
             ticket.release()
             raise QueueBytesFull(
-                f"requests waiting in line already hold {self._held_bytes} bytes of request "
-                f"bodies, and {size} more would pass QUEUE_BODY_BYTES ({limit}); retry after "
-                "Retry-After",
+                f"requests waiting in the queue already hold {self._held_bytes} bytes of "
+                f"request bodies, and {size} more would pass QUEUE_BODY_BYTES ({limit}); retry "
+                "after Retry-After",
                 self._admission.snapshot(),
                 retry_after_s,
             )
         self._held_bytes += size
-        ex.held_bytes = size
+        request.held_bytes = size
 
-    def _let_go(self, ex: _Exchange) -> None:
-        """The request left the line (admitted or gone): its body no longer counts."""
-        self._held_bytes -= ex.held_bytes
-        ex.held_bytes = 0
+    def _let_go(self, request: Request) -> None:
+        """The request left the queue (admitted or gone): its body no longer counts."""
+        self._held_bytes -= request.held_bytes
+        request.held_bytes = 0
+
+    async def _wait(
+        self, request: Request, answer: Answer, ticket: Ticket, back_by: float | None = None
+    ) -> None:
+        """Wait for the slot (or, given `back_by`, for llama-server to be back by then)."""
+        if request.stream and self._keepalive_s:
+            await self._wait_streaming(request, answer, ticket, back_by)
+        elif back_by is None:
+            await ticket.wait()
+        else:
+            await self._admission.known(back_by)
 
     async def _wait_streaming(
-        self,
-        send: Send,
-        ex: _Exchange,
-        ticket: Ticket,
-        back_by: float | None = None,
+        self, request: Request, answer: Answer, ticket: Ticket, back_by: float | None
     ) -> None:
-        """Wait in line (or, given `back_by`, for llama-server to be back by then); once the
-        wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it went out) and tell
-        the client where it stands every keep-alive interval.
+        """Wait; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it
+        went out) and tell the client where it stands every keep-alive interval.
 
         The head keeps clients and proxies with idle timeouts from cutting a long wait, but
         whatever fails after it can only be an in-stream error, which the SDKs do not retry;
@@ -435,20 +360,18 @@ class Proxy:
             ticket.wait() if back_by is None else self._admission.known(back_by)
         )
         try:
-            if not ex.sse:
+            if not answer.stream:
                 if self._head_after_s:
                     done, _ = await asyncio.wait((waiting,), timeout=self._head_after_s)
                     if done:
                         waiting.result()
                         return
-                head = [*_SSE_HEAD, *self._own_headers(ex)]
-                await send({"type": "http.response.start", "status": 200, "headers": head})
-                ex.sse = True
-                ex.status = 200
+                await answer.start(200, [*_SSE_HEAD, *self._own_headers(request)], stream=True)
             while True:
                 eta = self._admission.retry_after_s(max(ticket.position, 1))
-                comment = f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
-                await send({"type": "http.response.body", "body": comment, "more_body": True})
+                await answer.comment(
+                    f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
+                )
                 done, _ = await asyncio.wait((waiting,), timeout=self._keepalive_s)
                 if done:
                     waiting.result()
@@ -456,65 +379,62 @@ class Proxy:
         finally:
             waiting.cancel()
 
-    async def _forward(
-        self,
-        scope: Scope,
-        send: Send,
-        ex: _Exchange,
-        path: str,
-        head: _RequestHead,
-        body: bytes,
-        flavor: Flavor = "openai",
-        assembly: Assembly | None = None,
-        *,
-        gated: bool = False,
-    ) -> None:
+    # -- the upstream exchange -----------------------------------------------------------------
+
+    async def _forward(self, request: Request, answer: Answer) -> None:
         """Send the request to llama-server and relay its answer. A gated request leaves an
-        upstream failure to _gate, which knows whether its client is still there."""
-        target = quote(path, safe="/:@!$&'()*+,;=-._~")
-        query = scope["query_string"]
-        if query:
-            target += "?" + query.decode("latin-1")
+        upstream failure to _gated_exchange, which knows whether its client is still there."""
+        target = quote(request.path, safe="/:@!$&'()*+,;=-._~")
+        if request.query:
+            target += "?" + request.query.decode("latin-1")
+        head = request.head
+        assert head is not None  # noqa: S101 - read by _take_in
         drop = self._drop
         named = head.connection_named
         headers = [(n, v) for n, v in head.raw if n not in drop and n not in named]
         if self._auth is not None:
             headers.append(self._auth)
-        headers.append((b"x-request-id", ex.id.encode()))
+        headers.append((b"x-request-id", request.id.encode()))
         try:
-            response = await self._upstream.send(ex.method, target, headers, body)
+            # Leaving this block by an exception closes the connection, not pools it, which is
+            # what makes llama-server cancel the task behind it.
+            async with self._upstream.request(request.method, target, headers, request.body) as r:
+                await self._relay_answer(request, answer, r)
         except GateError as exc:
-            if not gated:
-                await self._refuse(send, ex, refusal(exc), flavor)
-                return
-            raise
+            if request.gated or answer.started:
+                raise
+            await self._refuse(request, answer, refusal(exc))
+
+    async def _relay_answer(self, request: Request, answer: Answer, response: Response) -> None:
+        """Pick the relay mode for llama-server's answer, once."""
         if not self._upstream.ready and response.status == 200:
             self._upstream.poke()  # e.g. its /health: it is back, so read its slot count now
-        elif gated and response.status == 503 and self._startup_wait_s:
+        elif request.gated and response.status == 503 and self._startup_wait_s:
             # llama-server answers 503 to a generation only while it loads the model.
-            response.close()
             raise UpstreamStarting("llama-server is loading the model (503); retry shortly")
-        if ex.origin is not None and self._teaches(ex.method, path):
-            self._upstream.cors.learn(ex.origin, response.headers)
-        clean = False
-        try:
-            ex.upstream_status = response.status
-            if ex.sse:
-                await self._relay_into_stream(send, ex, response, flavor)
-            elif assembly is not None and response.content_type == "text/event-stream":
-                await self._relay_assembled(send, ex, response, flavor, assembly)
-            else:
-                await self._relay(send, ex, response, flavor)
-            clean = True
-        finally:
-            # A finished exchange returns its connection to the pool; anything else closes it,
-            # which is what makes llama-server cancel the task behind it.
-            if clean:
-                response.release()
-            else:
-                response.close()
+        if request.origin is not None and self._teaches(request):
+            self._upstream.cors.learn(request.origin, response.headers)
+        request.upstream_status = response.status
+        if answer.stream:
+            await self._relay_into_stream(request, answer, response)
+        elif request.assembly is not None and response.content_type == _SSE:
+            await self._relay_assembled(request, answer, response, request.assembly)
+        else:
+            await self._relay(request, answer, response)
 
-    async def _relay(self, send: Send, ex: _Exchange, response: Response, flavor: Flavor) -> None:
+    async def _upstream_done(self, request: Request, response: Response) -> None:
+        """llama-server has sent its last byte: its slot is free, so ours is handed on now,
+        before the rest is relayed, and the next request does not wait for the client."""
+        response.release()
+        if request.ticket is not None and request.ticket.release():
+            # Let the waiter just handed the slot send its request before this answer is
+            # relayed: llama-server's slot should not sit idle while slotgate writes to a client.
+            await asyncio.sleep(0)
+
+    # -- relay modes ---------------------------------------------------------------------------
+
+    async def _relay(self, request: Request, answer: Answer, response: Response) -> None:
+        """Relay llama-server's answer as it is: a small body whole, anything else as it comes."""
         length = response.content_length
         whole = length is not None and length <= WHOLE_BODY_BYTES
         try:
@@ -522,52 +442,43 @@ class Proxy:
             # truncated one still gets a proper 502; otherwise wait for the first bytes.
             first = await response.read() if whole else await response.readany()
             if whole:
-                await ex.upstream_done(response)
+                await self._upstream_done(request, response)
             if response.status == 500:
                 self._upstream.check_failure(first)
-        except ClientError as exc:
-            await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
+        except ExchangeFailed as exc:
+            await self._refuse(request, answer, refusal(_upstream_failure(exc)))
             return
         headers = [
             (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
-        headers += _id_headers(ex.id)
-        if response.content_type == "text/event-stream":
-            ex.sse = True
+        headers += _id_headers(request.id)
+        stream = response.content_type == _SSE
+        if stream:
             present = {name for name, _ in headers}
             headers.extend(h for h in _SSE_HEAD[1:] if h[0] not in present)
-        ex.status = response.status
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await answer.start(response.status, headers, stream=stream)
         if whole:
-            ex.bytes_out += len(first)
-            await send({"type": "http.response.body", "body": first, "more_body": False})
+            await answer.end(first)
             return
         chunk = first
         try:
             while chunk:
-                ex.bytes_out += len(chunk)
-                ex.tail = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await answer.relay(chunk)
                 chunk = await response.readany()
-            await ex.upstream_done(response)
-        except ClientError as exc:
+            await self._upstream_done(request, response)
+        except ExchangeFailed as exc:
             r = refusal(_upstream_failure(exc))
-            ex.outcome = r.reason
-            if not ex.sse:
+            request.outcome = r.reason
+            if not answer.stream:
                 # A plain body cut short cannot carry an error: leaving the answer unfinished
                 # makes the server drop the connection, so the client sees the truncation.
                 log.warning("upstream broke off a response after its head: %s", r.message)
                 return
-            await _send_event(send, stream_event(r, flavor), ex)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await answer.event(stream_event(r, request.flavor))
+        await answer.end()
 
     async def _relay_assembled(
-        self,
-        send: Send,
-        ex: _Exchange,
-        response: Response,
-        flavor: Flavor,
-        assembly: Assembly,
+        self, request: Request, answer: Answer, response: Response, assembly: Assembly
     ) -> None:
         """Answer a non-streamed request from the stream slotgate asked llama-server for."""
         try:
@@ -581,16 +492,16 @@ class Proxy:
                         "slotgate assembles for a non-streamed request; ask for a stream "
                         "(stream: true) or fewer tokens"
                     )
-            await ex.upstream_done(response)
+            await self._upstream_done(request, response)
             status, body = assembly.result()
             if status == 500:
                 self._upstream.check_failure(body)
-        except ClientError as exc:
-            await self._refuse(send, ex, refusal(_upstream_failure(exc)), flavor)
+        except ExchangeFailed as exc:
+            await self._refuse(request, answer, refusal(_upstream_failure(exc)))
             return
         except ValueError:
             failure = UpstreamFailed("llama-server sent a stream event that is not JSON")
-            await self._refuse(send, ex, refusal(failure), flavor)
+            await self._refuse(request, answer, refusal(failure))
             return
         if assembly.verbose and not self._upstream.verbose:
             # Its __verbose object cannot be rebuilt from a stream: from now on such requests
@@ -598,9 +509,7 @@ class Proxy:
             log.info("llama-server runs with --verbose: non-streamed requests now go as sent")
             self._upstream.verbose = True
         if status != 200:
-            ex.outcome = "upstream_error"
-        ex.status = status
-        ex.bytes_out += len(body)
+            request.outcome = "upstream_error"
         # llama-server's own headers (CORS among them), but those of a JSON body of this size.
         headers: Headers = [
             (name.lower(), value)
@@ -610,38 +519,41 @@ class Proxy:
         headers += [
             (b"content-type", b"application/json; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
-            *_id_headers(ex.id),
+            *_id_headers(request.id),
         ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await answer.whole(status, headers, body)
 
     async def _relay_into_stream(
-        self, send: Send, ex: _Exchange, response: Response, flavor: Flavor
+        self, request: Request, answer: Answer, response: Response
     ) -> None:
         """Relay into an SSE stream whose 200 head went out while the request waited."""
         try:
-            if response.status != 200 or response.content_type != "text/event-stream":
+            if response.status != 200 or response.content_type != _SSE:
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
                 error = await response.read(ERROR_BODY_BYTES)
                 self._upstream.check_failure(error)
-                await ex.upstream_done(response)
-                ex.outcome = "upstream_error"
-                prefix = b"event: error\n" if flavor == "anthropic" else b""
-                await _send_event(send, prefix + b"data: " + error.strip() + b"\n\n", ex)
+                await self._upstream_done(request, response)
+                request.outcome = "upstream_error"
+                prefix = b"event: error\n" if request.flavor == "anthropic" else b""
+                await answer.event(prefix + b"data: " + error.strip() + b"\n\n")
             else:
                 while chunk := await response.readany():
-                    ex.bytes_out += len(chunk)
-                    ex.tail = chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await ex.upstream_done(response)
-        except ClientError as exc:
+                    await answer.relay(chunk)
+                await self._upstream_done(request, response)
+        except ExchangeFailed as exc:
             r = refusal(_upstream_failure(exc))
-            ex.outcome = r.reason
-            await _send_event(send, stream_event(r, flavor), ex)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            request.outcome = r.reason
+            await answer.event(stream_event(r, request.flavor))
+        await answer.end()
 
-    async def _cut_short(self, send: Send, ex: _Exchange, flavor: Flavor) -> bool:
+    # -- answers slotgate makes itself ---------------------------------------------------------
+
+    async def _refuse(self, request: Request, answer: Answer, r: Refusal) -> None:
+        request.outcome = r.reason
+        await answer.refuse(r, request.flavor, self._own_headers(request))
+
+    async def _cut_short(self, request: Request, answer: Answer) -> bool:
         """Cancelled from outside: the drain timeout ran out at shutdown. Tell the client
         while its answer can still carry an error; True when it was told.
 
@@ -649,179 +561,59 @@ class Proxy:
         with a traceback for every request the drain timeout cut. A plain answer whose head
         went out can only be left unfinished, which the client sees as a truncation.
         """
-        if not (ex.sse or ex.status == 0):
+        if answer.started and not answer.stream:
             return False
-        ex.outcome = "shutdown"
+        request.outcome = "shutdown"
         message = "slotgate shut down before this request finished"
         cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
-        await _final_words(send, cut, flavor, ex, self._own_headers(ex))
+        await answer.final_words(cut, request.flavor, self._own_headers(request))
         return True
 
-    def _teaches(self, method: str, path: str) -> bool:
+    def _teaches(self, request: Request) -> bool:
         """Whose answers may teach the CORS table (app/cors.py): with keys, a request whose key
         was checked (not a preflight, not /health); without keys, one on a generation route,
         where the Origins a browser app uses show up. Anything cheaper for a stranger to send
         could fill the table with made-up Origins."""
         if self._access.enabled:
-            return method != "OPTIONS" and path not in OPEN_PATHS
-        return admitted("POST", path) is not None
+            return request.method != "OPTIONS" and request.path not in OPEN_PATHS
+        return route_of("POST", request.path) is not None
 
-    def _own_headers(self, ex: _Exchange) -> Headers:
+    def _own_headers(self, request: Request) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
         llama-server would give the request's Origin (app/cors.py)."""
-        return [*_id_headers(ex.id), *self._upstream.cors.headers_for(ex.origin)]
+        return [*_id_headers(request.id), *self._upstream.cors.headers_for(request.origin)]
 
-    async def _refuse(self, send: Send, ex: _Exchange, r: Refusal, flavor: Flavor) -> None:
-        ex.outcome = r.reason
-        status, headers, body = render(r, flavor)
-        headers += self._own_headers(ex)
-        ex.status = status
-        ex.bytes_out += len(body)
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    def _account(self, ex: _Exchange) -> None:
-        if ex.route is not None and ex.outcome not in ("served", "upstream_error"):
-            reason = ex.outcome if ex.outcome != "shutdown" else "upstream_unavailable"
-            self._metrics.rejected(ex.route, reason)
+    def _account(self, request: Request, answer: Answer) -> None:
+        """Its metrics and its access-log line, once it is over."""
+        route = request.route
+        ticket = request.ticket
+        now = time.monotonic()
+        if route is not None and request.outcome not in ("served", "upstream_error"):
+            reason = request.outcome if request.outcome != "shutdown" else "upstream_unavailable"
+            self._metrics.rejected(route, reason)
+        hold_s = None
+        if ticket is not None and ticket.admitted_at is not None:
+            hold_s = now - ticket.admitted_at
+            if route is not None:
+                self._metrics.hold[route].observe(hold_s)
         if not access_log.isEnabledFor(logging.INFO):
             return
-        ticket = ex.ticket
-        hold = (
-            round(time.monotonic() - ticket.admitted_at, 4)
-            if ticket is not None and ticket.admitted_at is not None
-            else None
-        )
         access_log.info(
             "%s %s %d %s",
-            ex.method, ex.path, ex.status, ex.outcome,
+            request.method, request.path, answer.status, request.outcome,
             extra={
-                "request_id": ex.id,
-                "route": ex.route,
-                "outcome": ex.outcome,
-                "status": ex.status,
-                "upstream_status": ex.upstream_status,
-                "weight": ex.weight,
+                "request_id": request.id,
+                "route": route,
+                "outcome": request.outcome,
+                "status": answer.status,
+                "upstream_status": request.upstream_status,
+                "weight": request.weight,
                 "queue_wait_s": round(ticket.wait_s, 4) if ticket is not None else None,
-                "slot_hold_s": hold,
-                "bytes_out": ex.bytes_out,
-                "duration_s": round(time.monotonic() - ex.started, 4),
+                "slot_hold_s": round(hold_s, 4) if hold_s is not None else None,
+                "bytes_out": answer.bytes_out,
+                "duration_s": round(now - request.started, 4),
             },
         )  # fmt: skip
-
-
-class _RequestHead:
-    """The request headers slotgate looks at, found in one pass."""
-
-    __slots__ = (
-        "api_key", "authorization", "connection_named", "content_length", "content_type",
-        "origin", "raw",
-    )  # fmt: skip
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self.raw = raw
-        self.authorization: bytes | None = None
-        self.api_key: bytes | None = None
-        self.content_length: int | None = None
-        self.content_type = ""
-        self.origin: bytes | None = None
-        self.connection_named = _NONE_NAMED
-        size = 0
-        for name, value in raw:
-            line = len(name) + len(value) + 4  # name: value CRLF, as llama-server counts it
-            if line > MAX_HEADER_LINE_BYTES:
-                raise HeadersTooLarge(
-                    f"request header {name[:64].decode('latin-1')} is longer than "
-                    f"{MAX_HEADER_LINE_BYTES} bytes, which llama-server refuses"
-                )
-            size += line
-            if name == b"content-length":
-                if not value.isdigit():
-                    raise BadRequest("Content-Length is not a number")
-                self.content_length = int(value)
-            elif name == b"content-type":
-                self.content_type = value.decode("latin-1")
-            elif name == b"authorization":
-                self.authorization = value
-            elif name == b"x-api-key":
-                self.api_key = value
-            elif name == b"origin":
-                # llama-server reads the first; one value only, so both sides read the same.
-                if self.origin is not None:
-                    raise BadRequest("more than one Origin header")
-                self.origin = value
-            elif name == b"connection":
-                # Headers named in Connection are hop-by-hop too, but never ones slotgate
-                # itself decides by: a client cannot make the gate drop what it checked.
-                named = {part.strip().lower() for part in value.split(b",")}
-                self.connection_named = frozenset(named - _DECIDING)
-        if size > MAX_HEADER_BYTES:
-            raise HeadersTooLarge(f"request headers exceed {MAX_HEADER_BYTES} bytes")
-
-
-def _checked_path(path: str) -> str:
-    """The decoded path, refused when it could step outside llama-server's root."""
-    if not path.startswith("/") or "\\" in path or "\x00" in path:
-        raise BadRequest("request path is not a plain absolute path")
-    if "/./" in path + "/" or "/../" in path + "/":
-        raise BadRequest("request path must not contain '.' or '..' segments")
-    return path
-
-
-async def _read_body(receive: Receive, declared: int | None, limit: int) -> bytes:
-    if declared is not None and declared > limit:
-        raise PayloadTooLarge(
-            f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
-        )
-    message = await receive()
-    # A client that closed before its body was whole (or sent broken chunked framing, which
-    # uvicorn answers 400 and closes): nothing it sent may go upstream, not even the head.
-    if message["type"] == "http.disconnect":
-        raise ClientGone
-    body: bytes = message.get("body", b"")
-    # A chunked body declares no length, and may arrive whole in one message.
-    if len(body) > limit:
-        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
-    if not message.get("more_body", False):
-        return _whole(body, declared)
-    chunks = [body]
-    size = len(body)
-    while message.get("more_body", False):
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(
-                f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)"
-            )
-        chunks.append(chunk)
-    return _whole(b"".join(chunks), declared)
-
-
-def _whole(body: bytes, declared: int | None) -> bytes:
-    if declared is not None and len(body) != declared:
-        raise BadRequest(f"request body is {len(body)} bytes, not the {declared} declared")
-    return body
-
-
-async def _preflight_body(receive: Receive, declared: int | None) -> bytes:
-    try:
-        return await _read_body(receive, declared, 0)
-    except PayloadTooLarge:
-        raise BadRequest(
-            "an OPTIONS request without a key is a preflight, and has no body"
-        ) from None
-
-
-def _request_id(scope: Scope) -> str:
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            if 0 < len(value) <= 128 and all(c in _REQUEST_ID_CHARS for c in value):
-                return bytes(value).decode()
-            break
-    return f"{_id_prefix}-{next(_ids)}"
 
 
 def _id_headers(request_id: str) -> Headers:
@@ -837,37 +629,3 @@ def _upstream_failure(exc: BaseException) -> UpstreamFailed:
     if isinstance(exc, BodyTooLarge):
         return UpstreamFailed(f"llama-server's error could not be relayed: {exc}")
     return UpstreamFailed(f"llama-server broke off the response ({type(exc).__name__})")
-
-
-async def _send_event(send: Send, event: bytes, ex: _Exchange) -> None:
-    event = _on_boundary(ex, event)
-    ex.bytes_out += len(event)
-    await send({"type": "http.response.body", "body": event, "more_body": True})
-
-
-async def _final_words(
-    send: Send, r: Refusal, flavor: Flavor, ex: _Exchange, own_headers: Headers
-) -> None:
-    """Best effort, during cancellation: end the answer with an error rather than silence."""
-    try:
-        async with asyncio.timeout(1.0):
-            if ex.sse:
-                await send({"type": "http.response.body",
-                            "body": _on_boundary(ex, stream_event(r, flavor)),
-                            "more_body": False})  # fmt: skip
-            else:
-                status, headers, body = render(r, flavor)
-                ex.status = status
-                headers += own_headers
-                await send({"type": "http.response.start", "status": status, "headers": headers})
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-    except (OSError, RuntimeError, TimeoutError):
-        log.debug("could not tell a cancelled client why", exc_info=True)
-
-
-def _on_boundary(ex: _Exchange, event: bytes) -> bytes:
-    """The event, after a blank line if the bytes relayed last left an event unfinished (the
-    upstream cut mid-event): glued on, it would become part of that event's last line."""
-    if ex.tail.endswith((b"\n\n", b"\r\n\r\n")):
-        return event
-    return b"\n\n" + event

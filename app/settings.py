@@ -56,7 +56,7 @@ class Settings(BaseSettings):
         description="Line depth per slot (default 16, floored at MIN_QUEUE); 0 = unbounded.",
     )
     max_queue: int | None = Field(
-        None, ge=0, description="Fixed line depth, overrides QUEUE_PER_SLOT; 0 = unbounded."
+        None, ge=0, description="Fixed queue depth, overrides QUEUE_PER_SLOT; 0 = unbounded."
     )
     min_queue: int | None = Field(
         None,
@@ -64,13 +64,16 @@ class Settings(BaseSettings):
         description="Floor under QUEUE_PER_SLOT x slots (default 64 with the default multiplier).",
     )
     queue_timeout: float = Field(
-        0.0, ge=0, le=86400, description="Seconds a request may wait in line; 0 = indefinitely."
+        0.0,
+        ge=0,
+        le=86400,
+        description="Seconds a request may wait in the queue; 0 = indefinitely.",
     )
     startup_wait: float = Field(
         30.0,
         ge=0,
         le=3600,
-        description="Seconds a request may wait in line while llama-server starts or restarts "
+        description="Seconds a request may wait in the queue while llama-server starts or restarts "
         "(its slot count unknown); 0 = answer 503 at once.",
     )
     keepalive_interval: float = Field(
@@ -80,7 +83,7 @@ class Settings(BaseSettings):
         10.0,
         ge=0,
         le=3600,
-        description="Seconds a streamed request waits in line before it gets its 200 head and "
+        description="Seconds a streamed request waits in the queue before it gets its 200 head and "
         "keep-alive comments (until then a refusal keeps its status); 0 = at once.",
     )
     props_refresh_interval: float = Field(
@@ -105,7 +108,7 @@ class Settings(BaseSettings):
         256 * MIB,
         ge=0,
         le=2**40,
-        description="Total bytes of request bodies held by requests waiting in line; past it "
+        description="Total bytes of request bodies held by requests waiting in the queue; past it "
         "429 queue_bytes_full; 0 = unbounded.",
     )
     upstream_stall_timeout: float = Field(

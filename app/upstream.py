@@ -13,12 +13,14 @@ from urllib.parse import urlsplit
 import orjson
 
 from .admission import Admission, Ticket
-from .client import Client, ClientError, ConnectFailed, Disconnected, Header, Response, Stalled
+from .asgi import Header
+from .client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
 from .cors import CorsPolicy
 from .cost import Estimate, counted, local
 from .endpoints import Endpoint, parse_json
 from .errors import UpstreamFailed, UpstreamUnavailable
 from .pace import generation_speed
+from .reuse import UpstreamClient
 from .settings import Settings
 
 log = logging.getLogger("slotgate.upstream")
@@ -87,6 +89,37 @@ class UpstreamStarting(UpstreamUnavailable):
         self.sent = sent
 
 
+class Exchange:
+    """One request to llama-server as a scope: the response lives until the block ends.
+
+    Leaving the block normally releases the response (a complete one pools its connection);
+    leaving it by an exception closes the connection, which is what makes llama-server cancel
+    the task behind it. `Response.release`/`close` inside the block end it early; both are
+    idempotent, so the exit then does nothing more.
+    """
+
+    __slots__ = ("_args", "_response", "_upstream")
+
+    def __init__(
+        self, upstream: Upstream, method: str, target: str, headers: list[Header], body: bytes
+    ) -> None:
+        self._upstream = upstream
+        self._args = (method, target, headers, body)
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        self._response = await self._upstream.send(*self._args)
+        return self._response
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        response = self._response
+        assert response is not None  # noqa: S101 - __aenter__ returned it
+        if exc_type is None:
+            response.release()
+        else:
+            response.close()
+
+
 class Upstream:
     """llama-server behind one connection pool, and what slotgate knows of its state."""
 
@@ -102,7 +135,7 @@ class Upstream:
         tls = parts.scheme == "https"
         # The pool has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
-        self._client = Client(
+        self._client = UpstreamClient(
             parts.hostname or "127.0.0.1",
             parts.port or (443 if tls else 80),
             tls=tls,
@@ -129,7 +162,7 @@ class Upstream:
     @property
     def keeps_streams(self) -> bool | None:
         """Does llama-server keep a connection open after an event stream? None until seen."""
-        return self._client.streams_kept
+        return self._client.keeps_streams
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -144,6 +177,11 @@ class Upstream:
         self._client.close()
 
     # -- requests ------------------------------------------------------------------------------
+
+    def request(self, method: str, target: str, headers: list[Header], body: bytes) -> Exchange:
+        """`async with upstream.request(...) as response:` sends the request, and on the way
+        out gives the connection back (a clean exit) or closes it (any exception)."""
+        return Exchange(self, method, target, headers, body)
 
     async def send(self, method: str, target: str, headers: list[Header], body: bytes) -> Response:
         """Send one request (target: a checked, quoted path and query) and return the response
@@ -164,7 +202,7 @@ class Upstream:
             raise UpstreamFailed(
                 "llama-server did not answer within UPSTREAM_STALL_TIMEOUT"
             ) from None
-        except ClientError as exc:
+        except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
 
     async def _get(self, path: str) -> tuple[int, bytes]:
@@ -190,7 +228,7 @@ class Upstream:
             return b"", []
         try:
             status, body, headers = await self._get_with_headers("/metrics")
-        except (ClientError, TimeoutError):
+        except (ExchangeFailed, TimeoutError):
             return b"", []
         if status != 200:
             return b"", []
@@ -227,7 +265,7 @@ class Upstream:
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
-        except (ClientError, TimeoutError, ValueError) as exc:
+        except (ExchangeFailed, TimeoutError, ValueError) as exc:
             self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
             return
         if self.props is not None and props.build_info != self.props.build_info:
@@ -318,7 +356,7 @@ class Upstream:
             request = {"content": prompt, "add_special": True, "parse_special": True}
             status, body = await self._post("/tokenize", request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
-        except (ClientError, TimeoutError, ValueError, AttributeError):
+        except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
             return None
         return len(tokens) if isinstance(tokens, list) else None
 
@@ -346,7 +384,7 @@ class Upstream:
         """
         try:
             status, body = await self._get("/metrics")
-        except (ClientError, TimeoutError):
+        except (ExchangeFailed, TimeoutError):
             return
         if status == 200:
             self.tokens_per_s = generation_speed(body) or self.tokens_per_s

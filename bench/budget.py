@@ -28,7 +28,7 @@ from slotgate.cli import uvicorn_config
 from slotgate.cost import estimate, local
 from slotgate.endpoints import ENDPOINTS
 from slotgate.engine import LocalEngine, demo_model
-from slotgate.main import Gate, create_app
+from slotgate.main import Service, create_app
 from slotgate.settings import Settings
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
@@ -73,12 +73,12 @@ def cases() -> dict[str, list[dict[str, str]]]:
 
 
 @asynccontextmanager
-async def engine_and_gates(**budgets: int) -> AsyncIterator[tuple[str, dict[str, Gate | str]]]:
+async def engine_and_gates(**budgets: int) -> AsyncIterator[tuple[str, dict[str, Service | str]]]:
     """A unified 4 x 1024 engine, and slotgate in front of it once per named budget."""
     engine = LocalEngine(demo_model(), parallel=4, ctx_size=1024, threads=1, kv_unified=True)
     engine.start()
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
-    urls: dict[str, Gate | str] = {}
+    urls: dict[str, Service | str] = {}
     try:
         for name, budget in budgets.items():
             settings = Settings(_env_file=None, llama_server_url=engine.url,
@@ -90,7 +90,7 @@ async def engine_and_gates(**budgets: int) -> AsyncIterator[tuple[str, dict[str,
             task = asyncio.create_task(server.serve())
             while not server.started:  # noqa: ASYNC110 - uvicorn offers no event for it
                 await asyncio.sleep(0.01)
-            gate: Gate = app.state.gate
+            gate: Service = app.state.service
             while not gate.upstream.ready:  # noqa: ASYNC110 - nor does the props follower
                 await asyncio.sleep(0.05)
             port = server.servers[0].sockets[0].getsockname()[1]
@@ -132,7 +132,7 @@ async def cost() -> None:
     print(f"local bound (JSON parse included), 335-token chat: {per * 1e6:.1f} us a request")
     async with engine_and_gates(budget=1024) as (_, gates):
         gate = gates["budget:gate"]
-        assert isinstance(gate, Gate)
+        assert isinstance(gate, Service)
         upstream = gate.upstream
         times = []
         for _ in range(100):
@@ -172,7 +172,7 @@ async def mixed() -> None:
 async def learn() -> None:
     async with engine_and_gates(unset=-1) as (_, gates), httpx.AsyncClient(timeout=300) as client:
         gate = gates["unset:gate"]
-        assert isinstance(gate, Gate)
+        assert isinstance(gate, Service)
         for attempt in ("first", "second"):
             await asyncio.sleep(1)
             before = gate.admission.budget_tokens

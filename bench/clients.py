@@ -66,9 +66,9 @@ class Slotgate(Contender):
     name = "slotgate.client"
 
     async def open(self, port: int) -> None:
-        from slotgate.client import Client
+        from slotgate.reuse import UpstreamClient
 
-        self.client = Client(
+        self.client = UpstreamClient(
             "127.0.0.1", port, tls=False, connect_timeout_s=5, keepalive_s=4, stall_s=None
         )
         self.headers = [(b"content-type", b"application/json")]

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 from hypothesis import settings as hypothesis_settings
 from slotgate.cli import uvicorn_config
-from slotgate.main import Gate, Gateway, create_app
+from slotgate.main import Gateway, Service, create_app
 from slotgate.settings import Settings
 
 from tests.standin import StandIn
@@ -79,9 +79,9 @@ class RunningGate:
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
-    def gate(self) -> Gate:
-        gate: Gate = self.app.state.gate
-        return gate
+    def service(self) -> Service:
+        service: Service = self.app.state.service
+        return service
 
     async def stop(self) -> None:
         self.server.stop()
@@ -134,7 +134,7 @@ async def start_gate(standin: StandIn) -> AsyncIterator[GateFactory]:
         gate = await serve(Settings(_env_file=None, **values))
         running.append(gate)
         if ready:
-            await gate.until(lambda: gate.gate.upstream.ready)
+            await gate.until(lambda: gate.service.upstream.ready)
         return gate
 
     yield start

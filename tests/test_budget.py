@@ -252,7 +252,7 @@ async def test_unset_or_zero_the_budget_does_not_bind(
     )
     assert [a.status_code for a in answers] == [200] * 4
     assert standin.max_running == 4
-    assert gate.gate.admission.budget_tokens is None
+    assert gate.service.admission.budget_tokens is None
 
 
 async def test_requests_that_together_exceed_the_budget_take_turns(
@@ -267,7 +267,7 @@ async def test_requests_that_together_exceed_the_budget_take_turns(
     )
     assert [a.status_code for a in answers] == [200] * 4
     assert standin.max_running == 2  # 380 each: two fit in 1000, three do not
-    assert gate.gate.admission.committed_tokens == 0
+    assert gate.service.admission.committed_tokens == 0
 
 
 async def test_a_prompt_longer_than_the_cache_is_refused_before_it_waits(
@@ -282,8 +282,8 @@ async def test_a_prompt_longer_than_the_cache_is_refused_before_it_waits(
     assert error["n_ctx"] == 1000
     assert "exceeds the available context size (1000 tokens)" in error["message"]
     assert standin.started == 0
-    assert gate.gate.admission.committed_tokens == 0  # it held a place while counted
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.committed_tokens == 0  # it held a place while counted
+    assert gate.service.admission.active == 0
 
 
 async def test_tokens_come_back_when_the_client_leaves(
@@ -295,8 +295,8 @@ async def test_tokens_come_back_when_the_client_leaves(
         "POST", gate.url + "/v1/chat/completions", json=words(10, stream=True, max_tokens=50)
     ) as response:
         await response.aiter_bytes().__anext__()
-        assert gate.gate.admission.committed_tokens == 60
-    await gate.until(lambda: gate.gate.admission.committed_tokens == 0)
+        assert gate.service.admission.committed_tokens == 60
+    await gate.until(lambda: gate.service.admission.committed_tokens == 0)
 
 
 @pytest.mark.parametrize("fault", ["die_midstream", "garbage", "error_400"])
@@ -306,8 +306,8 @@ async def test_tokens_come_back_when_llama_server_fails(
     standin.fault = fault
     gate = await start_gate(kv_budget_tokens=1000, stream_upstream=False)
     await client.post(gate.url + "/v1/chat/completions", json=words(10, max_tokens=50))
-    await gate.until(lambda: gate.gate.admission.committed_tokens == 0)
-    assert gate.gate.admission.active == 0
+    await gate.until(lambda: gate.service.admission.committed_tokens == 0)
+    assert gate.service.admission.active == 0
 
 
 async def test_a_full_line_says_how_much_of_the_budget_is_held(
@@ -318,7 +318,7 @@ async def test_a_full_line_says_how_much_of_the_budget_is_held(
     body = words(300, max_tokens=500, stream=True)
     async with client.stream("POST", gate.url + "/v1/chat/completions", json=body):
         waiting = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=body))
-        await gate.until(lambda: gate.gate.admission.queued == 1)
+        await gate.until(lambda: gate.service.admission.queued == 1)
         refused = await client.post(gate.url + "/v1/chat/completions", json=body)
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
@@ -344,7 +344,7 @@ def test_an_engine_slotgate_starts_knows_its_budget() -> None:
 async def test_a_single_slot_needs_no_budget(start_gate: GateFactory, standin: StandIn) -> None:
     standin.total_slots = 1
     gate = await start_gate(kv_budget_tokens=1000)
-    assert gate.gate.admission.budget_tokens is None
+    assert gate.service.admission.budget_tokens is None
 
 
 @pytest.mark.parametrize(("setting", "learned"), [(None, 1024), (0, None), (500, 500)])
@@ -359,9 +359,9 @@ async def test_running_out_of_a_shared_cache_teaches_the_budget_unless_it_was_se
     standin.fault = "out_of_cache"
     answer = await client.post(gate.url + "/v1/chat/completions", json=words(10))
     assert answer.status_code == 500
-    assert gate.gate.admission.budget_tokens == learned
+    assert gate.service.admission.budget_tokens == learned
     await asyncio.sleep(0.3)  # a /props refresh keeps what was learned
-    assert gate.gate.admission.budget_tokens == learned
+    assert gate.service.admission.budget_tokens == learned
     snapshot = (await client.get(gate.url + "/admission")).json()
     assert snapshot["budget_tokens"] == learned
 

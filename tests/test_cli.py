@@ -229,8 +229,8 @@ async def test_a_props_404_names_the_url_tried_and_the_v1_mistake() -> None:
     url = f"http://127.0.0.1:{port}/v1"
     gate = await serve(Settings(_env_file=None, llama_server_url=url, log_level="error"))
     try:
-        await gate.until(lambda: "404" in gate.gate.upstream.reason)
-        reason = gate.gate.upstream.reason
+        await gate.until(lambda: "404" in gate.service.upstream.reason)
+        reason = gate.service.upstream.reason
     finally:
         await gate.stop()
         await runner.cleanup()

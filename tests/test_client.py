@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import uvloop
 from slotgate import client as client_module
-from slotgate.client import BodyTooLarge, Client, ConnectFailed, ProtocolError
+from slotgate import reuse as reuse_module
+from slotgate.client import BodyTooLarge, ConnectFailed, Connection, ProtocolError, State
+from slotgate.reuse import UpstreamClient as Client
 
 from tests.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
 from tests.standin import StandIn
@@ -34,6 +36,27 @@ async def test_sequential_requests_reuse_one_connection(standin: StandIn) -> Non
         response.release()
     assert standin.connections() == 1
     client.close()
+
+
+async def test_a_connection_goes_new_active_idle_closed_and_its_repr_says_which(
+    standin: StandIn,
+) -> None:
+    assert Connection().state is State.NEW
+    client = client_for(standin)
+    response = await client.request("GET", "/props", [], b"")
+    conn = response._conn
+    assert conn.state is State.ACTIVE
+    assert repr(conn).startswith("<Connection [ACTIVE status=200")
+    await response.read()
+    response.release()
+    assert conn.is_idle()
+    assert repr(conn) == "<Connection [IDLE]>"
+    now = time.monotonic()
+    assert not conn.has_expired(now, 4.0)
+    assert conn.has_expired(now + 5.0, 4.0)  # pooled longer than the keep-alive
+    client.close()
+    assert repr(conn) == "<Connection [CLOSED]>"
+    assert conn.has_expired(now, 4.0)
 
 
 async def test_an_idle_connection_older_than_the_keepalive_is_not_reused(
@@ -87,16 +110,16 @@ async def test_a_whole_body_read_wakes_at_its_end_and_stalls_only_on_silence(
     client = Client("127.0.0.1", standin.port, tls=False, connect_timeout_s=2, keepalive_s=4,
                     stall_s=0.3)  # fmt: skip
     waits = 0
-    real_wait = client_module._Connection.wait
+    real_wait = client_module.Connection.wait
 
-    async def counted(conn: client_module._Connection, stall_s: float | None) -> None:
+    async def counted(conn: client_module.Connection, stall_s: float | None) -> None:
         nonlocal waits
         waits += 1
         await real_wait(conn, stall_s)
 
     body = json.dumps({"messages": [], "stream": True}).encode()
     response = await client.request("POST", "/v1/chat/completions", [], body)
-    monkeypatch.setattr(client_module._Connection, "wait", counted)
+    monkeypatch.setattr(client_module.Connection, "wait", counted)
     data = await response.read()
     assert data.count(b"data: ") == 8 + 3  # role, 8 tokens, finish, [DONE]
     assert waits <= 2  # not one per chunk (11 events)
@@ -120,10 +143,10 @@ async def test_nobody_listening_is_a_connect_failure_and_a_reason_to_learn_afres
     port = standin.port
     await standin.stop()
     client = Client("127.0.0.1", port, tls=False, connect_timeout_s=2, keepalive_s=4, stall_s=5)
-    client.streams_kept = True  # learned from the server that has now gone
+    client.keeps_streams = True  # learned from the server that has now gone
     with pytest.raises(ConnectFailed):
         await client.request("GET", "/props", [], b"")
-    assert client.streams_kept is None  # whatever answers next may be another build
+    assert client.keeps_streams is None  # whatever answers next may be another build
 
 
 async def test_after_a_stream_a_replacement_connection_is_opened_ahead_of_need(
@@ -157,9 +180,9 @@ async def stream(client: Client) -> client_module.Response:
 async def verdict(client: Client) -> bool | None:
     """What the client learned of the upstream from its first stream, once it has."""
     async with asyncio.timeout(5):
-        while client.streams_kept is None:
+        while client.keeps_streams is None:
             await asyncio.sleep(0.01)
-    return client.streams_kept
+    return client.keeps_streams
 
 
 async def test_an_upstream_that_closes_after_streams_never_gets_a_stream_connection_reused(
@@ -178,7 +201,7 @@ async def test_an_upstream_that_closes_after_streams_never_gets_a_stream_connect
 async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused(
     standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "STREAM_PROBE_S", 0.05)
+    monkeypatch.setattr(reuse_module, "STREAM_PROBE_S", 0.05)
     standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
     client = client_for(standin)
     probed = await stream(client)
@@ -194,7 +217,7 @@ async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused
 async def test_an_upstream_that_starts_closing_after_streams_revokes_the_verdict(
     standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "STREAM_PROBE_S", 0.05)
+    monkeypatch.setattr(reuse_module, "STREAM_PROBE_S", 0.05)
     standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
     client = client_for(standin)
     await stream(client)
@@ -205,7 +228,7 @@ async def test_an_upstream_that_starts_closing_after_streams_revokes_the_verdict
     following = await client.request("GET", "/props", [], b"")
     await following.read()
     following.release()
-    assert client.streams_kept is False
+    assert client.keeps_streams is False
     client.close()
 
 
@@ -254,7 +277,7 @@ def test_a_close_the_loop_has_not_read_yet_is_seen_in_the_kernel(
 def test_a_probe_that_outlives_a_stall_still_sees_the_upstream_close(
     loop_factory: Callable[[], asyncio.AbstractEventLoop], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "STREAM_PROBE_S", 0.05)
+    monkeypatch.setattr(reuse_module, "STREAM_PROBE_S", 0.05)
 
     async def scenario() -> tuple[bool | None, int]:
         standin = StandIn(tokens=2, token_delay_s=0)  # closes after a stream
@@ -264,7 +287,7 @@ def test_a_probe_that_outlives_a_stall_still_sees_the_upstream_close(
             await stream(client)  # released before the upstream's close is read...
             time.sleep(0.2)  # noqa: ASYNC251 - ...then the loop stalls past the probe's end
             await asyncio.sleep(0.1)
-            verdict = client.streams_kept
+            verdict = client.keeps_streams
             for _ in range(5):  # a connection pooled by a wrong verdict would fail these
                 await stream(client)
             return verdict, standin.finished

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 from slotgate.assembly import streaming_body
-from slotgate.endpoints import ENDPOINTS, MAX_JSON_DEPTH, admitted, demand, parse_json
+from slotgate.endpoints import ENDPOINTS, MAX_JSON_DEPTH, demand, parse_json, route_of
 from slotgate.errors import BadRequest
 
 
@@ -106,9 +106,9 @@ LLAMA_SERVER_OTHER_POSTS = (
 def test_the_gated_table_is_exactly_llama_servers_generating_routes() -> None:
     assert set(ENDPOINTS) == set(LLAMA_SERVER_GENERATING_ROUTES)
     for path in LLAMA_SERVER_GENERATING_ROUTES:
-        assert admitted("POST", path) is not None, path
+        assert route_of("POST", path) is not None, path
     for path in LLAMA_SERVER_OTHER_POSTS:
-        assert admitted("POST", path) is None, path
+        assert route_of("POST", path) is None, path
 
 
 def test_stream_flag_is_read() -> None:
@@ -118,11 +118,11 @@ def test_stream_flag_is_read() -> None:
 
 
 def test_only_posts_to_generating_paths_are_admitted() -> None:
-    assert admitted("POST", "/v1/chat/completions") is not None
-    assert admitted("GET", "/v1/chat/completions") is None
+    assert route_of("POST", "/v1/chat/completions") is not None
+    assert route_of("GET", "/v1/chat/completions") is None
     for path in ("/tokenize", "/detokenize", "/apply-template", "/props", "/slots",
                  "/v1/models", "/health", "/v1/messages/count_tokens"):  # fmt: skip
-        assert admitted("POST", path) is None, path
+        assert route_of("POST", path) is None, path
 
 
 def test_audio_transcription_is_admitted_without_reading_its_multipart_body() -> None:

@@ -51,7 +51,7 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     error = response.json()["error"]
     assert error["code"] == "upstream_failed"
     assert "stream" in error["message"]
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_once_llama_server_shows_verbose_non_streamed_requests_go_as_sent(

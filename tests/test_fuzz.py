@@ -45,7 +45,7 @@ class Background:
                 max_queue=0,
             )
         )
-        await gate.until(lambda: gate.gate.upstream.ready)
+        await gate.until(lambda: gate.service.upstream.ready)
         return gate
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ async def waiting_behind_a_held_slot(
     holder = asyncio.create_task(read_stream(client, gate.url + CHAT))
     await gate.until(lambda: len(hostile.served()) == 1)
     waiter = asyncio.create_task(read_stream(client, gate.url + CHAT))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     return release, holder, waiter
 
 
@@ -117,7 +117,7 @@ async def test_a_twenty_megabyte_response_head_gets_a_502_in_the_apis_shape(
     error = response.json()["error"]
     assert error["code"] == "upstream_failed"
     assert "head is over 65536 bytes" in error["message"]
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
@@ -147,7 +147,7 @@ async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_ev
     assert error["code"] == "upstream_failed"
     assert "500" in error["message"]
     assert "65536" in error["message"]
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_a_small_error_body_for_a_waiting_stream_is_relayed_as_its_event(
@@ -167,8 +167,8 @@ async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
 ) -> None:
     hostile.props = huge_error(200 * MiB, status=200)
     gate = await gate_before(start_gate, hostile, ready=False)
-    await gate.until(lambda: "bytes" in gate.gate.upstream.reason)
-    assert not gate.gate.upstream.ready
+    await gate.until(lambda: "bytes" in gate.service.upstream.reason)
+    assert not gate.service.upstream.ready
     assert hostile.sent < 200 * MiB
 
 

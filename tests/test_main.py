@@ -63,7 +63,7 @@ async def test_admission_shows_the_live_pool(
         asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
         for _ in range(2)
     ]
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     snapshot = (await client.get(gate.url + "/admission")).json()
     assert {k: snapshot[k] for k in ("capacity", "active", "queued", "free", "queue_limit")} == {
         "capacity": 1, "active": 1, "queued": 1, "free": 0, "queue_limit": 3,
@@ -89,9 +89,9 @@ async def test_metrics_show_both_sides_of_the_gate(
     standin.total_slots = 1
     gate = await start_gate(max_queue=1)
     first = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
-    await gate.until(lambda: gate.gate.admission.active == 1)
+    await gate.until(lambda: gate.service.admission.active == 1)
     second = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     refused = await client.post(gate.url + "/v1/chat/completions", json=chat())
     assert refused.status_code == 429
     mid = (await client.get(gate.url + "/metrics")).text

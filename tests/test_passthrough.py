@@ -46,9 +46,9 @@ async def test_tokenize_is_never_queued(
     standin.total_slots = 1
     gate = await start_gate(max_queue=1)
     busy = [asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))]
-    await gate.until(lambda: gate.gate.admission.active == 1)
+    await gate.until(lambda: gate.service.admission.active == 1)
     busy.append(asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat())))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     # The line is full, yet non-generating endpoints answer at once.
     assert (await client.post(gate.url + "/tokenize", json={"content": "hi"})).status_code == 200
     assert (await client.get(gate.url + "/health")).status_code == 200
@@ -236,7 +236,7 @@ async def test_the_upstream_key_replaces_the_clients_credentials(
     seen = {k.lower(): v for k, v in standin.seen[-1].headers.items()}
     assert seen["authorization"] == "Bearer upstream-secret"
     # /props, read for the capacity, carries it too.
-    assert gate.gate.upstream.ready
+    assert gate.service.upstream.ready
 
 
 async def test_cors_answers_of_llama_server_pass_through_once(
@@ -267,13 +267,13 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
     assert allowed_origins(assembled) == ["http://a.example"]
     assert assembled.headers["content-type"].startswith("application/json")
     running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
-    await gate.until(lambda: gate.gate.admission.active == 1)
+    await gate.until(lambda: gate.service.admission.active == 1)
     # A stream that must wait gets its head from slotgate...
     async with client.stream(
         "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=ORIGIN
     ) as waiting:
         assert allowed_origins(waiting) == ["http://a.example"]
-        await gate.until(lambda: gate.gate.admission.queued == 1)
+        await gate.until(lambda: gate.service.admission.queued == 1)
         # ...and so does the 429 for the line that is full.
         refused = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
         assert refused.status_code == 429
@@ -302,13 +302,13 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
     first = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=evil)
     assert allowed_origins(first) == ["http://trusted.example"]  # llama-server's own answer
     running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
-    await gate.until(lambda: gate.gate.admission.active == 1)
+    await gate.until(lambda: gate.service.admission.active == 1)
     # The head of a waiting stream is slotgate's: it must not open what llama-server closed.
     async with client.stream(
         "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=evil
     ) as waiting:
         assert allowed_origins(waiting) == ["http://trusted.example"]
-        assert gate.gate.admission.queued == 1  # the head was slotgate's: the stream waits
+        assert gate.service.admission.queued == 1  # the head was slotgate's: the stream waits
         await waiting.aread()
     await running
 

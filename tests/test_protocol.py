@@ -173,11 +173,11 @@ async def test_a_pipelined_client_that_hangs_up_takes_its_queued_generation_out_
             second = generation(stream=True, request_id="second", padding=padding)
         writer.write(generation(stream=False))
         if apart:  # the second request comes once the first is settled in line
-            await gate.until(lambda: gate.gate.admission.queued == 1)
+            await gate.until(lambda: gate.service.admission.queued == 1)
             await asyncio.sleep(0.2)  # well after it began to watch for its client leaving
         writer.write(second)
         await writer.drain()
-        await gate.until(lambda: gate.gate.admission.queued == 1)
+        await gate.until(lambda: gate.service.admission.queued == 1)
         await gate.until(
             lambda: any(queued_behind(c) for c in gate.server.server_state.connections)
         )
@@ -185,12 +185,12 @@ async def test_a_pipelined_client_that_hangs_up_takes_its_queued_generation_out_
             await gate.until(lambda: any(paused(c) for c in gate.server.server_state.connections))
         hang_up(writer, how)
         # It leaves the line at once, while the slot is still busy; nothing of it goes upstream.
-        await gate.until(lambda: gate.gate.admission.queued == 0)
+        await gate.until(lambda: gate.service.admission.queued == 0)
         assert standin.running == 1
         assert request_ids(standin) == ["holder"]
     finally:
         holder.close()
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
     assert request_ids(standin) == ["holder"]
 
 
@@ -258,7 +258,7 @@ async def test_a_request_waiting_in_line_is_not_cut_by_the_head_timeout(
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     # The next request's head begins behind it, and waits as long as the first one does.
     writer.write(generation(stream=False) + b"GET /health HT")
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     await asyncio.sleep(0.6)  # three head timeouts
     holder.close()
     writer.write(b"TP/1.1\r\nHost: x\r\n\r\n")

@@ -120,7 +120,7 @@ async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
     gate = await start_gate(max_queue=1)
     holder = await occupy(client, gate)
     waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 429
     assert int(response.headers["retry-after"]) >= 1
@@ -166,7 +166,7 @@ async def test_a_cold_gate_bases_retry_after_on_max_tokens_and_llama_servers_spe
     holder = asyncio.create_task(hold_stream_of(client, gate, body, started))
     await started.wait()
     waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(max_tokens=30)))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     refused = await client.post(gate.url + CHAT, json=chat(max_tokens=30))
     assert refused.status_code == 429
     # Each holds a second for its prompt and 30 tokens / speed; the refused caller stands 2
@@ -204,7 +204,7 @@ async def test_request_with_n_choices_takes_n_slots(
     gate = await start_gate()
     task = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n=2)))
     await gate.until(lambda: standin.running == 1)
-    assert gate.gate.admission.active == 2
+    assert gate.service.admission.active == 2
     await task
 
 
@@ -226,11 +226,11 @@ async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_ups
     gate = await start_gate(max_queue=1)
     holder = await occupy(client, gate)
     leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(leaver=True)))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     leaver.cancel()
-    await gate.until(lambda: gate.gate.admission.queued == 0)
+    await gate.until(lambda: gate.service.admission.queued == 0)
     await holder
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
     assert not any(b"leaver" in seen.body for seen in standin.seen)
 
 
@@ -243,15 +243,15 @@ async def test_client_that_leaves_mid_stream_closes_upstream_then_frees_its_slot
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         chunks = response.aiter_raw()  # held: dropping the iterator would close the stream
         await anext(chunks)
-        assert gate.gate.admission.active == 1
+        assert gate.service.admission.active == 1
         standin.tokens = 1  # for the waiter: the running stream already counts its 200
         waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
-        await gate.until(lambda: gate.gate.admission.queued == 1)
+        await gate.until(lambda: gate.service.admission.queued == 1)
     # Leaving the block closed the client's connection mid-stream.
     await gate.until(lambda: standin.cancelled == 1)
     assert (await waiter).status_code == 200
     assert standin.max_running == 1
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_capacity_follows_llama_server(
@@ -260,7 +260,7 @@ async def test_capacity_follows_llama_server(
     gate = await start_gate()
     assert (await admission(client, gate))["capacity"] == 2
     standin.total_slots = 5
-    await gate.until(lambda: gate.gate.admission.capacity == 5)
+    await gate.until(lambda: gate.service.admission.capacity == 5)
     snapshot = await admission(client, gate)
     assert (snapshot["capacity"], snapshot["queue_limit"]) == (5, 80)
 
@@ -277,7 +277,7 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
     assert (await client.get(gate.url + "/readyz")).status_code == 503
     assert standin.seen == []
     standin.loading = False
-    await gate.until(lambda: gate.gate.upstream.ready)
+    await gate.until(lambda: gate.service.upstream.ready)
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
     assert (await client.get(gate.url + "/readyz")).status_code == 200
 
@@ -343,7 +343,7 @@ async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_server
             return response.status_code, b"".join([c async for c in response.aiter_raw()])
 
     waiter = asyncio.create_task(read())
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     status, body = await waiter
     assert status == 200
     assert b": queued" not in body
@@ -377,7 +377,7 @@ async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keep
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
-        assert gate.gate.admission.queued == 1  # the head is slotgate's: the stream still waits
+        assert gate.service.admission.queued == 1  # the head is slotgate's: the stream still waits
         body = b"".join([c async for c in response.aiter_raw()])
     assert body.startswith(b": queued position=1 eta_s=")
     assert body.endswith(b"data: [DONE]\n\n")
@@ -392,7 +392,7 @@ async def test_upstream_error_keeps_its_status_and_body(
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "exceed_context_size_error"
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(
@@ -406,7 +406,7 @@ async def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(
     assert b"[DONE]" not in body
     last = body.strip().split(b"\n\n")[-1]
     assert json.loads(last[len(b"data: ") :])["error"]["code"] == "upstream_failed"
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot(
@@ -420,7 +420,7 @@ async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
         body = b"".join([c async for c in streamed.aiter_raw()])
     assert b'"upstream_failed"' in body
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_refused_connection_answers_503_and_marks_not_ready(
@@ -431,9 +431,9 @@ async def test_refused_connection_answers_503_and_marks_not_ready(
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
-    await gate.until(lambda: not gate.gate.upstream.ready)
+    await gate.until(lambda: not gate.service.upstream.ready)
     assert (await client.get(gate.url + "/readyz")).json()["status"] == "not ready"
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_anthropic_messages_are_refused_in_anthropics_shape(
@@ -480,7 +480,7 @@ async def test_bad_bodies_get_a_clear_4xx_and_never_reach_upstream(
     assert error["type"] == "invalid_request_error"
     assert error["message"]
     assert standin.seen == []
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_body_over_the_limit_gets_413_before_any_slot_is_taken(
@@ -553,9 +553,9 @@ async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
     gate = await start_gate()
     task = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2, n=1)))
     await gate.until(lambda: standin.running == 1)
-    assert gate.gate.admission.active == 2
+    assert gate.service.admission.active == 2
     second = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2)))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     assert standin.started == 1
     assert (await task).status_code == 200
     assert (await second).status_code == 200
@@ -571,7 +571,7 @@ async def test_transcription_without_v1_waits_for_a_slot_like_any_generation(
     holder = await occupy(client, gate)
     files = {"file": ("a.wav", b"RIFF....", "audio/wav")}
     waiter = asyncio.create_task(client.post(gate.url + "/audio/transcriptions", files=files))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     assert [seen.path for seen in standin.seen] == [CHAT]
     await holder
     assert (await waiter).status_code == 200
@@ -623,14 +623,14 @@ async def test_a_request_whose_body_never_arrives_whole_is_never_forwarded(
     await asyncio.sleep(0.3)  # time for a request that was let through to reach the stand-in
     assert (await client.post(gate.url + "/tokenize", json={"content": "x"})).status_code == 200
     assert [seen.path for seen in standin.seen] == ["/tokenize"]
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_keyless_requests_from_made_up_origins_neither_teach_nor_flush_cors(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate(api_keys="k1")
-    cors = gate.gate.upstream.cors
+    cors = gate.service.upstream.cors
     app = {"Origin": "http://app.example", "Authorization": "Bearer k1"}
     assert (await client.post(gate.url + CHAT, json=chat(), headers=app)).status_code == 200
     for i in range(MAX_ORIGINS + 10):
@@ -647,7 +647,7 @@ async def test_without_keys_only_answers_on_generation_routes_teach_cors(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate()
-    cors = gate.gate.upstream.cors
+    cors = gate.service.upstream.cors
     await client.get(gate.url + "/health", headers={"Origin": "http://health.example"})
     await client.post(gate.url + "/tokenize", json={}, headers={"Origin": "http://tok.example"})
     await client.post(gate.url + CHAT, json=chat(), headers={"Origin": "http://app.example"})
@@ -665,7 +665,7 @@ async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_
     holder = await occupy(client, gate)
     big = chat(padding="x" * 500)
     first = asyncio.create_task(client.post(gate.url + CHAT, json=big))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     # A second body that big would put more than 1000 bytes in the line: 429, with a snapshot.
     refused = await client.post(gate.url + CHAT, json=big)
     assert refused.status_code == 429
@@ -675,24 +675,24 @@ async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_
     assert error["type"] == "rate_limit_error"
     assert "QUEUE_BODY_BYTES (1000)" in error["message"]
     assert error["admission"]["queued"] == 1
-    assert gate.gate.admission.queued == 1  # the refused request left no place behind
+    assert gate.service.admission.queued == 1  # the refused request left no place behind
     # A small one still fits beside it.
     small = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
-    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await gate.until(lambda: gate.service.admission.queued == 2)
     await holder
     assert (await first).status_code == 200
     assert (await small).status_code == 200
     # Both left the line: their bytes no longer count, and a big body may wait again.
     holder = await occupy(client, gate)
     again = asyncio.create_task(client.post(gate.url + CHAT, json=big))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="y" * 200)))
-    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await gate.until(lambda: gate.service.admission.queued == 2)
     leaver.cancel()
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     # The one that left while waiting gave its bytes back too.
     late = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="z" * 200)))
-    await gate.until(lambda: gate.gate.admission.queued == 2)
+    await gate.until(lambda: gate.service.admission.queued == 2)
     await holder
     assert [(await t).status_code for t in (again, late)] == [200, 200]
 
@@ -723,7 +723,7 @@ async def test_the_openai_sdk_retries_a_timed_out_stream_only_when_its_head_was_
 
     async with sdk:
         outcomes = await asyncio.gather(*(call() for _ in range(6)))
-    timed_out = gate.gate.metrics._rejected.get((CHAT, "queue_timeout"), 0)
+    timed_out = gate.service.metrics._rejected.get((CHAT, "queue_timeout"), 0)
     assert timed_out >= 2
     if head_after_s:
         # Each timeout was a 503 with Retry-After, and the SDK's own retries came back for it.

@@ -38,13 +38,15 @@ def gate_tasks() -> int:
 
 async def assert_settled(gate: RunningGate, standin: StandIn, baseline_tasks: int) -> None:
     """The invariants every scenario ends with."""
-    await gate.until(lambda: (gate.gate.admission.active, gate.gate.admission.queued) == (0, 0))
+    await gate.until(
+        lambda: (gate.service.admission.active, gate.service.admission.queued) == (0, 0)
+    )
     await gate.until(lambda: standin.running == 0)
     # Every request task has ended: only the long-lived ones (server, follower) remain.
     await gate.until(lambda: gate_tasks() <= baseline_tasks)
     # Connections still open upstream are idle ones in the keep-alive pool: at most one per slot
     # that was busy at once, plus the one /props is read on. None was left by a client that left.
-    capacity = gate.gate.admission.capacity or 0
+    capacity = gate.service.admission.capacity or 0
     assert standin.connections() <= capacity + 1
     async with httpx.AsyncClient() as client:
         assert (await client.get(gate.url + "/healthz")).status_code == 200
@@ -52,8 +54,8 @@ async def assert_settled(gate: RunningGate, standin: StandIn, baseline_tasks: in
 
 async def sample_pool(gate: RunningGate, seen: dict[str, int], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        seen["active"] = max(seen["active"], gate.gate.admission.active)
-        seen["queued"] = max(seen["queued"], gate.gate.admission.queued)
+        seen["active"] = max(seen["active"], gate.service.admission.active)
+        seen["queued"] = max(seen["queued"], gate.service.admission.queued)
         await asyncio.sleep(0.001)
 
 
@@ -189,7 +191,7 @@ async def test_clients_that_pipeline_and_leave_while_the_slots_are_busy_all_leav
     await asyncio.gather(*(leave(i) for i in range(200)))
     # Every one of them has left the line while the slots are still busy, and llama-server
     # never saw one of their requests: no generation runs later for a client that left.
-    await gate.until(lambda: gate.gate.admission.queued == 0)
+    await gate.until(lambda: gate.service.admission.queued == 0)
     assert standin.running == 2
     assert [s.path for s in standin.seen if s.path == CHAT] == [CHAT, CHAT]
     for writer in holders:
@@ -204,14 +206,14 @@ async def test_restart_with_another_parallel_is_followed(
     gate = await start_gate(startup_wait=0)  # 503 at once while away (tests/test_startup.py)
     await standin.stop()
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
-    await gate.until(lambda: not gate.gate.upstream.ready)
+    await gate.until(lambda: not gate.service.upstream.ready)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
     restarted = StandIn(total_slots=3, port=standin.port, loading=True)
     await restarted.start()
     try:
         assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
         restarted.loading = False
-        await gate.until(lambda: gate.gate.admission.capacity == 3)
+        await gate.until(lambda: gate.service.admission.capacity == 3)
         assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
     finally:
         await restarted.stop()
@@ -272,7 +274,7 @@ async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_failed"
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_truncated_body_gets_502_and_frees_the_slot(
@@ -287,7 +289,7 @@ async def test_truncated_body_gets_502_and_frees_the_slot(
     gate = await start_gate(llama_server_url=await raw_upstream(truncated))
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
@@ -310,7 +312,7 @@ async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 200
     assert response.content == events
-    assert gate.gate.admission.active == 0
+    assert gate.service.admission.active == 0
 
 
 async def test_a_slow_reader_pushes_back_on_upstream_instead_of_filling_memory(
@@ -347,7 +349,7 @@ async def test_a_slow_reader_pushes_back_on_upstream_instead_of_filling_memory(
                 break
     assert standin.sent_bytes > total * 0.99
     writer.close()
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_a_slow_body_sender_takes_no_slot_while_it_trickles(
@@ -362,7 +364,7 @@ async def test_a_slow_body_sender_takes_no_slot_while_it_trickles(
         writer.write(bytes([byte]))
         await writer.drain()
         await asyncio.sleep(0.005)
-        assert gate.gate.admission.active == 0
+        assert gate.service.admission.active == 0
     writer.write(body[-1:])
     async with asyncio.timeout(10):
         head = await reader.readuntil(b"\r\n\r\n")

@@ -19,7 +19,7 @@ async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_serv
     standin.loading = True
     gate = await start_gate(ready=False, props_refresh_interval=30, keepalive_interval=5)
     plain = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
         assert streamed.status_code == 200  # a waiting stream's head, at once
@@ -53,7 +53,7 @@ async def test_a_request_too_big_for_the_pool_that_came_is_refused_when_it_is_kn
     standin.loading = True
     gate = await start_gate(ready=False)
     asked = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n=3)))
-    await gate.until(lambda: gate.gate.admission.queued == 1)
+    await gate.until(lambda: gate.service.admission.queued == 1)
     standin.loading = False
     response = await asked
     assert response.status_code == 400
@@ -147,12 +147,12 @@ async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under
     gate = await start_gate(props_refresh_interval=30, keepalive_interval=0.05)
     standin.shutdown_timeout_s = 0.05
     await standin.stop()
-    assert gate.gate.upstream.ready  # slotgate has not noticed yet: the request is admitted
+    assert gate.service.upstream.ready  # slotgate has not noticed yet: the request is admitted
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
         assert streamed.status_code == 200
         chunks = streamed.aiter_raw()
         assert (await anext(chunks)).startswith(b": queued")
-        assert gate.gate.admission.active == 1  # it keeps its slot meanwhile
+        assert gate.service.admission.active == 1  # it keeps its slot meanwhile
         standin.loading = True
         await standin.start()
         await asyncio.sleep(0.1)

@@ -157,7 +157,7 @@ def _run(app_name: str, upstream: int, held: int) -> Any:
         waiting: Callable[[], int] = floor_held
     else:
         gateway = create_app(settings)
-        app, admission = gateway, gateway.state.gate.admission
+        app, admission = gateway, gateway.state.service.admission
         waiting = lambda: admission.snapshot().queued  # noqa: E731
     server = uvicorn.Server(uvicorn_config(app, settings))
 

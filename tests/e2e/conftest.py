@@ -166,7 +166,7 @@ async def start_gate(engine: LocalEngine, llama: Llama) -> AsyncIterator[GateFac
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
         running.append(gate)
-        await eventually(lambda: gate.gate.upstream.ready, timeout_s=10)
+        await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
         return gate
 
     yield start

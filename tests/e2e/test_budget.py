@@ -64,12 +64,12 @@ async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_th
         )  # fmt: skip
         gate = await serve(settings)
         try:
-            await eventually(lambda: gate.gate.upstream.ready, timeout_s=10)
-            assert gate.gate.admission.budget_tokens == CTX
+            await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
+            assert gate.service.admission.budget_tokens == CTX
             gated = await burst(client, gate.url)
             assert [r.status_code for r in gated] == [200] * SLOTS
             assert all(r.json()["usage"]["completion_tokens"] == 80 for r in gated)
-            assert gate.gate.admission.committed_tokens == 0
+            assert gate.service.admission.committed_tokens == 0
 
             # A prompt longer than the whole cache is refused at once, as llama.cpp words it.
             long = {"messages": [{"role": "user", "content": "lighthouse " * 1200}]}

@@ -94,7 +94,7 @@ async def test_a_non_streamed_client_that_leaves_while_another_streams(
     record_property(f"stream_upstream_{stream_upstream}_freed_s", freed_s)
     print(f"\nSTREAM_UPSTREAM={stream_upstream}: llama.cpp freed the slot of a non-streamed "  # noqa: T201
           f"client that left after {freed_s} s (None: not within 6 s)")  # fmt: skip
-    await eventually(lambda: gate.gate.admission.active == 0, timeout_s=5)
+    await eventually(lambda: gate.service.admission.active == 0, timeout_s=5)
     if stream_upstream:
         assert freed_s is not None
         assert freed_s <= 3.0
@@ -130,8 +130,8 @@ async def test_clients_dropping_at_random_moments_leave_llama_cpp_idle(
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         outcomes = await asyncio.gather(*(one(i, client) for i in range(40)))
     last_drop = time.monotonic()
-    await eventually(lambda: gate.gate.admission.active == 0, timeout_s=30)
-    assert gate.gate.admission.queued == 0
+    await eventually(lambda: gate.service.admission.active == 0, timeout_s=30)
+    assert gate.service.admission.queued == 0
     idle_s = await eventually(lambda: busy(llama, 0), timeout_s=10, every_s=POLL_S)
     since_last = time.monotonic() - last_drop
     counts = {o: outcomes.count(o) for o in set(outcomes)}

@@ -22,7 +22,7 @@ async def test_a_pipelined_client_that_leaves_the_line_never_reaches_llama_cpp(
     start_gate: GateFactory, client: httpx.AsyncClient, llama: Llama, watching: Any, how: str
 ) -> None:
     gate = await start_gate()
-    admission = gate.gate.admission
+    admission = gate.service.admission
     watch: Watch = watching()
     # A length nobody else asks for, so llama.cpp's /slots would show it had it run.
     body = json.dumps(chat(7, stream=False, content="Why is the sea salty?")).encode()

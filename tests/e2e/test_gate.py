@@ -136,7 +136,7 @@ async def test_a_client_leaving_mid_stream_frees_its_llama_cpp_slot_for_the_next
     record_property: Any,
 ) -> None:
     gate = await start_gate()
-    admission = gate.gate.admission
+    admission = gate.service.admission
     watch: Watch = watching()
 
     async with generating(client, gate.url, chat(1000, stream=True)) as staying:
@@ -183,7 +183,7 @@ async def test_a_client_leaving_the_line_never_reaches_llama_cpp(
     watching: Any,
 ) -> None:
     gate = await start_gate()
-    admission = gate.gate.admission
+    admission = gate.service.admission
     watch: Watch = watching()
     # A length nobody else asks for, so llama.cpp's /slots would show it had it run.
     quitter = chat(7, stream=False, content="A question nobody else asks: why is the sky blue?")
@@ -263,4 +263,4 @@ async def test_waiters_handed_a_slot_as_a_stream_ends_are_all_served(
     failed = [(a.status, a.body[:200]) for a in answers if a.status != 200]
     assert failed == []
     assert all(a.body.endswith(b"data: [DONE]\n\n") for a in answers)
-    assert gate.gate.upstream.keeps_streams is False
+    assert gate.service.upstream.keeps_streams is False

@@ -1,0 +1,116 @@
+"""The answer to one request: the only code that calls ASGI `send` on the request path.
+
+It owns the status, the bytes out, whether the head (and an event-stream head) went out, and
+the tail of the relayed stream, as uvicorn's RequestResponseCycle owns `response_started`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from .asgi import Headers, Send
+from .errors import Flavor, Refusal, render, stream_event
+
+log = logging.getLogger("slotgate.relay")
+
+_START = "http.response.start"
+_BODY = "http.response.body"
+
+
+class AnswerStarted(RuntimeError):
+    """A second head for an answer whose head went out already."""
+
+
+class Answer:
+    """What goes back to one client, written through `send` in order: a head, then a body."""
+
+    __slots__ = ("_send", "_tail", "bytes_out", "ended", "started", "status", "stream")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status = 0
+        self.bytes_out = 0
+        self.started = False
+        #: The head went out as an event stream's: whatever fails now is an in-stream event.
+        self.stream = False
+        self.ended = False
+        # The last bytes relayed into a stream: did they end an event?
+        self._tail = b"\n\n"
+
+    # -- the head ------------------------------------------------------------------------------
+
+    async def start(self, status: int, headers: Headers, *, stream: bool = False) -> None:
+        if self.started:
+            raise AnswerStarted(f"the answer's head ({self.status}) went out already")
+        self.started = True
+        self.status = status
+        self.stream = stream
+        await self._send({"type": _START, "status": status, "headers": headers})
+
+    # -- the body ------------------------------------------------------------------------------
+
+    def relay(self, chunk: bytes) -> Awaitable[None]:
+        """Bytes relayed as they came, more to follow. (It hands back `send`'s awaitable rather
+        than awaiting it: this runs once per relayed chunk, and a coroutine of its own would
+        add a frame to each.)"""
+        self.bytes_out += len(chunk)
+        self._tail = chunk
+        return self._send({"type": _BODY, "body": chunk, "more_body": True})
+
+    async def comment(self, comment: bytes) -> None:
+        """slotgate's own keep-alive comment in a waiting stream (not counted as bytes out)."""
+        await self._send({"type": _BODY, "body": comment, "more_body": True})
+
+    async def event(self, event: bytes) -> None:
+        """One event of slotgate's own into the stream, on an event boundary."""
+        event = self._on_boundary(event)
+        self.bytes_out += len(event)
+        await self._send({"type": _BODY, "body": event, "more_body": True})
+
+    async def end(self, body: bytes = b"") -> None:
+        self.ended = True
+        self.bytes_out += len(body)
+        await self._send({"type": _BODY, "body": body, "more_body": False})
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """A head and a body in one go."""
+        await self.start(status, headers)
+        await self.end(body)
+
+    # -- refusals ------------------------------------------------------------------------------
+
+    async def refuse(self, r: Refusal, flavor: Flavor, own: Headers) -> None:
+        """slotgate's own error: a whole answer, or an event ending a stream already begun."""
+        if self.stream:
+            await self.event(stream_event(r, flavor))
+            await self.end()
+            return
+        status, headers, body = render(r, flavor)
+        headers += own
+        await self.whole(status, headers, body)
+
+    async def final_words(self, r: Refusal, flavor: Flavor, own: Headers) -> None:
+        """Best effort, during cancellation: end the answer with an error rather than silence."""
+        try:
+            async with asyncio.timeout(1.0):
+                if self.stream:
+                    event = self._on_boundary(stream_event(r, flavor))
+                    self.ended = True
+                    await self._send({"type": _BODY, "body": event, "more_body": False})
+                else:
+                    status, headers, body = render(r, flavor)
+                    headers += own
+                    await self.start(status, headers)
+                    self.ended = True
+                    await self._send({"type": _BODY, "body": body, "more_body": False})
+        except (OSError, RuntimeError, TimeoutError):
+            log.debug("could not tell a cancelled client why", exc_info=True)
+
+    def _on_boundary(self, event: bytes) -> bytes:
+        """The event, after a blank line if the bytes relayed last left an event unfinished (the
+        upstream cut mid-event): glued on, it would become part of that event's last line."""
+        if self._tail.endswith((b"\n\n", b"\r\n\r\n")):
+            return event
+        return b"\n\n" + event

@@ -1,0 +1,196 @@
+"""One request as slotgate takes it in: its id, its checked path, head and body.
+
+`Request` is the one object the relay passes around; what goes back out is `Answer`'s
+(app/answer.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+
+from .admission import Ticket
+from .asgi import Receive, Scope
+from .assembly import Assembly
+from .cost import Estimate
+from .endpoints import Endpoint
+from .errors import BadRequest, Flavor, HeadersTooLarge, PayloadTooLarge
+
+#: uvicorn sets no bound on header size; llama-server's HTTP library (cpp-httplib) answers a
+#: header line over 8 KiB with an empty 400, and only once the request has reached it, slot
+#: and all. Anything past these is refused here, before it costs a slot or a connection.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_LINE_BYTES = 8192
+_REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+_ids = itertools.count(1)
+_id_prefix = secrets.token_hex(4)
+#: Headers slotgate decides by, which a client cannot make hop-by-hop through Connection: then
+#: slotgate would check or key on one value and llama-server see another, or none.
+DECIDING = frozenset({b"authorization", b"x-api-key", b"origin"})
+#: Shared by every request whose Connection header names nothing.
+_NONE_NAMED: frozenset[bytes] = frozenset()
+
+
+class ClientGone(Exception):
+    """The client closed its connection; nobody is left to answer."""
+
+
+class Request:
+    """What slotgate knows of one request, from its head to its access-log line."""
+
+    __slots__ = (
+        "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held_bytes", "id",
+        "method", "origin", "outcome", "path", "query", "started", "stream", "ticket",
+        "upstream_status", "weight",
+    )  # fmt: skip
+
+    def __init__(self, scope: Scope) -> None:
+        self.id = request_id(scope)
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.query: bytes = scope["query_string"]
+        self.headers: list[tuple[bytes, bytes]] = scope["headers"]
+        self.started = time.monotonic()
+        self.head: Head | None = None
+        self.body = b""
+        #: The generation route it asks for, gated or not (None: any other path).
+        self.endpoint: Endpoint | None = None
+        #: It waits for a slot (a generation route, with ADMISSION_CONTROL on).
+        self.gated = False
+        #: The client asked for an event stream (decided once, at intake).
+        self.stream = False
+        #: Non-streamed, sent upstream as a stream, and answered from it (app/assembly.py).
+        self.assembly: Assembly | None = None
+        self.origin: bytes | None = None  # its Origin, for answers slotgate makes itself
+        self.ticket: Ticket | None = None
+        #: Its reservation of the KV-cache budget, when a budget binds (app/cost.py).
+        self.estimate: Estimate | None = None
+        self.weight = 0
+        self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES while it waits
+        self.upstream_status: int | None = None
+        self.outcome = "served"
+
+    @property
+    def route(self) -> str | None:
+        return self.endpoint.route if self.endpoint is not None else None
+
+    @property
+    def flavor(self) -> Flavor:
+        """The error shape its client reads."""
+        return self.endpoint.flavor if self.endpoint is not None else "openai"
+
+
+class Head:
+    """The request headers slotgate looks at, found in one pass."""
+
+    __slots__ = (
+        "api_key", "authorization", "connection_named", "content_length", "content_type",
+        "origin", "raw",
+    )  # fmt: skip
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+        self.authorization: bytes | None = None
+        self.api_key: bytes | None = None
+        self.content_length: int | None = None
+        self.content_type = ""
+        self.origin: bytes | None = None
+        self.connection_named = _NONE_NAMED
+        size = 0
+        for name, value in raw:
+            line = len(name) + len(value) + 4  # name: value CRLF, as llama-server counts it
+            if line > MAX_HEADER_LINE_BYTES:
+                raise HeadersTooLarge(
+                    f"request header {name[:64].decode('latin-1')} is longer than "
+                    f"{MAX_HEADER_LINE_BYTES} bytes, which llama-server refuses"
+                )
+            size += line
+            if name == b"content-length":
+                if not value.isdigit():
+                    raise BadRequest("Content-Length is not a number")
+                self.content_length = int(value)
+            elif name == b"content-type":
+                self.content_type = value.decode("latin-1")
+            elif name == b"authorization":
+                self.authorization = value
+            elif name == b"x-api-key":
+                self.api_key = value
+            elif name == b"origin":
+                # llama-server reads the first; one value only, so both sides read the same.
+                if self.origin is not None:
+                    raise BadRequest("more than one Origin header")
+                self.origin = value
+            elif name == b"connection":
+                # Headers named in Connection are hop-by-hop too, but never ones slotgate
+                # itself decides by: a client cannot make the gate drop what it checked.
+                named = {part.strip().lower() for part in value.split(b",")}
+                self.connection_named = frozenset(named - DECIDING)
+        if size > MAX_HEADER_BYTES:
+            raise HeadersTooLarge(f"request headers exceed {MAX_HEADER_BYTES} bytes")
+
+
+def checked_path(path: str) -> str:
+    """The decoded path, refused when it could step outside llama-server's root."""
+    if not path.startswith("/") or "\\" in path or "\x00" in path:
+        raise BadRequest("request path is not a plain absolute path")
+    if "/./" in path + "/" or "/../" in path + "/":
+        raise BadRequest("request path must not contain '.' or '..' segments")
+    return path
+
+
+async def read_body(receive: Receive, declared: int | None, limit: int) -> bytes:
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(
+            f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
+        )
+    message = await receive()
+    # A client that closed before its body was whole (or sent broken chunked framing, which
+    # uvicorn answers 400 and closes): nothing it sent may go upstream, not even the head.
+    if message["type"] == "http.disconnect":
+        raise ClientGone
+    body: bytes = message.get("body", b"")
+    # A chunked body declares no length, and may arrive whole in one message.
+    if len(body) > limit:
+        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
+    if not message.get("more_body", False):
+        return _whole(body, declared)
+    chunks = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(
+                f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)"
+            )
+        chunks.append(chunk)
+    return _whole(b"".join(chunks), declared)
+
+
+def _whole(body: bytes, declared: int | None) -> bytes:
+    if declared is not None and len(body) != declared:
+        raise BadRequest(f"request body is {len(body)} bytes, not the {declared} declared")
+    return body
+
+
+async def preflight_body(receive: Receive, declared: int | None) -> bytes:
+    try:
+        return await read_body(receive, declared, 0)
+    except PayloadTooLarge:
+        raise BadRequest(
+            "an OPTIONS request without a key is a preflight, and has no body"
+        ) from None
+
+
+def request_id(scope: Scope) -> str:
+    """The client's X-Request-Id when it is a sane one, else slotgate's own."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            if 0 < len(value) <= 128 and all(c in _REQUEST_ID_CHARS for c in value):
+                return bytes(value).decode()
+            break
+    return f"{_id_prefix}-{next(_ids)}"
