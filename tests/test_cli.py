@@ -323,7 +323,7 @@ async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
 async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_refused(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 14, 0.05  # 0.7 s, within DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, well within DRAIN_TIMEOUT=1
     seen: list[int] = []
     limits = httpx.Limits(max_keepalive_connections=0)  # each probe a new connection
     async with (
