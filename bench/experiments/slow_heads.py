@@ -27,43 +27,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
-import uvicorn
 
-from bench.experiments.upstreams import reexec_with, slotgate_origin, start_standin
+from bench.experiments.upstreams import (
+    port_of,
+    reexec_with,
+    serve,
+    slotgate_origin,
+    start_standin,
+)
 from bench.procs import raise_fd_limit
 
 MIB = 1024 * 1024
-
-
-async def serve(upstream_url: str, **values: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
-    """slotgate in this loop on a free port, configured as `slotgate` runs it (when it can)."""
-    from slotgate.main import create_app
-    from slotgate.settings import Settings
-
-    known = {key: value for key, value in values.items() if key in Settings.model_fields}
-    settings = Settings(
-        _env_file=None, llama_server_url=upstream_url, host="127.0.0.1", port=0,
-        log_level="warning", **known,
-    )  # fmt: skip
-    app = create_app(settings)
-    try:
-        from slotgate.cli import uvicorn_config
-
-        config = uvicorn_config(app, settings)
-    except ImportError:  # an older slotgate: uvicorn as it used to run it
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="uvloop", lifespan="on")
-    config.log_level = "warning"
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            await task
-        await asyncio.sleep(0.01)
-    return server, task
-
-
-def port_of(server: uvicorn.Server) -> int:
-    return int(server.servers[0].sockets[0].getsockname()[1])
 
 
 def timed_sweeps() -> list[tuple[float, int]]:

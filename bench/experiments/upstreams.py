@@ -1,17 +1,24 @@
 """What the experiments start: the stand-in or hostile upstream, and slotgate, on loopback.
 
-Every process goes to a free port on 127.0.0.1, logs into bench/results/logs/ and is stopped
-by the experiment that started it. `--pythonpath DIR` puts another slotgate first on the
+slotgate runs as `python -m slotgate` (`start_gate`) or, where an experiment reads its event
+loop or patches it, in the experiment's own loop (`serve`). Every process goes to a free
+port on 127.0.0.1, logs into bench/results/logs/ and is stopped by the experiment that
+started it. `--pythonpath DIR` puts another slotgate first on the
 import path (DIR holds a `slotgate/` package, for instance an older app/ extracted with
 `git archive COMMIT app | tar -x -C DIR && mv DIR/app DIR/slotgate`), to measure before and
-after a change with the same experiment.
+after a change with the same experiment; in-process experiments run themselves again with
+DIR on PYTHONPATH (`reexec_with`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+import uvicorn
 
 from bench.contenders import BENCH, REPO, await_ready, start_slotgate
 from bench.procs import CLIENT_CORE, SERVER_CORE, Server, free_port, spawn
@@ -67,6 +74,37 @@ def start_gate(
     if pythonpath:
         values["PYTHONPATH"] = pythonpath
     return start_slotgate("slotgate", upstream_url, logs(), values, core=SERVER_CORE)
+
+
+async def serve(upstream_url: str, **values: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """slotgate in this loop on a free port, configured as `slotgate` runs it (when it can)."""
+    from slotgate.main import create_app
+    from slotgate.settings import Settings
+
+    known = {key: value for key, value in values.items() if key in Settings.model_fields}
+    settings = Settings(
+        _env_file=None, llama_server_url=upstream_url, host="127.0.0.1", port=0,
+        log_level="warning", **known,
+    )  # fmt: skip
+    app = create_app(settings)
+    try:
+        from slotgate.cli import uvicorn_config
+
+        config = uvicorn_config(app, settings)
+    except ImportError:  # an older slotgate: uvicorn as it used to run it
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="uvloop", lifespan="on")
+    config.log_level = "warning"
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task
+        await asyncio.sleep(0.01)
+    return server, task
+
+
+def port_of(server: uvicorn.Server) -> int:
+    return int(server.servers[0].sockets[0].getsockname()[1])
 
 
 def reexec_with(pythonpath: str | None, module: str) -> None:
