@@ -36,6 +36,8 @@ def memory(pid: int) -> str:
         key, _, rest = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             values[key] = int(rest.split()[0]) / 1024
+    if "VmRSS" not in values:
+        return "process gone"
     return f"VmRSS {values['VmRSS']:.0f} MB, VmHWM {values['VmHWM']:.0f} MB"
 
 

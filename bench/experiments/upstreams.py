@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,18 @@ asyncio.run(main())
 """
 
 
+def _alive(start: Callable[[], Server]) -> Server:
+    """`start()`, again if the process it started has died: free_port() can race with other
+    programs on the machine, and then the readiness probe may have reached another server."""
+    for _ in range(3):
+        server = start()
+        time.sleep(0.3)
+        if server.alive():
+            return server
+        server.stop()
+    raise RuntimeError(f"{server.name} exited at start:\n{server.tail()}")
+
+
 def logs() -> Path:
     LOGS.mkdir(parents=True, exist_ok=True)
     return LOGS
@@ -49,21 +63,28 @@ def start_standin(**knobs: object) -> Server:
     """tests/standin.py's StandIn with these knobs (total_slots, tokens, token_delay_s...)."""
     import json
 
-    port = free_port()
-    command = [sys.executable, "-c", _STANDIN, str(port), json.dumps(knobs)]
-    server = spawn("standin", command, port, CLIENT_CORE, logs(), cwd=REPO)
-    return await_ready(server, "/props", 30)
+    def start() -> Server:
+        port = free_port()
+        command = [sys.executable, "-c", _STANDIN, str(port), json.dumps(knobs)]
+        server = spawn("standin", command, port, CLIENT_CORE, logs(), cwd=REPO)
+        return await_ready(server, "/props", 30)
+
+    return _alive(start)
 
 
 def start_hostile(answer: str, total_slots: int = 1, hold_s: float = 1.0) -> Server:
     """tests/hostile.py misbehaving as `answer`; a request whose target ends in ?hold streams."""
-    port = free_port()
-    command = [
-        sys.executable, "-m", "tests.hostile", "--port", str(port), "--answer", answer,
-        "--total-slots", str(total_slots), "--hold-s", str(hold_s),
-    ]  # fmt: skip
-    server = spawn("hostile", command, port, CLIENT_CORE, logs(), cwd=REPO)
-    return await_ready(server, "/props", 30)
+
+    def start() -> Server:
+        port = free_port()
+        command = [
+            sys.executable, "-m", "tests.hostile", "--port", str(port), "--answer", answer,
+            "--total-slots", str(total_slots), "--hold-s", str(hold_s),
+        ]  # fmt: skip
+        server = spawn("hostile", command, port, CLIENT_CORE, logs(), cwd=REPO)
+        return await_ready(server, "/props", 30)
+
+    return _alive(start)
 
 
 def start_gate(
@@ -73,7 +94,7 @@ def start_gate(
     values = dict(env or {})
     if pythonpath:
         values["PYTHONPATH"] = pythonpath
-    return start_slotgate("slotgate", upstream_url, logs(), values, core=SERVER_CORE)
+    return _alive(lambda: start_slotgate("slotgate", upstream_url, logs(), values, SERVER_CORE))
 
 
 async def serve(upstream_url: str, **values: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
