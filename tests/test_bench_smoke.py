@@ -81,3 +81,37 @@ def test_bench_smoke_run_writes_every_scenario_and_target(tmp_path: Path) -> Non
         assert set(results["plots"]) == {"latency_vs_concurrency.png", "burst_queue.png"}
         for name in results["plots"]:
             assert (tmp_path / name).stat().st_size > 0
+
+
+EXPERIMENTS = ("sdk_burst", "upstream_memory", "slow_heads", "big_bodies")
+
+
+def _experiment(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", *args]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_experiment_explains_its_command_line(name: str) -> None:
+    done = _experiment(f"bench.experiments.{name}", "--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("usage: ")
+    assert "--pythonpath" in done.stdout
+
+
+def test_upstream_memory_experiment_sees_a_huge_upstream_head_refused() -> None:
+    done = _experiment(
+        "bench.experiments.upstream_memory", "--answer", "huge_head", "--requests", "1"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "after request 1 (status 502," in done.stdout
+
+
+def test_sdk_burst_experiment_counts_a_burst_that_fits_as_all_succeeded() -> None:
+    done = _experiment(
+        "bench.experiments.sdk_burst", "--sdk", "openai", "--burst", "2", "--max-tokens", "2"
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "openai: 2/2 succeeded" in done.stdout
