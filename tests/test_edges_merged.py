@@ -1,0 +1,187 @@
+"""Issues 13 and 14 together, on real sockets: a request that waits while llama-server starts
+holds a place, body bytes and KV-cache tokens at once, and every way out gives all three back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.intake import OFF_LOOP_BYTES
+
+from tests.conftest import GateFactory, RunningGate, chat
+from tests.standin import StandIn
+
+CHAT = "/v1/chat/completions"
+#: A body big enough to be parsed in the worker process (app/intake.py).
+BIG = OFF_LOOP_BYTES + 64 * 1024
+
+
+def big_chat(**extra: Any) -> dict[str, Any]:
+    return chat(**extra) | {"messages": [{"role": "user", "content": "x" * BIG}]}
+
+
+def settled(gate: RunningGate) -> bool:
+    """Nobody waits or holds anything: no place, no slot, no token, no body byte."""
+    admission = gate.gate.admission
+    return (
+        admission.queued == 0
+        and admission.active == 0
+        and admission.committed_tokens == 0
+        and not admission._costs
+        and gate.gate.proxy._held_bytes == 0
+    )
+
+
+async def restarting_gate(
+    start_gate: GateFactory, standin: StandIn, **overrides: Any
+) -> RunningGate:
+    """slotgate that knew llama-server (2 slots, a KV budget) and now finds it loading again."""
+    values: dict[str, Any] = {"kv_budget_tokens": 100_000, "queue_body_bytes": 8 * BIG}
+    gate: RunningGate = await start_gate(**(values | overrides))
+    assert gate.gate.admission.budget_tokens == 100_000
+    standin.loading = True
+    gate.gate.upstream.poke()
+    await gate.until(lambda: gate.gate.admission.capacity is None)
+    return gate
+
+
+async def waiting(gate: RunningGate, count: int = 1) -> None:
+    """Until `count` requests wait in line, each holding its body and its tokens."""
+    await gate.until(
+        lambda: gate.gate.admission.queued == count and len(gate.gate.admission._costs) == count
+    )
+    assert gate.gate.proxy._held_bytes > BIG * count
+
+
+async def test_a_client_that_leaves_while_llama_server_loads_gives_back_place_bytes_and_tokens(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin)
+    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
+    await waiting(gate)
+    asked.cancel()
+    await gate.until(lambda: settled(gate))
+    standin.loading = False
+    await gate.until(lambda: gate.gate.admission.capacity == 2)
+    assert [seen for seen in standin.seen if seen.path == CHAT] == []
+
+
+async def test_a_startup_wait_that_runs_out_gives_back_place_bytes_and_tokens(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin, startup_wait=0.5)
+    answers = await asyncio.gather(
+        client.post(gate.url + CHAT, json=big_chat()),
+        client.post(gate.url + CHAT, json=big_chat(stream=True)),
+    )
+    assert [a.status_code for a in answers] == [503, 503]
+    assert {a.json()["error"]["code"] for a in answers} == {"upstream_not_ready"}
+    assert settled(gate)
+
+
+async def test_a_queue_timeout_shorter_than_the_startup_wait_gives_back_everything(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin, queue_timeout=0.4, startup_wait=30)
+    answer = await client.post(gate.url + CHAT, json=big_chat())
+    assert answer.status_code == 503
+    assert settled(gate)
+
+
+async def test_a_request_refused_once_the_slot_count_is_known_gives_back_everything(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin)
+    too_many = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat(n=3)))
+    too_many_cmpl = asyncio.create_task(
+        client.post(gate.url + "/completion", json={"prompt": "x" * BIG, "n_cmpl": 3})
+    )
+    fits = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat(n=2)))
+    await waiting(gate, 3)
+    standin.loading = False
+    refused, refused_cmpl, served = await asyncio.gather(too_many, too_many_cmpl, fits)
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "n")
+    assert (refused_cmpl.status_code, refused_cmpl.json()["error"]["param"]) == (400, "n_cmpl")
+    assert served.status_code == 200
+    assert standin.max_running <= 2
+    await gate.until(lambda: settled(gate))
+
+
+async def test_a_body_past_the_line_s_byte_bound_while_llama_server_loads_is_refused_429(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin, queue_body_bytes=BIG + BIG // 2)
+    first = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
+    await waiting(gate)
+    second = await client.post(gate.url + CHAT, json=big_chat())
+    assert second.status_code == 429
+    assert second.json()["error"]["code"] == "queue_bytes_full"
+    assert "retry-after" in second.headers
+    standin.loading = False
+    assert (await first).status_code == 200
+    await gate.until(lambda: settled(gate))
+
+
+async def test_shutdown_while_llama_server_loads_answers_waiters_and_gives_back_everything(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin)
+    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
+    await waiting(gate)
+    await gate.stop()
+    answer = await asked
+    assert answer.status_code == 503
+    assert settled(gate)
+
+
+async def test_a_big_non_streamed_chat_that_waited_for_llama_server_is_assembled_whole(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await restarting_gate(start_gate, standin)
+    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
+    await waiting(gate)
+    standin.loading = False
+    answer = await asked
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "t0 t1 t2 t3 t4 "}
+    assert body["usage"]["completion_tokens"] == 5
+    sent = json.loads([seen for seen in standin.seen if seen.path == CHAT][-1].body)
+    assert sent["stream"] is True  # rewritten in the worker, then assembled
+    await gate.until(lambda: settled(gate))
+
+
+def _post(path: str, payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "reset"])
+async def test_a_pipelined_client_that_leaves_while_llama_server_loads_leaves_no_ghost(
+    start_gate: GateFactory, standin: StandIn, reset: bool
+) -> None:
+    gate = await restarting_gate(start_gate, standin)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(_post(CHAT, big_chat()) + _post(CHAT, chat()))
+    await writer.drain()
+    await waiting(gate)
+    if reset:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()
+    await gate.until(lambda: settled(gate))
+    standin.loading = False
+    await gate.until(lambda: gate.gate.admission.capacity == 2)
+    await asyncio.sleep(0.3)  # room for a ghost to reach llama-server
+    assert [seen for seen in standin.seen if seen.path == CHAT] == []
+    del reader
