@@ -185,3 +185,25 @@ async def test_a_pipelined_client_that_leaves_while_llama_server_loads_leaves_no
     await asyncio.sleep(0.3)  # room for a ghost to reach llama-server
     assert [seen for seen in standin.seen if seen.path == CHAT] == []
     del reader
+
+
+async def test_requests_that_wait_for_llama_server_s_first_start_are_admitted_within_the_budget(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots, standin.loading = 4, True
+    gate = await start_gate(ready=False, kv_budget_tokens=1000)
+    prompt = {"role": "user", "content": "w " * 300}
+    asked = [
+        asyncio.create_task(
+            client.post(gate.url + CHAT, json=chat(messages=[prompt], max_tokens=80))
+        )
+        for _ in range(4)
+    ]
+    await gate.until(lambda: gate.gate.admission.queued == 4)
+    standin.loading = False
+    answers = await asyncio.gather(*asked)
+    assert [a.status_code for a in answers] == [200] * 4
+    # 704 tokens each by the local bound (llama-server could not count them while it loaded):
+    # one at a time in a budget of 1000, although four slots are free.
+    assert standin.max_running == 1
+    await gate.until(lambda: settled(gate))
