@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import struct
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -14,6 +15,20 @@ import pytest
 from slotgate.intake import OFF_LOOP_BYTES
 
 from tests.conftest import GateFactory, RunningGate, chat
+from tests.hostile import (
+    CHAT_STREAM,
+    PARTIAL_EVENT,
+    SSE_HEAD,
+    Hostile,
+    MiB,
+    Peer,
+    Request,
+    huge_error,
+    huge_head,
+    reply,
+    sends,
+    stream,
+)
 from tests.standin import StandIn
 
 CHAT = "/v1/chat/completions"
@@ -42,8 +57,9 @@ async def restarting_gate(
 ) -> RunningGate:
     """slotgate that knew llama-server (2 slots, a KV budget) and now finds it loading again."""
     values: dict[str, Any] = {"kv_budget_tokens": 100_000, "queue_body_bytes": 8 * BIG}
-    gate: RunningGate = await start_gate(**(values | overrides))
-    assert gate.gate.admission.budget_tokens == 100_000
+    values |= overrides
+    gate: RunningGate = await start_gate(**values)
+    assert gate.gate.admission.budget_tokens == values["kv_budget_tokens"]
     standin.loading = True
     gate.gate.upstream.poke()
     await gate.until(lambda: gate.gate.admission.capacity is None)
@@ -206,4 +222,100 @@ async def test_requests_that_wait_for_llama_server_s_first_start_are_admitted_wi
     # 704 tokens each by the local bound (llama-server could not count them while it loaded):
     # one at a time in a budget of 1000, although four slots are free.
     assert standin.max_running == 1
+    await gate.until(lambda: settled(gate))
+
+
+# -- a hostile llama-server that starts loading, then misbehaves ---------------------------------
+
+LOADING = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+
+
+class Starting:
+    """/props as a llama-server that loads its model until `loaded` is set."""
+
+    def __init__(self, hostile: Hostile) -> None:
+        self.hostile = hostile
+        self.loaded = False
+
+    async def __call__(self, peer: Peer, request: Request) -> None:
+        if self.loaded:
+            await peer.write(reply(200, self.hostile._props()))
+        else:
+            await peer.write(reply(503, LOADING))
+
+
+@pytest.fixture
+async def hostile() -> AsyncIterator[Hostile]:
+    upstream = Hostile(total_slots=2, fallback=stream(*CHAT_STREAM))
+    await upstream.start()
+    yield upstream
+    await upstream.stop()
+
+
+#: CHAT_STREAM as one write, chunked as llama-server frames it.
+CHAT_STREAM_SENT = (
+    SSE_HEAD + b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in CHAT_STREAM) + b"0\r\n\r\n",
+)
+
+MISBEHAVIOURS = {
+    "huge-head": huge_head(20 * MiB),
+    "response-too-many": sends(CHAT_STREAM_SENT[0] + reply(200, b'{"n":"extra"}')),
+    "interim-then-stream": sends(b"HTTP/1.1 100 Continue\r\n\r\n", 0.05, *CHAT_STREAM_SENT),
+    "switching": sends(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\nraw"),
+    "cut-mid-event": stream(*CHAT_STREAM[:2], cut=PARTIAL_EVENT),
+    "loading-again": sends(reply(503, LOADING)),
+    "huge-error": huge_error(8 * MiB, chunked=True),
+}
+
+
+def answered(status: int, body: bytes, streamed: bool) -> str:
+    """What the client got: "served", or the error code it was told."""
+    if not streamed:
+        if status == 200:
+            assert json.loads(body)["choices"][0]["message"]["content"] == "one"
+            return "served"
+        return str(json.loads(body)["error"]["code"])
+    assert status == 200
+    assert b"data: data:" not in body
+    last = [e for e in body.split(b"\n\n") if e and not e.startswith(b":")][-1]
+    if last == b"data: [DONE]":
+        return "served"
+    return str(json.loads(last[len(b"data: ") :])["error"]["code"])
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["assembled", "waiting-stream"])
+@pytest.mark.parametrize("misbehaviour", sorted(MISBEHAVIOURS))
+async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_clear_answer(
+    start_gate: GateFactory,
+    hostile: Hostile,
+    client: httpx.AsyncClient,
+    misbehaviour: str,
+    streamed: bool,
+) -> None:
+    starting = Starting(hostile)
+    hostile.props = starting
+    gate: RunningGate = await start_gate(
+        llama_server_url=hostile.url, ready=False, props_refresh_interval=60,
+        keepalive_interval=0.05, stream_head_after=0, startup_wait=1, queue_body_bytes=4 * BIG,
+    )  # fmt: skip
+    hostile.script.append(MISBEHAVIOURS[misbehaviour])
+
+    async def ask() -> tuple[int, bytes]:
+        payload = big_chat(stream=streamed)
+        async with client.stream("POST", gate.url + CHAT, json=payload) as response:
+            return response.status_code, b"".join([c async for c in response.aiter_raw()])
+
+    asked = asyncio.create_task(ask())
+    await gate.until(lambda: gate.gate.admission.queued == 1)
+    assert gate.gate.proxy._held_bytes > BIG
+    starting.loaded = True
+    outcome = answered(*await asked, streamed)
+    served = ("loading-again", "interim-then-stream", "response-too-many")
+    expected = dict.fromkeys(served, "served")
+    if not streamed:
+        expected["huge-error"] = "500"  # relayed as it comes, at the pace the client reads it
+    assert outcome == expected.get(misbehaviour, "upstream_failed")
+    await gate.until(lambda: settled(gate))
+    # Nothing the misbehaviour left behind reaches the next client.
+    assert answered(*await ask(), streamed) == "served"
     await gate.until(lambda: settled(gate))
