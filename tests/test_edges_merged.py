@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.intake import OFF_LOOP_BYTES
+from slotgate.intake import OFF_LOOP_BYTES, take_off_loop
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.hostile import (
@@ -296,7 +296,7 @@ async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_
     hostile.props = starting
     gate: RunningGate = await start_gate(
         llama_server_url=hostile.url, ready=False, props_refresh_interval=60,
-        keepalive_interval=0.05, stream_head_after=0, startup_wait=1, queue_body_bytes=4 * BIG,
+        keepalive_interval=0.05, stream_head_after=0, startup_wait=10, queue_body_bytes=4 * BIG,
     )  # fmt: skip
     hostile.script.append(MISBEHAVIOURS[misbehaviour])
 
@@ -318,4 +318,37 @@ async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_
     await gate.until(lambda: settled(gate))
     # Nothing the misbehaviour left behind reaches the next client.
     assert answered(*await ask(), streamed) == "served"
+    await gate.until(lambda: settled(gate))
+
+
+async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed_by_its_slots(
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = await restarting_gate(start_gate, standin)
+    parse = take_off_loop
+    parsing: list[int] = []
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        # The worker's parse outlasts llama-server's start: the slot count is known after it.
+        parsing.append(args[2])  # the capacity the request was read with: unknown
+        taken = await parse(*args, **kwargs)
+        await gate.until(lambda: gate.gate.admission.capacity == 2)
+        return taken
+
+    monkeypatch.setattr("slotgate.relay.take_off_loop", slow)
+    prompts = {"prompt": ["x" * (BIG // 3)] * 3}  # three tasks: they fill both slots
+    asked = [
+        asyncio.create_task(client.post(gate.url + "/completion", json=prompts)),
+        asyncio.create_task(client.post(gate.url + "/completion", json=prompts | {"n": 3})),
+    ]
+    await gate.until(lambda: len(parsing) == 2)
+    assert gate.gate.admission.capacity is None
+    standin.loading = False
+    served, refused = await asyncio.gather(*asked)
+    assert served.status_code == 200
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "n")
+    assert "more choices than llama-server has slots" in refused.json()["error"]["message"]
     await gate.until(lambda: settled(gate))
