@@ -23,6 +23,7 @@ from tests.hostile import (
     MiB,
     Peer,
     Request,
+    event,
     huge_error,
     huge_head,
     reply,
@@ -352,3 +353,38 @@ async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "n")
     assert "more choices than llama-server has slots" in refused.json()["error"]["message"]
     await gate.until(lambda: settled(gate))
+
+
+NATIVE_STREAM = (
+    event({"index": 0, "content": "a", "tokens": [1], "stop": False}),
+    event({"index": 0, "content": "b", "tokens": [2], "stop": False}),
+    event({"index": 0, "content": "", "tokens": [], "stop": True, "stop_type": "limit",
+           "generation_settings": {"stream": True}, "tokens_predicted": 2}),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [16, BIG], ids=["small", "big"])
+@pytest.mark.parametrize("return_tokens", [False, True])
+async def test_a_native_answer_assembled_from_a_big_body_keeps_its_tokens_as_asked(
+    start_gate: GateFactory,
+    hostile: Hostile,
+    client: httpx.AsyncClient,
+    size: int,
+    return_tokens: bool,
+) -> None:
+    hostile.fallback = stream(*NATIVE_STREAM)
+    starting = Starting(hostile)
+    hostile.props = starting
+    gate: RunningGate = await start_gate(
+        llama_server_url=hostile.url, ready=False, props_refresh_interval=60
+    )
+    payload = {"prompt": "x" * size, "return_tokens": return_tokens}
+    asked = asyncio.create_task(client.post(gate.url + "/completion", json=payload))
+    await gate.until(lambda: gate.gate.admission.queued == 1)  # waits for llama-server, too
+    starting.loaded = True
+    answer = (await asked).json()
+    assert answer["content"] == "ab"
+    assert answer["tokens"] == ([1, 2] if return_tokens else [])
+    assert answer["generation_settings"] == {"stream": False}
+    sent = json.loads(hostile.served()[-1].body)
+    assert (sent["stream"], sent["return_tokens"]) == (True, return_tokens)
