@@ -7,11 +7,14 @@ import asyncio
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
+from slotgate.endpoints import ENDPOINTS, Demand, demand
+from slotgate.errors import BadRequest
 from slotgate.intake import OFF_LOOP_BYTES, take_off_loop
 
 from tests.conftest import GateFactory, RunningGate, chat
@@ -388,3 +391,35 @@ async def test_a_native_answer_assembled_from_a_big_body_keeps_its_tokens_as_ask
     assert answer["generation_settings"] == {"stream": False}
     sent = json.loads(hostile.served()[-1].body)
     assert (sent["stream"], sent["return_tokens"]) == (True, return_tokens)
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        (CHAT, {"messages": [], "n": 2}),
+        (CHAT, {"messages": [], "n_cmpl": 3, "n": 1}),
+        (CHAT, {"messages": [], "n_cmpl": None, "n": 3}),
+        ("/completion", {"prompt": ["a", "b", "c"], "n_cmpl": 2}),
+        ("/completion", {"prompt": [1, 2, 3]}),
+        ("/v1/embeddings", {"input": ["a", "b", "c", "d"]}),
+        ("/v1/rerank", {"query": "q", "documents": ["a", "b", "c"]}),
+    ],
+)
+@pytest.mark.parametrize("capacity", [1, 2, 4])
+def test_a_demand_read_without_a_slot_count_weighs_as_one_read_with_it(
+    path: str, payload: dict[str, Any], capacity: int
+) -> None:
+    endpoint = ENDPOINTS[path]
+    body = json.dumps(payload).encode()
+    unsized = demand(endpoint, body, sys.maxsize)
+    weighs: list[Callable[[], Demand]] = [
+        lambda: demand(endpoint, body, capacity),
+        lambda: unsized.at(capacity),
+    ]
+    outcomes: list[object] = []
+    for weigh in weighs:
+        try:
+            outcomes.append(weigh())
+        except BadRequest as refused:
+            outcomes.append((refused.message, refused.param))
+    assert outcomes[0] == outcomes[1]
