@@ -360,15 +360,18 @@ class Admission:
         raise why neither is possible.
 
         A cost above the whole budget is cut to the budget: such a request runs alone (once
-        nothing else holds tokens), rather than never. While the capacity is unknown,
-        `weigh(capacity)` (when given) gives the weight once it is known; it may raise to
-        refuse the request (the waiter's `wait` raises that).
+        nothing else holds tokens), rather than never. `weigh(capacity)` (when given: the
+        request was read while the capacity was unknown) gives the weight once it is known; it
+        may raise to refuse the request (here, or from the waiter's `wait`).
         """
         capacity = self._capacity
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
         if capacity is None:
             return self._enter_unknown(weight, cost, weigh)
+        if weigh is not None:
+            # Known since the request was read (a big body's parse outlasted the start).
+            weight = weigh(capacity)
         if weight > capacity:
             raise TooLarge(self.snapshot(), weight)
         seq = self._next_seq

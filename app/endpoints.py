@@ -114,6 +114,27 @@ class Demand:
 
     weight: int
     stream: bool
+    #: What the weight comes from: completions per prompt (`n_cmpl` or `n`, named by `field`)
+    #: and tasks per completion, so that `at` weighs it for another slot count without the body.
+    choices: int = 1
+    tasks: int = 1
+    field: str = "n"
+
+    def at(self, capacity: int) -> Demand:
+        """The demand on a pool of `capacity` slots; BadRequest when it asks for more choices."""
+        if self.choices > capacity:
+            # llama-server refuses it too (n_cmpl is bounded by its slot count), but only once
+            # the request has reached it.
+            raise BadRequest(
+                f"{self.field}={self.choices} asks for more choices than llama-server has slots "
+                f"({capacity}); ask for at most {capacity}",
+                param=self.field,
+            )
+        # llama-server runs one task per prompt, input or document in an array; the request
+        # holds every slot it fills, and llama-server works through the rest of the array
+        # inside those same slots, so the count is capped at the pool's size, not refused.
+        weight = min(self.choices * self.tasks, capacity)
+        return Demand(weight, self.stream, self.choices, self.tasks, self.field)
 
 
 def check_content_type(endpoint: Endpoint, content_type: str) -> None:
@@ -139,11 +160,8 @@ def demand(endpoint: Endpoint, body: bytes, capacity: int) -> Demand:
     for name in _TOKEN_LIMITS:
         _check_int(payload, name, minimum=0)
     _check_int(payload, "n_predict", minimum=-1)
-    choices = _choices(payload, capacity) if endpoint.choices else 1
-    # llama-server runs one task per prompt, input or document in an array; the request
-    # holds every slot it fills, and llama-server works through the rest of the array inside
-    # those same slots, so the count is capped at the pool's size rather than refused.
-    return Demand(min(choices * _task_count(payload, endpoint), capacity), stream)
+    field, choices = _choices(payload) if endpoint.choices else ("n", 1)
+    return Demand(0, stream, choices, _task_count(payload, endpoint), field).at(capacity)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -181,19 +199,11 @@ def _check_int(payload: dict[str, Any], name: str, *, minimum: int) -> int | Non
     return value
 
 
-def _choices(payload: dict[str, Any], capacity: int) -> int:
-    """How many completions each prompt runs: n_cmpl, else n (null counts as absent)."""
+def _choices(payload: dict[str, Any]) -> tuple[str, int]:
+    """How many completions each prompt runs, and the field that says so: n_cmpl, else n
+    (null counts as absent)."""
     name = "n_cmpl" if payload.get("n_cmpl") is not None else "n"
-    n = _check_int(payload, name, minimum=1) or 1
-    if n > capacity:
-        # llama-server refuses it too (n_cmpl is bounded by its slot count), but only once the
-        # request has reached it.
-        raise BadRequest(
-            f"{name}={n} asks for more choices than llama-server has slots ({capacity}); "
-            f"ask for at most {capacity}",
-            param=name,
-        )
-    return n
+    return name, _check_int(payload, name, minimum=1) or 1
 
 
 def _task_count(payload: dict[str, Any], endpoint: Endpoint) -> int:

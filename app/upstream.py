@@ -130,6 +130,10 @@ class Upstream:
         self._admission = admission
         self._refresh_s = settings.props_refresh_interval
         self._kv_budget_tokens = settings.kv_budget_tokens
+        if settings.kv_budget_tokens:
+            # Set before llama-server is first known, so that requests waiting for it to start
+            # are costed as they enter: all of them are weighed against it when it is known.
+            admission.resize_budget(settings.kv_budget_tokens)
         #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
         self.shared_cache_seen = False
         tls = parts.scheme == "https"
@@ -286,8 +290,9 @@ class Upstream:
         self.props = props
         self.ready = True
         self.reason = "ready"
-        self._admission.resize(props.total_slots)
+        # The budget first: resizing admits waiters, and they must meet the new budget.
         self._admission.resize_budget(self.kv_budget(props))
+        self._admission.resize(props.total_slots)
 
     def kv_budget(self, props: Props) -> int | None:
         """The KV-cache tokens the slots share, when that binds admission; else None.

@@ -326,6 +326,20 @@ async def _read_request(reader: asyncio.StreamReader, number: int) -> Request:
     return Request(method, target, headers, body, number)
 
 
+def giant_stream(size: int = 200 * MiB) -> Answer:
+    """A chat stream of `size` bytes of content, events of 64 KiB, written as the reader takes
+    them: what an assembled answer must not hold whole."""
+    delta = event({"choices": [{"delta": {"content": "x" * (64 * 1024)}, "index": 0}]})
+
+    async def answer(peer: Peer, _: Request) -> None:
+        await peer.write(SSE_HEAD + _chunk(CHAT_STREAM[0]))
+        await peer.write_repeated(_chunk(delta), size // len(delta) * len(_chunk(delta)))
+        await peer.write(_chunk(CHAT_STREAM[-1]) + b"0\r\n\r\n")
+        peer.close()
+
+    return answer
+
+
 #: Misbehaviours by name, for the command line.
 ANSWERS: dict[str, Callable[[], Answer]] = {
     "huge_head": huge_head,
@@ -334,6 +348,7 @@ ANSWERS: dict[str, Callable[[], Answer]] = {
     "interim": lambda: sends(b"HTTP/1.1 100 Continue\r\n\r\n", reply(200, b'{"ok":true}')),
     "switching": lambda: sends(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n"),
     "cut_mid_event": lambda: stream(*CHAT_STREAM[:2], cut=PARTIAL_EVENT),
+    "giant_stream": giant_stream,
 }
 
 

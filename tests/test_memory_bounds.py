@@ -1,0 +1,110 @@
+"""The memory bounds the README states, held under the hostile stand-in (tests/hostile.py):
+whatever llama-server's side sends, slotgate holds at most its bound per request."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.assembly import MAX_ASSEMBLED_BYTES
+
+from tests.conftest import GateFactory, RunningGate, chat
+from tests.hostile import (
+    CHAT_STREAM,
+    PARTIAL_EVENT,
+    Answer,
+    Hostile,
+    MiB,
+    giant_stream,
+    held,
+    huge_error,
+    huge_head,
+    reply,
+    sends,
+    stream,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+async def hostile() -> AsyncIterator[Hostile]:
+    upstream = Hostile(total_slots=1)
+    await upstream.start()
+    yield upstream
+    await upstream.stop()
+
+
+async def gate_before(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
+    gate: RunningGate = await start_gate(
+        llama_server_url=hostile.url, props_refresh_interval=60, keepalive_interval=1,
+        stream_head_after=0,
+    )  # fmt: skip
+    return gate
+
+
+async def peak_of(asked: Any) -> int:
+    """The most Python memory held at once while `asked` runs, over what was held before."""
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        await asked
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - before
+
+
+UPSTREAM_SIDE: dict[str, Answer] = {
+    "a 20 MiB head": huge_head(20 * MiB),
+    "a 200 MiB error body": huge_error(200 * MiB),
+    "a 200 MiB chunked error body": huge_error(200 * MiB, chunked=True),
+    "a response too many": sends(reply(200, b'{"n":1}') + reply(200, b"x" * MiB)),
+    "a stream cut mid-event": stream(*CHAT_STREAM[:2], cut=PARTIAL_EVENT),
+}
+
+
+@pytest.mark.parametrize("misbehaviour", sorted(UPSTREAM_SIDE))
+async def test_a_waiting_stream_holds_under_a_mebibyte_whatever_llama_server_sends(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, misbehaviour: str
+) -> None:
+    gate = await gate_before(start_gate, hostile)
+    release = asyncio.Event()
+    hostile.script.extend([held(release, stream(*CHAT_STREAM)), UPSTREAM_SIDE[misbehaviour]])
+
+    async def two() -> None:
+        holder = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
+        await gate.until(lambda: len(hostile.served()) == 1)
+
+        async def waiter() -> bytes:
+            async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as r:
+                return b"".join([chunk async for chunk in r.aiter_raw()])
+
+        waiting = asyncio.create_task(waiter())
+        await gate.until(lambda: gate.gate.admission.queued == 1)
+        release.set()
+        await holder
+        body = await waiting
+        assert len(body) < 64 * 1024 + 4096  # what reached the client: one bounded event
+
+    assert await peak_of(two()) < MiB
+    await gate.until(lambda: gate.gate.admission.active == 0)
+
+
+async def test_an_assembled_answer_holds_at_most_its_bound_of_a_200_mib_stream(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
+    gate = await gate_before(start_gate, hostile)
+    hostile.script.append(giant_stream(200 * MiB))
+
+    async def one() -> None:
+        answer = await client.post(gate.url + CHAT, json=chat())
+        assert answer.status_code == 502
+        assert str(MAX_ASSEMBLED_BYTES) in answer.json()["error"]["message"]
+
+    assert await peak_of(one()) < MAX_ASSEMBLED_BYTES + 4 * MiB
+    assert hostile.sent < 100 * MiB  # slotgate hung up past its bound, not at the end
