@@ -46,13 +46,13 @@ def big_chat(**extra: Any) -> dict[str, Any]:
 
 def settled(gate: RunningGate) -> bool:
     """Nobody waits or holds anything: no place, no slot, no token, no body byte."""
-    admission = gate.gate.admission
+    admission = gate.service.admission
     return (
         admission.queued == 0
         and admission.active == 0
         and admission.committed_tokens == 0
         and not admission._costs
-        and gate.gate.proxy._held_bytes == 0
+        and gate.service.proxy._held_bytes == 0
     )
 
 
@@ -63,19 +63,21 @@ async def restarting_gate(
     values: dict[str, Any] = {"kv_budget_tokens": 100_000, "queue_body_bytes": 8 * BIG}
     values |= overrides
     gate: RunningGate = await start_gate(**values)
-    assert gate.gate.admission.budget_tokens == values["kv_budget_tokens"]
+    assert gate.service.admission.budget_tokens == values["kv_budget_tokens"]
     standin.loading = True
-    gate.gate.upstream.poke()
-    await gate.until(lambda: gate.gate.admission.capacity is None)
+    gate.service.upstream.poke()
+    await gate.until(lambda: gate.service.admission.capacity is None)
     return gate
 
 
 async def waiting(gate: RunningGate, count: int = 1) -> None:
     """Until `count` requests wait in line, each holding its body and its tokens."""
     await gate.until(
-        lambda: gate.gate.admission.queued == count and len(gate.gate.admission._costs) == count
+        lambda: (
+            gate.service.admission.queued == count and len(gate.service.admission._costs) == count
+        )
     )
-    assert gate.gate.proxy._held_bytes > BIG * count
+    assert gate.service.proxy._held_bytes > BIG * count
 
 
 async def test_a_client_that_leaves_while_llama_server_loads_gives_back_place_bytes_and_tokens(
@@ -87,7 +89,7 @@ async def test_a_client_that_leaves_while_llama_server_loads_gives_back_place_by
     asked.cancel()
     await gate.until(lambda: settled(gate))
     standin.loading = False
-    await gate.until(lambda: gate.gate.admission.capacity == 2)
+    await gate.until(lambda: gate.service.admission.capacity == 2)
     assert [seen for seen in standin.seen if seen.path == CHAT] == []
 
 
@@ -201,7 +203,7 @@ async def test_a_pipelined_client_that_leaves_while_llama_server_loads_leaves_no
     writer.close()
     await gate.until(lambda: settled(gate))
     standin.loading = False
-    await gate.until(lambda: gate.gate.admission.capacity == 2)
+    await gate.until(lambda: gate.service.admission.capacity == 2)
     await asyncio.sleep(0.3)  # room for a ghost to reach llama-server
     assert [seen for seen in standin.seen if seen.path == CHAT] == []
     del reader
@@ -219,7 +221,7 @@ async def test_requests_that_wait_for_llama_server_s_first_start_are_admitted_wi
         )
         for _ in range(4)
     ]
-    await gate.until(lambda: gate.gate.admission.queued == 4)
+    await gate.until(lambda: gate.service.admission.queued == 4)
     standin.loading = False
     answers = await asyncio.gather(*asked)
     assert [a.status_code for a in answers] == [200] * 4
@@ -310,8 +312,8 @@ async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_
             return response.status_code, b"".join([c async for c in response.aiter_raw()])
 
     asked = asyncio.create_task(ask())
-    await gate.until(lambda: gate.gate.admission.queued == 1)
-    assert gate.gate.proxy._held_bytes > BIG
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    assert gate.service.proxy._held_bytes > BIG
     starting.loaded = True
     outcome = answered(*await asked, streamed)
     served = ("loading-again", "interim-then-stream", "response-too-many")
@@ -339,7 +341,7 @@ async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed
         # The worker's parse outlasts llama-server's start: the slot count is known after it.
         parsing.append(args[2])  # the capacity the request was read with: unknown
         taken = await parse(*args, **kwargs)
-        await gate.until(lambda: gate.gate.admission.capacity == 2)
+        await gate.until(lambda: gate.service.admission.capacity == 2)
         return taken
 
     monkeypatch.setattr("slotgate.relay.take_off_loop", slow)
@@ -349,7 +351,7 @@ async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed
         asyncio.create_task(client.post(gate.url + "/completion", json=prompts | {"n": 3})),
     ]
     await gate.until(lambda: len(parsing) == 2)
-    assert gate.gate.admission.capacity is None
+    assert gate.service.admission.capacity is None
     standin.loading = False
     served, refused = await asyncio.gather(*asked)
     assert served.status_code == 200
@@ -383,7 +385,7 @@ async def test_a_native_answer_assembled_from_a_big_body_keeps_its_tokens_as_ask
     )
     payload = {"prompt": "x" * size, "return_tokens": return_tokens}
     asked = asyncio.create_task(client.post(gate.url + "/completion", json=payload))
-    await gate.until(lambda: gate.gate.admission.queued == 1)  # waits for llama-server, too
+    await gate.until(lambda: gate.service.admission.queued == 1)  # waits for llama-server, too
     starting.loaded = True
     answer = (await asked).json()
     assert answer["content"] == "ab"

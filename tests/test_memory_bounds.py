@@ -85,14 +85,14 @@ async def test_a_waiting_stream_holds_under_a_mebibyte_whatever_llama_server_sen
                 return b"".join([chunk async for chunk in r.aiter_raw()])
 
         waiting = asyncio.create_task(waiter())
-        await gate.until(lambda: gate.gate.admission.queued == 1)
+        await gate.until(lambda: gate.service.admission.queued == 1)
         release.set()
         await holder
         body = await waiting
         assert len(body) < 64 * 1024 + 4096  # what reached the client: one bounded event
 
     assert await peak_of(two()) < MiB
-    await gate.until(lambda: gate.gate.admission.active == 0)
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 async def test_an_assembled_answer_holds_at_most_its_bound_of_a_200_mib_stream(
