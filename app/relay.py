@@ -18,7 +18,7 @@ from .answer import Answer
 from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import BodyTooLarge, ExchangeFailed, Response
-from .endpoints import check_content_type, demand, route_of
+from .endpoints import check_content_type, route_of
 from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
 from .intake import take_off_loop
 from .logs import access as access_log
@@ -241,9 +241,11 @@ class Proxy:
             )
         weigh: Callable[[int], int] | None = None
         if unknown:
+            # Weighed from what intake read, not by parsing the body again on the loop.
+            unsized = want
 
             def weigh(capacity: int) -> int:
-                return demand(endpoint, body, capacity).weight
+                return unsized.at(capacity).weight
 
         if self._admission.cold:
             expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
