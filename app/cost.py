@@ -133,10 +133,15 @@ class Estimate:
     budget: int
     default_output: int | None
     reserve: int
+    #: False when the payload was left behind (a big body read in intake's worker process):
+    #: the local bound stands, and llama-server is not asked to count.
+    exact: bool = True
 
     @property
     def countable(self) -> bool:
         """Can llama-server count this prompt exactly (a chat, or one text prompt)?"""
+        if not self.exact:
+            return False
         kind = self.endpoint.kind
         return kind is Kind.CHAT or (
             kind is Kind.COMPLETION and isinstance(self.payload.get("prompt"), str)

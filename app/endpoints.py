@@ -153,7 +153,11 @@ def demand(endpoint: Endpoint, body: bytes, capacity: int) -> Demand:
     """Parse and check the body; how many slots it takes and whether it streams."""
     if endpoint.kind is Kind.AUDIO:
         return Demand(1, False)
-    payload = parse_json(body)
+    return demand_of(endpoint, parse_json(body), capacity)
+
+
+def demand_of(endpoint: Endpoint, payload: dict[str, Any], capacity: int) -> Demand:
+    """`demand` of a body already parsed (by `parse_json`)."""
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", param="stream")

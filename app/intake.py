@@ -10,11 +10,13 @@ import multiprocessing
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .assembly import streaming_request
-from .endpoints import ENDPOINTS, Demand, Endpoint, Kind, demand
+from .cost import Estimate, local
+from .endpoints import ENDPOINTS, Demand, Endpoint, Kind, demand, demand_of, parse_json
 from .errors import BadRequest
+from .pace import expected_hold_of
 
 #: Bodies above this go to the worker: at most ~15 ms of parsing stays on the loop.
 OFF_LOOP_BYTES = 1024 * 1024
@@ -34,29 +36,54 @@ class Intake:
     body: bytes  # what goes upstream
     assembled: bool  # the body asks llama-server for a stream; the answer is assembled
     return_tokens: bool = False  # an assembled native answer carries its tokens (asked for)
+    estimate: Estimate | None = None  # its reservation of the KV budget, when one binds
+    expected_hold_s: float | None = None  # how long it should hold its slots (a cold gate)
 
 
-def take(endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool) -> Intake:
-    """Check the body and work out its demand; with `assemble`, ask for a stream if the
-    client did not (app/assembly.py)."""
-    want = demand(endpoint, body, capacity)
+@dataclass(frozen=True, slots=True)
+class Wants:
+    """What the gate wants read from a body besides its demand, in the same parse."""
+
+    budget: int | None = None  # cost the request against this KV budget (app/cost.py)
+    default_output: int | None = None  # llama-server's -n, for a request that bounds none
+    expect: bool = False  # a cold gate: how long should it hold its slots (app/pace.py)
+    tokens_per_s: float | None = None
+
+
+def take(
+    endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool, wants: Wants = Wants()
+) -> Intake:
+    """Check the body and work out its demand (and what `wants` asks for); with `assemble`,
+    ask for a stream if the client did not (app/assembly.py)."""
+    if endpoint.kind is Kind.AUDIO:
+        return Intake(demand(endpoint, body, capacity), body, False)
+    payload = parse_json(body)
+    want = demand_of(endpoint, payload, capacity)
+    estimate = None
+    if wants.budget:
+        estimate = local(endpoint, payload, wants.budget, wants.default_output)
+    expected = None
+    if wants.expect:
+        expected = expected_hold_of(endpoint.kind, payload, wants.tokens_per_s)
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:
-        streaming, payload = streaming_request(body)
-        return Intake(want, streaming, True, payload.get("return_tokens") is True)
-    return Intake(want, body, False)
+        streaming, _ = streaming_request(body)
+        return Intake(
+            want, streaming, True, payload.get("return_tokens") is True, estimate, expected
+        )
+    return Intake(want, body, False, False, estimate, expected)
 
 
 async def take_off_loop(
-    endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool
+    endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool, wants: Wants = Wants()
 ) -> Intake:
     """`take`, in a worker process when the body is big."""
     global _broken
     if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO or _broken:
-        return take(endpoint, body, capacity, assemble=assemble)
+        return take(endpoint, body, capacity, assemble=assemble, wants=wants)
     loop = asyncio.get_running_loop()
     try:
         result = await loop.run_in_executor(
-            _pool(), _take_in_worker, endpoint.route, body, capacity, assemble
+            _pool(), _take_in_worker, endpoint.route, body, capacity, assemble, wants
         )
     except (BrokenProcessPool, OSError, RuntimeError) as exc:
         # No worker could start (no /dev/shm, an entry point without its __main__ guard) or
@@ -64,7 +91,7 @@ async def take_off_loop(
         log.warning("cannot parse big bodies in a worker process, so on the loop: %r", exc)
         _broken = True
         _reset()
-        return take(endpoint, body, capacity, assemble=assemble)
+        return take(endpoint, body, capacity, assemble=assemble, wants=wants)
     if isinstance(result, Intake):
         return result
     message, param = result
@@ -72,13 +99,18 @@ async def take_off_loop(
 
 
 def _take_in_worker(
-    route: str, body: bytes, capacity: int, assemble: bool
+    route: str, body: bytes, capacity: int, assemble: bool, wants: Wants
 ) -> Intake | tuple[str, str | None]:
     # A refusal travels back as plain data: a pickled exception keeps only its first argument.
     try:
-        return take(ENDPOINTS[route], body, capacity, assemble=assemble)
+        taken = take(ENDPOINTS[route], body, capacity, assemble=assemble, wants=wants)
     except BadRequest as exc:
         return exc.message, exc.param
+    if taken.estimate is not None:
+        # The parsed body stays here: sent back, unpickling it would stall the loop as long
+        # as parsing it. Without it, the local bound stands (no count by llama-server).
+        taken = replace(taken, estimate=replace(taken.estimate, payload={}, exact=False))
+    return taken
 
 
 _executor: ProcessPoolExecutor | None = None

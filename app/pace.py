@@ -8,6 +8,8 @@ second for the prompt.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from .endpoints import Kind
@@ -39,6 +41,13 @@ def expected_hold_s(kind: Kind, body: bytes, tokens_per_s: float | None) -> floa
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
+        return None
+    return expected_hold_of(kind, payload, tokens_per_s)
+
+
+def expected_hold_of(kind: Kind, payload: Any, tokens_per_s: float | None) -> float | None:
+    """`expected_hold_s` of a body already parsed."""
+    if kind not in _GENERATING:
         return None
     tokens = COLD_TOKENS
     if isinstance(payload, dict):

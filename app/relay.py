@@ -20,10 +20,9 @@ from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import BodyTooLarge, ExchangeFailed, Response
 from .endpoints import check_content_type, route_of
 from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
-from .intake import take_off_loop
+from .intake import Wants, take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
-from .pace import expected_hold_s
 from .request import ClientGone, Head, Request, checked_path, preflight_body, read_body
 from .settings import Settings
 from .upstream import Upstream, UpstreamStarting
@@ -228,8 +227,19 @@ class Proxy:
             # known (app/admission.py), and ask it for that now, not at the next tick.
             self._upstream.poke()
         assemble = self._assemble and not self._upstream.verbose
+        cold = self._admission.cold
+        wants = Wants(
+            budget=self._admission.budget_tokens,
+            default_output=self._upstream.default_output,
+            expect=cold,
+            tokens_per_s=self._upstream.tokens_per_s if cold else None,
+        )
         taken = await take_off_loop(
-            endpoint, request.body, _UNSIZED if capacity is None else capacity, assemble=assemble
+            endpoint,
+            request.body,
+            _UNSIZED if capacity is None else capacity,
+            assemble=assemble,
+            wants=wants,
         )
         want, body = taken.demand, taken.body
         request.body = body
@@ -247,13 +257,10 @@ class Proxy:
             def weigh(capacity: int) -> int:
                 return unsized.at(capacity).weight
 
-        if self._admission.cold:
-            expected = expected_hold_s(endpoint.kind, body, self._upstream.tokens_per_s)
-            if expected is not None:
-                self._admission.expect(expected)
+        if taken.expected_hold_s is not None:
+            self._admission.expect(taken.expected_hold_s)
         request.weight = want.weight
-        budget = self._admission.budget_tokens
-        cost = self._upstream.estimate(endpoint, body, budget) if budget else None
+        cost = taken.estimate
         ticket = self._admission.enter(want.weight, cost.reserve if cost else 0, weigh)
         if not ticket.admitted:
             self._hold(request, ticket)

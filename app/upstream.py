@@ -16,8 +16,7 @@ from .admission import Admission, Ticket
 from .asgi import Header
 from .client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
 from .cors import CorsPolicy
-from .cost import Estimate, counted, local
-from .endpoints import Endpoint, parse_json
+from .cost import Estimate, counted
 from .errors import UpstreamFailed, UpstreamUnavailable
 from .pace import generation_speed
 from .reuse import UpstreamClient
@@ -329,10 +328,10 @@ class Upstream:
             )
             self._admission.resize_budget(budget)
 
-    def estimate(self, endpoint: Endpoint, body: bytes, budget: int) -> Estimate:
-        """A (checked) request's reservation of `budget` by the local bound (app/cost.py)."""
-        default = self.props.n_predict if self.props is not None else None
-        return local(endpoint, parse_json(body), budget, default)
+    @property
+    def default_output(self) -> int | None:
+        """llama-server's own output limit for a request that sets none (its -n), if known."""
+        return self.props.n_predict if self.props is not None else None
 
     async def count(self, ticket: Ticket, est: Estimate) -> None:
         """Have llama-server count the prompt of a request that holds `ticket` (admitted or in
