@@ -422,7 +422,9 @@ class Admission:
         budget are returned as their holders finish. A waiter's cost was cut to the budget it
         entered under; one above the new budget now runs alone, once nothing else holds any.
         """
-        self._budget = budget_tokens or None
+        # A budget that is not positive (a llama-server reporting n_ctx 0 or less) binds
+        # nothing: taken as one, every cost cut to it would make the committed count negative.
+        self._budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
         self._dispatch()
 
     def close(self) -> None:
@@ -463,6 +465,8 @@ class Admission:
             raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
         seq = self._next_seq
         self._next_seq = seq + 1
+        if self._budget is not None:
+            cost = min(cost, self._budget)
         ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
         if cost:
             self._costs[seq] = cost
