@@ -15,7 +15,7 @@ from .access import Access
 from .admission import Admission
 from .errors import BadRequest, GateError, refusal, render, route_refusal
 from .metrics import Metrics
-from .relay import Proxy, Receive, Scope, Send
+from .relay import Message, Proxy, Receive, Scope, Send, _id_headers, _request_id
 from .settings import Settings
 from .upstream import Upstream
 
@@ -38,10 +38,21 @@ class Gateway(FastAPI):
     proxy: Proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OWN_PATHS:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        if scope["path"] not in OWN_PATHS:
             await self.proxy(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        # slotgate's own answers carry the request id as relayed ones do, errors included.
+        ids = _id_headers(_request_id(scope))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *ids]
+            await send(message)
+
+        await super().__call__(scope, receive, send_with_id)
 
 
 class Gate:
