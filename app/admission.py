@@ -201,6 +201,7 @@ class Ticket:
         if self.granted:
             admission._committed += cost - self.cost
         elif cost:
+            admission._unpriced.pop(self.seq, None)
             admission._costs[self.seq] = cost
         else:
             admission._costs.pop(self.seq, None)
@@ -228,6 +229,8 @@ class Ticket:
             admission._committed -= self.cost
             return admission._release(self.weight, None)
         admission._costs.pop(self.seq, None)
+        if admission._unpriced:
+            admission._unpriced.pop(self.seq, None)
         # Refused by resize or close (an exception set) means already out of the count.
         counted = not future.done() or future.cancelled()
         future.cancel()
@@ -277,6 +280,9 @@ class Admission:
         self._budget: int | None = None
         self._committed = 0
         self._costs: dict[int, int] = {}
+        # Waiters that came while no budget bound, so at no cost: if one is learned while they
+        # wait, what they take is unknown, and they are charged all of it (`resize_budget`).
+        self._unpriced: dict[int, Ticket] = {}
         if capacity is not None:
             self.resize(capacity)
 
@@ -385,6 +391,8 @@ class Admission:
         ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
         if cost:
             self._costs[seq] = cost
+        elif budget is None:
+            self._unpriced[seq] = ticket
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         self._line.append((seq, future, weight))
@@ -421,10 +429,18 @@ class Admission:
         Growth admits waiters at once in FIFO order; on shrink, tokens held above the new
         budget are returned as their holders finish. A waiter's cost was cut to the budget it
         entered under; one above the new budget now runs alone, once nothing else holds any.
+        A waiter that entered while no budget bound is charged the whole of a new one.
         """
         # A budget that is not positive (a llama-server reporting n_ctx 0 or less) binds
         # nothing: taken as one, every cost cut to it would make the committed count negative.
-        self._budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
+        budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
+        self._budget = budget
+        if budget is not None and self._unpriced:
+            for seq, ticket in self._unpriced.items():
+                if not ticket._released and not ticket.granted:
+                    ticket.cost = budget
+                    self._costs[seq] = budget
+            self._unpriced.clear()
         self._dispatch()
 
     def close(self) -> None:
@@ -470,6 +486,8 @@ class Admission:
         ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
         if cost:
             self._costs[seq] = cost
+        elif self._budget is None:
+            self._unpriced[seq] = ticket
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         self._line.append((seq, future, weight))
@@ -560,6 +578,8 @@ class Admission:
             line.popleft()
             if cost:
                 del costs[seq]
+            elif self._unpriced:
+                self._unpriced.pop(seq, None)
             self._waiting -= 1
             self._active += weight
             self._committed += cost

@@ -4,14 +4,17 @@ count when llama-server is slow or its answers are not what they should be."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 from slotgate import upstream as upstream_module
-from slotgate.admission import Admission, QueuePolicy
+from slotgate.admission import Admission, AdmissionError, QueuePolicy, Ticket
 from slotgate.cost import local
 from slotgate.endpoints import ENDPOINTS
 from slotgate.upstream import Props
@@ -173,3 +176,86 @@ async def test_a_client_that_leaves_while_its_prompt_is_counted_takes_no_tokens(
     await asyncio.gather(leaving, return_exceptions=True)
     await gate.until(lambda: gate.gate.admission.committed_tokens == 0)
     assert gate.gate.admission.active == 0
+
+
+async def test_waiters_in_line_when_a_budget_is_learned_are_not_let_in_together() -> None:
+    admission = Admission(QueuePolicy(), capacity=2)
+    running = [admission.enter(1), admission.enter(1)]
+    waiting = [admission.enter(1), admission.enter(1)]
+    # llama-server ran out of its shared cache: the budget is learned while two wait, priced
+    # at nothing since no budget bound when they came.
+    admission.resize_budget(100)
+    for ticket in running:
+        ticket.release()
+    await asyncio.sleep(0)
+    assert [t.granted for t in waiting] == [True, False]  # what they take is unknown: all
+    assert admission.committed_tokens == 100
+    waiting[0].release()
+    await asyncio.sleep(0)
+    assert waiting[1].granted
+    waiting[1].release()
+    assert admission.committed_tokens == 0
+    assert admission._costs == {}
+
+
+_COSTS = st.sampled_from([0, 10, 40, 60, 90, 150])  # around a budget of 100
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("enter"), st.integers(1, 2), _COSTS),
+        st.tuples(st.just("release"), st.integers(0, 30), st.just(0)),
+        st.tuples(st.just("recost"), st.integers(0, 30), _COSTS),
+        st.tuples(st.just("capacity"), st.integers(1, 4), st.just(0)),
+        st.tuples(st.just("budget"), st.sampled_from([None, 0, 60, 100, 200]), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@given(ops=_OPS)
+def test_tokens_and_slots_add_up_and_nobody_overtakes_under_any_sequence(
+    ops: list[tuple[str, Any, int]],
+) -> None:
+    asyncio.run(_replay(ops))
+
+
+async def _replay(ops: list[tuple[str, Any, int]]) -> None:
+    admission = Admission(QueuePolicy(max_queue=0), capacity=2)
+    admission.resize_budget(100)
+    tickets: list[Ticket] = []
+    for op, a, b in ops:
+        before = {id(t) for t in tickets if t.granted}
+        if op == "enter":
+            with contextlib.suppress(AdmissionError):
+                tickets.append(admission.enter(a, b))
+        elif op == "release" and tickets:
+            tickets[a % len(tickets)].release()
+        elif op == "recost" and tickets:
+            tickets[a % len(tickets)].recost(b)
+        elif op == "capacity":
+            admission.resize(a)
+        elif op == "budget":
+            admission.resize_budget(a)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        held = [t for t in tickets if t.granted and not t._released]
+        assert admission.committed_tokens == sum(t.cost for t in held)
+        assert admission.active == sum(t.weight for t in held)
+        assert admission.committed_tokens >= 0
+        waiting = [
+            t for t in tickets if t._future is not None and not t._future.done() and not t._released
+        ]
+        new = [t for t in held if id(t) not in before]
+        for t in new:
+            assert all(w.seq > t.seq for w in waiting), "a later request overtook the line"
+        budget = admission.budget_tokens
+        if new and budget is not None:
+            holding = sum(t.cost for t in held if id(t) in before)
+            if holding + sum(t.cost for t in new) > budget:  # only as one that runs alone
+                assert holding == 0
+                assert len([t for t in new if t.cost]) == 1
+    for ticket in tickets:
+        ticket.release()
+    assert admission.committed_tokens == 0
+    assert admission.active == 0
+    assert admission._costs == {}
+    assert admission._unpriced == {}
