@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -347,7 +348,7 @@ class Admission:
     def expect(self, hold_s: float) -> None:
         """A request about to enter should hold its slots about `hold_s`. Until a hold has
         been observed, the estimate is the mean of these; the first real one replaces it."""
-        if self._expected < 0:
+        if self._expected < 0 or not math.isfinite(hold_s) or hold_s < 0:
             return
         self._expected += 1
         self._hold_ewma_s += (hold_s - self._hold_ewma_s) / self._expected

@@ -12,9 +12,11 @@ import httpx
 import pytest
 from slotgate import protocol
 from slotgate.admission import (
+    Admission,
     AdmissionError,
     NotReady,
     QueueFull,
+    QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     Snapshot,
@@ -22,6 +24,7 @@ from slotgate.admission import (
 )
 from slotgate.errors import GateError, refusal, retry_headers
 from slotgate.metrics import REASONS
+from slotgate.pace import generation_speed
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
@@ -187,3 +190,25 @@ async def test_slotgates_series_over_http_pass_promtool_after_refusals_with_a_bu
     )  # fmt: skip
     said, _ = await checker.communicate(answer.content)
     assert checker.returncode == 0, said
+
+
+@pytest.mark.parametrize(
+    ("tokens", "seconds"), [("nan", "2"), ("10", "NaN"), ("+Inf", "2"), ("10", "+Inf")]
+)
+def test_a_generation_speed_that_is_not_a_finite_number_is_not_learned(
+    tokens: str, seconds: str
+) -> None:
+    metrics = (
+        f"llamacpp:tokens_predicted_total {tokens}\n"
+        f"llamacpp:tokens_predicted_seconds_total {seconds}\n"
+    ).encode()
+    assert generation_speed(metrics) is None
+
+
+@pytest.mark.parametrize("hold_s", [math.nan, math.inf, -1.0])
+def test_an_expected_hold_that_is_not_a_time_leaves_retry_after_a_number(hold_s: float) -> None:
+    admission = Admission(QueuePolicy(), capacity=1)
+    admission.expect(hold_s)
+    retry_after_s = admission.retry_after_s(3)
+    assert math.isfinite(retry_after_s)
+    assert retry_headers(retry_after_s)
