@@ -199,10 +199,10 @@ class Ticket:
         admission = self._admission
         if admission._budget is not None:
             cost = min(cost, admission._budget)
+        surcharge = admission._surcharge(self.seq)
         if self.granted:
-            admission._committed += cost - self.cost
+            admission._committed += cost - self.cost - surcharge
         elif cost:
-            admission._unpriced.pop(self.seq, None)
             admission._costs[self.seq] = cost
         else:
             admission._costs.pop(self.seq, None)
@@ -219,7 +219,7 @@ class Ticket:
         self._released = True
         admission = self._admission
         if self.admitted_at is not None:
-            admission._committed -= self.cost
+            admission._committed -= self.cost + admission._surcharge(self.seq)
             return admission._release(self.weight, time.monotonic() - self.admitted_at)
         future = self._future
         if future is None:
@@ -227,11 +227,10 @@ class Ticket:
         if future.done() and not future.cancelled() and future.exception() is None:
             # Handed the slots while its waiter was giving up, before it could resume:
             # pass them on, or they leak.
-            admission._committed -= self.cost
+            admission._committed -= self.cost + admission._surcharge(self.seq)
             return admission._release(self.weight, None)
         admission._costs.pop(self.seq, None)
-        if admission._unpriced:
-            admission._unpriced.pop(self.seq, None)
+        admission._surcharge(self.seq)
         # Refused by resize or close (an exception set) means already out of the count.
         counted = not future.done() or future.cancelled()
         future.cancel()
@@ -281,9 +280,9 @@ class Admission:
         self._budget: int | None = None
         self._committed = 0
         self._costs: dict[int, int] = {}
-        # Waiters that came while no budget bound, so at no cost: if one is learned while they
-        # wait, what they take is unknown, and they are charged all of it (`resize_budget`).
-        self._unpriced: dict[int, Ticket] = {}
+        # Waiters in line when a budget first binds came at no cost: what they take is unknown,
+        # so each is charged all of it (`resize_budget`), beside its ticket's own cost of 0.
+        self._surcharged: dict[int, int] = {}
         if capacity is not None:
             self.resize(capacity)
 
@@ -392,8 +391,6 @@ class Admission:
         ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
         if cost:
             self._costs[seq] = cost
-        elif budget is None:
-            self._unpriced[seq] = ticket
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         self._line.append((seq, future, weight))
@@ -435,13 +432,12 @@ class Admission:
         # A budget that is not positive (a llama-server reporting n_ctx 0 or less) binds
         # nothing: taken as one, every cost cut to it would make the committed count negative.
         budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
+        if budget is not None and self._budget is None:
+            costs = self._costs
+            for seq, future, _weight in self._line:
+                if not future.done() and seq not in costs:
+                    costs[seq] = self._surcharged[seq] = budget
         self._budget = budget
-        if budget is not None and self._unpriced:
-            for seq, ticket in self._unpriced.items():
-                if not ticket._released and not ticket.granted:
-                    ticket.cost = budget
-                    self._costs[seq] = budget
-            self._unpriced.clear()
         self._dispatch()
 
     def close(self) -> None:
@@ -487,8 +483,6 @@ class Admission:
         ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
         if cost:
             self._costs[seq] = cost
-        elif self._budget is None:
-            self._unpriced[seq] = ticket
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         self._line.append((seq, future, weight))
@@ -579,13 +573,15 @@ class Admission:
             line.popleft()
             if cost:
                 del costs[seq]
-            elif self._unpriced:
-                self._unpriced.pop(seq, None)
             self._waiting -= 1
             self._active += weight
             self._committed += cost
             self.admitted_total += 1
             future.set_result(None)
+
+    def _surcharge(self, seq: int) -> int:
+        """What the ticket `seq` was charged beyond its cost (`resize_budget`), now forgotten."""
+        return self._surcharged.pop(seq, 0) if self._surcharged else 0
 
     def _fits(self, cost: int) -> bool:
         """Does `cost` fit what the requests in flight leave of the budget? Always, when nothing

@@ -238,6 +238,8 @@ async def _replay(ops: list[tuple[str, Any, int]]) -> None:
         for _ in range(3):
             await asyncio.sleep(0)
         held = [t for t in tickets if t.granted and not t._released]
+        for t in held:  # what it was charged beyond its cost, had it come before the budget
+            t.cost += admission._surcharged.pop(t.seq, 0)
         assert admission.committed_tokens == sum(t.cost for t in held)
         assert admission.active == sum(t.weight for t in held)
         assert admission.committed_tokens >= 0
@@ -258,4 +260,4 @@ async def _replay(ops: list[tuple[str, Any, int]]) -> None:
     assert admission.committed_tokens == 0
     assert admission.active == 0
     assert admission._costs == {}
-    assert admission._unpriced == {}
+    assert admission._surcharged == {}
