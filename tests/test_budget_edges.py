@@ -261,3 +261,24 @@ async def _replay(ops: list[tuple[str, Any, int]]) -> None:
     assert admission.active == 0
     assert admission._costs == {}
     assert admission._surcharged == {}
+
+
+async def test_a_client_that_leaves_while_waiting_for_tokens_leaves_nothing_held(
+    start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
+) -> None:
+    standin.tokens = 500
+    gate = await start_gate(kv_budget_tokens=1000)
+    admission = gate.gate.admission
+    async with client.stream("POST", gate.url + CHAT, json=words(10, stream=True, max_tokens=900)):
+        await gate.until(lambda: admission.active == 1)
+        held = admission.committed_tokens
+        leaving = asyncio.create_task(client.post(gate.url + CHAT, json=words(10, max_tokens=500)))
+        await gate.until(lambda: admission.queued == 1)
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        await gate.until(lambda: admission.queued == 0)
+        assert admission.committed_tokens == held
+        assert admission._costs == {}
+        assert gate.gate.proxy._held_bytes == 0
+    await gate.until(lambda: admission.committed_tokens == 0)
+    assert admission.active == 0
