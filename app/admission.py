@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -199,8 +200,9 @@ class Ticket:
         admission = self._admission
         if admission._budget is not None:
             cost = min(cost, admission._budget)
+        surcharge = admission._surcharge(self.seq)
         if self.granted:
-            admission._committed += cost - self.cost
+            admission._committed += cost - self.cost - surcharge
         elif cost:
             admission._costs[self.seq] = cost
         else:
@@ -224,7 +226,7 @@ class Ticket:
         self._released = True
         admission = self._admission
         if self.admitted_at is not None:
-            admission._committed -= self.cost
+            admission._committed -= self.cost + admission._surcharge(self.seq)
             return admission._release(self.weight, time.monotonic() - self.admitted_at)
         future = self._future
         if future is None:
@@ -232,9 +234,10 @@ class Ticket:
         if future.done() and not future.cancelled() and future.exception() is None:
             # Handed the slots while its waiter was giving up, before it could resume:
             # pass them on, or they leak.
-            admission._committed -= self.cost
+            admission._committed -= self.cost + admission._surcharge(self.seq)
             return admission._release(self.weight, None)
         admission._costs.pop(self.seq, None)
+        admission._surcharge(self.seq)
         # Refused by resize or close (an exception set) means already out of the count.
         counted = not future.done() or future.cancelled()
         future.cancel()
@@ -284,6 +287,9 @@ class Admission:
         self._budget: int | None = None
         self._committed = 0
         self._costs: dict[int, int] = {}
+        # Waiters in line when a budget first binds came at no cost: what they take is unknown,
+        # so each is charged all of it (`resize_budget`), beside its ticket's own cost of 0.
+        self._surcharged: dict[int, int] = {}
         if capacity is not None:
             self.resize(capacity)
 
@@ -348,7 +354,7 @@ class Admission:
     def expect(self, hold_s: float) -> None:
         """A request about to enter should hold its slots about `hold_s`. Until a hold has
         been observed, the estimate is the mean of these; the first real one replaces it."""
-        if self._expected < 0:
+        if self._expected < 0 or not math.isfinite(hold_s) or hold_s < 0:
             return
         self._expected += 1
         self._hold_ewma_s += (hold_s - self._hold_ewma_s) / self._expected
@@ -431,8 +437,17 @@ class Admission:
         Growth admits waiters at once in FIFO order; on shrink, tokens held above the new
         budget are returned as their holders finish. A waiter's cost was cut to the budget it
         entered under; one above the new budget now runs alone, once nothing else holds any.
+        A waiter that entered while no budget bound is charged the whole of a new one.
         """
-        self._budget = budget_tokens or None
+        # A budget that is not positive (a llama-server reporting n_ctx 0 or less) binds
+        # nothing: taken as one, every cost cut to it would make the committed count negative.
+        budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
+        if budget is not None and self._budget is None:
+            costs = self._costs
+            for seq, future, _weight in self._line:
+                if not future.done() and seq not in costs:
+                    costs[seq] = self._surcharged[seq] = budget
+        self._budget = budget
         self._dispatch()
 
     def close(self) -> None:
@@ -473,6 +488,8 @@ class Admission:
             raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
         seq = self._next_seq
         self._next_seq = seq + 1
+        if self._budget is not None:
+            cost = min(cost, self._budget)
         ticket = Ticket(self, weight, seq, admitted=False, cost=cost)
         if cost:
             self._costs[seq] = cost
@@ -571,6 +588,10 @@ class Admission:
             self._committed += cost
             self.admitted_total += 1
             future.set_result(None)
+
+    def _surcharge(self, seq: int) -> int:
+        """What the ticket `seq` was charged beyond its cost (`resize_budget`), now forgotten."""
+        return self._surcharged.pop(seq, 0) if self._surcharged else 0
 
     def _fits(self, cost: int) -> bool:
         """Does `cost` fit what the requests in flight leave of the budget? Always, when nothing

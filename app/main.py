@@ -13,10 +13,11 @@ from starlette.exceptions import HTTPException
 
 from .access import Access
 from .admission import Admission
-from .asgi import Receive, Scope, Send
+from .asgi import Message, Receive, Scope, Send
 from .errors import BadRequest, GateError, refusal, render, route_refusal
 from .metrics import Metrics
 from .relay import Proxy
+from .request import id_headers, request_id
 from .settings import Settings
 from .upstream import Upstream
 
@@ -39,10 +40,21 @@ class Gateway(FastAPI):
     proxy: Proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OWN_PATHS:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        if scope["path"] not in OWN_PATHS:
             await self.proxy(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        # slotgate's own answers carry the request id as relayed ones do, errors included.
+        ids = id_headers(request_id(scope))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *ids]
+            await send(message)
+
+        await super().__call__(scope, receive, send_with_id)
 
 
 class Service:

@@ -8,6 +8,7 @@ second for the prompt.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -73,6 +74,6 @@ def generation_speed(metrics: bytes) -> float | None:
                 return None
     tokens = values.get(b"llamacpp:tokens_predicted_total", 0.0)
     seconds = values.get(b"llamacpp:tokens_predicted_seconds_total", 0.0)
-    if tokens <= 0 or seconds <= 0:
-        return None
-    return tokens / seconds
+    speed = tokens / seconds if tokens > 0 and seconds > 0 else 0.0
+    # NaN or Inf (Prometheus' text allows both) would make every Retry-After NaN or 0.
+    return speed if math.isfinite(speed) and speed > 0 else None

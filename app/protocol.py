@@ -45,6 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from uvicorn.server import ServerState
 
 from .errors import BadRequest, GateError, HeadersTooLarge, refusal, render
+from .request import id_headers, request_id
 
 #: A read that ends one request and starts the next is counted whole against the next: reads
 #: are at most 256 KiB, so this leaves any head the relay accepts (64 KiB) room to spare,
@@ -270,6 +271,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         status, headers, body = render(refusal(exc), "openai")
+        # The request id the relay would have given it: the client's own when it came (and
+        # is valid), else a new one.
+        headers += id_headers(request_id({"headers": getattr(self, "headers", None) or ()}))
         head = b"".join(b"%s: %s\r\n" % header for header in headers)
         self.transport.write(
             b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"

@@ -23,7 +23,15 @@ from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal,
 from .intake import Wants, take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
-from .request import ClientGone, Head, Request, checked_path, preflight_body, read_body
+from .request import (
+    ClientGone,
+    Head,
+    Request,
+    checked_path,
+    id_headers,
+    preflight_body,
+    read_body,
+)
 from .settings import Settings
 from .upstream import Upstream, UpstreamStarting
 
@@ -460,7 +468,7 @@ class Proxy:
         headers = [
             (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
-        headers += _id_headers(request.id)
+        headers += id_headers(request.id)
         stream = response.content_type == _SSE
         if stream:
             present = {name for name, _ in headers}
@@ -528,7 +536,7 @@ class Proxy:
         headers += [
             (b"content-type", b"application/json; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
-            *_id_headers(request.id),
+            *id_headers(request.id),
         ]
         await answer.whole(status, headers, body)
 
@@ -590,7 +598,7 @@ class Proxy:
     def _own_headers(self, request: Request) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
         llama-server would give the request's Origin (app/cors.py)."""
-        return [*_id_headers(request.id), *self._upstream.cors.headers_for(request.origin)]
+        return [*id_headers(request.id), *self._upstream.cors.headers_for(request.origin)]
 
     def _account(self, request: Request, answer: Answer) -> None:
         """Its metrics and its access-log line, once it is over."""
@@ -623,13 +631,6 @@ class Proxy:
                 "duration_s": round(now - request.started, 4),
             },
         )  # fmt: skip
-
-
-def _id_headers(request_id: str) -> Headers:
-    """The request id under both names clients read: `x-request-id` (OpenAI's SDKs) and
-    `request-id` (Anthropic's, for the `request_id` of its responses and errors)."""
-    value = request_id.encode()
-    return [(b"x-request-id", value), (b"request-id", value)]
 
 
 def _upstream_failure(exc: BaseException) -> UpstreamFailed:

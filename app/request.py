@@ -11,7 +11,7 @@ import secrets
 import time
 
 from .admission import Ticket
-from .asgi import Receive, Scope
+from .asgi import Headers, Receive, Scope
 from .assembly import Assembly
 from .cost import Estimate
 from .endpoints import Endpoint
@@ -184,6 +184,13 @@ async def preflight_body(receive: Receive, declared: int | None) -> bytes:
         raise BadRequest(
             "an OPTIONS request without a key is a preflight, and has no body"
         ) from None
+
+
+def id_headers(request_id: str) -> Headers:
+    """The request id under both names clients read: `x-request-id` (OpenAI's SDKs) and
+    `request-id` (Anthropic's, for the `request_id` of its responses and errors)."""
+    value = request_id.encode()
+    return [(b"x-request-id", value), (b"request-id", value)]
 
 
 def request_id(scope: Scope) -> str:

@@ -37,6 +37,10 @@ STARTING_POLL_S = 0.15
 #: llama-server's message when the requests in flight need more KV cache than it has.
 _CONTEXT_EXHAUSTED = b"Context size has been exceeded"
 
+#: The most bytes a count's answer takes per byte of its question, beyond CONTROL_BODY_BYTES:
+#: a token id and its comma take at most 8 bytes, and a token is at least one byte of prompt.
+_COUNT_BYTES_PER_BYTE = 8
+
 #: llama-server's own headers on /metrics that slotgate's merged /metrics carries on.
 _METRICS_HEADERS = frozenset({b"process-start-time-unix"})
 #: The most of /props or /metrics slotgate reads; llama-server's are tens of KiB at most (the
@@ -70,7 +74,7 @@ class Props:
         n_predict = params.get("n_predict") if isinstance(params, dict) else None
         return cls(
             slots,
-            n_ctx if isinstance(n_ctx, int) else None,
+            n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None,
             model if isinstance(model, str) else None,
             build if isinstance(build, str) else None,
             n_predict if isinstance(n_predict, int) and n_predict > 0 else None,
@@ -129,10 +133,8 @@ class Upstream:
         self._admission = admission
         self._refresh_s = settings.props_refresh_interval
         self._kv_budget_tokens = settings.kv_budget_tokens
-        if settings.kv_budget_tokens:
-            # Set before llama-server is first known, so that requests waiting for it to start
-            # are costed as they enter: all of them are weighed against it when it is known.
-            admission.resize_budget(settings.kv_budget_tokens)
+        # Known before llama-server is: requests that wait for it to start are weighed by it.
+        admission.resize_budget(settings.kv_budget_tokens)
         #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
         self.shared_cache_seen = False
         tls = parts.scheme == "https"
@@ -289,7 +291,8 @@ class Upstream:
         self.props = props
         self.ready = True
         self.reason = "ready"
-        # The budget first: resizing admits waiters, and they must meet the new budget.
+        # The budget first: the resize lets in whoever waited for the capacity, and they
+        # must be weighed by the budget too.
         self._admission.resize_budget(self.kv_budget(props))
         self._admission.resize(props.total_slots)
 
@@ -348,37 +351,40 @@ class Upstream:
         """llama-server's own count of a prompt's tokens (a chat's after its template), or
         None when it cannot tell (a round trip that fails, an older server)."""
         try:
-            if chat:
-                status, body = await self._post("/apply-template", payload)
-                if status != 200:
+            # One bound for both round trips: the request holds its place (or its slot) while
+            # it is counted, and a count that comes late is worth less than the local bound.
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                if chat:
+                    status, body = await self._post("/apply-template", payload)
+                    if status != 200:
+                        return None
+                    prompt = json.loads(body).get("prompt")
+                else:
+                    prompt = payload.get("prompt")
+                if not isinstance(prompt, str):
                     return None
-                prompt = json.loads(body).get("prompt")
-            else:
-                prompt = payload.get("prompt")
-            if not isinstance(prompt, str):
-                return None
-            request = {"content": prompt, "add_special": True, "parse_special": True}
-            status, body = await self._post("/tokenize", request)
+                request = {"content": prompt, "add_special": True, "parse_special": True}
+                status, body = await self._post("/tokenize", request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
-        except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
+        except (ExchangeFailed, TimeoutError, ValueError, AttributeError, RecursionError):
             return None
         return len(tokens) if isinstance(tokens, list) else None
 
     async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """POST a count request; an answer longer than its question can justify is not read
+        (a templated prompt, or a token list, takes a few bytes per byte asked about)."""
         headers: list[Header] = [(b"content-type", b"application/json")]
         if self.auth:
             headers.append(self.auth)
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            response = await self._client.request(
-                "POST", self._root + path, headers, orjson.dumps(payload)
-            )
-            try:
-                body = await response.read()
-            except BaseException:
-                response.close()
-                raise
-            response.release()
-            return response.status, body
+        body = orjson.dumps(payload)
+        response = await self._client.request("POST", self._root + path, headers, body)
+        try:
+            answer = await response.read(CONTROL_BODY_BYTES + _COUNT_BYTES_PER_BYTE * len(body))
+        except BaseException:
+            response.close()
+            raise
+        response.release()
+        return response.status, answer
 
     async def _learn_speed(self) -> None:
         """llama-server's generation speed so far, for Retry-After before any hold is seen.
