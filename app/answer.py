@@ -92,19 +92,21 @@ class Answer:
         await self.whole(status, headers, body)
 
     async def final_words(self, r: Refusal, flavor: Flavor, own: Headers) -> None:
-        """Best effort, during cancellation: end the answer with an error rather than silence."""
+        """Best effort, during cancellation: end the answer with an error rather than silence.
+        An answer whose end went out already (its last send was cut) gets nothing more."""
+        if self.ended:
+            return
         try:
             async with asyncio.timeout(1.0):
                 if self.stream:
-                    event = self._on_boundary(stream_event(r, flavor))
-                    self.ended = True
-                    await self._send({"type": _BODY, "body": event, "more_body": False})
+                    body = self._on_boundary(stream_event(r, flavor))
                 else:
                     status, headers, body = render(r, flavor)
                     headers += own
                     await self.start(status, headers)
-                    self.ended = True
-                    await self._send({"type": _BODY, "body": body, "more_body": False})
+                self.ended = True
+                self.bytes_out += len(body)
+                await self._send({"type": _BODY, "body": body, "more_body": False})
         except (OSError, RuntimeError, TimeoutError):
             log.debug("could not tell a cancelled client why", exc_info=True)
 

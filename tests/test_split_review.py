@@ -1,0 +1,156 @@
+"""A review of the request path's split (issue 15): the answer writer, the access-log line and
+the upstream connection on the ways a request ends, in memory (tests/harness.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from slotgate.asgi import Message
+from slotgate.client import Disconnected
+
+from tests.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
+
+
+class SlowClient(Client):
+    """A client whose last body message never finishes sending (a full socket buffer)."""
+
+    def __init__(self, body: bytes = b"") -> None:
+        super().__init__(body)
+        self.at_end = asyncio.Event()
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.at_end.set()
+            await asyncio.Event().wait()
+
+
+def access_line(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
+    lines = [r for r in caplog.records if r.name == "slotgate.access"]
+    assert len(lines) == 1, lines
+    return vars(lines[0])
+
+
+def final_messages(client: Client) -> list[Message]:
+    return [m for m in client.sent if m["type"] == "http.response.body" and not m.get("more_body")]
+
+
+async def until(condition: Any) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+async def test_a_shutdown_cut_during_the_last_send_sends_no_body_after_the_end() -> None:
+    done = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"])
+    rig = Rig(FakeUpstreamClient(done))
+    client = SlowClient(chat_body(stream=True))
+    task = asyncio.ensure_future(rig.call(client))
+    await until(client.at_end.is_set)
+    task.cancel()  # the drain timeout ran out, not the client leaving
+    await asyncio.wait((task,), timeout=5)
+    assert len(final_messages(client)) == 1  # one end, no shutdown event glued after it
+    assert client.body == b"data: 1\n\ndata: [DONE]\n\n"
+    assert rig.admission.active == 0
+
+
+async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    rig = Rig(FakeUpstreamClient(held), keepalive_interval=0)
+    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=False))
+    holding = asyncio.ensure_future(rig.call(holder))
+    await until(lambda: rig.admission.active == 1)
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        waiting = asyncio.ensure_future(rig.call(waiter))
+        await until(lambda: rig.admission.queued == 1)
+        waiting.cancel()
+        await waiting  # told why, so it ends normally
+        line = access_line(caplog)
+    assert waiter.status == 503
+    assert line["status"] == 503
+    assert line["outcome"] == "shutdown"
+    assert line["bytes_out"] == len(waiter.body) > 0
+    assert rig.admission.queued == 0
+    finish.set()
+    await holding
+
+
+async def test_a_shutdown_cut_after_a_stream_head_counts_the_event_it_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    rig = Rig(FakeUpstreamClient(held), stream_head_after=0)
+    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
+    holding = asyncio.ensure_future(rig.call(holder))
+    await until(lambda: rig.admission.active == 1)
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        waiting = asyncio.ensure_future(rig.call(waiter))
+        await until(lambda: waiter.status == 200)  # the stream head went out while it waits
+        waiting.cancel()
+        await waiting
+        line = access_line(caplog)
+    comments = b"".join(
+        m["body"] for m in waiter.sent if m.get("body", b"").startswith(b": queued")
+    )
+    assert b"shutting_down" in waiter.body
+    assert waiter.ended
+    assert line["status"] == 200
+    assert line["outcome"] == "shutdown"
+    # Keep-alive comments are slotgate's own and not counted; the closing event is.
+    assert line["bytes_out"] == len(waiter.body) - len(comments) > 0
+    finish.set()
+    await holding
+
+
+async def test_a_client_that_leaves_mid_relay_closes_the_connection_and_logs_what_it_got(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    finish = asyncio.Event()
+
+    class Endless(FakeResponse):
+        async def readany(self) -> bytes:
+            if self._chunks:
+                return self._chunks.pop(0)
+            await finish.wait()
+            return b""
+
+    endless = Endless(200, SSE, [b"data: 1\n\n"])
+    rig = Rig(FakeUpstreamClient(endless))
+    client = Client(chat_body(stream=True))
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        task = asyncio.ensure_future(rig.call(client))
+        await until(lambda: client.body == b"data: 1\n\n")
+        client.gone.set()
+        await task
+        line = access_line(caplog)
+    assert endless.closed  # never pooled: llama-server cancels the generation
+    assert not endless.released
+    assert rig.admission.active == 0
+    assert line["outcome"] == "client_gone"
+    assert line["status"] == 200
+    assert line["bytes_out"] == len(b"data: 1\n\n")
+    assert line["slot_hold_s"] is not None
+    assert line["queue_wait_s"] is not None
+
+
+async def test_an_in_stream_upstream_failure_logs_the_200_head_and_every_byte_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cut = FakeResponse(200, SSE, [b'data: {"a": 1}\n\n', b'data: {"b'], Disconnected("x"))
+    rig = Rig(FakeUpstreamClient(cut))
+    client = Client(chat_body(stream=True))
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        await rig.call(client)
+        line = access_line(caplog)
+    assert line["status"] == 200
+    assert line["outcome"] == "upstream_failed"
+    assert line["upstream_status"] == 200
+    assert line["bytes_out"] == len(client.body)
+    assert len(final_messages(client)) == 1
