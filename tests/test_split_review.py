@@ -154,3 +154,52 @@ async def test_an_in_stream_upstream_failure_logs_the_200_head_and_every_byte_se
     assert line["upstream_status"] == 200
     assert line["bytes_out"] == len(client.body)
     assert len(final_messages(client)) == 1
+
+
+async def test_a_client_that_leaves_during_the_exact_count_gives_back_its_place_and_bytes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    finish, never = asyncio.Event(), asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    counting = FakeResponse(200, [], [b'{"prompt": "hi"}'], hold=never)  # /apply-template hangs
+    rig = Rig(FakeUpstreamClient(held, counting), queue_body_bytes=1 << 20)
+    holder, waiter = Client(chat_body(stream=False)), Client(chat_body(stream=True))
+    holding = asyncio.ensure_future(rig.call(holder))
+    await until(lambda: rig.admission.active == 1)
+    rig.admission.resize_budget(4096)  # from now on requests are counted
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        waiting = asyncio.ensure_future(rig.call(waiter))
+        await until(lambda: len(rig.upstream._client.requests) == 2)  # type: ignore[attr-defined]
+        assert rig.admission.queued == 1
+        assert rig.proxy._held_bytes > 0
+        waiter.gone.set()
+        await waiting
+        line = access_line(caplog)
+    assert counting.closed  # the count's exchange is abandoned, its connection closed
+    assert rig.admission.queued == 0
+    assert rig.proxy._held_bytes == 0
+    assert waiter.sent == []
+    assert line["outcome"] == "client_gone"
+    assert line["status"] == 0
+    assert line["slot_hold_s"] is None
+    finish.set()
+    await holding
+    assert rig.admission.active == 0
+
+
+async def test_a_client_that_leaves_during_the_exact_count_gives_back_its_slot_and_tokens() -> None:
+    never = asyncio.Event()
+    counting = FakeResponse(200, [], [b'{"prompt": "hi"}'], hold=never)
+    rig = Rig(FakeUpstreamClient(counting))
+    rig.admission.resize_budget(4096)
+    client = Client(chat_body(stream=True))
+    task = asyncio.ensure_future(rig.call(client))
+    await until(lambda: len(rig.upstream._client.requests) == 1)  # type: ignore[attr-defined]
+    assert rig.admission.active == 1
+    assert rig.admission.committed_tokens > 0
+    client.gone.set()
+    await task
+    assert counting.closed
+    assert rig.admission.active == 0
+    assert rig.admission.committed_tokens == 0
+    assert client.sent == []
