@@ -26,7 +26,9 @@ class AnswerStarted(RuntimeError):
 class Answer:
     """What goes back to one client, written through `send` in order: a head, then a body."""
 
-    __slots__ = ("_send", "_tail", "bytes_out", "ended", "started", "status", "stream")
+    __slots__ = (
+        "_ending", "_send", "_tail", "bytes_out", "ended", "started", "status", "stream",
+    )  # fmt: skip
 
     def __init__(self, send: Send) -> None:
         self._send = send
@@ -35,7 +37,11 @@ class Answer:
         self.started = False
         #: The head went out as an event stream's: whatever fails now is an in-stream event.
         self.stream = False
+        #: The end went out (its send returned).
         self.ended = False
+        # The end's body while its send is under way: a send cut there (uvicorn waits for the
+        # client's socket to drain before it writes) may have written nothing.
+        self._ending: bytes | None = None
         # The last bytes relayed into a stream: did they end an event?
         self._tail = b"\n\n"
 
@@ -70,9 +76,10 @@ class Answer:
         await self._send({"type": _BODY, "body": event, "more_body": True})
 
     async def end(self, body: bytes = b"") -> None:
-        self.ended = True
+        self._ending = body
         self.bytes_out += len(body)
         await self._send({"type": _BODY, "body": body, "more_body": False})
+        self.ended = True
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         """A head and a body in one go."""
@@ -93,20 +100,26 @@ class Answer:
 
     async def final_words(self, r: Refusal, flavor: Flavor, own: Headers) -> None:
         """Best effort, during cancellation: end the answer with an error rather than silence.
-        An answer whose end went out already (its last send was cut) gets nothing more."""
+        An answer whose end went out gets nothing more; one cut while its end was being sent
+        is ended as it was meant to be, not with an error after its last byte."""
         if self.ended:
             return
         try:
             async with asyncio.timeout(1.0):
+                if self._ending is not None:
+                    await self._send({"type": _BODY, "body": self._ending, "more_body": False})
+                    self.ended = True
+                    return
                 if self.stream:
                     body = self._on_boundary(stream_event(r, flavor))
                 else:
                     status, headers, body = render(r, flavor)
                     headers += own
                     await self.start(status, headers)
-                self.ended = True
+                self._ending = body
                 self.bytes_out += len(body)
                 await self._send({"type": _BODY, "body": body, "more_body": False})
+                self.ended = True
         except (OSError, RuntimeError, TimeoutError):
             log.debug("could not tell a cancelled client why", exc_info=True)
 

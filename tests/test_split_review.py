@@ -15,17 +15,19 @@ from tests.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, ch
 
 
 class SlowClient(Client):
-    """A client whose last body message never finishes sending (a full socket buffer)."""
+    """A client too slow to read: the answer's end waits for its socket buffer to drain,
+    which uvicorn does before it writes anything, so a send cut there wrote nothing."""
 
     def __init__(self, body: bytes = b"") -> None:
         super().__init__(body)
         self.at_end = asyncio.Event()
 
     async def send(self, message: Message) -> None:
-        self.sent.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
+        final = message["type"] == "http.response.body" and not message.get("more_body", False)
+        if final and not self.at_end.is_set():
             self.at_end.set()
             await asyncio.Event().wait()
+        self.sent.append(message)
 
 
 def access_line(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
@@ -44,16 +46,23 @@ async def until(condition: Any) -> None:
             await asyncio.sleep(0.001)
 
 
-async def test_a_shutdown_cut_during_the_last_send_sends_no_body_after_the_end() -> None:
+async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     done = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"])
     rig = Rig(FakeUpstreamClient(done))
     client = SlowClient(chat_body(stream=True))
-    task = asyncio.ensure_future(rig.call(client))
-    await until(client.at_end.is_set)
-    task.cancel()  # the drain timeout ran out, not the client leaving
-    await asyncio.wait((task,), timeout=5)
-    assert len(final_messages(client)) == 1  # one end, no shutdown event glued after it
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        task = asyncio.ensure_future(rig.call(client))
+        await until(client.at_end.is_set)
+        task.cancel()  # the drain timeout ran out, not the client leaving
+        await asyncio.wait((task,), timeout=5)
+        line = access_line(caplog)
+    assert task.done()
+    # The stream is ended as it was meant to be: no shutdown error after its [DONE].
     assert client.body == b"data: 1\n\ndata: [DONE]\n\n"
+    assert len(final_messages(client)) == 1
+    assert line["bytes_out"] == len(client.body)
     assert rig.admission.active == 0
 
 
@@ -203,3 +212,33 @@ async def test_a_client_that_leaves_during_the_exact_count_gives_back_its_slot_a
     assert rig.admission.active == 0
     assert rig.admission.committed_tokens == 0
     assert client.sent == []
+
+
+async def test_an_upstream_refusal_after_the_stream_head_is_an_event_and_pools_its_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    error = b'{"error": {"code": 400, "message": "the prompt exceeds the context"}}'
+    refused = FakeResponse(400, [(b"content-type", b"application/json")], [error])
+    rig = Rig(FakeUpstreamClient(held, refused), stream_head_after=0)
+    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
+    holding = asyncio.ensure_future(rig.call(holder))
+    await until(lambda: rig.admission.active == 1)
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        waiting = asyncio.ensure_future(rig.call(waiter))
+        await until(lambda: waiter.status == 200)
+        finish.set()
+        await asyncio.gather(holding, waiting)
+        lines = [vars(r) for r in caplog.records if r.name == "slotgate.access"]
+    line = next(x for x in lines if x["upstream_status"] == 400)
+    assert waiter.body.endswith(b"data: " + error + b"\n\n")
+    assert len(final_messages(waiter)) == 1
+    assert refused.released  # a complete answer: its connection may serve the next request
+    assert not refused.closed
+    assert line["status"] == 200
+    assert line["outcome"] == "upstream_error"
+    comments = sum(len(m["body"]) for m in waiter.sent if m.get("body", b"").startswith(b":"))
+    assert line["bytes_out"] == len(waiter.body) - comments
+    assert line["queue_wait_s"] > 0
+    assert rig.admission.active == 0
