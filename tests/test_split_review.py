@@ -242,3 +242,32 @@ async def test_an_upstream_refusal_after_the_stream_head_is_an_event_and_pools_i
     assert line["bytes_out"] == len(waiter.body) - comments
     assert line["queue_wait_s"] > 0
     assert rig.admission.active == 0
+
+
+async def test_a_client_that_leaves_mid_body_takes_nothing_and_reaches_nobody(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class HalfBody(Client):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[Message] = [
+                {"type": "http.request", "body": b'{"messages": [', "more_body": True},
+                {"type": "http.disconnect"},
+            ]
+
+        async def receive(self) -> Message:
+            return self.messages.pop(0)
+
+    rig = Rig(FakeUpstreamClient(), queue_body_bytes=1 << 20)
+    client = HalfBody()
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        await rig.call(client)
+        line = access_line(caplog)
+    assert client.sent == []
+    assert rig.upstream._client.requests == []  # type: ignore[attr-defined]
+    assert rig.admission.active == rig.admission.queued == 0
+    assert rig.proxy._held_bytes == 0
+    assert line["outcome"] == "client_gone"
+    assert line["status"] == 0
+    assert line["bytes_out"] == 0
+    assert line["queue_wait_s"] is None
