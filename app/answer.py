@@ -45,6 +45,11 @@ class Answer:
         # The last bytes relayed into a stream: did they end an event?
         self._tail = b"\n\n"
 
+    @property
+    def ending(self) -> bool:
+        """Its end is on its way out: the whole answer is written, the last send not done."""
+        return self._ending is not None and not self.ended
+
     # -- the head ------------------------------------------------------------------------------
 
     async def start(self, status: int, headers: Headers, *, stream: bool = False) -> None:

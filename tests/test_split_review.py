@@ -8,8 +8,10 @@ import logging
 from typing import Any
 
 import pytest
+from slotgate.answer import Answer
 from slotgate.asgi import Message
 from slotgate.client import Disconnected
+from slotgate.errors import Refusal
 
 from tests.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 
@@ -271,3 +273,23 @@ async def test_a_client_that_leaves_mid_body_takes_nothing_and_reaches_nobody(
     assert line["status"] == 0
     assert line["bytes_out"] == 0
     assert line["queue_wait_s"] is None
+
+
+async def test_an_answer_cut_while_its_end_is_sent_says_so_and_is_ended_as_meant() -> None:
+    client = SlowClient()
+    answer = Answer(client.send)
+    await answer.start(200, SSE, stream=True)
+    await answer.relay(b"data: [DONE]\n\n")
+    ending = asyncio.ensure_future(answer.end())
+    await until(client.at_end.is_set)
+    assert answer.ending
+    assert not answer.ended
+    ending.cancel()
+    cut = Refusal(503, "unavailable_error", "shutting_down", "shut down", "internal")
+    await answer.final_words(cut, "openai", [])
+    assert answer.ended
+    assert not answer.ending
+    assert client.body == b"data: [DONE]\n\n"
+    assert len(final_messages(client)) == 1
+    await answer.final_words(cut, "openai", [])  # nothing after the end
+    assert len(client.sent) == 3
