@@ -578,11 +578,16 @@ class Proxy:
         with a traceback for every request the drain timeout cut. A plain answer whose head
         went out can only be left unfinished, which the client sees as a truncation.
         """
+        message = "slotgate shut down before this request finished"
+        cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
+        if answer.ending:
+            # Whole but for its last send: end it as meant (final_words only sends the end
+            # again); the client was served.
+            await answer.final_words(cut, request.flavor, [])
+            return True
         if answer.started and not answer.stream:
             return False
         request.outcome = "shutdown"
-        message = "slotgate shut down before this request finished"
-        cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
         await answer.final_words(cut, request.flavor, self._own_headers(request))
         return True
 

@@ -293,3 +293,34 @@ async def test_an_answer_cut_while_its_end_is_sent_says_so_and_is_ended_as_meant
     assert len(final_messages(client)) == 1
     await answer.final_words(cut, "openai", [])  # nothing after the end
     assert len(client.sent) == 3
+
+
+async def test_a_stream_whole_but_for_its_end_when_cut_is_logged_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    done = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"])
+    rig = Rig(FakeUpstreamClient(done))
+    client = SlowClient(chat_body(stream=True))
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        task = asyncio.ensure_future(rig.call(client))
+        await until(client.at_end.is_set)
+        task.cancel()
+        await asyncio.wait((task,), timeout=5)
+        line = access_line(caplog)
+    assert client.body == b"data: 1\n\ndata: [DONE]\n\n"
+    assert line["outcome"] == "served"
+
+
+async def test_a_plain_answer_whole_but_for_its_end_when_cut_is_ended_not_truncated() -> None:
+    body = b'{"choices": []}'
+    done = FakeResponse(
+        200, [(b"content-type", b"application/json"), (b"content-length", b"15")], [body]
+    )
+    rig = Rig(FakeUpstreamClient(done))
+    client = SlowClient(chat_body(stream=False))
+    task = asyncio.ensure_future(rig.call(client))
+    await until(client.at_end.is_set)
+    task.cancel()
+    await asyncio.wait((task,), timeout=5)
+    assert [m["body"] for m in final_messages(client)] == [body]
+    assert not task.cancelled()  # not a traceback per request in uvicorn's log
