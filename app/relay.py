@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from urllib.parse import quote
 
 from .access import OPEN_PATHS, Access
@@ -139,9 +140,9 @@ class Proxy:
         self._access = Access(settings.api_keys)
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
-        # Bytes of bodies held by requests waiting in the queue, bounded by QUEUE_BODY_BYTES
-        # (0 = no bound): a body is read whole before its request waits, and the queue may be
-        # long.
+        # Bytes of gated bodies not yet admitted (being read, parsed, or waiting in the queue),
+        # bounded by QUEUE_BODY_BYTES (0 = no bound): a body is read whole before its request
+        # waits, and the queue may be long.
         self._queue_body_bytes = settings.queue_body_bytes
         self._held_bytes = 0
         self._keepalive_s = settings.keepalive_interval
@@ -165,6 +166,7 @@ class Proxy:
         try:
             await self._serve(request, receive, answer)
         finally:
+            self._let_go(request)  # cancelled mid-read or mid-parse (shutdown) too
             self._account(request, answer)
 
     # -- one request, top to bottom ------------------------------------------------------------
@@ -177,9 +179,11 @@ class Proxy:
                 return
             ticket = await self._enter(request)
         except (GateError, AdmissionError) as exc:
+            self._let_go(request)
             await self._refuse(request, answer, refusal(exc))
             return
         except ClientGone:
+            self._let_go(request)
             request.outcome = "client_gone"
             return
         # The one place its slot (or its place in the queue) is given back, whatever happens.
@@ -201,7 +205,8 @@ class Proxy:
             request.body = await preflight_body(receive, head.content_length)
         else:
             self._access.check(path, head.authorization, head.api_key)
-            request.body = await read_body(receive, head.content_length, self._body_limit)
+            count = partial(self._count, request) if request.gated else None
+            request.body = await read_body(receive, head.content_length, self._body_limit, count)
 
     async def _pass(self, request: Request, receive: Receive, answer: Answer) -> None:
         """Forward a request that takes no slot. A generation with ADMISSION_CONTROL off still
@@ -270,8 +275,8 @@ class Proxy:
         request.weight = want.weight
         cost = taken.estimate
         ticket = self._admission.enter(want.weight, cost.reserve if cost else 0, weigh)
-        if not ticket.admitted:
-            self._hold(request, ticket)
+        if ticket.admitted:
+            self._let_go(request)
         request.ticket = ticket
         request.estimate = cost
         return ticket
@@ -329,25 +334,25 @@ class Proxy:
 
     # -- waiting -------------------------------------------------------------------------------
 
-    def _hold(self, request: Request, ticket: Ticket) -> None:
-        """Count a waiting request's body against QUEUE_BODY_BYTES, or refuse it (429)."""
+    def _count(self, request: Request, size: int) -> None:
+        """Count `size` more bytes of a gated body, before they are read, against
+        QUEUE_BODY_BYTES, or refuse it (429). A body alone is let in whatever its size
+        (MAX_BODY_BYTES bounds it), so a bound below that refuses no body for good."""
         limit = self._queue_body_bytes
-        size = len(request.body)
-        if limit and self._held_bytes + size > limit:
-            retry_after_s = self._admission.retry_after_s(max(ticket.position, 1))
-            ticket.release()
+        others = self._held_bytes - request.held_bytes
+        if limit and others and self._held_bytes + size > limit:
             raise QueueBytesFull(
-                f"requests waiting in the queue already hold {self._held_bytes} bytes of "
-                f"request bodies, and {size} more would pass QUEUE_BODY_BYTES ({limit}); retry "
-                "after Retry-After",
+                f"requests not yet admitted already hold {others} bytes of request bodies "
+                f"(being read or waiting in the queue), and {request.held_bytes + size} would "
+                f"pass QUEUE_BODY_BYTES ({limit}); retry after Retry-After",
                 self._admission.snapshot(),
-                retry_after_s,
+                self._admission.retry_after_s(self._admission.queued + 1),
             )
         self._held_bytes += size
-        request.held_bytes = size
+        request.held_bytes += size
 
     def _let_go(self, request: Request) -> None:
-        """The request left the queue (admitted or gone): its body no longer counts."""
+        """The request was admitted or left: its body no longer counts."""
         self._held_bytes -= request.held_bytes
         request.held_bytes = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 
 from .admission import Ticket
 from .asgi import Headers, Receive, Scope
@@ -67,7 +68,7 @@ class Request:
         #: Its reservation of the KV-cache budget, when a budget binds (app/cost.py).
         self.estimate: Estimate | None = None
         self.weight = 0
-        self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES while it waits
+        self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES until admitted
         self.upstream_status: int | None = None
         self.outcome = "served"
 
@@ -139,11 +140,19 @@ def checked_path(path: str) -> str:
     return path
 
 
-async def read_body(receive: Receive, declared: int | None, limit: int) -> bytes:
+async def read_body(
+    receive: Receive, declared: int | None, limit: int, count: Callable[[int], None] | None = None
+) -> bytes:
+    """The whole body; `count` is told its bytes before they are held: the declared length
+    before a byte is read, or (chunked) each piece's as it arrives. It may refuse (raise)."""
     if declared is not None and declared > limit:
         raise PayloadTooLarge(
             f"request body is {declared} bytes; the limit is {limit} (MAX_BODY_BYTES)"
         )
+    unsized = count
+    if count is not None and declared is not None:
+        count(declared)
+        unsized = None
     message = await receive()
     # A client that closed before its body was whole (or sent broken chunked framing, which
     # uvicorn answers 400 and closes): nothing it sent may go upstream, not even the head.
@@ -153,6 +162,8 @@ async def read_body(receive: Receive, declared: int | None, limit: int) -> bytes
     # A chunked body declares no length, and may arrive whole in one message.
     if len(body) > limit:
         raise PayloadTooLarge(f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)")
+    if unsized is not None:
+        unsized(len(body))
     if not message.get("more_body", False):
         return _whole(body, declared)
     chunks = [body]
@@ -167,6 +178,8 @@ async def read_body(receive: Receive, declared: int | None, limit: int) -> bytes
             raise PayloadTooLarge(
                 f"request body is over the limit of {limit} bytes (MAX_BODY_BYTES)"
             )
+        if unsized is not None:
+            unsized(len(chunk))
         chunks.append(chunk)
     return _whole(b"".join(chunks), declared)
 

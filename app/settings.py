@@ -108,8 +108,8 @@ class Settings(BaseSettings):
         256 * MIB,
         ge=0,
         le=2**40,
-        description="Total bytes of request bodies held by requests waiting in the queue; past it "
-        "429 queue_bytes_full; 0 = unbounded.",
+        description="Total bytes of generation request bodies not yet admitted (being read, "
+        "parsed or waiting in the queue); past it 429 queue_bytes_full; 0 = unbounded.",
     )
     upstream_stall_timeout: float = Field(
         600.0,
