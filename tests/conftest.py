@@ -12,6 +12,8 @@ import httpx
 import pytest
 import uvicorn
 from hypothesis import settings as hypothesis_settings
+from slotgate import protocol as protocol_module
+from slotgate import upstream as upstream_module
 from slotgate.cli import uvicorn_config
 from slotgate.main import Gateway, Service, create_app
 from slotgate.settings import Settings
@@ -23,6 +25,15 @@ from tests.standin import StandIn
 hypothesis_settings.register_profile("fast", max_examples=60)
 hypothesis_settings.register_profile("full", max_examples=300)
 hypothesis_settings.load_profile("fast")
+
+
+@pytest.fixture(autouse=True)
+def quick_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """slotgate's fixed pauses, shortened for tests: no test waits on them for what it asserts,
+    but each costs a test that meets it up to a second (the upstream's retry while llama-server
+    is not ready, the linger before closing a connection that was answered an error)."""
+    monkeypatch.setattr(upstream_module, "NOT_READY_RETRY_S", 0.1)
+    monkeypatch.setattr(protocol_module, "LINGER_S", 0.05)
 
 
 class Server(uvicorn.Server):
