@@ -208,7 +208,7 @@ async def test_restart_with_another_parallel_is_followed(
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
     await gate.until(lambda: not gate.service.upstream.ready)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
-    restarted = StandIn(total_slots=3, port=standin.port, loading=True)
+    restarted = StandIn(total_slots=3, port=standin.port, loading=True, shutdown_timeout_s=0.05)
     await restarted.start()
     try:
         assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
