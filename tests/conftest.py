@@ -110,7 +110,7 @@ async def serve(settings: Settings) -> RunningGate:
     app = create_app(settings)
     # uvicorn as `slotgate` runs it, on a free port, and quicker to give up on a drain.
     config = uvicorn_config(app, settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
-    config.timeout_graceful_shutdown = 2
+    config.timeout_graceful_shutdown = 0.5  # type: ignore[assignment]  # Server takes a float
     server = Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
