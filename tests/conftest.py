@@ -31,9 +31,11 @@ hypothesis_settings.load_profile("fast")
 def quick_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
     """slotgate's fixed pauses, shortened for tests: no test waits on them for what it asserts,
     but each costs a test that meets it up to a second (the upstream's retry while llama-server
-    is not ready, the linger before closing a connection that was answered an error)."""
+    is not ready, the linger before closing a connection that was answered an error, the sweep
+    that finds slow heads and clients gone from a paused socket)."""
     monkeypatch.setattr(upstream_module, "NOT_READY_RETRY_S", 0.1)
     monkeypatch.setattr(protocol_module, "LINGER_S", 0.05)
+    monkeypatch.setattr(protocol_module, "SWEEP_S", 0.1)
 
 
 class Server(uvicorn.Server):

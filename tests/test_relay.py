@@ -108,6 +108,7 @@ async def test_stream_is_relayed_as_it_is_produced(
         # The first token reached the client while the stand-in is still generating.
         assert b"t0" in first
         assert standin.running == 1
+        standin.hurry()
         rest = b"".join([chunk async for chunk in chunks])
     assert rest.endswith(b"data: [DONE]\n\n")
 
