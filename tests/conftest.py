@@ -12,6 +12,8 @@ import httpx
 import pytest
 import uvicorn
 from hypothesis import settings as hypothesis_settings
+from slotgate import protocol as protocol_module
+from slotgate import upstream as upstream_module
 from slotgate.cli import uvicorn_config
 from slotgate.main import Gateway, Service, create_app
 from slotgate.settings import Settings
@@ -23,6 +25,17 @@ from tests.standin import StandIn
 hypothesis_settings.register_profile("fast", max_examples=60)
 hypothesis_settings.register_profile("full", max_examples=300)
 hypothesis_settings.load_profile("fast")
+
+
+@pytest.fixture(autouse=True)
+def quick_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """slotgate's fixed pauses, shortened for tests: no test waits on them for what it asserts,
+    but each costs a test that meets it up to a second (the upstream's retry while llama-server
+    is not ready, the linger before closing a connection that was answered an error, the sweep
+    that finds slow heads and clients gone from a paused socket)."""
+    monkeypatch.setattr(upstream_module, "NOT_READY_RETRY_S", 0.1)
+    monkeypatch.setattr(protocol_module, "LINGER_S", 0.05)
+    monkeypatch.setattr(protocol_module, "SWEEP_S", 0.1)
 
 
 class Server(uvicorn.Server):
@@ -99,7 +112,7 @@ async def serve(settings: Settings) -> RunningGate:
     app = create_app(settings)
     # uvicorn as `slotgate` runs it, on a free port, and quicker to give up on a drain.
     config = uvicorn_config(app, settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
-    config.timeout_graceful_shutdown = 2
+    config.timeout_graceful_shutdown = 0.5  # type: ignore[assignment]  # Server takes a float
     server = Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -339,8 +339,9 @@ async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_r
                 try:
                     seen.append((await probe.get(slotgate.url + "/readyz")).status_code)
                 # Refused; or taken into the kernel's backlog just before the listener
-                # closed, then dropped unanswered: the race of every closing listener.
-                except (httpx.ConnectError, httpx.RemoteProtocolError):
+                # closed, then dropped unanswered (a FIN, or a reset): the race of every
+                # closing listener.
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
                     break
                 await asyncio.sleep(0.01)
         body += b"".join([c async for c in chunks])

@@ -72,6 +72,7 @@ async def test_admission_shows_the_live_pool(
     assert snapshot["upstream"]["ready"] is True
     assert snapshot["upstream"]["n_ctx"] == 1024
     assert snapshot["upstream"]["model"] == "standin.gguf"
+    standin.hurry()
     await asyncio.gather(*tasks)
 
 
@@ -102,6 +103,7 @@ async def test_metrics_show_both_sides_of_the_gate(
     assert "slotgate_upstream_ready 1.0" in mid
     assert 'slotgate_requests_rejected_total{family="chat",reason="queue_full"} 1.0' in mid
     assert "llamacpp:requests_processing 1" in mid
+    standin.hurry()
     await asyncio.gather(first, second)
     bad = await client.post(gate.url + "/v1/chat/completions", content=b"{")
     assert bad.status_code == 400

@@ -171,6 +171,7 @@ async def test_shutdown_while_a_stream_waits_for_its_head_is_a_503_with_retry_af
     assert response.json()["error"]["code"] == "shutting_down"
     assert int(response.headers["retry-after"]) >= 1
     assert response.headers["request-id"]
+    standin.hurry()
     await holder
 
 

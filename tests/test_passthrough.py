@@ -52,6 +52,7 @@ async def test_tokenize_is_never_queued(
     # The line is full, yet non-generating endpoints answer at once.
     assert (await client.post(gate.url + "/tokenize", json={"content": "hi"})).status_code == 200
     assert (await client.get(gate.url + "/health")).status_code == 200
+    standin.hurry()
     await asyncio.gather(*busy)
 
 
@@ -258,7 +259,7 @@ def allowed_origins(response: httpx.Response) -> list[str]:
 async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_the_origin(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0
     gate = await start_gate(max_queue=1, keepalive_interval=5, stream_head_after=0)
     # The answer is assembled from llama-server's stream, and keeps its CORS header: from it
     # slotgate learns what llama-server gives this Origin.
@@ -266,6 +267,7 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
     assert assembled.status_code == 200
     assert allowed_origins(assembled) == ["http://a.example"]
     assert assembled.headers["content-type"].startswith("application/json")
+    standin.token_delay_s = 0.05  # from here on a generation holds the one slot for 1 s
     running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
     await gate.until(lambda: gate.service.admission.active == 1)
     # A stream that must wait gets its head from slotgate...
@@ -285,6 +287,7 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
         )
         assert unknown.status_code == 429
         assert allowed_origins(unknown) == []
+        standin.hurry()
         await waiting.aread()
     await running
     unasked = await client.post(gate.url + "/v1/chat/completions", content=b"{")
@@ -296,11 +299,12 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.cors_origins = {"http://trusted.example"}  # as llama-server --cors-origins
-    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0.05
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0
     gate = await start_gate(max_queue=0, keepalive_interval=1, stream_head_after=0)
     evil = {"Origin": "http://evil.example"}
     first = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=evil)
     assert allowed_origins(first) == ["http://trusted.example"]  # llama-server's own answer
+    standin.token_delay_s = 0.05  # from here on a generation holds the one slot for 1 s
     running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
     await gate.until(lambda: gate.service.admission.active == 1)
     # The head of a waiting stream is slotgate's: it must not open what llama-server closed.
@@ -309,6 +313,7 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
     ) as waiting:
         assert allowed_origins(waiting) == ["http://trusted.example"]
         assert gate.service.admission.queued == 1  # the head was slotgate's: the stream waits
+        standin.hurry()
         await waiting.aread()
     await running
 

@@ -108,6 +108,7 @@ async def test_stream_is_relayed_as_it_is_produced(
         # The first token reached the client while the stand-in is still generating.
         assert b"t0" in first
         assert standin.running == 1
+        standin.hurry()
         rest = b"".join([chunk async for chunk in chunks])
     assert rest.endswith(b"data: [DONE]\n\n")
 
@@ -141,6 +142,7 @@ async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
     assert snapshot["retry_after_s"] * 1000 == pytest.approx(
         int(response.headers["retry-after-ms"]), abs=1
     )
+    standin.hurry()
     await holder
     assert (await waiter).status_code == 200
 
@@ -172,6 +174,7 @@ async def test_a_cold_gate_bases_retry_after_on_max_tokens_and_llama_servers_spe
     # Each holds a second for its prompt and 30 tokens / speed; the refused caller stands 2
     # holds back on 1 slot.
     assert int(refused.headers["retry-after-ms"]) == round(2 * (1 + 30 / speed) * 1000)
+    standin.hurry()
     await holder
     assert (await waiter).status_code == 200
 
@@ -205,6 +208,7 @@ async def test_request_with_n_choices_takes_n_slots(
     task = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n=2)))
     await gate.until(lambda: standin.running == 1)
     assert gate.service.admission.active == 2
+    standin.hurry()
     await task
 
 
@@ -229,6 +233,7 @@ async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_ups
     await gate.until(lambda: gate.service.admission.queued == 1)
     leaver.cancel()
     await gate.until(lambda: gate.service.admission.queued == 0)
+    standin.hurry()
     await holder
     await gate.until(lambda: gate.service.admission.active == 0)
     assert not any(b"leaver" in seen.body for seen in standin.seen)
@@ -293,6 +298,7 @@ async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "queue_timeout"
     assert "retry-after" in response.headers
+    standin.hurry()
     await holder
 
 
@@ -327,6 +333,7 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     last = body.strip().split(b"\n\n")[-1]
     assert last.startswith(b"data: ")
     assert json.loads(last[len(b"data: ") :])["error"]["code"] == "queue_timeout"
+    standin.hurry()
     await holder
 
 
@@ -344,6 +351,7 @@ async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_server
 
     waiter = asyncio.create_task(read())
     await gate.until(lambda: gate.service.admission.queued == 1)
+    standin.hurry()
     status, body = await waiter
     assert status == 200
     assert b": queued" not in body
@@ -365,6 +373,7 @@ async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
     assert response.headers["x-should-retry"] == "true"
     assert int(response.headers["retry-after-ms"]) >= 1000
     assert response.json()["error"]["code"] == "queue_timeout"
+    standin.hurry()
     await holder
 
 
@@ -378,6 +387,7 @@ async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keep
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         assert gate.service.admission.queued == 1  # the head is slotgate's: the stream still waits
+        standin.hurry()
         body = b"".join([c async for c in response.aiter_raw()])
     assert body.startswith(b": queued position=1 eta_s=")
     assert body.endswith(b"data: [DONE]\n\n")
@@ -543,6 +553,7 @@ async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
     assert response.json()["error"]["code"] == "queue_timeout"
+    standin.hurry()
     await holder
 
 
@@ -557,6 +568,7 @@ async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
     second = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n_cmpl=2)))
     await gate.until(lambda: gate.service.admission.queued == 1)
     assert standin.started == 1
+    standin.hurry()
     assert (await task).status_code == 200
     assert (await second).status_code == 200
     assert standin.max_running == 1
@@ -573,6 +585,7 @@ async def test_transcription_without_v1_waits_for_a_slot_like_any_generation(
     waiter = asyncio.create_task(client.post(gate.url + "/audio/transcriptions", files=files))
     await gate.until(lambda: gate.service.admission.queued == 1)
     assert [seen.path for seen in standin.seen] == [CHAT]
+    standin.hurry()
     await holder
     assert (await waiter).status_code == 200
     assert standin.seen[-1].path == "/audio/transcriptions"
@@ -679,10 +692,12 @@ async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_
     # A small one still fits beside it.
     small = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 2)
+    standin.hurry()
     await holder
     assert (await first).status_code == 200
     assert (await small).status_code == 200
     # Both left the line: their bytes no longer count, and a big body may wait again.
+    standin.token_delay_s = 0.05
     holder = await occupy(client, gate)
     again = asyncio.create_task(client.post(gate.url + CHAT, json=big))
     await gate.until(lambda: gate.service.admission.queued == 1)
@@ -693,6 +708,7 @@ async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_
     # The one that left while waiting gave its bytes back too.
     late = asyncio.create_task(client.post(gate.url + CHAT, json=chat(padding="z" * 200)))
     await gate.until(lambda: gate.service.admission.queued == 2)
+    standin.hurry()
     await holder
     assert [(await t).status_code for t in (again, late)] == [200, 200]
 

@@ -17,7 +17,9 @@ async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_serv
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, props_refresh_interval=30, keepalive_interval=5)
+    gate = await start_gate(
+        ready=False, props_refresh_interval=30, keepalive_interval=5, stream_head_after=0
+    )
     plain = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
@@ -144,7 +146,9 @@ async def test_a_trickle_of_requests_across_restarts_gets_no_503(
 async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under_comments(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate(props_refresh_interval=30, keepalive_interval=0.05)
+    gate = await start_gate(
+        props_refresh_interval=30, keepalive_interval=0.05, stream_head_after=0.2
+    )
     standin.shutdown_timeout_s = 0.05
     await standin.stop()
     assert gate.service.upstream.ready  # slotgate has not noticed yet: the request is admitted
