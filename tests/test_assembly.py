@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -179,3 +180,16 @@ def test_the_request_asks_for_a_stream_with_usage_whatever_the_client_chose() ->
         "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     chosen = json.loads(streaming_body(b'{"stream_options":{"include_usage":false}}'))
     assert chosen["stream_options"] == {"include_usage": True}
+
+
+def test_a_short_rewritten_body_holds_its_own_bytes_not_a_write_buffer() -> None:
+    # A rewritten body waits in the queue with its request: it must not keep orjson's 4 KiB
+    # write buffer alive for a few dozen bytes.
+    tracemalloc.start()
+    try:
+        body = streaming_body(b'{"messages":[{"role":"user","content":"hi"}]}')
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(body) < 200
+    assert held < 1024
