@@ -55,6 +55,7 @@ class StandIn:
     open_connections: int = 0
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
+    model: str = "standin.gguf"  # /props model_path
     host: str = "127.0.0.1"  # any of 127.0.0.0/8: several stand-ins on one port, for DNS
     created: int = field(default_factory=lambda: int(time.time()))
     _runner: web.AppRunner | None = None
@@ -150,7 +151,7 @@ class StandIn:
             {
                 "total_slots": self.total_slots,
                 "default_generation_settings": {"n_ctx": 1024, "params": {}},
-                "model_path": "standin.gguf",
+                "model_path": self.model,
                 "build_info": "standin",
             }
         )

@@ -283,3 +283,21 @@ async def test_a_name_that_resolves_to_several_addresses_is_one_upstream_per_add
             await gate.stop()
         for upstream in (first, *others):
             await upstream.stop()
+
+
+async def test_upstreams_that_serve_different_models_are_named_in_the_log_and_admission(
+    standins: StandIns,
+    gates: Callable[..., Any],
+    client: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstreams = await standins([1, 1])
+    upstreams[1].model = "other.gguf"
+    gate = await gates(upstreams)
+    snapshot = (await client.get(gate.url + "/admission")).json()
+    assert snapshot["models_differ"] is True
+    assert [u["model"] for u in snapshot["upstreams"]] == ["standin.gguf", "other.gguf"]
+    assert any(
+        "different models (other.gguf, standin.gguf)" in record.getMessage()
+        for record in caplog.records
+    )

@@ -362,3 +362,19 @@ async def _replay(ops: list[tuple[str, int, Any]]) -> None:
     assert held(admission) == [0, 0, 0]
     assert admission.committed_tokens == 0
     assert admission.queued == 0
+
+
+async def test_a_key_follows_its_prompt_to_where_its_last_request_ran() -> None:
+    admission = fleet(1, 1, 1)
+    key = key_preferring(admission, 0)
+    squatter = admission.enter(affinity=key)
+    assert squatter.pool is admission.pools[0]
+    spilled = admission.enter(affinity=key)
+    assert spilled.pool is not admission.pools[0]  # its first choice was full
+    where = spilled.pool
+    spilled.release()
+    squatter.release()
+    # Its prompt is cached where it last ran now, not at its rendezvous first choice.
+    follow = admission.enter(affinity=key)
+    assert follow.pool is where
+    follow.release()
