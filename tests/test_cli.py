@@ -89,7 +89,7 @@ def test_version_is_printed() -> None:
     assert result.stdout.strip() == f"slotgate {__version__}"
 
 
-@pytest.mark.parametrize("flag", ["--parallel", "--ctx-size", "--threads"])
+@pytest.mark.parametrize("flag", ["--parallel", "--ctx-size", "--threads", "--replicas", "--gpus"])
 def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
     result = run({}, flag, "4")
     assert result.returncode == 2
@@ -110,8 +110,27 @@ def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
         (["--model="], "argument --model: is empty; give the path of a .gguf model"),
         (["--host="], "argument --host: is empty; give an address such as 127.0.0.1 or ::1"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--demo", "--replicas", "0"], "argument --replicas: '0' must be at least 1"),
+        (
+            ["--demo", "--gpus", "0,1", "--replicas", "3"],
+            "--gpus names 2 GPUs for --replicas 3; give one GPU per replica",
+        ),
+        (
+            ["--demo", "--gpus", "0,,1"],
+            "argument --gpus: '0,,1' lacks a GPU; give one per replica, comma-separated, "
+            "such as 0,1",
+        ),
     ],
-    ids=["port", "model-and-demo", "empty-model", "empty-host", "unknown"],
+    ids=[
+        "port",
+        "model-and-demo",
+        "empty-model",
+        "empty-host",
+        "unknown",
+        "no-replicas",
+        "gpus-and-replicas",
+        "empty-gpu",
+    ],
 )
 def test_a_bad_flag_stops_start_up_with_one_line_naming_it(args: list[str], line: str) -> None:
     result = run({}, *args)
@@ -541,3 +560,42 @@ def test_host_all_ipv6_interfaces_takes_ipv4_clients_too_as_with_uvicorn() -> No
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_gpus_alone_start_one_replica_for_each() -> None:
+    args = cli.parse_args(["--demo", "--gpus", "1,0"])
+    assert (args.replicas, args.gpus) == (2, ("1", "0"))
+    assert cli.parse_args(["--demo"]).replicas == 1
+
+
+def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slotgate.engine import LocalFleet
+
+    from tests.test_engine import health, running
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD", "FAKE_MODE", "PORT"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.delenv("LLAMA_SERVER_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    seen: list[tuple[Settings, LocalFleet, list[int]]] = []
+
+    def serve(settings: Settings, fleet: LocalFleet, sockets: object) -> int:
+        seen.append((settings, fleet, [health(url) for url in fleet.urls]))
+        return 0
+
+    monkeypatch.setattr(cli, "serve", serve)
+    monkeypatch.setattr(cli, "_print_usage", lambda settings, port: None)
+
+    assert cli.main(["--model", str(model), "--replicas", "3", "--threads", "1"]) == 0
+
+    [(settings, fleet, statuses)] = seen
+    assert settings.llama_server_url == ",".join(fleet.urls)
+    assert len(set(fleet.urls)) == 3
+    assert statuses == [200, 200, 200]
+    assert settings.kv_budget_tokens == 0  # each engine's, as with one
+    pids = [engine.pid for engine in fleet.engines]
+    assert None not in pids
+    assert not [pid for pid in pids if pid is not None and running(pid)]
