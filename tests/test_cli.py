@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -14,10 +15,11 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import pytest
+import uvicorn
 from aiohttp import web
 from slotgate import __version__, cli
 from slotgate.cli import listen
@@ -26,6 +28,9 @@ from slotgate.settings import Settings
 from bench.procs import free_port
 from tests.conftest import chat, serve
 from tests.standin import StandIn
+
+if TYPE_CHECKING:
+    from slotgate.main import Service
 
 APP = Path(__file__).resolve().parent.parent / "app"
 
@@ -599,3 +604,46 @@ def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
     pids = [engine.pid for engine in fleet.engines]
     assert None not in pids
     assert not [pid for pid in pids if pid is not None and running(pid)]
+
+
+def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from slotgate.engine import LocalFleet
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
+        monkeypatch.setenv(name, env[name])
+    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+                                 threads=1, replicas=2)  # fmt: skip
+    server = cli.Server(uvicorn.Config(lambda: None), cast("Service", None), fleet)
+
+    def dies(pid: int | None) -> list[str]:
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        caplog.clear()
+        while not caplog.records:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            server._watch(fleet)
+        return [r.getMessage() for r in caplog.records]
+
+    try:
+        fleet.start()
+        with caplog.at_level(logging.ERROR, logger="slotgate"):
+            first = dies(fleet.engines[0].pid)
+            assert not server.should_exit
+            last = dies(fleet.engines[1].pid)
+    finally:
+        fleet.stop()
+    assert first == [
+        f"local llama.cpp engine 1 of 2 at {fleet.urls[0]} was killed by SIGKILL; "
+        "slotgate serves on the other 1"
+    ]
+    assert last == [
+        f"local llama.cpp engine 2 of 2 at {fleet.urls[1]} was killed by SIGKILL, the last "
+        "one; slotgate stops"
+    ]
+    assert server.should_exit
+    assert server.engine_died
