@@ -179,13 +179,16 @@ class Server(uvicorn.Server):
         stops, with status 1, once none is left."""
         from .engine import ended
 
+        news = fleet.ended()
         left = fleet.running
-        for number, code in fleet.ended():
+        for index, (number, code) in enumerate(news):
+            # Told one by one, as if apart: of two found ended at once, the first is not the last.
+            rest = left + len(news) - 1 - index
             if len(fleet.engines) == 1:
                 log.error("the local llama.cpp engine %s; slotgate stops", ended(code))
-            elif left:
+            elif rest:
                 log.error("local llama.cpp engine %s %s; slotgate serves on the other %d",
-                          fleet.name(number), ended(code), left)  # fmt: skip
+                          fleet.name(number), ended(code), rest)  # fmt: skip
             else:
                 log.error("local llama.cpp engine %s %s, the last one; slotgate stops",
                           fleet.name(number), ended(code))  # fmt: skip

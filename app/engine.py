@@ -657,8 +657,9 @@ class LocalFleet:
 
     @property
     def running(self) -> int:
-        """How many engines have not ended."""
-        return sum(engine.poll() is None for engine in self.engines)
+        """How many engines `ended()` has not reported ended (one that ends meanwhile is
+        counted as running until it is reported, so that counts and reports agree)."""
+        return len(self.engines) - len(self._reported)
 
     def stop(self) -> None:
         """Stop every engine: all are asked at once, then each is waited for and reaped."""

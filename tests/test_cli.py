@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -606,10 +606,14 @@ def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
     assert not [pid for pid in pids if pid is not None and running(pid)]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "at-once"])
 def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    together: bool,
 ) -> None:
-    from slotgate.engine import LocalFleet
+    from slotgate.engine import LocalEngine, LocalFleet
 
     model, _, env = fake_engine_env(tmp_path, "serve")
     for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
@@ -618,32 +622,85 @@ def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
                                  threads=1, replicas=2)  # fmt: skip
     server = cli.Server(uvicorn.Config(lambda: None), cast("Service", None), fleet)
 
-    def dies(pid: int | None) -> list[str]:
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+    def die(*engines: LocalEngine) -> list[str]:
+        """Kill the engines, then let slotgate look once they have all ended."""
+        for engine in engines:
+            assert engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        caplog.clear()
-        while not caplog.records:
+        while any(engine.poll() is None for engine in engines):
             assert time.monotonic() < deadline
-            time.sleep(0.05)
-            server._watch(fleet)
+            time.sleep(0.02)
+        caplog.clear()
+        server._watch(fleet)
         return [r.getMessage() for r in caplog.records]
 
     try:
         fleet.start()
         with caplog.at_level(logging.ERROR, logger="slotgate"):
-            first = dies(fleet.engines[0].pid)
-            assert not server.should_exit
-            last = dies(fleet.engines[1].pid)
+            if together:
+                said = die(*fleet.engines)
+            else:
+                said = die(fleet.engines[0])
+                assert not server.should_exit
+                said += die(fleet.engines[1])
     finally:
         fleet.stop()
-    assert first == [
+    assert said == [
         f"local llama.cpp engine 1 of 2 at {fleet.urls[0]} was killed by SIGKILL; "
-        "slotgate serves on the other 1"
-    ]
-    assert last == [
+        "slotgate serves on the other 1",
         f"local llama.cpp engine 2 of 2 at {fleet.urls[1]} was killed by SIGKILL, the last "
-        "one; slotgate stops"
+        "one; slotgate stops",
     ]
     assert server.should_exit
     assert server.engine_died
+
+
+def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_last_stops_it(
+    tmp_path: Path,
+) -> None:
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    port = free_port()
+    env.update(PORT=str(port), PROPS_REFRESH_INTERVAL="0.2", LOG_LEVEL="warning")
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "slotgate.log"
+
+    def ready_upstreams() -> list[bool]:
+        pool = httpx.get(base + "/admission").json()
+        return [upstream["ready"] for upstream in pool["upstreams"]]
+
+    def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+
+    with log.open("w") as stderr, subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model), "--replicas", "2",
+         "--threads", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+    ) as proc:  # fmt: skip
+        try:
+            until(lambda: answered(base + "/readyz") == 200 and ready_upstreams() == [True, True])
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            engines = [int(pid) for pid in children]
+            assert len(engines) == 2
+            os.kill(engines[0], signal.SIGKILL)
+            until(lambda: sorted(ready_upstreams()) == [False, True])
+            until(lambda: "slotgate serves on the other 1" in log.read_text())
+            assert answered(base + "/readyz") == 200
+            assert proc.poll() is None
+            os.kill(engines[1], signal.SIGKILL)
+            assert proc.wait(timeout=30) == 1
+        finally:
+            proc.kill()
+    logged = log.read_text()
+    first = re.search(r"local llama.cpp engine (\d) of 2 at \S+ was killed by SIGKILL; "
+                      r"slotgate serves on the other 1", logged)  # fmt: skip
+    last = re.search(r"local llama.cpp engine (\d) of 2 at \S+ was killed by SIGKILL, "
+                     r"the last one; slotgate stops", logged)  # fmt: skip
+    assert first is not None, logged
+    assert last is not None, logged
+    assert {first[1], last[1]} == {"1", "2"}
+    assert "Traceback" not in logged
