@@ -54,6 +54,9 @@ args = sys.argv[1:]
 with open(os.environ["FAKE_RECORD"], "w") as record:
     json.dump({{"argv": args, "pid": os.getpid(), "env": dict(os.environ)}}, record)
 mode = os.environ.get("FAKE_MODE", "serve")
+if os.environ.get("FAKE_AWAIT"):  # goes on once the fake that FAKE_AWAIT names has recorded
+    while not os.path.exists(os.environ["FAKE_AWAIT"]):
+        time.sleep(0.02)
 if mode == "fail":
     print("I load_model: loading model", file=sys.stderr, flush=True)
     print("E load_model: failed to load model 'x'", file=sys.stderr, flush=True)
@@ -72,9 +75,6 @@ if mode == "stubborn":
 if mode == "mute":
     while True:
         time.sleep(1)
-if mode == "await":  # serves only once the fake that FAKE_AWAIT names has recorded its call
-    while not os.path.exists(os.environ["FAKE_AWAIT"]):
-        time.sleep(0.02)
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -855,7 +855,7 @@ def test_replicas_start_side_by_side_not_one_after_another(
     # The first answers /health only once the second has started: one after the other,
     # the fleet would wait on the first until its start timeout.
     first = fleet.engines[0]
-    first.env.update(FAKE_MODE="await", FAKE_AWAIT=str(records[1]))
+    first.env["FAKE_AWAIT"] = str(records[1])
     first.start_timeout_s = 10
 
     fleet.start()
@@ -867,9 +867,8 @@ def test_a_replica_that_fails_to_start_is_named_and_the_others_are_stopped(
     model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
 ) -> None:
     fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
-    fleet.engines[1].env["FAKE_MODE"] = "fail"
-    # The first serves only once the second has recorded its call: it is running by then.
-    fleet.engines[0].env.update(FAKE_MODE="await", FAKE_AWAIT=str(records[1]))
+    # The second fails only once the first has recorded its call: it is running by then.
+    fleet.engines[1].env.update(FAKE_MODE="fail", FAKE_AWAIT=str(records[0]))
 
     with pytest.raises(EngineFailed) as failed:
         fleet.start()
