@@ -69,8 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     local.add_argument(
         "--demo", action="store_true", help="start llama.cpp on the small gemma-3 270M model"
     )
-    local.add_argument("--parallel", type=_positive, metavar="N", help="slots (2)")
-    local.add_argument("--ctx-size", type=_positive, metavar="C", help="total context (4096)")
+    local.add_argument("--parallel", type=_positive, metavar="N", help="slots of each engine (2)")
+    local.add_argument(
+        "--ctx-size",
+        type=_positive,
+        metavar="C",
+        help="context of each engine, shared by its slots (4096)",
+    )
     local.add_argument(
         "--threads", type=_positive, metavar="T",
         help="CPU threads of each engine (llama.cpp's; by default shared out among replicas)",
