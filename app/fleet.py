@@ -76,6 +76,7 @@ class Fleet:
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
         self._leaving: set[asyncio.Task[None]] = set()
+        self._warned_models: set[str] = set()
         for source in self._sources:
             self._add(source, None)
 
@@ -116,7 +117,22 @@ class Fleet:
         return self._by_pool[pool]
 
     def models(self) -> set[str]:
-        return {u.props.model for u in self._by_pool.values() if u.props and u.props.model}
+        """The models the ready upstreams serve (one, as meant, unless they disagree)."""
+        return {
+            u.props.model for u in self._by_pool.values() if u.ready and u.props and u.props.model
+        }
+
+    def _check_models(self) -> None:
+        models = self.models()
+        if len(models) > 1 and models != self._warned_models:
+            # Requests are routed by slots and cache, not by `model`: a request may be answered
+            # by any of them.
+            log.warning(
+                "the upstreams serve different models (%s): slotgate routes by slots and cache, "
+                "not by model, so give it upstreams of one model",
+                ", ".join(sorted(models)),
+            )
+        self._warned_models = models
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -197,7 +213,7 @@ class Fleet:
         pool = self._admission.add_pool(
             url if address is None else address_url(urlsplit(url), address)
         )
-        upstream = Upstream(self._settings, pool, url, address)
+        upstream = Upstream(self._settings, pool, url, address, self._check_models)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
         return upstream
