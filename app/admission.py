@@ -29,6 +29,8 @@ from .routing import choose, stable_hash
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
 #: and gives up past 120 s, so the estimate is capped well below both.
 RETRY_AFTER_CAP_S = 60.0
+#: While no hold has been seen, a refused request is told at most this many expected holds.
+COLD_PROMISE_HOLDS = 2.0
 #: Until a hold has been observed or expected (`Admission.expect`), assume this one.
 INITIAL_HOLD_S = 1.0
 #: Weight of the newest observation in the moving average of slot hold times.
@@ -542,6 +544,11 @@ class Admission:
         while promised and promised[0] <= now:
             promised.popleft()
         eta = self.eta_s(len(promised) + 1)
+        if self.cold:
+            # No hold seen yet: the guess errs late by design, and moments spaced by it would
+            # leave slots idle for as long as it is wrong. Nobody is told more than two
+            # guessed holds; by then real ones are known and a second refusal is precise.
+            eta = min(eta, COLD_PROMISE_HOLDS * self._hold_ewma_s)
         step = self._hold_ewma_s / (self._capacity or 1)
         eta += self._jitter.uniform(0.0, min(step, eta) / 4)
         if eta < RETRY_AFTER_CAP_S:

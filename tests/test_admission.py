@@ -568,3 +568,17 @@ async def test_a_waiters_eta_counts_how_long_running_generations_have_held_their
     assert admission.retry_after_s(1) == pytest.approx(5.0, abs=0.05)
     holder.release()
     assert admission.eta_s(1) == 0.0
+
+
+async def test_a_cold_gate_tells_nobody_more_than_two_guessed_holds() -> None:
+    admission = pool(2, max_queue=1)
+    admission.expect(3.0)  # a guess: no hold seen yet
+    tickets = [admission.enter() for _ in range(3)]
+    told = [admission._promise_s() for _ in range(12)]
+    assert told[0] == pytest.approx(3.0, abs=0.5)
+    assert max(told) <= 2 * 3.0 + 3.0 / 2 / 4
+    assert told[-1] >= 6.0 - 0.05  # the later ones wait for real holds to be seen
+    admission._observe(1.0)
+    assert admission._promise_s() > 6.0  # warm: the moments are spaced as they will come
+    for ticket in tickets:
+        ticket.release()
