@@ -780,6 +780,7 @@ class Admission:
                 key,
                 self._epsilon,
                 None if key is None else last.get(key),
+                ticket.seq,
             )
             if chosen is None:
                 return False

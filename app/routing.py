@@ -21,6 +21,8 @@ ROUTINGS = ("affinity", "least-loaded")
 AFFINITY_PREFIX_CHARS = 512
 
 _MASK = (1 << 64) - 1
+#: The golden ratio's fraction: its multiples mod 1 spread evenly over [0, 1) in any run.
+_GOLDEN = 0.6180339887498949
 
 
 class Candidate(Protocol):
@@ -59,6 +61,7 @@ def choose(
     key: int | None,
     epsilon: float,
     last: P | None = None,
+    spread: int = 0,
 ) -> tuple[P, bool] | None:
     """The pool for a request of `weight` slots, and whether it is its key's first choice; None
     when no ready pool has room for it (`fits`).
@@ -67,32 +70,54 @@ def choose(
     now), then the pools in the key's rendezvous order, skipping any without room or loaded
     above (1 + epsilon) times the fleet's average share of its capacity once this request is
     counted. Without one, or when every pool with room is loaded beyond that: the least loaded
-    pool with room (the lowest share of its capacity taken, then the most free slots).
+    pool with room (the lowest share of its capacity in use); among equally loaded ones (all
+    idle, most often) each is picked in proportion to its slots, by `spread` (the request's
+    arrival number) on a low-discrepancy sequence, so that every upstream's share of the work
+    follows its share of the slots at any load, with no state to keep.
     """
     ready = [pool for pool in pools if pool.capacity]
     if key is not None and len(ready) > 1:
-        total_capacity = sum(pool.capacity or 0 for pool in ready)
-        load = (sum(pool.active for pool in ready) + weight) * (1 + epsilon) / total_capacity
+        total_capacity = 0
+        total_active = weight
+        for pool in ready:
+            total_capacity += pool.capacity or 0
+            total_active += pool.active
+        load = total_active * (1 + epsilon) / total_capacity
+
+        def within(pool: P) -> bool:
+            return pool.active + weight <= math.ceil(load * (pool.capacity or 0)) and fits(pool)
+
+        # The key's last pool first: most requests are a conversation's next turn, and then no
+        # ranking needs computing.
+        if last is not None and last.capacity and within(last):
+            return last, True
         ranked = sorted(ready, key=lambda pool: score(key, pool.salt), reverse=True)
-        if last is not None and last in ready and ranked[0] is not last:
-            ranked.remove(last)
-            ranked.insert(0, last)
         for rank, pool in enumerate(ranked):
-            if pool.active + weight <= math.ceil(load * (pool.capacity or 0)) and fits(pool):
-                return pool, rank == 0
-    best: P | None = None
-    best_share = 0.0
+            if pool is not last and within(pool):
+                return pool, rank == 0 and last is None
+    least: list[P] = []
     for pool in ready:
         if not fits(pool):
             continue
-        capacity = pool.capacity or 1
-        share = (pool.active + weight) / capacity
-        if (
-            best is None
-            or share < best_share
-            or (share == best_share and capacity - pool.active > (best.capacity or 0) - best.active)
-        ):
-            best, best_share = pool, share
-    if best is None:
+        if not least:
+            least.append(pool)
+            continue
+        # active / capacity compared without division: an exact tie is a tie.
+        this = pool.active * (least[0].capacity or 1)
+        best = least[0].active * (pool.capacity or 1)
+        if this < best:
+            least = [pool]
+        elif this == best:
+            least.append(pool)
+    if not least:
         return None
-    return best, key is not None and len(ready) == 1
+    chosen = least[0]
+    if len(least) > 1:
+        total = sum(pool.capacity or 0 for pool in least)
+        point = (spread * _GOLDEN) % 1.0 * total
+        for pool in least:
+            point -= pool.capacity or 0
+            if point < 0:
+                chosen = pool
+                break
+    return chosen, key is not None and len(ready) == 1

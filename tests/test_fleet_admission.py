@@ -216,12 +216,17 @@ def test_keys_move_only_off_an_upstream_that_leaves() -> None:
     assert all(150 < share < 350 for share in shares)
 
 
-async def test_without_a_key_each_upstream_is_loaded_in_proportion_to_its_slots() -> None:
+async def test_without_a_key_each_upstream_gets_work_in_proportion_to_its_slots() -> None:
     admission = fleet(1, 2, 4, 8)
-    tickets = [admission.enter() for _ in range(7)]
-    # Lowest share of its capacity first: the load spreads as the slots do.
-    assert held(admission) == [0, 1, 2, 4]
-    tickets += [admission.enter() for _ in range(8)]
+    # One at a time (a light load): every upstream is idle at each arrival, and each takes
+    # its share of the slots, not the largest one all.
+    for _ in range(1500):
+        admission.enter().release()
+    shares = [pool.routed["load"] / 1500 for pool in admission.pools]
+    for share, capacity in zip(shares, (1, 2, 4, 8), strict=True):
+        assert share == pytest.approx(capacity / 15, rel=0.1), shares
+    # Under load, the lowest share of its slots in use takes the next one, to the last slot.
+    tickets = [admission.enter() for _ in range(15)]
     assert held(admission) == [1, 2, 4, 8]
     for ticket in tickets:
         ticket.release()
