@@ -149,8 +149,8 @@ class FairLine(Generic[W]):
         self._hold_s = hold_s  # every tenant's holds: a new tenant's first estimate
         self._last: _Flow | None = None  # the flow of the latest push
         self._picked: _Flow | None = None  # whose head `head` found, until anything changes
-        self._loose: _Flow | None = None  # popped, to be keyed again by `granted` (or `head`)
-        self._handed: W | None = None  # what pop_head gave out last
+        self._handed: W | None = None  # what pop_head gave out last, and its flow
+        self._handed_flow: _Flow | None = None
         #: Live waiters in all.
         self.queued = 0
 
@@ -180,11 +180,6 @@ class FairLine(Generic[W]):
         picked = self._picked
         if picked is not None:
             return picked.front[0] if picked.front else picked.line[0]  # type: ignore[return-value]
-        loose = self._loose
-        if loose is not None:
-            self._loose = None
-            if loose.live and loose.entry is None and not loose.blocked:
-                self._key(loose)
         bands = self._bands
         for level in self._levels:
             band = bands[level]
@@ -197,13 +192,23 @@ class FairLine(Generic[W]):
                 if flow.entry is not entry:
                     heapq.heappop(heap)
                     continue
-                head = self._live_head(flow)
+                if flow.front:
+                    head = self._live_head(flow)
+                else:
+                    line = flow.line
+                    head = line[0] if line else None
+                    if head is not None:
+                        future = head._future
+                        if future is not None and future.done():
+                            head = self._live_head(flow)
                 if head is None:
                     flow.entry = None
                     heapq.heappop(heap)
                     continue
                 key = _FRONT if flow.front else flow.vt
                 if entry[0] != key or entry[1] != head.seq:
+                    # The flow moved on (a grant, a later head) since it was keyed: its entry
+                    # was a lower bound; put it where it now belongs.
                     flow.entry = (key, head.seq, flow)
                     heapq.heapreplace(heap, flow.entry)
                     continue
@@ -224,15 +229,22 @@ class FairLine(Generic[W]):
 
     def push(self, ticket: W) -> None:
         """A new waiter, at the back of its tenant's flow in its band."""
-        flow = self._flow(ticket, adopt=True)
+        flow = self._last
+        if flow is None or flow.tenant is not ticket.tenant or flow.band.level != ticket.band:
+            flow = self._flow(ticket, adopt=True)
+            self._last = flow
+        band = flow.band
         if not flow.live:
             flow.line.clear()  # only leavers' tickets, if anything
             flow.front.clear()
-            band = flow.band
             if flow.vt < band.vt:
                 flow.vt = band.vt  # back from idle: no credit banked
         flow.line.append(ticket)
-        self._count(flow, 1)
+        flow.live += 1
+        flow.account.queued += 1
+        band.queued += 1
+        self.queued += 1
+        self._picked = None
         if flow.entry is None and not flow.blocked:
             self._key(flow)
 
@@ -254,23 +266,28 @@ class FairLine(Generic[W]):
             assert flow is not None  # noqa: S101 - set by head
         self._picked = None
         ticket = flow.front.popleft() if flow.front else flow.line.popleft()
-        self._count(flow, -1)
-        # Its entry is the top of the heap (head just checked it); `granted` keys the flow
-        # again at its new virtual time, in one heap operation instead of two.
-        heapq.heappop(flow.band.heap)
-        flow.entry = None
-        if flow.live:
-            self._loose = flow
+        flow.live -= 1
+        flow.account.queued -= 1
+        flow.band.queued -= 1
+        self.queued -= 1
+        # Its entry stays: the flow's key only rose (a later head, and `granted`'s charge),
+        # and `head` moves an entry that is too early when it reaches the top.
+        if not flow.live:
+            flow.entry = None
         self._handed = ticket  # type: ignore[assignment]
+        self._handed_flow = flow
         return ticket  # type: ignore[return-value]
 
     def granted(self, ticket: W) -> None:
         """`ticket` got its slots (from `pop_head`, or at once with nobody waiting)."""
-        flow = self._flow(ticket, adopt=ticket is not self._handed)
+        flow = self._handed_flow
+        if ticket is self._handed and flow is not None:
+            self._handed = None
+        else:
+            flow = self._flow(ticket, adopt=True)
+            if flow.vt < flow.band.vt:
+                flow.vt = flow.band.vt  # admitted without waiting: as if back from idle
         band = flow.band
-        if ticket is not self._handed and flow.vt < band.vt:
-            flow.vt = band.vt  # admitted without waiting: as if back from idle
-        self._handed = None
         if flow.vt > band.vt:
             band.vt = flow.vt
         account = flow.account
@@ -278,10 +295,6 @@ class FairLine(Generic[W]):
         charge = account.hold_s * ticket.weight / account.weight
         flow.vt += charge
         self._charges[ticket.seq] = (flow, charge)
-        if self._loose is flow:
-            self._loose = None
-        if flow.entry is not None or (flow.live and not flow.blocked):
-            self._key(flow)
         self._picked = None
 
     def released(self, ticket: W, held_s: float | None) -> None:
@@ -295,12 +308,13 @@ class FairLine(Generic[W]):
         held_s = held_s if held_s is not None and held_s > 0 else 0.0
         slot_s = held_s * ticket.weight
         account.slot_s += slot_s
-        flow.vt += slot_s / account.weight - charge
+        correction = slot_s / account.weight - charge
+        flow.vt += correction
         if held_s:
             account.hold_s += HOLD_EWMA_ALPHA * (held_s - account.hold_s)
             self._hold_s += HOLD_EWMA_ALPHA * (held_s - self._hold_s)
-        if flow.entry is not None:
-            self._key(flow)
+        if correction < 0 and flow.entry is not None:
+            self._key(flow)  # earlier than its entry says: keyed again at once
         if account.blocked and (account.max_active is None or account.active < account.max_active):
             self._unblock(account)
         self._picked = None
@@ -340,7 +354,7 @@ class FairLine(Generic[W]):
             account.queued = 0
             account.blocked.clear()
         self.queued = 0
-        self._picked = self._loose = None
+        self._picked = None
         return live
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
@@ -355,9 +369,6 @@ class FairLine(Generic[W]):
 
     def _flow(self, ticket: W, adopt: bool) -> _Flow:
         tenant = ticket.tenant
-        last = self._last
-        if last is not None and last.tenant is tenant and last.band.level == ticket.band:
-            return last
         key = (ticket.band, tenant.name)
         flow = self._flows.get(key)
         if flow is None:
@@ -374,8 +385,6 @@ class FairLine(Generic[W]):
             flow.tenant = tenant
             if flow.account.adopt(tenant):
                 self._unblock(flow.account)
-        if adopt:
-            self._last = flow
         return flow
 
     def _count(self, flow: _Flow, change: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -311,3 +312,60 @@ def test_drain_hands_back_every_live_waiter() -> None:
     assert set(line.drain()) == set(waiters[1:])
     assert len(line) == 0
     assert line.head() is None
+
+
+def expected_head(line: FairLine[Ticket]) -> Ticket | None:
+    """The head by brute force over every flow, from the line's own virtual times."""
+    best: tuple[int, float, int, Ticket] | None = None
+    for flow in line._flows.values():
+        live = [t for t in (*flow.front, *flow.line) if not t._future or not t._future.done()]
+        if not live:
+            continue
+        head = live[0]
+        account = flow.account
+        limit = account.max_active
+        if limit is not None and account.active and account.active + head.weight > limit:
+            continue
+        key = (-flow.band.level, -math.inf if head in flow.front else flow.vt, head.seq, head)
+        if best is None or key[:3] < best[:3]:
+            best = key  # type: ignore[assignment]
+    return best[3] if best is not None else None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_head_is_always_the_one_a_search_of_every_flow_finds(seed: int) -> None:
+    rng = random.Random(seed)
+    tenants = [
+        Tenant(f"t{n}", weight=rng.choice([0.5, 1, 3]), max_active=rng.choice([None, 1, 2]))
+        for n in range(12)
+    ]
+    line: FairLine[Ticket] = FairLine()
+    waiting: list[Ticket] = []
+    running: list[Ticket] = []
+    for _ in range(4_000):
+        action = rng.random()
+        if action < 0.45:
+            ticket = Ticket(rng.choice(tenants), band=rng.choice([BATCH, INTERACTIVE, 3]))
+            line.push(ticket)
+            waiting.append(ticket)
+        elif action < 0.55 and waiting:
+            ticket = waiting.pop(rng.randrange(len(waiting)))
+            cancel(line, ticket)
+        elif action < 0.85 and len(running) < 6:
+            head = line.head()
+            assert head is expected_head(line)
+            if head is not None:
+                assert line.pop_head() is head
+                waiting.remove(head)
+                line.granted(head)
+                running.append(head)
+        elif running:
+            ticket = running.pop(rng.randrange(len(running)))
+            line.released(ticket, rng.uniform(0, 3))
+            if rng.random() < 0.1:  # a failover: back in line, at the front
+                line.push_front(ticket)
+                waiting.append(ticket)
+        assert line.head() is expected_head(line)
+        assert len(line) == len(waiting)
+        for band in line._bands.values():
+            assert len(band.heap) <= 2 * band.flows + 64 + 1
