@@ -107,7 +107,7 @@ class _Account:
 
 
 class _Band:
-    __slots__ = ("flows", "heap", "level", "queued", "vt")
+    __slots__ = ("busy", "flows", "heap", "level", "queued", "vt")
 
     def __init__(self, level: int) -> None:
         self.level = level
@@ -115,6 +115,7 @@ class _Band:
         self.queued = 0  # live waiters
         self.vt = 0.0  # the virtual time of the latest grant
         self.flows = 0  # flows ever made in it, for the heap's bound
+        self.busy = 0  # flows with live waiters
 
 
 class _Flow:
@@ -163,6 +164,23 @@ class FairLine(Generic[W]):
         """(slots held, live waiters) of the tenant `name`."""
         account = self._accounts.get(name)
         return (account.active, account.queued) if account is not None else (0, 0)
+
+    def share(self, name: str) -> Share:
+        a = self._accounts.get(name)
+        if a is None:
+            return Share(name, 1.0, 0, 0, 0.0)
+        return Share(a.name, a.weight, a.active, a.queued, a.slot_s)
+
+    def position(self, ticket: W) -> int:
+        """About how many grants until `ticket`'s (1 for the next): everyone waiting in higher
+        bands, then its place in its tenant's flow times the tenants waiting in its band."""
+        flow = self._flows.get((ticket.band, ticket.tenant.name))
+        if flow is None or not flow.live:
+            return 1
+        ahead = sum(band.queued for band in self._bands.values() if band.level > ticket.band)
+        head = flow.front[0] if flow.front else flow.line[0]
+        place = 1 if ticket in flow.front else min(max(ticket.seq - head.seq + 1, 1), flow.live)
+        return ahead + 1 + (place - 1) * flow.band.busy
 
     def shares(self) -> list[Share]:
         return [
@@ -237,6 +255,7 @@ class FairLine(Generic[W]):
         if not flow.live:
             flow.line.clear()  # only leavers' tickets, if anything
             flow.front.clear()
+            band.busy += 1
             if flow.vt < band.vt:
                 flow.vt = band.vt  # back from idle: no credit banked
         flow.line.append(ticket)
@@ -274,6 +293,7 @@ class FairLine(Generic[W]):
         # and `head` moves an entry that is too early when it reaches the top.
         if not flow.live:
             flow.entry = None
+            flow.band.busy -= 1
         self._handed = ticket  # type: ignore[assignment]
         self._handed_flow = flow
         return ticket  # type: ignore[return-value]
@@ -319,6 +339,14 @@ class FairLine(Generic[W]):
             self._unblock(account)
         self._picked = None
 
+    def charge(self, tenant: Tenant, band: int, slot_s: float) -> None:
+        """Count `slot_s` slot-seconds against `tenant` in `band`, held outside this line (by
+        requests admitted before it existed)."""
+        flow = self._flows.get((band, tenant.name))
+        if flow is None:
+            flow = self._make(tenant, band)
+        flow.vt += slot_s / flow.account.weight
+
     def leave(self, ticket: W) -> None:
         """A waiter's future is done other than by a grant (gave up, refused): uncount it now;
         its ticket is dropped when it reaches its flow's head (or now, from the tail)."""
@@ -349,7 +377,7 @@ class FairLine(Generic[W]):
             flow.blocked = False
         for band in self._bands.values():
             band.heap.clear()
-            band.queued = 0
+            band.queued = band.busy = 0
         for account in self._accounts.values():
             account.queued = 0
             account.blocked.clear()
@@ -369,26 +397,33 @@ class FairLine(Generic[W]):
 
     def _flow(self, ticket: W, adopt: bool) -> _Flow:
         tenant = ticket.tenant
-        key = (ticket.band, tenant.name)
-        flow = self._flows.get(key)
+        flow = self._flows.get((ticket.band, tenant.name))
         if flow is None:
-            account = self._accounts.get(tenant.name)
-            if account is None:
-                account = self._accounts[tenant.name] = _Account(tenant, self._hold_s)
-            band = self._bands.get(ticket.band)
-            if band is None:
-                band = self._bands[ticket.band] = _Band(ticket.band)
-                bisect.insort(self._levels, ticket.band, key=lambda level: -level)
-            band.flows += 1
-            flow = self._flows[key] = _Flow(tenant, account, band)
+            flow = self._make(tenant, ticket.band)
         elif adopt and flow.tenant is not tenant:
             flow.tenant = tenant
             if flow.account.adopt(tenant):
                 self._unblock(flow.account)
         return flow
 
+    def _make(self, tenant: Tenant, level: int) -> _Flow:
+        account = self._accounts.get(tenant.name)
+        if account is None:
+            account = self._accounts[tenant.name] = _Account(tenant, self._hold_s)
+        band = self._bands.get(level)
+        if band is None:
+            band = self._bands[level] = _Band(level)
+            bisect.insort(self._levels, level, key=lambda level: -level)
+        band.flows += 1
+        flow = self._flows[(level, tenant.name)] = _Flow(tenant, account, band)
+        return flow
+
     def _count(self, flow: _Flow, change: int) -> None:
+        if not flow.live:
+            flow.band.busy += 1
         flow.live += change
+        if not flow.live:
+            flow.band.busy -= 1
         flow.account.queued += change
         flow.band.queued += change
         self.queued += change

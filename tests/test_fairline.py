@@ -369,3 +369,4 @@ def test_the_head_is_always_the_one_a_search_of_every_flow_finds(seed: int) -> N
         assert len(line) == len(waiting)
         for band in line._bands.values():
             assert len(band.heap) <= 2 * band.flows + 64 + 1
+            assert band.busy == sum(1 for f in line._flows.values() if f.band is band and f.live)
