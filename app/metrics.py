@@ -25,6 +25,7 @@ from .endpoints import ENDPOINTS, Kind
 
 REASONS = (
     "queue_full",
+    "tenant_queue_full",
     "queue_bytes_full",
     "queue_timeout",
     "client_gone",
