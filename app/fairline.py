@@ -10,7 +10,8 @@ slot-seconds they held. It can stand where the admission core keeps its FIFO lin
   burst of grants is spread over the tenants rather than all given to one; the release
   replaces it with the slot-seconds actually held / weight, so a long generation costs its
   tenant what it cost the others. A flow that comes back after being idle starts at its
-  band's virtual time (that of the latest grant), never behind it: it banks no credit.
+  band's virtual time (where the latest grant started, counting ended holds only), never
+  behind it: it banks no credit.
 - Inside a flow, first come first served; a ticket put back at the front (`push_front`, a
   failover) goes before every other waiter of its band.
 - A tenant at its `max_active` is passed over (its waiters keep their places) and the others
@@ -121,7 +122,10 @@ class _Band:
 class _Flow:
     """One tenant's waiters in one band."""
 
-    __slots__ = ("account", "band", "blocked", "entry", "front", "line", "live", "tenant", "vt")
+    __slots__ = (
+        "account", "band", "blocked", "entry", "front", "line", "live", "pending", "running",
+        "tenant", "vt",
+    )  # fmt: skip
 
     def __init__(self, tenant: Tenant, account: _Account, band: _Band) -> None:
         self.tenant = tenant  # the latest seen, for the push cache
@@ -131,6 +135,9 @@ class _Flow:
         self.front: deque[Waiter] = deque()  # put back by push_front, ahead of `line`
         self.live = 0
         self.vt = band.vt
+        #: Provisional charges of its grants still running (in `vt`), and how many they are.
+        self.pending = 0.0
+        self.running = 0
         self.entry: tuple[float, int, _Flow] | None = None  # its valid heap entry
         self.blocked = False
 
@@ -308,12 +315,18 @@ class FairLine(Generic[W]):
             if flow.vt < flow.band.vt:
                 flow.vt = flow.band.vt  # admitted without waiting: as if back from idle
         band = flow.band
-        if flow.vt > band.vt:
-            band.vt = flow.vt
+        # The band's clock follows what grants started at, counting only holds that ended: a
+        # provisional charge may be far off (the first estimate of a hold is a guess), and a
+        # clock run ahead on a guess would put a tenant that comes back behind the others.
+        start = flow.vt - flow.pending
+        if start > band.vt:
+            band.vt = start
         account = flow.account
         account.active += ticket.weight
         charge = account.hold_s * ticket.weight / account.weight
         flow.vt += charge
+        flow.pending += charge
+        flow.running += 1
         self._charges[ticket.seq] = (flow, charge)
         self._picked = None
 
@@ -330,6 +343,8 @@ class FairLine(Generic[W]):
         account.slot_s += slot_s
         correction = slot_s / account.weight - charge
         flow.vt += correction
+        flow.running -= 1
+        flow.pending = flow.pending - charge if flow.running else 0.0
         if held_s:
             account.hold_s += HOLD_EWMA_ALPHA * (held_s - account.hold_s)
             self._hold_s += HOLD_EWMA_ALPHA * (held_s - self._hold_s)

@@ -370,3 +370,18 @@ def test_the_head_is_always_the_one_a_search_of_every_flow_finds(seed: int) -> N
         for band in line._bands.values():
             assert len(band.heap) <= 2 * band.flows + 64 + 1
             assert band.busy == sum(1 for f in line._flows.values() if f.band is band and f.live)
+
+
+def test_a_tenant_back_from_idle_is_not_put_behind_by_a_wrong_first_guess_of_the_hold() -> None:
+    steady, returning = Tenant("steady"), Tenant("returning")
+    line: FairLine[Ticket] = FairLine(hold_s=100.0)  # holds turn out to take 1 s
+    run = Run(line, 2, lambda t: 1.0)
+    for ticket in tickets(steady, 300):
+        line.push(ticket)
+    run.dispatch()
+    run.until(lambda: run.now >= 20)
+    late = Ticket(returning)
+    line.push(late)
+    start = len(run.order)
+    run.until(lambda: late.granted_at is not None)
+    assert run.order.index(late) - start <= 2
