@@ -71,8 +71,10 @@ class Service:
             epsilon=settings.routing_epsilon,
         )
         self.fleet = Fleet(settings, self.admission, resolver)
-        self.metrics = Metrics(self.admission, lambda: self.fleet.ready)
         self.access = Access(settings.api_keys, settings.api_keys_file)
+        self.metrics = Metrics(
+            self.admission, lambda: self.fleet.ready, by_tenant=self.access.enabled
+        )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.admission.retune(roster.tenants))
         self.proxy = Proxy(settings, self.admission, self.fleet, self.metrics, self.access)

@@ -310,7 +310,7 @@ class Proxy:
                     await self._wait(request, answer, ticket)
                     self._let_go(request)
                 request.weight = ticket.weight
-                self._metrics.admit(request.route or "", ticket.wait_s)
+                self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
                 await self._forward_when_up(request, answer, ticket)
             except asyncio.CancelledError:
                 if watch.ours():
@@ -643,12 +643,12 @@ class Proxy:
         now = time.monotonic()
         if route is not None and request.outcome not in ("served", "upstream_error"):
             reason = request.outcome if request.outcome != "shutdown" else "upstream_unavailable"
-            self._metrics.rejected(route, reason)
+            self._metrics.rejected(route, reason, request.tenant.name)
         hold_s = None
         if ticket is not None and ticket.admitted_at is not None:
             hold_s = now - ticket.admitted_at
             if route is not None:
-                self._metrics.hold[route].observe(hold_s)
+                self._metrics.held(route, hold_s, request.tenant.name)
         if not access_log.isEnabledFor(logging.INFO):
             return
         access_log.info(
