@@ -183,7 +183,8 @@ class Metrics(Collector):
     `admit`, `rejected`, `held` (and `wait` and `hold`, everyone's) take a request's route (its
     path); every route of a family shares the family's histograms, so the lookup costs a
     request nothing more. With `by_tenant` (slotgate has keys) each series carries a `tenant`
-    label, the tenant's name, and a tenant's series appear once it has a sample in the family.
+    label, the tenant's name ("" for requests refused before a key was known), and a tenant's
+    series appear once it has a sample in the family.
     """
 
     def __init__(
@@ -247,7 +248,8 @@ class Metrics(Collector):
                 if tenant != EVERYONE.name:
                     continue
                 shown = list(FAMILIES)
-            named = [tenant] if by_tenant else []
+            # With keys, EVERYONE is a request refused before its key was known: no tenant.
+            named = [tenant if tenant != EVERYONE.name else ""] if by_tenant else []
             by_family = dict.fromkeys(shown, 0)
             for route, count in series.admitted.items():
                 if self._family[route] in by_family:

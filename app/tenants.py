@@ -188,6 +188,10 @@ def _tenant(where: str, name: str, table: object) -> tuple[Tenant, list[bytes]]:
         raise InvalidTenantsFile(
             f"{where}: tenant {name!r}: name: use 1 to 64 letters, digits, '.', '_' or '-'"
         )
+    if name == EVERYONE.name:
+        raise InvalidTenantsFile(
+            f"{where}: tenant {name!r}: name: {name!r} is slotgate's own, for no key; use another"
+        )
     if not isinstance(table, dict):
         raise fail("table", "must be a table of fields, [tenants.NAME]")
     for field in table:

@@ -143,6 +143,7 @@ def test_x_priority_may_lower_a_requests_band_but_never_raise_it(
         ('[tenants.a]\nsha256 = "abc"\n', "tenant 'a': sha256: must be 64 hex digits"),
         ('[tenants.a]\nkey = "k"\n[tenants.b]\nkey = "k"\n', "tenant 'b': key: the same key as"),
         ('[tenants."a b"]\nkey = "k"\n', "tenant 'a b': name: use 1 to 64 letters"),
+        ('[tenants.default]\nkey = "k"\n', "tenant 'default': name: 'default' is slotgate's"),
         ('[tenant.a]\nkey = "k"\n', "unknown top-level key 'tenant'"),
         ("", "no [tenants.NAME] table"),
         ("[tenants.a\n", "is not valid TOML"),

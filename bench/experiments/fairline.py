@@ -10,8 +10,14 @@ no event loop running (the futures are real asyncio futures, never awaited):
 - `deque`: today's line: `append` at the back; the head's `future.done()` read, `popleft`.
 - `push+pop`: `FairLine.push` and `head` + `pop_head`.
 - `cycle`: the same plus `granted` and `released` of the ticket popped, as each grant does.
-- `core handoff`: the whole admission core per request at the same depth, one slot held
-  (`bench.core.handoff`: enter, release, hand the slot on, wait), for scale.
+- `core_1_tenant` / `core_N_tenants`: the whole admission core per request at the same depth,
+  one slot held: a newcomer enters, the holder releases, the slot goes to the next waiter (by
+  the plain line with one tenant, by the fair line with N), whose wait returns. Both run the
+  same harness (a done-callback per waiter finds who was granted), so the difference between
+  them is the fair line's; `bench.core` measures the one-tenant core without that harness.
+
+Times are CPU time of this process (`time.process_time`), so that other processes on a busy
+machine do not count; best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from slotgate.admission import Admission, QueuePolicy
+from slotgate.admission import Ticket as CoreTicket
 from slotgate.fairline import FairLine
 from slotgate.tenants import Tenant
 
-from bench.core import handoff
 from bench.loop import run_loop
 
 
@@ -49,21 +56,21 @@ def _tickets(loop: asyncio.AbstractEventLoop, tenants: int, count: int) -> list[
 
 def deque_pairs(tickets: list[Ticket], depth: int) -> float:
     line: collections.deque[Ticket] = collections.deque(tickets[:depth])
-    started = time.perf_counter_ns()
+    started = time.process_time_ns()
     for ticket in tickets[depth:]:
         line.append(ticket)
         future = line[0]._future
         if future is not None and future.done():
             raise AssertionError
         line.popleft()
-    return (time.perf_counter_ns() - started) / (len(tickets) - depth)
+    return (time.process_time_ns() - started) / (len(tickets) - depth)
 
 
 def fair_pairs(tickets: list[Ticket], depth: int, cycle: bool) -> float:
     line: FairLine[Ticket] = FairLine()
     for ticket in tickets[:depth]:
         line.push(ticket)
-    started = time.perf_counter_ns()
+    started = time.process_time_ns()
     if cycle:
         for ticket in tickets[depth:]:
             line.push(ticket)
@@ -76,9 +83,39 @@ def fair_pairs(tickets: list[Ticket], depth: int, cycle: bool) -> float:
             line.push(ticket)
             line.head()
             line.pop_head()
-    elapsed = time.perf_counter_ns() - started
+    elapsed = time.process_time_ns() - started
     assert len(line) == depth
     return elapsed / (len(tickets) - depth)
+
+
+async def core_pairs(tenants: int, depth: int, pairs: int) -> float:
+    """ns per request through the admission core at `depth` waiters of `tenants` tenants."""
+    admission = Admission(QueuePolicy(max_queue=0), capacity=1)
+    names = [Tenant(f"t{n}", weight=1 + n % 3) for n in range(tenants)]
+    granted: collections.deque[CoreTicket] = collections.deque()
+
+    def enter(n: int) -> CoreTicket:
+        ticket = admission.enter(tenant=names[n % tenants])
+        future = ticket._future
+        if future is not None:
+            future.add_done_callback(lambda _, t=ticket: granted.append(t))
+        return ticket
+
+    holder = enter(0)
+    for n in range(depth):
+        enter(n + 1)
+    assert admission.queued == depth
+    started = time.process_time_ns()
+    for n in range(pairs):
+        enter(n)
+        holder.release()
+        await asyncio.sleep(0)
+        holder = granted.popleft()
+        await holder.wait()
+    elapsed = time.process_time_ns() - started
+    assert admission.queued == depth
+    assert (admission._fair is None) == (tenants == 1)
+    return elapsed / pairs
 
 
 def best(repeats: int, measure: Callable[[], float]) -> float:
@@ -105,8 +142,10 @@ def main() -> None:
                 results[name] = best(repeats, partial(fair_pairs, tickets, depth, cycle))
     finally:
         loop.close()
-    pairs_s = run_loop(handoff(ops, depth))
-    results["core_handoff_ns"] = round(1e9 / pairs_s, 1)
+    for tenants in (1, args.tenants):
+        runs = [run_loop(core_pairs(tenants, depth, ops // 4)) for _ in range(repeats)]
+        label = f"{tenants}_tenant{'s' if tenants > 1 else ''}"
+        results[f"core_{label}_ns"] = round(min(runs), 1)
     results["waiters"] = depth
     print(json.dumps(results))
 
