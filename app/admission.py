@@ -602,7 +602,12 @@ class Admission:
             if not waiting and self._grant(ticket):
                 ticket.admitted_at = ticket.entered_at
                 return ticket
-        elif fair.head() is None and self._may_run(fair, ticket) and self._grant(ticket):
+        elif (
+            self._active + weight <= self._capacity  # cheap, and enough to rule most out
+            and fair.head() is None
+            and self._may_run(fair, ticket)
+            and self._grant(ticket)
+        ):
             fair.granted(ticket)
             ticket.admitted_at = ticket.entered_at
             return ticket
@@ -842,7 +847,8 @@ class Admission:
         return True
 
     def _dispatch(self) -> None:
-        if self._capacity is None:
+        capacity = self._capacity
+        if capacity is None:
             return
         fair = self._fair
         if fair is not None:
@@ -854,6 +860,8 @@ class Admission:
                 self._waiting -= 1
                 assert head._future is not None  # noqa: S101 - every ticket in line has one
                 head._future.set_result(None)
+                if self._active >= capacity:
+                    return  # full: no need to find the next head
             return
         line = self._line
         while line:
