@@ -243,8 +243,8 @@ class Ticket:
     way out; an earlier `release()` is fine (a second one does nothing)."""
 
     __slots__ = (
-        "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "band",
-        "charged", "cost", "costed", "entered_at", "pool", "rerouted", "seq", "tenant", "weight",
+        "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "charged",
+        "cost", "costed", "entered_at", "pool", "rerouted", "seq", "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -255,13 +255,11 @@ class Ticket:
         cost: int = 0,
         affinity: int | None = None,
         tenant: Tenant = EVERYONE,
-        band: int = 1,
     ) -> None:
         self._admission = admission
         self.weight = weight
-        #: Whom it is for, and the band it waits in (app/tenants.py).
+        #: Whom it is for (app/tenants.py); its band is the band it waits in.
         self.tenant = tenant
-        self.band = band
         largest = admission._largest_budget
         self.cost = cost if largest is None else min(cost, largest)
         #: The cost was estimated against a budget (False: it entered before any bound, so
@@ -282,6 +280,10 @@ class Ticket:
     @property
     def admitted(self) -> bool:
         return self.admitted_at is not None
+
+    @property
+    def band(self) -> int:
+        return self.tenant.band
 
     @property
     def granted(self) -> bool:
@@ -444,7 +446,6 @@ class Admission:
         # with limits, moves the waiters to a fair line for good (`_share`).
         self._fair: FairLine[Ticket] | None = None
         self._solo: Tenant | None = None
-        self._solo_band = 0
         self._next_seq = 0
         self._hold_ewma_s = INITIAL_HOLD_S
         self._expected = 0  # holds expected so far; -1 once a real one has been observed
@@ -580,13 +581,13 @@ class Admission:
         """
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
-        if band is None:
-            band = tenant.band
+        if band is not None and band != tenant.band:
+            tenant = tenant.lowered(band)
         fair = self._fair
-        if fair is None and (tenant is not self._solo or band != self._solo_band):
-            fair = self._share(tenant, band)
+        if tenant is not self._solo and fair is None:
+            fair = self._share(tenant)
         if self._capacity is None:
-            return self._enter_unknown(weight, cost, weigh, affinity, tenant, band)
+            return self._enter_unknown(weight, cost, weigh, affinity, tenant)
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
             weight = weigh(self._largest)
@@ -595,7 +596,7 @@ class Admission:
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, band)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits
         # (nobody who may run, with tenants: one at its max_active may not).
         if fair is None:
@@ -642,7 +643,6 @@ class Admission:
                     limited = tenant.max_active is not None or tenant.max_queued is not None
                     # None: the next request of anyone moves the line to a fair one.
                     self._solo = None if limited else tenant
-                    self._solo_band = tenant.band
         if self._fair is not None:
             self._fair.retune(tenants)
             self._dispatch()
@@ -671,7 +671,6 @@ class Admission:
         weigh: Callable[[int], int] | None,
         affinity: int | None,
         tenant: Tenant,
-        band: int,
     ) -> Ticket:
         if self._startup_wait_s is None:
             raise NotReady(self.snapshot(), 1.0)
@@ -680,7 +679,7 @@ class Admission:
             raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
         seq = self._next_seq
         self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, band)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         fair = self._fair
@@ -877,18 +876,18 @@ class Admission:
             self._waiting -= 1
             future.set_result(None)
 
-    def _share(self, tenant: Tenant, band: int) -> FairLine[Ticket] | None:
+    def _share(self, tenant: Tenant) -> FairLine[Ticket] | None:
         """The first request: its tenant may have the line to itself. Any other: the line
         becomes a fair one, with whoever waits in it, in their order."""
         if self._solo is None and tenant.max_active is None and tenant.max_queued is None:
-            self._solo, self._solo_band = tenant, band
+            self._solo = tenant
             return None
         fair = self._fair = FairLine(self._hold_ewma_s)
         solo = self._solo
         if solo is not None and self._active:
             # The slots held now are the solo tenant's: charged as an average hold each (not
             # counted as held: it had no limits).
-            fair.charge(solo, self._solo_band, self._active * self._hold_ewma_s)
+            fair.charge(solo, solo.band, self._active * self._hold_ewma_s)
         for ticket in self._line:
             if not _gone(ticket):
                 fair.push(ticket)

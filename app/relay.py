@@ -288,7 +288,7 @@ class Proxy:
             weigh,
             taken.affinity,
             tenant=tenant,
-            band=tenant.band if head.priority is None else tenant.band_for(head.priority),
+            band=None if head.priority is None else tenant.band_for(head.priority),
         )
         if ticket.admitted:
             self._let_go(request)

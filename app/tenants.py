@@ -59,6 +59,13 @@ class Tenant:
     max_active: int | None = None
     max_queued: int | None = None
 
+    def lowered(self, band: int) -> Tenant:
+        """The same tenant for a request in a lower `band` (X-Priority); itself for any
+        other."""
+        if band >= self.band:
+            return self
+        return Tenant(self.name, self.weight, band, self.max_active, self.max_queued)
+
     def band_for(self, priority: bytes | None) -> int:
         """The band a request runs in: the tenant's, or a lower one its X-Priority asks for.
         A value that names no band is ignored."""
