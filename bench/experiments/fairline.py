@@ -1,6 +1,12 @@
 """The fair line's own cost per waiter, beside the plain FIFO deque it would replace.
 
     python -m bench.experiments.fairline [--ops 200000] [--waiters 10000] [--tenants 1000]
+    python -m bench.experiments.fairline --against DIR [--pairs 20000] [--rounds 15]
+
+`--against DIR` compares the one-tenant admission core with another commit's instead: DIR
+holds that commit's package as `DIR/app` (`git archive main app | tar -x -C DIR`); both run in
+this process, in alternating rounds, per pair of `bench.core`'s kinds (fast: enter + release
+with nobody waiting; handoff at depth 0 and at `--waiters`; churn: a waiter that gives up).
 
 Issue 19: the ordering core must stay O(log tenants) or better per operation at 10,000
 waiters and 1,000 tenants, and the one-tenant case must not cost the admission core more than
@@ -25,10 +31,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import importlib
+import importlib.util
 import json
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 from slotgate.admission import Admission, QueuePolicy
 from slotgate.admission import Ticket as CoreTicket
@@ -118,6 +129,75 @@ async def core_pairs(tenants: int, depth: int, pairs: int) -> float:
     return elapsed / pairs
 
 
+def other_core(folder: str) -> Any:
+    """The admission module of the slotgate copy in `folder`/app, imported as `slotother`."""
+    init = Path(folder) / "app" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "slotother", init, submodule_search_locations=[str(init.parent)]
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["slotother"] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module("slotother.admission")
+
+
+async def core_kinds(core: Any, pairs: int, depth: int) -> dict[str, float]:
+    """ns per pair of each of bench.core's kinds, for the admission module `core`."""
+
+    def fresh() -> Any:
+        return core.Admission(core.QueuePolicy(max_queue=0), capacity=1)
+
+    figures: dict[str, float] = {}
+    admission = fresh()
+    started = time.process_time_ns()
+    for _ in range(pairs):
+        admission.enter().release()
+    figures["fast"] = (time.process_time_ns() - started) / pairs
+    for level in (0, depth):
+        admission = fresh()
+        holder = admission.enter()
+        line = collections.deque(admission.enter() for _ in range(level))
+        started = time.process_time_ns()
+        for _ in range(pairs):
+            line.append(admission.enter())
+            holder.release()
+            holder = line.popleft()
+            await holder.wait()
+        figures[f"handoff_{level}"] = (time.process_time_ns() - started) / pairs
+    admission = fresh()
+    admission.enter()
+    for _ in range(depth):
+        admission.enter()
+    started = time.process_time_ns()
+    for _ in range(pairs):
+        admission.enter().release()
+    figures[f"churn_{depth}"] = (time.process_time_ns() - started) / pairs
+    return figures
+
+
+async def against(folder: str, pairs: int, depth: int, rounds: int) -> dict[str, Any]:
+    import slotgate.admission as ours
+
+    theirs = other_core(folder)
+    runs: dict[str, list[dict[str, float]]] = {"this": [], "other": []}
+    for n in range(rounds):
+        order = [("this", ours), ("other", theirs)]
+        for name, core in order if n % 2 else order[::-1]:
+            runs[name].append(await core_kinds(core, pairs, depth))
+    result: dict[str, Any] = {}
+    for kind in runs["this"][0]:
+        this = min(run[kind] for run in runs["this"])
+        other = min(run[kind] for run in runs["other"])
+        result[kind] = {
+            "this_ns": round(this),
+            "other_ns": round(other),
+            "change_pct": round(100 * (this / other - 1), 1),
+        }
+    return result
+
+
 def best(repeats: int, measure: Callable[[], float]) -> float:
     return round(min(measure() for _ in range(repeats)), 1)
 
@@ -128,7 +208,13 @@ def main() -> None:
     parser.add_argument("--waiters", type=int, default=10_000)
     parser.add_argument("--tenants", type=int, default=1_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--against", metavar="DIR")
+    parser.add_argument("--pairs", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
+    if args.against:
+        print(json.dumps(run_loop(against(args.against, args.pairs, args.waiters, args.rounds))))
+        return
     loop = asyncio.new_event_loop()
     try:
         depth, ops, repeats = args.waiters, args.ops, args.repeats
