@@ -975,12 +975,14 @@ class Admission:
         share = fair.share(tenant.name)
         if share.queued < limit:
             return
-        # Its places free up as its own slots turn over: at most max_active of them.
-        capacity = self._capacity or 1
-        slots = min(tenant.max_active or capacity, capacity)
-        eta_s = self._hold_ewma_s * (share.queued + 1 - limit) / slots
+        # A place of its own frees when its first waiter is granted: about one slot in as many
+        # as there are tenants waiting in its band (or in as many as it has slots to wait for
+        # under its own max_active), among the slots that free next.
+        turn = fair.busy(tenant.band)
+        if tenant.max_active is not None:
+            turn = max(turn, (self._capacity or 1) // tenant.max_active)
         snapshot = dataclasses.replace(self.snapshot(), tenant=share)
-        raise TenantQueueFull(snapshot, min(max(eta_s, 1.0), RETRY_AFTER_CAP_S))
+        raise TenantQueueFull(snapshot, self.retry_after_s(turn + share.queued - limit))
 
     def _position(self, seq: int) -> int:
         line = self._line

@@ -178,6 +178,11 @@ class FairLine(Generic[W]):
             return Share(name, 1.0, 0, 0, 0.0)
         return Share(a.name, a.weight, a.active, a.queued, a.slot_s)
 
+    def busy(self, level: int) -> int:
+        """How many tenants have waiters in the band `level`."""
+        band = self._bands.get(level)
+        return band.busy if band is not None else 0
+
     def position(self, ticket: W) -> int:
         """About how many grants until `ticket`'s (1 for the next): everyone waiting in higher
         bands, then its place in its tenant's flow times the tenants waiting in its band."""
