@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import time
 
 import pytest
@@ -215,3 +217,62 @@ async def test_a_waiters_position_counts_the_other_tenants_turns() -> None:
     assert chat[1].position == 3  # the flood's next one goes between
     assert flood[3].position == 7
     assert flood[9].position == 12  # never past the whole line
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_work_of_many_tenants_keeps_every_count_and_limit(seed: int) -> None:
+    rng = random.Random(seed)
+    tenants = [
+        Tenant(f"t{n}", weight=rng.choice([1, 2]), band=rng.choice([BATCH, 1, 3]),
+               max_active=rng.choice([None, 1, 2]), max_queued=rng.choice([None, 3]))
+        for n in range(6)
+    ]  # fmt: skip
+    admission = pool(4, max_queue=40)
+    tickets: list[Ticket] = []
+    for _ in range(1_500):
+        action = rng.random()
+        if action < 0.4:
+            tenant = rng.choice(tenants)
+            band = rng.choice([None, None, BATCH])
+            with contextlib.suppress(QueueFull):
+                tickets.append(admission.enter(tenant=tenant, band=band))
+        elif action < 0.55 and tickets:
+            tickets.pop(rng.randrange(len(tickets))).release()  # a waiter leaves, or a holder
+        elif action < 0.85:
+            held = [t for t in tickets if t.granted]
+            if held:
+                ticket = rng.choice(held)
+                tickets.remove(ticket)
+                ticket.release()
+        elif action < 0.9:
+            held = [t for t in tickets if t.granted]
+            if held:
+                rng.choice(held).reroute(time.monotonic() + 5)
+        else:
+            admission.resize(rng.choice([2, 4, 6]))
+        live = [t for t in tickets if not t._released]
+        granted = [t for t in live if t.granted]
+        waiting = [t for t in live if not t.granted]
+        assert admission.active == sum(t.weight for t in granted)
+        assert admission.queued == len(waiting)
+        fair = admission._fair
+        if fair is not None:
+            assert fair.queued == len(waiting)
+            for tenant in tenants:
+                mine = [t for t in granted if t.tenant.name == tenant.name]
+                queued = [t for t in waiting if t.tenant.name == tenant.name]
+                active = admission.tenant_counts(tenant.name)[0]
+                assert admission.tenant_counts(tenant.name)[1] == len(queued)
+                # Slots held from before the line turned fair are not counted.
+                assert active <= len(mine)
+                if tenant.max_active is not None:
+                    assert active <= tenant.max_active
+        # Work conservation: a slot is free only if nobody waiting may run.
+        capacity = admission.capacity or 0
+        if admission.active < capacity and fair is not None:
+            head = fair.head()
+            assert head is None or head.weight > capacity - admission.active
+    assert admission._fair is not None
+    for ticket in tickets:
+        ticket.release()
+    assert (admission.active, admission.queued) == (0, 0)
