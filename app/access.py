@@ -1,39 +1,36 @@
-"""API keys: who may use slotgate, checked in constant time before anything else happens."""
+"""API keys: who may use slotgate, and as which tenant, checked before anything else happens."""
 
 from __future__ import annotations
 
-import hmac
+from collections.abc import Iterable
+from pathlib import Path
 
 from .errors import Unauthorized
+from .tenants import EVERYONE, Tenant, Tenants
 
 #: Paths that answer without a key: liveness and readiness probes, and llama-server's /health.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v1/health"})
 
 
 class Access:
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self._keys = tuple(key.encode() for key in keys)
+    """The keys of API_KEYS and API_KEYS_FILE (app/tenants.py); one per app, shared by the
+    routes and the proxy, so that a reload (SIGHUP) reaches both."""
+
+    def __init__(self, keys: Iterable[str] = (), path: Path | None = None) -> None:
+        self.tenants = Tenants(keys, path)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return self.tenants.keyed
 
-    def check(self, path: str, authorization: bytes | None, api_key: bytes | None) -> None:
-        """Raise Unauthorized unless the request carries one of the keys (or needs none)."""
-        if not self._keys or path in OPEN_PATHS:
-            return
-        presented = api_key
-        if authorization is not None:
-            scheme, _, token = authorization.partition(b" ")
-            if scheme.lower() == b"bearer":
-                presented = token.strip()
-        if presented is not None:
-            # Compare against every key, so the time taken says nothing about which matched.
-            matched = False
-            for key in self._keys:
-                matched |= hmac.compare_digest(presented, key)
-            if matched:
-                return
-        raise Unauthorized(
-            "missing or invalid API key; send Authorization: Bearer <key> or X-Api-Key"
-        )
+    def check(self, path: str, authorization: bytes | None, api_key: bytes | None) -> Tenant:
+        """The tenant of the request's key; raise Unauthorized unless it carries one of the
+        keys (or needs none: then EVERYONE). Keys are compared in constant time."""
+        if not self.tenants.keyed or path in OPEN_PATHS:
+            return EVERYONE
+        tenant = self.tenants.identify(authorization, api_key)
+        if tenant is None:
+            raise Unauthorized(
+                "missing or invalid API key; send Authorization: Bearer <key> or X-Api-Key"
+            )
+        return tenant

@@ -17,14 +17,17 @@ capacity then admits them in arrival order, as any release would.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .fairline import FairLine, Share
 from .routing import choose, stable_hash
+from .tenants import EVERYONE, Tenant
 
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
 #: and gives up past 120 s, so the estimate is capped well below both.
@@ -50,6 +53,8 @@ class Snapshot:
     #: The KV-cache budget in tokens (None: it does not bind), and what admitted requests hold.
     budget_tokens: int | None = None
     committed_tokens: int = 0
+    #: The refused request's tenant, when its own limit refused it (TenantQueueFull).
+    tenant: Share | None = None
 
     @property
     def free(self) -> int:
@@ -81,6 +86,10 @@ class ShuttingDown(AdmissionError):
 
 class QueueFull(AdmissionError):
     """The line is at its limit."""
+
+
+class TenantQueueFull(QueueFull):
+    """The request's tenant has max_queued waiters in the line already; others still get in."""
 
 
 class QueueTimeout(AdmissionError):
@@ -193,7 +202,7 @@ class Pool:
         if budget is not None and not admission._budgeted:
             # Waiters already in line came at no cost: what they take is unknown, so each is
             # charged the whole budget of the pool it gets.
-            for ticket in admission._line:
+            for ticket in admission._in_line():
                 ticket.costed = False
             admission._budgeted = True
         self.budget = budget
@@ -238,7 +247,7 @@ class Ticket:
 
     __slots__ = (
         "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "charged",
-        "cost", "costed", "entered_at", "pool", "rerouted", "seq", "weight",
+        "cost", "costed", "entered_at", "pool", "rerouted", "seq", "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -248,9 +257,12 @@ class Ticket:
         seq: int,
         cost: int = 0,
         affinity: int | None = None,
+        tenant: Tenant = EVERYONE,
     ) -> None:
         self._admission = admission
         self.weight = weight
+        #: Whom it is for (app/tenants.py); its band is the band it waits in.
+        self.tenant = tenant
         largest = admission._largest_budget
         self.cost = cost if largest is None else min(cost, largest)
         #: The cost was estimated against a budget (False: it entered before any bound, so
@@ -273,6 +285,10 @@ class Ticket:
         return self.admitted_at is not None
 
     @property
+    def band(self) -> int:
+        return self.tenant.band
+
+    @property
     def granted(self) -> bool:
         """The slots are this ticket's, even if its waiter has not resumed yet."""
         return self.pool is not None
@@ -286,6 +302,9 @@ class Ticket:
         """1-based place in the line (approximate after cancellations ahead); 0 once admitted."""
         if self.admitted:
             return 0
+        fair = self._admission._fair
+        if fair is not None:
+            return min(fair.position(self), self._admission._waiting)
         return self._admission._position(self.seq)
 
     async def wait(self) -> None:
@@ -331,8 +350,13 @@ class Ticket:
         self._known_by = known_by
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._future = future
-        # Admitted before everybody still waiting, so its place is the head.
-        admission._line.appendleft(self)
+        # Admitted before everybody still waiting, so its place is the head (of its band).
+        fair = admission._fair
+        if fair is None:
+            admission._line.appendleft(self)
+        else:
+            fair.released(self, hold_s)
+            fair.push_front(self)
         admission._waiting += 1
         admission._release(self, pool, self.weight, hold_s)
 
@@ -373,6 +397,8 @@ class Ticket:
             pool.committed -= self.charged
             admitted_at = self.admitted_at
             hold_s = None if admitted_at is None else time.monotonic() - admitted_at
+            if admission._fair is not None:
+                admission._fair.released(self, hold_s)
             return admission._release(self, pool, self.weight, hold_s)
         future = self._future
         if future is None:
@@ -380,7 +406,7 @@ class Ticket:
         # Refused by resize or close (an exception set) means already out of the count.
         counted = not future.done() or future.cancelled()
         future.cancel()
-        admission._leave(counted)
+        admission._leave(self, counted)
         return False
 
 
@@ -417,7 +443,12 @@ class Admission:
         self._awaiting_known = 0
         self._active = 0
         self._line: deque[Ticket] = deque()
-        self._waiting = 0  # the live entries of _line
+        self._waiting = 0  # the live entries of _line (or of _fair)
+        # While every request is one tenant's, in one band (always, without keys), the line is
+        # the plain deque above; the first request of another tenant or band, or of a tenant
+        # with limits, moves the waiters to a fair line for good (`_share`).
+        self._fair: FairLine[Ticket] | None = None
+        self._solo: Tenant | None = None
         self._next_seq = 0
         self._hold_ewma_s = INITIAL_HOLD_S
         self._expected = 0  # holds expected so far; -1 once a real one has been observed
@@ -587,6 +618,9 @@ class Admission:
         cost: int = 0,
         weigh: Callable[[int], int] | None = None,
         affinity: int | None = None,
+        *,
+        tenant: Tenant = EVERYONE,
+        band: int | None = None,
     ) -> Ticket:
         """Take `weight` slots of one pool and `cost` tokens of its budget now, or a place in
         the line, or raise why neither is possible.
@@ -595,12 +629,18 @@ class Admission:
         nothing else holds tokens), rather than never. `weigh(largest)` (when given: the
         request was read while no capacity was known) gives the weight once one is; it may
         raise to refuse the request (here, or from the waiter's `wait`). `affinity` is the
-        request's routing key (app/routing.py).
+        request's routing key (app/routing.py). `tenant` is whom it is for, `band` the band it
+        waits in (its tenant's unless lower, app/tenants.py).
         """
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
+        if band is not None and band != tenant.band:
+            tenant = tenant.lowered(band)
+        fair = self._fair
+        if tenant is not self._solo and fair is None:
+            fair = self._share(tenant)
         if self._capacity is None:
-            return self._enter_unknown(weight, cost, weigh, affinity)
+            return self._enter_unknown(weight, cost, weigh, affinity, tenant)
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
             weight = weigh(self._largest)
@@ -609,17 +649,56 @@ class Admission:
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
-        ticket = Ticket(self, weight, seq, cost, affinity)
-        # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits.
-        if not waiting and self._grant(ticket):
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
+        # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits
+        # (nobody who may run, with tenants: one at its max_active may not).
+        if fair is None:
+            if not waiting and self._grant(ticket):
+                ticket.admitted_at = ticket.entered_at
+                return ticket
+        elif (
+            self._active + weight <= self._capacity  # cheap, and enough to rule most out
+            and fair.head() is None
+            and self._may_run(fair, ticket)
+            and self._grant(ticket)
+        ):
+            fair.granted(ticket)
             ticket.admitted_at = ticket.entered_at
             return ticket
         if self._limit is not None and waiting >= self._limit:
             raise QueueFull(self.snapshot(), self._promise_s())
         ticket._future = asyncio.get_running_loop().create_future()
-        self._line.append(ticket)
+        if fair is None:
+            self._line.append(ticket)
+        else:
+            self._check_tenant(fair, ticket)
+            fair.push(ticket)
         self._waiting = waiting + 1
         return ticket
+
+    def tenant_counts(self, name: str) -> tuple[int, int]:
+        """(slots held, waiters) of the tenant `name`."""
+        fair = self._fair
+        if fair is not None:
+            return fair.counts(name)
+        solo = self._solo
+        if solo is not None and solo.name == name:
+            return self._active, self._waiting
+        return 0, 0
+
+    def retune(self, tenants: Iterable[Tenant]) -> None:
+        """Reloaded tenants (API_KEYS_FILE on SIGHUP): their weights and limits from now on."""
+        tenants = tuple(tenants)
+        solo = self._solo
+        if solo is not None:
+            for tenant in tenants:
+                if tenant.name == solo.name:
+                    limited = tenant.max_active is not None or tenant.max_queued is not None
+                    # None: the next request of anyone moves the line to a fair one.
+                    self._solo = None if limited else tenant
+        if self._fair is not None:
+            self._fair.retune(tenants)
+            self._dispatch()
 
     def close(self) -> None:
         """Take no new work and turn every waiter away (shutdown)."""
@@ -630,11 +709,21 @@ class Admission:
             if future is not None and not future.done():
                 self._waiting -= 1
                 future.set_exception(error)
+        if self._fair is not None:
+            for ticket in self._fair.drain():
+                assert ticket._future is not None  # noqa: S101 - every ticket in line has one
+                self._waiting -= 1
+                ticket._future.set_exception(error)
 
     # -- the capacity-unknown path ------------------------------------------------------------
 
     def _enter_unknown(
-        self, weight: int, cost: int, weigh: Callable[[int], int] | None, affinity: int | None
+        self,
+        weight: int,
+        cost: int,
+        weigh: Callable[[int], int] | None,
+        affinity: int | None,
+        tenant: Tenant,
     ) -> Ticket:
         if self._startup_wait_s is None:
             raise NotReady(self.snapshot(), 1.0)
@@ -643,10 +732,15 @@ class Admission:
             raise QueueFull(self.snapshot(), self._promise_s())
         seq = self._next_seq
         self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
-        self._line.append(ticket)
+        fair = self._fair
+        if fair is None:
+            self._line.append(ticket)
+        else:
+            self._check_tenant(fair, ticket)
+            fair.push(ticket)
         self._waiting = waiting + 1
         if weigh is not None:
             unsized = self._unsized
@@ -658,7 +752,7 @@ class Admission:
     def _weigh_unsized(self, largest: int) -> None:
         """A capacity is known: weigh whoever entered without one, in place in the line."""
         unsized, self._unsized = self._unsized, {}
-        for ticket in self._line:
+        for ticket in self._in_line():
             future = ticket._future
             assert future is not None  # noqa: S101 - every ticket in line has one
             weigh = unsized.get(future)
@@ -669,6 +763,8 @@ class Admission:
             except Exception as exc:  # the caller's refusal, handed to its waiter
                 self._waiting -= 1
                 future.set_exception(exc)
+                if self._fair is not None:
+                    self._fair.leave(ticket)
 
     async def _until_known(self, ticket: Ticket) -> None:
         """Wait in line while no capacity is known, for at most the startup wait (and the
@@ -718,21 +814,29 @@ class Admission:
         self._limit = self._policy.limit(self._capacity)
         if self._unsized:
             self._weigh_unsized(largest)
-        for ticket in self._line:
+        for ticket in self._in_line():
             future = ticket._future
             if ticket.weight > largest and future is not None and not future.done():
                 self._waiting -= 1
                 future.set_exception(TooLarge(self.snapshot(), ticket.weight))
+                if self._fair is not None:
+                    self._fair.leave(ticket)
         self._dispatch()
 
     def _forget(self, pool: Pool) -> None:
         """Drop retired pools that nobody holds slots of any more."""
         self._pools = [p for p in self._pools if not (p.retired and p.active == 0)]
 
-    def _leave(self, counted: bool) -> None:
+    def _leave(self, ticket: Ticket, counted: bool) -> None:
         """A waiter gave up (its future is cancelled or was refused)."""
         if counted:
             self._waiting -= 1
+        fair = self._fair
+        if fair is not None:
+            if counted:  # one refused was uncounted there when refused
+                fair.leave(ticket)
+            self._dispatch()
+            return
         line = self._line
         while line and _gone(line[-1]):
             line.pop()
@@ -802,7 +906,21 @@ class Admission:
         return True
 
     def _dispatch(self) -> None:
-        if self._capacity is None:
+        capacity = self._capacity
+        if capacity is None:
+            return
+        fair = self._fair
+        if fair is not None:
+            while (head := fair.head()) is not None:
+                if not self._grant(head):
+                    return
+                fair.pop_head()
+                fair.granted(head)
+                self._waiting -= 1
+                assert head._future is not None  # noqa: S101 - every ticket in line has one
+                head._future.set_result(None)
+                if self._active >= capacity:
+                    return  # full: no need to find the next head
             return
         line = self._line
         while line:
@@ -817,6 +935,55 @@ class Admission:
             line.popleft()
             self._waiting -= 1
             future.set_result(None)
+
+    def _share(self, tenant: Tenant) -> FairLine[Ticket] | None:
+        """The first request: its tenant may have the line to itself. Any other: the line
+        becomes a fair one, with whoever waits in it, in their order."""
+        if self._solo is None and tenant.max_active is None and tenant.max_queued is None:
+            self._solo = tenant
+            return None
+        fair = self._fair = FairLine(self._hold_ewma_s)
+        solo = self._solo
+        if solo is not None and self._active:
+            # The slots held now are the solo tenant's: charged as an average hold each (not
+            # counted as held: it had no limits).
+            fair.charge(solo, solo.band, self._active * self._hold_ewma_s)
+        for ticket in self._line:
+            if not _gone(ticket):
+                fair.push(ticket)
+        self._line.clear()
+        return fair
+
+    def _in_line(self) -> Iterable[Ticket]:
+        """Every ticket in the line, those that left included, in a list when fair (so that
+        the caller may refuse some as it goes)."""
+        return self._line if self._fair is None else list(self._fair.tickets())
+
+    def _may_run(self, fair: FairLine[Ticket], ticket: Ticket) -> bool:
+        """Is `ticket`'s tenant under its max_active (or holding nothing)?"""
+        limit = ticket.tenant.max_active
+        if limit is None:
+            return True
+        active = fair.counts(ticket.tenant.name)[0]
+        return not active or active + ticket.weight <= limit
+
+    def _check_tenant(self, fair: FairLine[Ticket], ticket: Ticket) -> None:
+        """TenantQueueFull when `ticket`'s tenant has its max_queued waiters already."""
+        tenant = ticket.tenant
+        limit = tenant.max_queued
+        if limit is None:
+            return
+        share = fair.share(tenant.name)
+        if share.queued < limit:
+            return
+        # A place of its own frees when its first waiter is granted: about one slot in as many
+        # as there are tenants waiting in its band (or in as many as it has slots to wait for
+        # under its own max_active), among the slots that free next.
+        turn = fair.busy(tenant.band)
+        if tenant.max_active is not None:
+            turn = max(turn, (self._capacity or 1) // tenant.max_active)
+        snapshot = dataclasses.replace(self.snapshot(), tenant=share)
+        raise TenantQueueFull(snapshot, self.retry_after_s(turn + share.queued - limit))
 
     def _position(self, seq: int) -> int:
         line = self._line

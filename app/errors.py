@@ -21,6 +21,7 @@ from .admission import (
     QueueTimeout,
     ShuttingDown,
     Snapshot,
+    TenantQueueFull,
     TooLarge,
 )
 from .asgi import Headers
@@ -168,6 +169,16 @@ def route_refusal(status: int, message: str) -> Refusal:
 def _admission_refusal(exc: AdmissionError) -> Refusal:
     snap = exc.snapshot
     counts = f"active={snap.active}, queued={snap.queued}, capacity={snap.capacity}"
+    if isinstance(exc, TenantQueueFull) and snap.tenant is not None:
+        own = snap.tenant
+        message = (
+            f"tenant {own.name} has {own.queued} requests waiting already, its limit "
+            f"(max_queued; active={own.active}); retry after Retry-After"
+        )
+        return Refusal(
+            429, "rate_limit_error", "tenant_queue_full", message, "tenant_queue_full", None,
+            exc.retry_after_s, snap,
+        )  # fmt: skip
     if isinstance(exc, QueueFull):
         message = f"llama-server generation queue is full ({counts}); retry after Retry-After"
         return Refusal(
@@ -211,6 +222,9 @@ def admission_body(snapshot: Snapshot, retry_after_s: float | None) -> dict[str,
         body["budget_tokens"] = snapshot.budget_tokens
         body["committed_tokens"] = snapshot.committed_tokens
         body["free_tokens"] = snapshot.free_tokens
+    if snapshot.tenant is not None:
+        own = snapshot.tenant
+        body["tenant"] = {"name": own.name, "active": own.active, "queued": own.queued}
     if retry_after_s is not None:
         body["retry_after_s"] = round(retry_after_s, 3)
     return body

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -70,9 +71,13 @@ class Service:
             epsilon=settings.routing_epsilon,
         )
         self.fleet = Fleet(settings, self.admission, resolver)
-        self.metrics = Metrics(self.admission, lambda: self.fleet.ready)
-        self.proxy = Proxy(settings, self.admission, self.fleet, self.metrics)
-        self.access = Access(settings.api_keys)
+        self.access = Access(settings.api_keys, settings.api_keys_file)
+        self.metrics = Metrics(
+            self.admission, lambda: self.fleet.ready, by_tenant=self.access.enabled
+        )
+        # A reload (SIGHUP) reaches the line: weights and limits from then on.
+        self.access.tenants.listeners.append(lambda roster: self.admission.retune(roster.tenants))
+        self.proxy = Proxy(settings, self.admission, self.fleet, self.metrics, self.access)
         self.draining = False
 
     def drain(self) -> None:
@@ -130,7 +135,26 @@ class Service:
                 }
                 for upstream in self.fleet
             ],
+            "tenants": self.tenants(),
         }
+
+    def tenants(self) -> list[dict[str, Any]]:
+        """Each tenant by name (never a key), its share and what it holds and waits for."""
+        shown = []
+        for tenant in self.access.tenants.roster.tenants:
+            active, queued = self.admission.tenant_counts(tenant.name)
+            shown.append(
+                {
+                    "name": tenant.name,
+                    "band": tenant.band,
+                    "weight": tenant.weight,
+                    "max_active": tenant.max_active,
+                    "max_queued": tenant.max_queued,
+                    "active": active,
+                    "queued": queued,
+                }
+            )
+        return shown
 
 
 def create_app(settings: Settings | None = None, resolver: Resolver | None = None) -> Gateway:
@@ -141,10 +165,13 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        service.access.tenants.install(loop)  # API_KEYS_FILE is read again on SIGHUP
         await service.fleet.start()
         try:
             yield
         finally:
+            service.access.tenants.uninstall(loop)
             service.drain()
             await service.fleet.close()
 

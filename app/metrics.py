@@ -22,9 +22,11 @@ from prometheus_client.registry import Collector
 
 from .admission import Admission
 from .endpoints import ENDPOINTS, Kind
+from .tenants import EVERYONE
 
 REASONS = (
     "queue_full",
+    "tenant_queue_full",
     "queue_bytes_full",
     "queue_timeout",
     "client_gone",
@@ -151,65 +153,126 @@ class _Histogram:
         return cumulative
 
 
-class Metrics(Collector):
-    """One registry per app, so that several apps (tests) never share series.
+class _Series:
+    """One tenant's request series (everyone's, without keys); routes of a family share the
+    family's histograms."""
 
-    `admit`, `rejected`, `wait` and `hold` take a request's route (its path); every route of a
-    family shares the family's histograms, so the lookup costs a request nothing more.
-    """
+    __slots__ = ("admitted", "histograms", "hold", "rejected", "wait")
 
-    def __init__(self, admission: Admission, ready: Callable[[], bool]) -> None:
-        self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
+    def __init__(self, family_of: dict[str, str]) -> None:
         self.admitted = dict.fromkeys(ENDPOINTS, 0)
         waits = {family: _Histogram() for family in FAMILIES}
         holds = {family: _Histogram() for family in FAMILIES}
-        self.wait = {route: waits[family] for route, family in self._family.items()}
-        self.hold = {route: holds[family] for route, family in self._family.items()}
-        self._histograms = {"wait": waits, "hold": holds}
-        self._rejected: dict[tuple[str, str], int] = {}
+        self.wait = {route: waits[family] for route, family in family_of.items()}
+        self.hold = {route: holds[family] for route, family in family_of.items()}
+        self.histograms = {"wait": waits, "hold": holds}
+        self.rejected: dict[tuple[str, str], int] = {}
+
+    def families(self, family_of: dict[str, str]) -> set[str]:
+        """The families it has any sample of."""
+        used = {family_of[route] for route, count in self.admitted.items() if count}
+        used.update(family_of[route] for route, _ in self.rejected)
+        for histograms in self.histograms.values():
+            used.update(family for family, h in histograms.items() if any(h.counts))
+        return used
+
+
+class Metrics(Collector):
+    """One registry per app, so that several apps (tests) never share series.
+
+    `admit`, `rejected`, `held` (and `wait` and `hold`, everyone's) take a request's route (its
+    path); every route of a family shares the family's histograms, so the lookup costs a
+    request nothing more. With `by_tenant` (slotgate has keys) each series carries a `tenant`
+    label, the tenant's name ("" for requests refused before a key was known), and a tenant's
+    series appear once it has a sample in the family.
+    """
+
+    def __init__(
+        self, admission: Admission, ready: Callable[[], bool], *, by_tenant: bool = False
+    ) -> None:
+        self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
+        self._by_tenant = by_tenant
+        self._series: dict[str, _Series] = {}
+        everyone = self._of(EVERYONE.name)
+        self.admitted = everyone.admitted
+        self.wait = everyone.wait
+        self.hold = everyone.hold
+        self._rejected = everyone.rejected
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(admission, ready))
         self.registry.register(self)
 
-    def admit(self, route: str, wait_s: float) -> None:
-        self.admitted[route] += 1
-        self.wait[route].observe(wait_s)
+    def _of(self, tenant: str) -> _Series:
+        series = self._series.get(tenant)
+        if series is None:
+            series = self._series[tenant] = _Series(self._family)
+        return series
 
-    def rejected(self, route: str, reason: str) -> None:
+    def admit(self, route: str, wait_s: float, tenant: str = EVERYONE.name) -> None:
+        series = self._series.get(tenant) or self._of(tenant)
+        series.admitted[route] += 1
+        series.wait[route].observe(wait_s)
+
+    def held(self, route: str, hold_s: float, tenant: str = EVERYONE.name) -> None:
+        (self._series.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
+
+    def rejected(self, route: str, reason: str, tenant: str = EVERYONE.name) -> None:
+        rejected = (self._series.get(tenant) or self._of(tenant)).rejected
         key = (route, reason)
-        self._rejected[key] = self._rejected.get(key, 0) + 1
+        rejected[key] = rejected.get(key, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
+        by_tenant = self._by_tenant
+        labels = ["family", "tenant"] if by_tenant else ["family"]
         admitted = CounterMetricFamily(
-            "slotgate_requests_admitted", "Requests given slots", labels=["family"]
+            "slotgate_requests_admitted", "Requests given slots", labels=labels
         )
-        by_family = dict.fromkeys(FAMILIES, 0)
-        for route, count in self.admitted.items():
-            by_family[self._family[route]] += count
-        for family, count in by_family.items():
-            admitted.add_metric([family], count)
-        yield admitted
         rejected = CounterMetricFamily(
             "slotgate_requests_rejected", "Admitted-route requests that were not served",
-            labels=["family", "reason"],
+            labels=[*labels, "reason"],
         )  # fmt: skip
-        # Every reason from the start, at 0: rate() then sees the first rejection, and an alert
-        # on queue_full reads 0 rather than nothing.
-        counts = {(family, reason): 0 for family in FAMILIES for reason in REASONS}
-        for (route, reason), count in self._rejected.items():
-            key = (self._family[route], reason)
-            counts[key] = counts.get(key, 0) + count
-        for (family, reason), count in counts.items():
-            rejected.add_metric([family, reason], count)
+        histograms = {
+            kind: HistogramMetricFamily(name, doc, labels=labels)
+            for name, doc, kind in (
+                ("slotgate_queue_wait_seconds", "Time from arrival to admission", "wait"),
+                ("slotgate_slot_hold_seconds", "Time slots were held", "hold"),
+            )
+        }
+        for tenant, series in self._series.items():
+            if by_tenant:
+                families = series.families(self._family)
+                if not families:
+                    continue
+                shown = [family for family in FAMILIES if family in families]
+            else:
+                if tenant != EVERYONE.name:
+                    continue
+                shown = list(FAMILIES)
+            # With keys, EVERYONE is a request refused before its key was known: no tenant.
+            named = [tenant if tenant != EVERYONE.name else ""] if by_tenant else []
+            by_family = dict.fromkeys(shown, 0)
+            for route, count in series.admitted.items():
+                if self._family[route] in by_family:
+                    by_family[self._family[route]] += count
+            for family, count in by_family.items():
+                admitted.add_metric([family, *named], count)
+            # Every reason from the start, at 0: rate() then sees the first rejection, and an
+            # alert on queue_full reads 0 rather than nothing.
+            counts = {(family, reason): 0 for family in shown for reason in REASONS}
+            for (route, reason), count in series.rejected.items():
+                key = (self._family[route], reason)
+                counts[key] = counts.get(key, 0) + count
+            for (family, reason), count in counts.items():
+                rejected.add_metric([family, *named, reason], count)
+            for kind, family_histograms in series.histograms.items():
+                for family in shown:
+                    histogram = family_histograms[family]
+                    histograms[kind].add_metric(
+                        [family, *named], histogram.buckets(), histogram.sum
+                    )
+        yield admitted
         yield rejected
-        for name, doc, kind in (
-            ("slotgate_queue_wait_seconds", "Time from arrival to admission", "wait"),
-            ("slotgate_slot_hold_seconds", "Time slots were held", "hold"),
-        ):
-            histograms = HistogramMetricFamily(name, doc, labels=["family"])
-            for family, histogram in self._histograms[kind].items():
-                histograms.add_metric([family], histogram.buckets(), histogram.sum)
-            yield histograms
+        yield from histograms.values()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

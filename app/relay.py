@@ -134,13 +134,14 @@ class Proxy:
         admission: Admission,
         fleet: Fleet,
         metrics: Metrics,
+        access: Access | None = None,
     ) -> None:
         self._admission = admission
         self._fleet = fleet
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
         self._metrics = metrics
-        self._access = Access(settings.api_keys)
+        self._access = access or Access(settings.api_keys, settings.api_keys_file)
         self._gated = settings.admission_control
         self._body_limit = settings.max_body_bytes
         # Bytes of gated bodies not yet admitted (being read, parsed, or waiting in the queue),
@@ -157,7 +158,7 @@ class Proxy:
         if not settings.forward_conversation_id:
             self._drop.add(b"x-conversation-id")
         # Whoever checks or supplies credentials keeps the client's to itself.
-        if settings.api_keys or settings.llama_api_key is not None:
+        if self._access.enabled or settings.llama_api_key is not None:
             self._drop |= _CREDENTIALS
         self._auth = fleet.primary.auth
 
@@ -207,7 +208,7 @@ class Proxy:
             # it without a key and it starts nothing; so it passes, bodiless, unchecked.
             request.body = await preflight_body(receive, head.content_length)
         else:
-            self._access.check(path, head.authorization, head.api_key)
+            request.tenant = self._access.check(path, head.authorization, head.api_key)
             count = partial(self._count, request) if request.gated else None
             request.body = await read_body(receive, head.content_length, self._body_limit, count)
 
@@ -280,8 +281,14 @@ class Proxy:
             self._admission.expect(taken.expected_hold_s)
         request.weight = want.weight
         cost = taken.estimate
+        tenant = request.tenant
         ticket = self._admission.enter(
-            want.weight, cost.reserve if cost else 0, weigh, taken.affinity
+            want.weight,
+            cost.reserve if cost else 0,
+            weigh,
+            taken.affinity,
+            tenant=tenant,
+            band=None if head.priority is None else tenant.band_for(head.priority),
         )
         if ticket.admitted:
             self._let_go(request)
@@ -303,7 +310,7 @@ class Proxy:
                     await self._wait(request, answer, ticket)
                     self._let_go(request)
                 request.weight = ticket.weight
-                self._metrics.admit(request.route or "", ticket.wait_s)
+                self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
                 await self._forward_when_up(request, answer, ticket)
             except asyncio.CancelledError:
                 if watch.ours():
@@ -636,12 +643,12 @@ class Proxy:
         now = time.monotonic()
         if route is not None and request.outcome not in ("served", "upstream_error"):
             reason = request.outcome if request.outcome != "shutdown" else "upstream_unavailable"
-            self._metrics.rejected(route, reason)
+            self._metrics.rejected(route, reason, request.tenant.name)
         hold_s = None
         if ticket is not None and ticket.admitted_at is not None:
             hold_s = now - ticket.admitted_at
             if route is not None:
-                self._metrics.hold[route].observe(hold_s)
+                self._metrics.held(route, hold_s, request.tenant.name)
         if not access_log.isEnabledFor(logging.INFO):
             return
         access_log.info(
@@ -649,6 +656,7 @@ class Proxy:
             request.method, request.path, answer.status, request.outcome,
             extra={
                 "request_id": request.id,
+                "tenant": request.tenant.name,
                 "route": route,
                 "outcome": request.outcome,
                 "status": answer.status,

@@ -18,6 +18,7 @@ from .assembly import Assembly
 from .cost import Estimate
 from .endpoints import Endpoint
 from .errors import BadRequest, Flavor, HeadersTooLarge, PayloadTooLarge
+from .tenants import EVERYONE
 
 if TYPE_CHECKING:
     from .upstream import Upstream
@@ -46,7 +47,7 @@ class Request:
 
     __slots__ = (
         "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held_bytes", "id",
-        "method", "origin", "outcome", "path", "query", "started", "stream", "ticket",
+        "method", "origin", "outcome", "path", "query", "started", "stream", "tenant", "ticket",
         "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
@@ -69,6 +70,8 @@ class Request:
         self.assembly: Assembly | None = None
         self.origin: bytes | None = None  # its Origin, for answers slotgate makes itself
         self.ticket: Ticket | None = None
+        #: Whom it is for: its key's tenant (app/tenants.py); EVERYONE without keys.
+        self.tenant = EVERYONE
         #: Its reservation of the KV-cache budget, when a budget binds (app/cost.py).
         self.estimate: Estimate | None = None
         self.weight = 0
@@ -93,7 +96,7 @@ class Head:
 
     __slots__ = (
         "api_key", "authorization", "connection_named", "content_length", "content_type",
-        "origin", "raw",
+        "origin", "priority", "raw",
     )  # fmt: skip
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
@@ -103,6 +106,7 @@ class Head:
         self.content_length: int | None = None
         self.content_type = ""
         self.origin: bytes | None = None
+        self.priority: bytes | None = None  # X-Priority: a lower band asked for
         self.connection_named = _NONE_NAMED
         size = 0
         for name, value in raw:
@@ -123,6 +127,8 @@ class Head:
                 self.authorization = value
             elif name == b"x-api-key":
                 self.api_key = value
+            elif name == b"x-priority":
+                self.priority = value
             elif name == b"origin":
                 # llama-server reads the first; one value only, so both sides read the same.
                 if self.origin is not None:

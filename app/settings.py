@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .admission import QueuePolicy
+from .tenants import InvalidTenantsFile, roster
 
 MIB = 1024 * 1024
 
@@ -112,6 +113,11 @@ class Settings(BaseSettings):
     api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="Comma-separated keys clients must present; unset = open."
     )
+    api_keys_file: Path | None = Field(
+        None,
+        description="TOML file of tenants: per key a name, weight, band, max_active and "
+        "max_queued; reloaded on SIGHUP; unset = each API_KEYS key is a tenant of weight 1.",
+    )
     max_body_bytes: int = Field(
         32 * MIB, ge=1, le=2**31, description="Largest request body accepted, in bytes."
     )
@@ -185,6 +191,19 @@ class Settings(BaseSettings):
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _tenants_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            try:
+                roster(path=value)
+            except InvalidTenantsFile as exc:
+                # The message names the file already; describe() puts the variable first.
+                raise ValueError(
+                    str(exc).removeprefix(f"API_KEYS_FILE {value}").lstrip(": ")
+                ) from None
         return value
 
     @field_validator("log_level", "log_format", "routing", mode="before")

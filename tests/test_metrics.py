@@ -153,3 +153,34 @@ def test_slotgates_own_series_pass_promtool(capacity: int | None) -> None:
         [promtool, "check", "metrics"], input=metrics.render(), capture_output=True, check=False
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_with_keys_request_series_carry_the_tenant_by_name_once_it_has_a_sample() -> None:
+    metrics = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True, by_tenant=True)
+    metrics.admit(ROUTE, 0.2, "chat")
+    metrics.held(ROUTE, 1.4, "chat")
+    metrics.rejected("/v1/embeddings", "tenant_queue_full", "jobs")
+    text = metrics.render()
+    assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="chat"}') == 1
+    assert sample(text, 'slotgate_queue_wait_seconds_count{family="chat",tenant="chat"}') == 1
+    assert sample(text, 'slotgate_slot_hold_seconds_sum{family="chat",tenant="chat"}') == 1.4
+    assert (
+        sample(
+            text,
+            'slotgate_requests_rejected_total{family="embedding",reason="tenant_queue_full",'
+            'tenant="jobs"}',
+        )
+        == 1
+    )
+    assert (
+        sample(
+            text,
+            'slotgate_requests_rejected_total{family="chat",reason="queue_full",tenant="chat"}',
+        )
+        == 0
+    )
+    # Only the families a tenant used, and no tenant without a sample.
+    assert 'family="rerank"' not in text.decode()
+    assert 'tenant=""' not in text.decode()
+    for name in ("slotgate_requests_admitted_total{", "slotgate_slot_hold_seconds_count{"):
+        assert all("tenant=" in line for line in series(text, name))

@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 import pytest
+from slotgate.tenants import label
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
@@ -206,10 +207,14 @@ async def test_refusals_before_the_body_is_read_count_under_their_route_in_its_s
     )
     assert too_big.status_code == 413
     metrics = (await client.get(gate.url + "/metrics", headers=key)).text
-    for reason, family in (("unauthorized", "messages"),
-                           ("unauthorized", "chat"),
-                           ("bad_request", "chat")):  # fmt: skip
-        line = f'slotgate_requests_rejected_total{{family="{family}",reason="{reason}"}} 1.0'
+    # With keys, series carry the tenant: none before the key was known, else the key's.
+    for reason, family, tenant in (("unauthorized", "messages", ""),
+                                   ("unauthorized", "chat", ""),
+                                   ("bad_request", "chat", label(b"k1"))):  # fmt: skip
+        line = (
+            f'slotgate_requests_rejected_total{{family="{family}",reason="{reason}",'
+            f'tenant="{tenant}"}} 1.0'
+        )
         assert line in metrics
     assert standin.seen == []
 

@@ -1,0 +1,278 @@
+"""The admission core with tenants: the line turns fair when a second tenant or band comes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+
+import pytest
+from slotgate.admission import (
+    Admission,
+    QueueFull,
+    QueuePolicy,
+    ShuttingDown,
+    TenantQueueFull,
+    Ticket,
+)
+from slotgate.tenants import BATCH, Tenant
+
+FLOOD = Tenant("flood")
+CHAT = Tenant("chat")
+
+
+def pool(capacity: int = 1, **policy: int | None) -> Admission:
+    return Admission(QueuePolicy(**policy), capacity=capacity)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def waiters(
+    admission: Admission, tenant: Tenant, count: int, band: int | None = None
+) -> list[Ticket]:
+    return [admission.enter(tenant=tenant, band=band) for _ in range(count)]
+
+
+async def served(admission: Admission, holder: Ticket, line: list[Ticket]) -> list[Ticket]:
+    """Release the holder, then each newly admitted one, until the line is empty: the order
+    in which `line` was served."""
+    order: list[Ticket] = []
+    while True:
+        holder.release()
+        await settle()
+        admitted = [t for t in line if t.granted and t not in order]
+        if not admitted:
+            return order
+        assert len(admitted) == 1
+        order.append(admitted[0])
+        holder = admitted[0]
+
+
+async def test_one_tenant_keeps_todays_plain_line() -> None:
+    admission = pool(1)
+    holder = admission.enter(tenant=CHAT)
+    line = waiters(admission, CHAT, 20)
+    assert admission._fair is None
+    assert await served(admission, holder, line) == line
+
+
+async def test_a_second_tenant_is_served_before_a_flood_already_waiting() -> None:
+    admission = pool(1)
+    holder = admission.enter(tenant=FLOOD)
+    flood = waiters(admission, FLOOD, 50)
+    tasks = [asyncio.create_task(t.wait()) for t in flood]
+    chat = admission.enter(tenant=CHAT)
+    chat_task = asyncio.create_task(chat.wait())
+    await settle()
+    assert admission.tenant_counts("flood") == (0, 50)
+    assert admission.tenant_counts("chat") == (0, 1)
+    holder.release()
+    await chat_task
+    assert chat.admitted
+    assert not any(t.granted for t in flood)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert admission.queued == 0
+
+
+async def test_the_waiters_in_line_keep_their_order_when_the_line_turns_fair() -> None:
+    admission = pool(1)
+    holder = admission.enter(tenant=FLOOD)
+    flood = waiters(admission, FLOOD, 5)
+    flood[2].release()  # gave up before the line turned fair
+    batch = admission.enter(tenant=FLOOD, band=BATCH)
+    assert admission._fair is not None
+    assert admission.queued == 5
+    order = await served(admission, holder, [*flood, batch])
+    assert order == [flood[0], flood[1], flood[3], flood[4], batch]
+
+
+async def test_a_lowered_band_waits_behind_the_same_tenants_own_chat() -> None:
+    admission = pool(1)
+    holder = admission.enter(tenant=CHAT)
+    background = waiters(admission, CHAT, 3, band=BATCH)
+    foreground = waiters(admission, CHAT, 2)
+    assert await served(admission, holder, [*background, *foreground]) == [
+        *foreground,
+        *background,
+    ]
+
+
+async def test_a_tenant_at_max_queued_is_refused_while_others_still_get_in() -> None:
+    capped = Tenant("capped", max_queued=2)
+    admission = pool(1, max_queue=10)
+    holder = admission.enter(tenant=capped)
+    waiters(admission, capped, 2)
+    with pytest.raises(TenantQueueFull) as refused:
+        admission.enter(tenant=capped)
+    snapshot = refused.value.snapshot
+    assert snapshot.tenant is not None
+    assert (snapshot.tenant.name, snapshot.tenant.active, snapshot.tenant.queued) == (
+        "capped",
+        1,
+        2,
+    )
+    assert snapshot.queued == 2
+    assert refused.value.retry_after_s >= 1
+    other = admission.enter(tenant=CHAT)
+    assert admission.queued == 3
+    other.release()
+    holder.release()
+
+
+async def test_the_global_line_limit_still_holds_with_tenants() -> None:
+    admission = pool(1, max_queue=3)
+    admission.enter(tenant=FLOOD)
+    waiters(admission, FLOOD, 2)
+    admission.enter(tenant=CHAT)
+    with pytest.raises(QueueFull) as refused:
+        admission.enter(tenant=CHAT)
+    assert not isinstance(refused.value, TenantQueueFull)
+
+
+async def test_a_tenant_at_max_active_waits_while_another_takes_the_free_slot() -> None:
+    capped = Tenant("capped", max_active=1)
+    admission = pool(3)
+    first = admission.enter(tenant=capped)
+    second = admission.enter(tenant=capped)
+    assert first.admitted
+    assert not second.admitted
+    # Slots are free and the only waiter may not run: a newcomer takes one at once.
+    other = admission.enter(tenant=CHAT)
+    assert other.admitted
+    assert admission.tenant_counts("capped") == (1, 1)
+    task = asyncio.create_task(second.wait())
+    first.release()
+    await task
+    assert admission.tenant_counts("capped") == (1, 0)
+
+
+async def test_a_reload_that_lifts_max_active_admits_at_once() -> None:
+    admission = pool(2)
+    first = admission.enter(tenant=Tenant("capped", max_active=1))
+    second = admission.enter(tenant=Tenant("capped", max_active=1))
+    task = asyncio.create_task(second.wait())
+    await settle()
+    assert not second.admitted
+    admission.retune([Tenant("capped", max_active=2)])
+    await task
+    assert second.admitted
+    first.release()
+    second.release()
+
+
+async def test_a_ticket_sent_back_by_its_upstream_is_next_in_a_fair_line() -> None:
+    admission = pool(1)
+    first = admission.enter(tenant=CHAT)
+    flood = waiters(admission, FLOOD, 3)
+    more_chat = admission.enter(tenant=CHAT)
+    first.reroute(time.monotonic() + 5)
+    # Back at the head of the line, it got the slot it gave back at once.
+    assert (admission.active, admission.queued) == (1, 4)
+    assert first.granted
+    await first.wait()
+    assert first.admitted
+    assert not any(t.granted for t in [*flood, more_chat])
+
+
+async def test_shutdown_turns_away_every_waiter_of_a_fair_line() -> None:
+    admission = pool(1)
+    admission.enter(tenant=CHAT)
+    line = [*waiters(admission, FLOOD, 3), *waiters(admission, CHAT, 2)]
+    admission.close()
+    for ticket in line:
+        with pytest.raises(ShuttingDown):
+            await ticket.wait()
+    assert admission.queued == 0
+
+
+async def test_a_waiter_who_gives_up_leaves_its_tenants_count_and_is_skipped() -> None:
+    admission = pool(1)
+    holder = admission.enter(tenant=CHAT)
+    flood = waiters(admission, FLOOD, 3)
+    admission.enter(tenant=CHAT)
+    task = asyncio.create_task(flood[0].wait())
+    await settle()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert admission.tenant_counts("flood") == (0, 2)
+    assert admission.queued == 3
+    holder.release()  # the flood is furthest behind: its next live waiter
+    assert flood[1].granted
+    assert admission.tenant_counts("flood") == (1, 1)
+    assert admission.queued == 2
+
+
+async def test_a_waiters_position_counts_the_other_tenants_turns() -> None:
+    admission = pool(1)
+    admission.enter(tenant=FLOOD)
+    flood = waiters(admission, FLOOD, 10)
+    chat = waiters(admission, CHAT, 2)
+    assert chat[0].position == 1
+    assert chat[1].position == 3  # the flood's next one goes between
+    assert flood[3].position == 7
+    assert flood[9].position == 12  # never past the whole line
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_random_work_of_many_tenants_keeps_every_count_and_limit(seed: int) -> None:
+    rng = random.Random(seed)
+    tenants = [
+        Tenant(f"t{n}", weight=rng.choice([1, 2]), band=rng.choice([BATCH, 1, 3]),
+               max_active=rng.choice([None, 1, 2]), max_queued=rng.choice([None, 3]))
+        for n in range(6)
+    ]  # fmt: skip
+    admission = pool(4, max_queue=40)
+    tickets: list[Ticket] = []
+    for _ in range(1_500):
+        action = rng.random()
+        if action < 0.4:
+            tenant = rng.choice(tenants)
+            band = rng.choice([None, None, BATCH])
+            with contextlib.suppress(QueueFull):
+                tickets.append(admission.enter(tenant=tenant, band=band))
+        elif action < 0.55 and tickets:
+            tickets.pop(rng.randrange(len(tickets))).release()  # a waiter leaves, or a holder
+        elif action < 0.85:
+            held = [t for t in tickets if t.granted]
+            if held:
+                ticket = rng.choice(held)
+                tickets.remove(ticket)
+                ticket.release()
+        elif action < 0.9:
+            held = [t for t in tickets if t.granted]
+            if held:
+                rng.choice(held).reroute(time.monotonic() + 5)
+        else:
+            admission.resize(rng.choice([2, 4, 6]))
+        live = [t for t in tickets if not t._released]
+        granted = [t for t in live if t.granted]
+        waiting = [t for t in live if not t.granted]
+        assert admission.active == sum(t.weight for t in granted)
+        assert admission.queued == len(waiting)
+        fair = admission._fair
+        if fair is not None:
+            assert fair.queued == len(waiting)
+            for tenant in tenants:
+                mine = [t for t in granted if t.tenant.name == tenant.name]
+                queued = [t for t in waiting if t.tenant.name == tenant.name]
+                active = admission.tenant_counts(tenant.name)[0]
+                assert admission.tenant_counts(tenant.name)[1] == len(queued)
+                # Slots held from before the line turned fair are not counted.
+                assert active <= len(mine)
+                if tenant.max_active is not None:
+                    assert active <= tenant.max_active
+        # Work conservation: a slot is free only if nobody waiting may run.
+        capacity = admission.capacity or 0
+        if admission.active < capacity and fair is not None:
+            head = fair.head()
+            assert head is None or head.weight > capacity - admission.active
+    assert admission._fair is not None
+    for ticket in tickets:
+        ticket.release()
+    assert (admission.active, admission.queued) == (0, 0)
