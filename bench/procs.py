@@ -86,6 +86,8 @@ class Server:
     process: subprocess.Popen[bytes]
     log: Path
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    #: More ports the same process serves (a stand-in playing several upstreams).
+    extra_ports: list[int] = field(default_factory=list)
 
     def pids(self) -> list[int]:
         return descendants(self.process.pid)
