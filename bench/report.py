@@ -461,7 +461,7 @@ def _fleet_markdown(s: dict[str, Any]) -> list[str]:
             f"({cache.get('ctx_per_slot')} tokens each), {cache.get('systems')} system prompts, "
             f"{cache.get('conversations')} conversations x {cache.get('turns')} turns, "
             f"max_tokens {cache.get('max_tokens')}, {cache.get('clients')} clients at once; "
-            "engines restarted before each contender.",
+            f"engines restarted before each contender; --swa-full: {cache.get('swa_full')}.",
             "",
         ]
         rows = []

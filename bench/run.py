@@ -302,6 +302,7 @@ class Bench:
                         sizes.fleet_engines,
                         sizes.fleet_engine_slots,
                         sizes.fleet_ctx_size,
+                        bool(sizes.fleet_swa_full),
                         notes=self.notes,
                     ),
                 )

@@ -73,6 +73,7 @@ class Sizes:
     fleet_engines: int = 3
     fleet_engine_slots: int = 2
     fleet_ctx_size: int = 2048
+    fleet_swa_full: int = 1  # 1: the engines run with llama-server's --swa-full (bench/fleet.py)
     fleet_systems: int = 4
     fleet_system_words: int = 260
     fleet_conversations: int = 12
