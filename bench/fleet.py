@@ -51,12 +51,16 @@ from bench.contenders import (
 )
 from bench.loadgen import chat_body, closed_loop, request_bytes
 from bench.loop import run_loop
-from bench.procs import CLIENT_CORE, SERVER_CORE, Server, free_port, spawn
+from bench.procs import CLIENT_CORE, Server, free_port, spawn
 from bench.stats import percentile, ratio
 
 CHAT = "/v1/chat/completions"
-#: What routes each fleet-cache contender, in the order they run.
+#: What routes each fleet-cache contender, in the order they run. `slotgate-affinity-eps=X`
+#: is slotgate-affinity with ROUTING_EPSILON=X.
 CACHE_CONTENDERS = ("slotgate-affinity", "slotgate-least-loaded", "nginx-least-conn")
+_ROUTED = re.compile(
+    r'^slotgate_upstream_routed_total\{[^}]*reason="(\w+)"[^}]*\}\s+(\S+)', re.MULTILINE
+)
 _DEFERRED = re.compile(rb"^llamacpp:requests_deferred\s+(\S+)", re.MULTILINE)
 _PROMPT_TOKENS = re.compile(rb"^llamacpp:prompt_tokens_total\s+(\S+)", re.MULTILINE)
 #: llama.cpp's /slots and /metrics post a task each; scraping faster disturbs it (LLAMA_SERVER).
@@ -123,14 +127,19 @@ def system_prompts(count: int, words: int, seed: int = 18) -> list[str]:
 
 @dataclass(frozen=True)
 class Workload:
-    """Conversations over shared system prompts, each played turn by turn by one client."""
+    """Conversations over shared system prompts, each played turn by turn by its own client:
+    conversation i starts i * `stagger_s` in, and its user reads each answer for a think time
+    drawn from [0.5, 1.5] x `think_s` (seeded, so every contender sees the same schedule).
+    At most `clients` conversations run at once."""
 
     systems: int = 4
     conversations: int = 12
     turns: int = 4
     max_tokens: int = 16
-    clients: int = 6
+    clients: int = 12
     system_words: int = 260
+    think_s: float = 3.0
+    stagger_s: float = 0.5
 
     def prompts(self) -> list[str]:
         return system_prompts(self.systems, self.system_words)
@@ -201,8 +210,8 @@ async def play(url: str, workload: Workload) -> tuple[list[Answer], float]:
     import aiohttp
 
     systems = workload.prompts()
-    queue = list(range(workload.conversations))
     answers: list[Answer] = []
+    room = asyncio.Semaphore(workload.clients)
     timeout = aiohttp.ClientTimeout(total=900)
     # A connection per request: llama-server closes its own after every streamed answer, and a
     # client racing that close would fail requests that no contender caused.
@@ -210,11 +219,14 @@ async def play(url: str, workload: Workload) -> tuple[list[Answer], float]:
         connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout
     ) as session:
 
-        async def client() -> None:
-            while queue:
-                conversation = queue.pop(0)
+        async def converse(conversation: int) -> None:
+            think = random.Random(conversation)
+            await asyncio.sleep(conversation * workload.stagger_s)
+            async with room:
                 messages = [{"role": "system", "content": systems[conversation % len(systems)]}]
                 for turn in range(workload.turns):
+                    if turn:
+                        await asyncio.sleep(think.uniform(0.5, 1.5) * workload.think_s)
                     messages.append(
                         {"role": "user", "content": workload.question(conversation, turn)}
                     )
@@ -230,7 +242,7 @@ async def play(url: str, workload: Workload) -> tuple[list[Answer], float]:
                     messages.append({"role": "assistant", "content": reply})
 
         started = time.monotonic()
-        await asyncio.gather(*(client() for _ in range(workload.clients)))
+        await asyncio.gather(*(converse(index) for index in range(workload.conversations)))
         return answers, time.monotonic() - started
 
 
@@ -239,7 +251,8 @@ async def play(url: str, workload: Workload) -> tuple[list[Answer], float]:
 
 @dataclass
 class Engines:
-    """Local llama.cpp engines, each on its own port, all on the server core (they play GPUs)."""
+    """Local llama.cpp engines, each on its own port, free to run on every core: three engines
+    of one thread on one core would leave each a third of it."""
 
     servers: list[Server] = field(default_factory=list)
 
@@ -265,7 +278,7 @@ def start_engines(
                 "--ctx-size", str(ctx_size), "--chat-template", "gemma", "--batch-1",
             ] + (["--swa-full"] if swa_full else [])  # fmt: skip
             name = f"llama-{tag}-{index}"
-            engines.servers.append(spawn(name, command, port, SERVER_CORE, logs, cwd=REPO))
+            engines.servers.append(spawn(name, command, port, None, logs, cwd=REPO))
         for server in engines.servers:
             await_ready(server, "/health", 180)
     except BaseException:
@@ -412,6 +425,8 @@ def cache(
         "turns": workload.turns,
         "max_tokens": workload.max_tokens,
         "clients": workload.clients,
+        "think_s": workload.think_s,
+        "stagger_s": workload.stagger_s,
     }
     for name in contenders:
         if name.startswith("nginx") and nginx_binary() is None:
@@ -436,22 +451,39 @@ def _cache_one(
 ) -> dict[str, Any]:
     engines = start_engines(logs, count, slots, ctx_size, name, swa_full)
     try:
-        # The gate sits with the client, as in scenario 6: the engines own the server core.
+        # The gate sits on the client's core, as in scenario 6.
         if name.startswith("nginx"):
             ports = [server.port for server in engines.servers]
             gate = start_nginx(ports, logs, "least_conn", CLIENT_CORE, name)
         else:
-            routing = name.removeprefix("slotgate-")
-            gate = start_slotgate(
-                name, ",".join(engines.urls), logs, {"ROUTING": routing}, core=CLIENT_CORE
-            )
+            gate = start_slotgate(name, ",".join(engines.urls), logs, _env(name), core=CLIENT_CORE)
         try:
             found = run_loop(measure(f"http://127.0.0.1:{gate.port}", engines.urls, workload))
+            if name.startswith("slotgate"):
+                found["routed"] = routed(gate.port)
         finally:
             gate.stop()
     finally:
         engines.stop()
     return found
+
+
+def _env(name: str) -> dict[str, str]:
+    """slotgate's settings for a fleet-cache contender's name."""
+    routing, _, epsilon = name.removeprefix("slotgate-").partition("-eps=")
+    env = {"ROUTING": routing}
+    if epsilon:
+        env["ROUTING_EPSILON"] = epsilon
+    return env
+
+
+def routed(port: int) -> dict[str, float]:
+    """slotgate's requests routed, summed over its upstreams, by reason (affinity, load...)."""
+    _, text = loadgen.http_json(port, "/metrics")
+    counts: dict[str, float] = {}
+    for reason, value in _ROUTED.findall(str(text)):
+        counts[reason] = counts.get(reason, 0.0) + float(value)
+    return counts
 
 
 # -- routing cost ---------------------------------------------------------------------------------

@@ -460,7 +460,9 @@ def _fleet_markdown(s: dict[str, Any]) -> list[str]:
             f"{cache.get('engines')} engines x {cache.get('slots_per_engine')} slots "
             f"({cache.get('ctx_per_slot')} tokens each), {cache.get('systems')} system prompts, "
             f"{cache.get('conversations')} conversations x {cache.get('turns')} turns, "
-            f"max_tokens {cache.get('max_tokens')}, {cache.get('clients')} clients at once; "
+            f"max_tokens {cache.get('max_tokens')}, at most {cache.get('clients')} at once, "
+            f"one started every {cache.get('stagger_s')} s, think time "
+            f"{cache.get('think_s')} s x [0.5, 1.5] between turns; "
             f"engines restarted before each contender; --swa-full: {cache.get('swa_full')}.",
             "",
         ]

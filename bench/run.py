@@ -103,6 +103,8 @@ SMOKE = {
     "fleet_turns": 2,
     "fleet_max_tokens": 4,
     "fleet_clients": 2,
+    "fleet_think_s": 0.2,
+    "fleet_stagger_s": 0.1,
     "fleet_cost_slots": 16,
     "fleet_cost_clients": 4,
     "fleet_cost_rounds": 1,
@@ -131,6 +133,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(ALL_SCENARIOS),
         help=f"comma-separated subset of {','.join(ALL_SCENARIOS)} (the default), "
         f"or of {','.join(FLEET_SCENARIOS)} (issue 18's fleet; `python -m bench.fleet`)",
+    )
+    parser.add_argument(
+        "--fleet-contenders",
+        default=",".join(fleet.CACHE_CONTENDERS),
+        help="fleet-cache's contenders, in order; slotgate-affinity-eps=X sets ROUTING_EPSILON",
     )
     parser.add_argument(
         "--out",
@@ -293,6 +300,8 @@ class Bench:
                     max_tokens=sizes.fleet_max_tokens,
                     clients=sizes.fleet_clients,
                     system_words=sizes.fleet_system_words,
+                    think_s=sizes.fleet_think_s,
+                    stagger_s=sizes.fleet_stagger_s,
                 )
                 found["fleet_cache"] = self.step(
                     "fleet_cache",
@@ -303,6 +312,7 @@ class Bench:
                         sizes.fleet_engine_slots,
                         sizes.fleet_ctx_size,
                         bool(sizes.fleet_swa_full),
+                        tuple(self.args.fleet_contenders.split(",")),
                         notes=self.notes,
                     ),
                 )

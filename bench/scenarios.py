@@ -79,7 +79,9 @@ class Sizes:
     fleet_conversations: int = 12
     fleet_turns: int = 4
     fleet_max_tokens: int = 16
-    fleet_clients: int = 6
+    fleet_clients: int = 12
+    fleet_think_s: float = 3.0
+    fleet_stagger_s: float = 0.5
     fleet_cost_upstreams: int = 8
     fleet_cost_slots: int = 64
     fleet_cost_clients: int = 16
