@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +32,8 @@ RETRY_AFTER_CAP_S = 60.0
 INITIAL_HOLD_S = 1.0
 #: Weight of the newest observation in the moving average of slot hold times.
 HOLD_EWMA_ALPHA = 0.2
+#: Affinity keys whose last upstream is remembered (about 100 bytes each).
+AFFINITY_MEMORY = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +398,7 @@ class Admission:
         queue_timeout_s: float | None = None,
         startup_wait_s: float | None = None,
         *,
-        epsilon: float = 0.25,
+        epsilon: float = 1.0,
     ) -> None:
         self._policy = policy or QueuePolicy()
         self._queue_timeout_s = queue_timeout_s or None
@@ -417,6 +419,9 @@ class Admission:
         self._hold_ewma_s = INITIAL_HOLD_S
         self._expected = 0  # holds expected so far; -1 once a real one has been observed
         self._closed = False
+        # Where each affinity key's last request ran (its prompt is cached there now), the
+        # newest last; bounded, the oldest forgotten first.
+        self._last: OrderedDict[int, Pool] = OrderedDict()
         self._budgeted = False  # a KV-cache budget binds on some pool
         # The largest of them: no request takes more, since it runs on one upstream.
         self._largest_budget: int | None = None
@@ -708,16 +713,24 @@ class Admission:
             first = ticket.affinity is not None
         else:
             weight = ticket.weight
+            key = ticket.affinity
+            last = self._last
             chosen = choose(
                 pools,
                 weight,
                 lambda pool: pool.fits(weight, pool.charge(ticket)),
-                ticket.affinity,
+                key,
                 self._epsilon,
+                None if key is None else last.get(key),
             )
             if chosen is None:
                 return False
             pool, first = chosen
+            if key is not None:
+                last[key] = pool
+                last.move_to_end(key)
+                if len(last) > AFFINITY_MEMORY:
+                    last.popitem(last=False)
         charge = pool.charge(ticket)
         pool.active += ticket.weight
         pool.committed += charge

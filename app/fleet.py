@@ -76,6 +76,8 @@ class Fleet:
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
         self._leaving: set[asyncio.Task[None]] = set()
+        self._warned_models: set[str] = set()
+        self._all: list[Upstream] = []
         for source in self._sources:
             self._add(source, None)
 
@@ -83,7 +85,8 @@ class Fleet:
 
     @property
     def upstreams(self) -> list[Upstream]:
-        return [u for source in self._sources for u in source.upstreams.values()]
+        """Every upstream taking work, in the order configured (and discovered)."""
+        return self._all
 
     @property
     def several(self) -> bool:
@@ -106,7 +109,7 @@ class Fleet:
     def primary(self) -> Upstream:
         """The upstream for what is not routed by slots (counts, ungated requests): the first
         ready one, else the first."""
-        upstreams = self.upstreams
+        upstreams = self._all
         for upstream in upstreams:
             if upstream.ready:
                 return upstream
@@ -116,7 +119,22 @@ class Fleet:
         return self._by_pool[pool]
 
     def models(self) -> set[str]:
-        return {u.props.model for u in self._by_pool.values() if u.props and u.props.model}
+        """The models the ready upstreams serve (one, as meant, unless they disagree)."""
+        return {
+            u.props.model for u in self._by_pool.values() if u.ready and u.props and u.props.model
+        }
+
+    def _check_models(self) -> None:
+        models = self.models()
+        if len(models) > 1 and models != self._warned_models:
+            # Requests are routed by slots and cache, not by `model`: a request may be answered
+            # by any of them.
+            log.warning(
+                "the upstreams serve different models (%s): slotgate routes by slots and cache, "
+                "not by model, so give it upstreams of one model",
+                ", ".join(sorted(models)),
+            )
+        self._warned_models = models
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -197,13 +215,15 @@ class Fleet:
         pool = self._admission.add_pool(
             url if address is None else address_url(urlsplit(url), address)
         )
-        upstream = Upstream(self._settings, pool, url, address)
+        upstream = Upstream(self._settings, pool, url, address, self._check_models)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
+        self._list()
         return upstream
 
     def _retire(self, source: _Source, key: str | None) -> None:
         upstream = source.upstreams.pop(key)
+        self._list()
         log.info("upstream leaves: %s", upstream.url)
         upstream.pool.retire()
         task = asyncio.create_task(self._leave(upstream), name="slotgate-upstream-leaves")
@@ -217,6 +237,9 @@ class Fleet:
             await asyncio.sleep(self._settings.props_refresh_interval)
         self._by_pool.pop(upstream.pool, None)
         await upstream.close()
+
+    def _list(self) -> None:
+        self._all = [u for source in self._sources for u in source.upstreams.values()]
 
     def __iter__(self) -> Iterator[Upstream]:
         return iter(self.upstreams)

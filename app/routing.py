@@ -53,12 +53,18 @@ def score(key: int, salt: int) -> int:
 
 
 def choose(
-    pools: Sequence[P], weight: int, fits: Callable[[P], bool], key: int | None, epsilon: float
+    pools: Sequence[P],
+    weight: int,
+    fits: Callable[[P], bool],
+    key: int | None,
+    epsilon: float,
+    last: P | None = None,
 ) -> tuple[P, bool] | None:
     """The pool for a request of `weight` slots, and whether it is its key's first choice; None
     when no ready pool has room for it (`fits`).
 
-    With a key: the pools in the key's rendezvous order, skipping any without room or loaded
+    With a key: the pool that ran the key's last request (`last`, where its prompt is cached
+    now), then the pools in the key's rendezvous order, skipping any without room or loaded
     above (1 + epsilon) times the fleet's average share of its capacity once this request is
     counted. Without one, or when every pool with room is loaded beyond that: the least loaded
     pool with room (the lowest share of its capacity taken, then the most free slots).
@@ -68,6 +74,9 @@ def choose(
         total_capacity = sum(pool.capacity or 0 for pool in ready)
         load = (sum(pool.active for pool in ready) + weight) * (1 + epsilon) / total_capacity
         ranked = sorted(ready, key=lambda pool: score(key, pool.salt), reverse=True)
+        if last is not None and last in ready and ranked[0] is not last:
+            ranked.remove(last)
+            ranked.insert(0, last)
         for rank, pool in enumerate(ranked):
             if pool.active + weight <= math.ceil(load * (pool.capacity or 0)) and fits(pool):
                 return pool, rank == 0

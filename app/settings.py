@@ -51,7 +51,7 @@ class Settings(BaseSettings):
         description="With several upstreams: by prompt-cache affinity, then load; or load alone.",
     )
     routing_epsilon: float = Field(
-        0.25,
+        1.0,
         ge=0,
         le=100,
         description="Affinity yields once its upstream is loaded above (1 + this) x the average.",

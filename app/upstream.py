@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
@@ -134,7 +135,12 @@ class Upstream:
     """llama-server behind one connection pool, and what slotgate knows of its state."""
 
     def __init__(
-        self, settings: Settings, pool: Pool, url: str | None = None, address: str | None = None
+        self,
+        settings: Settings,
+        pool: Pool,
+        url: str | None = None,
+        address: str | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         parts = urlsplit(url or settings.llama_server_url)
         #: Its base URL; for one of the addresses a name resolves to, with that address in it.
@@ -166,6 +172,8 @@ class Upstream:
             (b"authorization", f"Bearer {key.get_secret_value()}".encode()) if key else None
         )
         self.props: Props | None = None
+        #: Called each time it becomes ready (the fleet compares the upstreams' models).
+        self._on_ready = on_ready
         #: One generation's tokens per second, as llama-server's /metrics last told it.
         self.tokens_per_s: float | None = None
         #: Its CORS policy, as its answers show it, for the answers slotgate makes itself.
@@ -302,8 +310,11 @@ class Upstream:
         if not self.ready and self.pool.cold:
             await self._learn_speed()
         self.props = props
+        became_ready = not self.ready
         self.ready = True
         self.reason = "ready"
+        if became_ready and self._on_ready is not None:
+            self._on_ready()
         # The budget first: the resize lets in whoever waited for the capacity, and they
         # must be weighed by the budget too.
         self.pool.resize_budget(self.kv_budget(props))
