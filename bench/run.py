@@ -427,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         contenders.slotgate_tree = args.slotgate_tree.resolve()
     bench = Bench(args, sizes)
     if not args.no_install:
-        provision.everything(bench.notes, any(c.kind == "litellm" for c in bench.contenders))
+        litellm = any(c.kind == "litellm" for c in bench.contenders)
+        # Only scenarios 1 and 2 run the contenders (the fleet's need no LiteLLM).
+        provision.everything(bench.notes, litellm and bool(bench.wanted & {"1", "2"}))
     if not pinning_possible():
         bench.notes.append("fewer than 2 usable cores: nothing is pinned")
     if fd_limit < sizes.waiters + 1000:
