@@ -467,13 +467,13 @@ def _fleet_markdown(s: dict[str, Any]) -> list[str]:
             "",
         ]
         rows = []
-        for name in (AFFINITY, LEAST, NGINX_LC):
-            run = cache.get(name)
+        for name, run in cache.items():
             if not isinstance(run, dict):
                 continue
             if "error" in run:
-                rows.append([name, _one_line(run["error"]), "", "", "", "", "", "", ""])
+                rows.append([name, _one_line(run["error"]), "", "", "", "", "", "", "", ""])
                 continue
+            routed = run.get("routed")
             rows.append(
                 [
                     name,
@@ -485,6 +485,9 @@ def _fleet_markdown(s: dict[str, Any]) -> list[str]:
                     run["requests_deferred_max"],
                     run["all_idle_after_s"],
                     run["first_turn_prompt_tokens_mean"],
+                    " / ".join(f"{_fmt(routed.get(k, 0))}" for k in ("affinity", "load", "retry"))
+                    if routed
+                    else "-",
                 ]
             )
         out += _table(
@@ -498,6 +501,7 @@ def _fleet_markdown(s: dict[str, Any]) -> list[str]:
                 "requests_deferred max",
                 "all slots idle after s",
                 "turn-1 prompt tokens",
+                "routed by affinity / load / retry",
             ],
             rows,
         )
