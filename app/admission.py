@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from .routing import choose, stable_hash
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
 #: and gives up past 120 s, so the estimate is capped well below both.
 RETRY_AFTER_CAP_S = 60.0
+#: While no hold has been seen, a refused request is told at most this many expected holds.
+COLD_PROMISE_HOLDS = 2.0
 #: Until a hold has been observed or expected (`Admission.expect`), assume this one.
 INITIAL_HOLD_S = 1.0
 #: Weight of the newest observation in the moving average of slot hold times.
@@ -331,7 +334,7 @@ class Ticket:
         # Admitted before everybody still waiting, so its place is the head.
         admission._line.appendleft(self)
         admission._waiting += 1
-        admission._release(pool, self.weight, hold_s)
+        admission._release(self, pool, self.weight, hold_s)
 
     def recost(self, cost: int) -> None:
         """Reserve `cost` tokens of the budget instead (a better count came in), in line or
@@ -370,7 +373,7 @@ class Ticket:
             pool.committed -= self.charged
             admitted_at = self.admitted_at
             hold_s = None if admitted_at is None else time.monotonic() - admitted_at
-            return admission._release(pool, self.weight, hold_s)
+            return admission._release(self, pool, self.weight, hold_s)
         future = self._future
         if future is None:
             return False
@@ -419,6 +422,11 @@ class Admission:
         self._hold_ewma_s = INITIAL_HOLD_S
         self._expected = 0  # holds expected so far; -1 once a real one has been observed
         self._closed = False
+        # Who holds slots (ticket: when granted, weight), in the order granted, for `eta_s`.
+        self._holders: dict[Ticket, tuple[float, int]] = {}
+        # When the refusals not yet due were told a place should be free (`_promise_s`).
+        self._promised: deque[float] = deque()
+        self._jitter = random.Random()  # noqa: S311 - spreading retries, not a secret
         # Where each affinity key's last request ran (its prompt is cached there now), the
         # newest last; bounded, the oldest forgotten first.
         self._last: OrderedDict[int, Pool] = OrderedDict()
@@ -494,15 +502,60 @@ class Admission:
         )
 
     def retry_after_s(self, position: int) -> float:
-        """When a slot could be free for the `position`-th request from now, in seconds.
+        """When a slot could be free for the `position`-th request from now, in seconds
+        (`eta_s`), clamped to [1, RETRY_AFTER_CAP_S] so that clients neither hammer the gate
+        nor give up."""
+        return min(max(self.eta_s(position), 1.0), RETRY_AFTER_CAP_S)
 
-        Each of `capacity` slots turns over about once per average hold, so the request
-        `position` places back gets one after about `position / capacity` holds. Clamped to
-        [1, RETRY_AFTER_CAP_S] so that clients neither hammer the gate nor give up.
+    def eta_s(self, position: int) -> float:
+        """When the `position`-th slot to free from now should free, in seconds.
+
+        The running generations end first, the longest-running first: each about an average
+        hold after it began, or, once past that, after half as long again as it has run (a
+        generation already long is likely a long one). After them each slot turns over once
+        per average hold.
         """
         capacity = self._capacity or 1
-        eta = self._hold_ewma_s * position / capacity
-        return min(max(eta, 1.0), RETRY_AFTER_CAP_S)
+        hold = self._hold_ewma_s
+        rounds, index = divmod(max(position, 1) - 1, capacity)
+        residual = 0.0
+        if index < self._active:
+            now = time.monotonic()
+            slots = 0
+            for granted_at in self._holders.values():  # in the order they were granted
+                slots += granted_at[1]
+                if slots > index:
+                    elapsed = now - granted_at[0]
+                    residual = max(hold - elapsed, elapsed / 2)
+                    break
+        return residual + rounds * hold
+
+    def _promise_s(self) -> float:
+        """The Retry-After of a request that the full line turns away: when a place is likely
+        to be free for it.
+
+        A place frees each time a slot does (the head of the line takes it). The refusals
+        still due are promised successive such moments, so that a burst's clients come back
+        spread over the moments places free up, with a little jitter, and the line refills
+        as it drains; nobody is told to wait for the whole line.
+        """
+        now = time.monotonic()
+        promised = self._promised
+        while promised and promised[0] <= now:
+            promised.popleft()
+        eta = self.eta_s(len(promised) + 1)
+        if self.cold:
+            # No hold seen yet: the guess errs late by design, and moments spaced by it would
+            # leave slots idle for as long as it is wrong. Nobody is told more than two
+            # guessed holds; by then real ones are known and a second refusal is precise.
+            eta = min(eta, COLD_PROMISE_HOLDS * self._hold_ewma_s)
+        step = self._hold_ewma_s / (self._capacity or 1)
+        eta += self._jitter.uniform(0.0, min(step, eta) / 4)
+        if eta < RETRY_AFTER_CAP_S:
+            # Beyond the cap nothing is promised: the list stays as long as the places that
+            # free within it.
+            promised.append(now + eta)
+        return min(max(eta, 0.05), RETRY_AFTER_CAP_S)
 
     # -- changing ----------------------------------------------------------------------------
 
@@ -562,7 +615,7 @@ class Admission:
             ticket.admitted_at = ticket.entered_at
             return ticket
         if self._limit is not None and waiting >= self._limit:
-            raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
+            raise QueueFull(self.snapshot(), self._promise_s())
         ticket._future = asyncio.get_running_loop().create_future()
         self._line.append(ticket)
         self._waiting = waiting + 1
@@ -587,7 +640,7 @@ class Admission:
             raise NotReady(self.snapshot(), 1.0)
         waiting = self._waiting
         if self._limit is not None and waiting >= self._limit:
-            raise QueueFull(self.snapshot(), self.retry_after_s(waiting + weight))
+            raise QueueFull(self.snapshot(), self._promise_s())
         seq = self._next_seq
         self._next_seq = seq + 1
         ticket = Ticket(self, weight, seq, cost, affinity)
@@ -688,19 +741,24 @@ class Admission:
         # The leaver may have been the head that blocked a lighter waiter behind it.
         self._dispatch()
 
-    def _release(self, pool: Pool, weight: int, hold_s: float | None) -> bool:
+    def _release(self, ticket: Ticket, pool: Pool, weight: int, hold_s: float | None) -> bool:
+        self._holders.pop(ticket, None)
         pool.active -= weight
         self._active -= weight
         if pool.retired and not pool.active:
             self._forget(pool)
         if hold_s is not None:
-            if self._expected >= 0:  # the first hold seen: a measurement beats a guess
-                self._expected = -1
-                self._hold_ewma_s = hold_s
-            self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
+            self._observe(hold_s)
         before = self.admitted_total
         self._dispatch()
         return self.admitted_total != before
+
+    def _observe(self, hold_s: float) -> None:
+        """A hold ended after `hold_s`: the moving average behind every estimate."""
+        if self._expected >= 0:  # the first hold seen: a measurement beats a guess
+            self._expected = -1
+            self._hold_ewma_s = hold_s
+        self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
 
     def _grant(self, ticket: Ticket) -> bool:
         """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
@@ -737,6 +795,7 @@ class Admission:
         pool.routed["retry" if ticket.rerouted else "affinity" if first else "load"] += 1
         ticket.pool = pool
         ticket.charged = charge
+        self._holders[ticket] = (time.monotonic(), ticket.weight)
         self._active += ticket.weight
         self.admitted_total += 1
         return True
