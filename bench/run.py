@@ -102,7 +102,8 @@ SMOKE = {
     "fleet_conversations": 2,
     "fleet_turns": 2,
     "fleet_max_tokens": 4,
-    "fleet_clients": 2,
+    # One conversation at a time: its next turn always finds its key's engine free.
+    "fleet_clients": 1,
     "fleet_think_s": 0.2,
     "fleet_stagger_s": 0.1,
     "fleet_cost_slots": 16,
