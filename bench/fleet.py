@@ -523,13 +523,12 @@ def cost(
         for port in ports[1:]:
             loadgen.http_json(port, "/_bench/config", {**configure, "slots": per})
         for mode, routing in (("no key", "least-loaded"), ("keyed", "affinity")):
-            gates = {
-                1: start_slotgate(f"slotgate-cost-1-{routing}", _urls(ports[:1]), logs,
-                                  {"ROUTING": routing}),
-                upstreams: start_slotgate(f"slotgate-cost-{upstreams}-{routing}",
-                                          _urls(ports[1:]), logs, {"ROUTING": routing}),
-            }  # fmt: skip
+            gates: dict[int, Server] = {}
             try:
+                for count, some in ((1, ports[:1]), (upstreams, ports[1:])):
+                    gates[count] = start_slotgate(
+                        f"slotgate-cost-{count}-{routing}", _urls(some), logs, {"ROUTING": routing}
+                    )
                 result[mode] = _cost_rounds(gates, mode == "keyed", clients, duration_s, rounds)
             finally:
                 for gate in gates.values():
