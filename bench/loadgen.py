@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -229,6 +229,8 @@ class _Driver:
         self.resent = 0
         self.outstanding = 0
         self.idle = asyncio.Event()
+        #: A request of its own for some connections (`closed_loop(bodies=...)`).
+        self.assigned: dict[Exchange, bytes] = {}
 
     def record(self, exchange: Exchange, status: int) -> int:
         now = time.monotonic_ns()
@@ -247,7 +249,7 @@ class _Driver:
     def fire(self, exchange: Exchange, done: Done) -> None:
         self.outstanding += 1
         self.idle.clear()
-        exchange.send(self.raw, done)
+        exchange.send(self.assigned.get(exchange, self.raw), done)
 
     async def drain(self, timeout_s: float) -> None:
         if self.outstanding:
@@ -265,8 +267,10 @@ async def closed_loop(
     streaming: bool = False,
     drain_s: float = 30.0,
     pattern: re.Pattern[bytes] = TOKEN_STAMP,
+    bodies: Sequence[bytes] = (),
 ) -> LoopResult:
-    """`concurrency` clients, each sending its next request the moment its answer ends."""
+    """`concurrency` clients, each sending its next request the moment its answer ends;
+    client i sends `bodies[i % len(bodies)]` when bodies are given, else `raw`."""
     now = time.monotonic_ns()
     start = now + int(warmup_s * 1e9)
     end = start + int(duration_s * 1e9)
@@ -274,11 +278,14 @@ async def closed_loop(
     driver = _Driver(port, raw, start, end)
     exchanges = await connect(port, concurrency, lambda: StreamProbe(stats) if stats else None)
     pending: set[asyncio.Task[None]] = set()
+    for index, exchange in enumerate(exchanges if bodies else ()):
+        driver.assigned[exchange] = bodies[index % len(bodies)]
 
-    async def reconnect() -> None:
+    async def reconnect(raw: bytes) -> None:
         with contextlib.suppress(OSError):
             [fresh] = await connect(port, 1, lambda: StreamProbe(stats) if stats else None)
             exchanges.append(fresh)
+            driver.assigned[fresh] = raw
             driver.fire(fresh, done)
 
     def done(exchange: Exchange, status: int) -> None:
@@ -287,7 +294,7 @@ async def closed_loop(
             return
         if exchange.closed:
             exchange.close()
-            task = asyncio.ensure_future(reconnect())
+            task = asyncio.ensure_future(reconnect(driver.assigned.pop(exchange, raw)))
             pending.add(task)
             task.add_done_callback(pending.discard)
         else:

@@ -86,6 +86,8 @@ class Server:
     process: subprocess.Popen[bytes]
     log: Path
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    #: More ports the same process serves (a stand-in playing several upstreams).
+    extra_ports: list[int] = field(default_factory=list)
 
     def pids(self) -> list[int]:
         return descendants(self.process.pid)
@@ -141,18 +143,18 @@ def spawn(
     name: str,
     command: list[str],
     port: int,
-    core: int,
+    core: int | None,
     logs: Path,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> Server:
-    """Start `command` pinned to `core`, its output in a log file."""
+    """Start `command` pinned to `core` (None: free on every core), its output in a log file."""
     log = logs / f"{name}.log"
     pin = pinning_possible()
 
     def setup() -> None:
         if pin:
-            os.sched_setaffinity(0, {core})
+            os.sched_setaffinity(0, _USABLE if core is None else {core})
         _raise_fd_limit()
 
     with log.open("ab") as out:

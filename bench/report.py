@@ -221,6 +221,93 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 at_most=True,
             )
         )
+    return found + fleet_targets(s)
+
+
+AFFINITY = "slotgate-affinity"
+LEAST = "slotgate-least-loaded"
+NGINX_LC = "nginx-least-conn"
+
+
+def fleet_targets(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 18's targets, from the fleet scenarios (bench/fleet.py)."""
+    found: list[dict[str, Any]] = []
+    cache = s.get("fleet_cache", {})
+    runs = {
+        name: cache[name]
+        for name in (AFFINITY, LEAST, NGINX_LC)
+        if isinstance(cache.get(name), dict) and "error" not in cache[name]
+    }
+    if cache:
+        found.append(
+            _target(
+                "fleet: prompt tokens reused, slotgate affinity",
+                runs.get(AFFINITY, {}).get("reused"),
+                0.8,
+                "",
+                at_most=False,
+            )
+        )
+        found.append(
+            _target(
+                "fleet: TTFT p50, nginx least_conn / slotgate affinity",
+                ratio(
+                    runs.get(NGINX_LC, {}).get("ttft_p50_ms"),
+                    runs.get(AFFINITY, {}).get("ttft_p50_ms"),
+                ),
+                2,
+                "x",
+                at_most=False,
+            )
+        )
+        found.extend(
+            _target(
+                f"fleet: requests_deferred on any engine through {name} (max)",
+                runs.get(name, {}).get("requests_deferred_max"),
+                0,
+                "",
+                at_most=True,
+            )
+            for name in (AFFINITY, LEAST)
+        )
+        for name, run in runs.items():
+            idle = run.get("all_idle_after_s")
+            row = _target(f"fleet: every slot idle after the run, {name} (s)", idle, 1, " s", True)
+            if idle is None and run.get("requests"):
+                row.update(value="not within 5 s", met=False)
+            found.append(row)
+    cost = s.get("fleet_cost", {})
+    found.extend(
+        _target(
+            f"fleet: CPU per request, {cost['upstreams']} upstreams / 1 ({mode})",
+            cost[mode].get("ratio"),
+            1.1,
+            "x",
+            at_most=True,
+        )
+        for mode in ("no key", "keyed")
+        if isinstance(cost.get(mode), dict)
+    )
+    balance = s.get("fleet_balance", {})
+    if "max_abs_deviation" in balance:
+        found.append(
+            _target(
+                "fleet: balance, max |busy share / capacity share - 1|",
+                balance["max_abs_deviation"],
+                0.1,
+                "",
+                at_most=True,
+            )
+        )
+        found.append(
+            _target(
+                "fleet: generations above an upstream's slots (stand-ins)",
+                balance["above_slots"],
+                0,
+                "",
+                at_most=True,
+            )
+        )
     return found
 
 
@@ -261,7 +348,7 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     out += [f"- {note}" for note in meta["notes"]]
     out.append("")
-    out += ["## Targets (issue 6)", ""]
+    out += ["## Targets (issue 6; the fleet's from issue 18)", ""]
     out += _table(
         ["target", "value", "limit", "met"],
         [[t["target"], t["value"], t["limit"], t["met"]] for t in results["targets"]],
@@ -348,6 +435,7 @@ def markdown(results: dict[str, Any]) -> str:
             ],
             rows,
         )
+    out += _fleet_markdown(s)
     for key, title in (
         ("3_storm", "3. Storm"),
         ("3b_handoff", "3b. Hand-off"),
@@ -360,6 +448,117 @@ def markdown(results: dict[str, Any]) -> str:
             out += [f"## {title}", ""]
             out += _table(["figure", "value"], list(_flatten(s[key])))
     return "\n".join(out) + "\n"
+
+
+def _fleet_markdown(s: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    cache = s.get("fleet_cache", {})
+    if cache:
+        out += [
+            "## Fleet: multi-turn workload on real llama.cpp engines",
+            "",
+            f"{cache.get('engines')} engines x {cache.get('slots_per_engine')} slots "
+            f"({cache.get('ctx_per_slot')} tokens each), {cache.get('systems')} system prompts, "
+            f"{cache.get('conversations')} conversations x {cache.get('turns')} turns, "
+            f"max_tokens {cache.get('max_tokens')}, at most {cache.get('clients')} at once, "
+            f"one started every {cache.get('stagger_s')} s, think time "
+            f"{cache.get('think_s')} s x [0.5, 1.5] between turns; "
+            f"engines restarted before each contender; --swa-full: {cache.get('swa_full')}.",
+            "",
+        ]
+        rows = []
+        for name, run in cache.items():
+            if not isinstance(run, dict):
+                continue
+            if "error" in run:
+                rows.append([name, _one_line(run["error"]), "", "", "", "", "", "", "", ""])
+                continue
+            routed = run.get("routed")
+            rows.append(
+                [
+                    name,
+                    run["reused"],
+                    run["ttft_p50_ms"],
+                    run["ttft_p95_ms"],
+                    run["total_s"],
+                    f"{run['requests'] - run['failed']}/{run['expected']}",
+                    run["requests_deferred_max"],
+                    run["all_idle_after_s"],
+                    run["first_turn_prompt_tokens_mean"],
+                    " / ".join(f"{_fmt(routed.get(k, 0))}" for k in ("affinity", "load", "retry"))
+                    if routed
+                    else "-",
+                ]
+            )
+        out += _table(
+            [
+                "contender",
+                "prompt tokens reused",
+                "TTFT p50 ms",
+                "TTFT p95 ms",
+                "total s",
+                "answered",
+                "requests_deferred max",
+                "all slots idle after s",
+                "turn-1 prompt tokens",
+                "routed by affinity / load / retry",
+            ],
+            rows,
+        )
+    cost = s.get("fleet_cost", {})
+    if cost:
+        out += ["## Fleet: routing cost (stand-ins)", ""]
+        if "error" in cost:
+            out += [_one_line(cost["error"]), ""]
+        many = str(cost.get("upstreams"))
+        rows = []
+        for mode in ("no key", "keyed"):
+            row = cost.get(mode)
+            if isinstance(row, dict):
+                per = row["cpu_ms_per_request"]
+                rows.append(
+                    [mode, row["routing"], per.get("1"), per.get(many), row["ratio"],
+                     row["requests"].get("1"), row["requests"].get(many)]
+                )  # fmt: skip
+        if rows:
+            out += _table(
+                [
+                    "affinity key",
+                    "ROUTING",
+                    "CPU ms / request, 1 upstream",
+                    f"CPU ms / request, {many} upstreams",
+                    "ratio",
+                    "requests (1)",
+                    f"requests ({many})",
+                ],
+                rows,
+            )
+    balance = s.get("fleet_balance", {})
+    if balance:
+        out += ["## Fleet: balance (stand-ins, no affinity key)", ""]
+        if "error" in balance:
+            out += [_one_line(balance["error"]), ""]
+        else:
+            out += [
+                f"Open loop at {balance['offered_load']:.0%} of the capacity "
+                f"({balance['offered_per_s']} requests/s, {balance['generation_s'] * 1000:g} ms "
+                f"generations), ROUTING={balance['routing']}; utilisation measured "
+                f"{balance['utilisation']:.0%}.",
+                "",
+            ]
+            out += _table(
+                ["slots", "capacity share", "busy share", "deviation", "generations", "peak"],
+                [
+                    [r["slots"], r["capacity_share"], r["busy_share"], r["deviation"],
+                     r["generations"], r["peak_running"]]
+                    for r in balance["upstreams"]
+                ],
+            )  # fmt: skip
+    return out
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _flatten(value: dict[str, Any], prefix: str = "") -> Any:

@@ -16,7 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from bench import contenders, llama, provision, report, scenarios
+from bench import contenders, fleet, llama, provision, report, scenarios
 from bench.contenders import BENCH, Contender
 from bench.procs import (
     CLIENT_CORE,
@@ -31,6 +31,8 @@ from bench.procs import (
 from bench.scenarios import Context, Sizes
 
 ALL_SCENARIOS = ("1", "2", "3", "3b", "4", "5", "6", "burst")
+#: Issue 18's scenarios (bench/fleet.py): asked for by name, or all by `python -m bench.fleet`.
+FLEET_SCENARIOS = ("fleet-cache", "fleet-cost", "fleet-balance")
 
 
 def contender_list(sizes: Sizes) -> list[Contender]:
@@ -95,6 +97,18 @@ SMOKE = {
     "llama_clients": 3,
     "llama_max_tokens": 8,
     "loadgen": "python",
+    "fleet_systems": 2,
+    "fleet_system_words": 40,
+    "fleet_conversations": 2,
+    "fleet_turns": 2,
+    "fleet_max_tokens": 4,
+    # One conversation at a time: its next turn always finds its key's engine free.
+    "fleet_clients": 1,
+    "fleet_think_s": 0.2,
+    "fleet_stagger_s": 0.1,
+    "fleet_cost_slots": 16,
+    "fleet_cost_clients": 4,
+    "fleet_cost_rounds": 1,
 }
 
 
@@ -118,7 +132,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--scenarios",
         default=",".join(ALL_SCENARIOS),
-        help=f"comma-separated subset of {','.join(ALL_SCENARIOS)}",
+        help=f"comma-separated subset of {','.join(ALL_SCENARIOS)} (the default), "
+        f"or of {','.join(FLEET_SCENARIOS)} (issue 18's fleet; `python -m bench.fleet`)",
+    )
+    parser.add_argument(
+        "--fleet-contenders",
+        default=",".join(fleet.CACHE_CONTENDERS),
+        help="fleet-cache's contenders, in order; slotgate-affinity-eps=X sets ROUTING_EPSILON",
     )
     parser.add_argument(
         "--out",
@@ -137,11 +157,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     for item in fields(Sizes):
         flag = "--" + item.name.replace("_", "-")
-        if item.name == "concurrency":
+        if isinstance(item.default, tuple):
             parser.add_argument(
                 flag,
                 type=lambda text: tuple(int(c) for c in text.split(",")),
-                help="comma-separated client counts for scenario 1",
+                help="comma-separated numbers",
             )
         elif item.name == "loadgen":
             parser.add_argument(flag, choices=("auto", "wrk", "python"))
@@ -174,7 +194,7 @@ class Bench:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.notes: list[str] = []
         self.wanted = set(args.scenarios.split(","))
-        unknown = self.wanted - set(ALL_SCENARIOS)
+        unknown = self.wanted - set(ALL_SCENARIOS) - set(FLEET_SCENARIOS)
         if unknown:
             raise SystemExit(f"bench: unknown scenario(s) {sorted(unknown)}")
         names = args.contenders.split(",")
@@ -241,6 +261,7 @@ class Bench:
                 self.notes.append(reason)
             else:
                 found["6_llama"] = self.step("6_llama", lambda: self._llama(ctx))
+        self._fleet(ctx)
 
     def _contender(self, ctx: Context, contender: Contender, keys: list[str]) -> None:
         found = self.results["scenarios"]
@@ -264,6 +285,61 @@ class Bench:
         finally:
             if server is not ctx.standin:
                 server.stop()
+
+    def _fleet(self, ctx: Context) -> None:
+        found = self.results["scenarios"]
+        sizes = self.sizes
+        if "fleet-cache" in self.wanted:
+            reason = llama.available()
+            if reason:
+                self.notes.append(reason.replace("scenario 6", "fleet-cache"))
+            else:
+                workload = fleet.Workload(
+                    systems=sizes.fleet_systems,
+                    conversations=sizes.fleet_conversations,
+                    turns=sizes.fleet_turns,
+                    max_tokens=sizes.fleet_max_tokens,
+                    clients=sizes.fleet_clients,
+                    system_words=sizes.fleet_system_words,
+                    think_s=sizes.fleet_think_s,
+                    stagger_s=sizes.fleet_stagger_s,
+                )
+                found["fleet_cache"] = self.step(
+                    "fleet_cache",
+                    lambda: fleet.cache(
+                        ctx.logs,
+                        workload,
+                        sizes.fleet_engines,
+                        sizes.fleet_engine_slots,
+                        sizes.fleet_ctx_size,
+                        bool(sizes.fleet_swa_full),
+                        tuple(self.args.fleet_contenders.split(",")),
+                        notes=self.notes,
+                    ),
+                )
+        if "fleet-cost" in self.wanted:
+            found["fleet_cost"] = self.step(
+                "fleet_cost",
+                lambda: fleet.cost(
+                    ctx.logs,
+                    sizes.fleet_cost_upstreams,
+                    sizes.fleet_cost_slots,
+                    sizes.fleet_cost_clients,
+                    sizes.duration_s,
+                    sizes.fleet_cost_rounds,
+                ),
+            )
+        if "fleet-balance" in self.wanted:
+            found["fleet_balance"] = self.step(
+                "fleet_balance",
+                lambda: fleet.balance(
+                    ctx.logs,
+                    sizes.fleet_balance_slots,
+                    sizes.fleet_balance_hold_s,
+                    sizes.fleet_balance_load,
+                    sizes.duration_s,
+                ),
+            )
 
     def _llama(self, ctx: Context) -> dict[str, Any]:
         sizes = self.sizes
@@ -352,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         contenders.slotgate_tree = args.slotgate_tree.resolve()
     bench = Bench(args, sizes)
     if not args.no_install:
-        provision.everything(bench.notes, any(c.kind == "litellm" for c in bench.contenders))
+        litellm = any(c.kind == "litellm" for c in bench.contenders)
+        # Only scenarios 1 and 2 run the contenders (the fleet's need no LiteLLM).
+        provision.everything(bench.notes, litellm and bool(bench.wanted & {"1", "2"}))
     if not pinning_possible():
         bench.notes.append("fewer than 2 usable cores: nothing is pinned")
     if fd_limit < sizes.waiters + 1000:

@@ -69,6 +69,26 @@ class Sizes:
     llama_clients: int = 4
     llama_max_tokens: int = 48
     loadgen: str = "auto"  # auto | wrk | python
+    # The fleet scenarios (bench/fleet.py, issue 18).
+    fleet_engines: int = 3
+    fleet_engine_slots: int = 2
+    fleet_ctx_size: int = 2048
+    fleet_swa_full: int = 1  # 1: the engines run with llama-server's --swa-full (bench/fleet.py)
+    fleet_systems: int = 4
+    fleet_system_words: int = 260
+    fleet_conversations: int = 12
+    fleet_turns: int = 4
+    fleet_max_tokens: int = 16
+    fleet_clients: int = 12
+    fleet_think_s: float = 3.0
+    fleet_stagger_s: float = 0.5
+    fleet_cost_upstreams: int = 8
+    fleet_cost_slots: int = 64
+    fleet_cost_clients: int = 16
+    fleet_cost_rounds: int = 2
+    fleet_balance_slots: tuple[int, ...] = (1, 2, 4)
+    fleet_balance_hold_s: float = 0.02
+    fleet_balance_load: float = 0.5
 
     def uses_wrk(self) -> bool:
         if self.loadgen == "python":

@@ -9,7 +9,8 @@ moment it was written, so a client on the same machine can tell how long each ch
 in the proxy between the two. For scenario 3b it records how long a finished generation's
 slot stays empty before the next generation arrives.
 
-Run it as `python -m bench.standin --port P`.
+Run it as `python -m bench.standin --port P`; `--port` again for more upstreams in the same
+process, each port with its own slots, knobs and counters (the fleet scenarios' cheap fleet).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
 import re
 import time
@@ -39,6 +41,10 @@ class State:
         self.running = 0
         self.started = 0
         self.finished = 0
+        #: Generation-seconds spent (running integrated over time) and the most at once.
+        self.busy_ns = 0
+        self.peak = 0
+        self._changed_ns = time.monotonic_ns()
         self.free_since: collections.deque[int] = collections.deque()
         self.gaps_ns: list[int] = []
         self.streams: set[Connection] = set()
@@ -55,6 +61,9 @@ class State:
         self.free_since.clear()
         self.gaps_ns = []
         self.started = self.finished = 0
+        self.busy_ns = 0
+        self.peak = self.running
+        self._changed_ns = time.monotonic_ns()
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -83,15 +92,23 @@ class State:
 
     # -- generations ---------------------------------------------------------------------------
 
+    def _account(self) -> None:
+        now = time.monotonic_ns()
+        self.busy_ns += self.running * (now - self._changed_ns)
+        self._changed_ns = now
+
     def begin(self) -> None:
+        self._account()
         self.running += 1
         self.started += 1
+        self.peak = max(self.peak, self.running)
         if self.record_gaps and self.free_since:
             # The oldest freed slot is the one this arrival fills: FIFO matches llama-server,
             # which hands a free slot to the next task in its own order.
             self.gaps_ns.append(time.monotonic_ns() - self.free_since.popleft())
 
     def end(self) -> None:
+        self._account()
         self.running -= 1
         self.finished += 1
         if self.record_gaps:
@@ -241,12 +258,16 @@ class Connection(asyncio.Protocol):
             state.configure(json.loads(body or b"{}"))
             self._json({"ok": True})
         elif path == b"/_bench/stats":
+            state._account()
             self._json(
                 {
                     "running": state.running,
                     "started": state.started,
                     "finished": state.finished,
                     "gaps_ns": state.gaps_ns,
+                    "busy_ns": state.busy_ns,
+                    "peak": state.peak,
+                    "slots": state.slots,
                 }
             )
         else:
@@ -309,22 +330,23 @@ class Connection(asyncio.Protocol):
             self._parse()
 
 
-async def serve(port: int) -> None:
-    state = State()
+async def serve(*ports: int) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: Connection(state), "127.0.0.1", port, backlog=4096, reuse_address=True
-    )
-    print(f"standin listening on {port}", flush=True)
-    async with server:
-        await server.serve_forever()
+    servers = []
+    for port in ports:
+        protocol = functools.partial(Connection, State())
+        servers.append(
+            await loop.create_server(protocol, "127.0.0.1", port, backlog=4096, reuse_address=True)
+        )
+    print(f"standin listening on {', '.join(map(str, ports))}", flush=True)
+    await asyncio.gather(*(server.serve_forever() for server in servers))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, action="append", required=True)
     args = parser.parse_args()
-    run_loop(serve(args.port))
+    run_loop(serve(*args.port))
 
 
 if __name__ == "__main__":

@@ -115,3 +115,63 @@ def test_sdk_burst_experiment_counts_a_burst_that_fits_as_all_succeeded() -> Non
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "openai: 2/2 succeeded" in done.stdout
+
+
+FLEET_CONTENDERS = ("slotgate-affinity", "slotgate-least-loaded", "nginx-least-conn")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("xllamacpp") is None, reason="the real engines need xllamacpp"
+)
+def test_fleet_smoke_run_measures_cache_reuse_routing_cost_and_balance(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "bench.fleet",
+        "--smoke",
+        "--no-install",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "latest.json").read_text())
+    scenarios = results["scenarios"]
+    assert set(scenarios) == {"fleet_cache", "fleet_cost", "fleet_balance"}
+    assert _errors(scenarios) == []
+
+    cache = scenarios["fleet_cache"]
+    ran = [name for name in FLEET_CONTENDERS if name in cache]
+    assert ran[:2] == ["slotgate-affinity", "slotgate-least-loaded"]
+    for name in ran:
+        run = cache[name]
+        assert run["requests"] == run["expected"] == 4
+        assert run["failed"] == 0
+        assert run["prompt_tokens"] >= run["prompt_tokens_reused"] >= 0
+        assert run["all_idle_after_s"] is not None
+        assert len(run["requests_deferred_max_per_engine"]) == 3
+    for name in ("slotgate-affinity", "slotgate-least-loaded"):
+        assert cache[name]["requests_deferred_max"] == 0
+    # One conversation at a time: affinity sends a second turn to the engine holding the first.
+    assert cache["slotgate-affinity"]["by_turn"]["2"]["reused"] > 0
+    assert cache["slotgate-affinity"]["routed"] == {"affinity": 4, "load": 0, "retry": 0}
+
+    cost = scenarios["fleet_cost"]
+    for mode in ("no key", "keyed"):
+        assert cost[mode]["requests"]["1"] > 0
+        assert cost[mode]["requests"]["8"] > 0
+        assert cost[mode]["failures"] == {"1": 0, "8": 0}
+        assert cost[mode]["ratio"] is not None
+
+    balance = scenarios["fleet_balance"]
+    assert [row["slots"] for row in balance["upstreams"]] == [1, 2, 4]
+    assert balance["statuses"] == {"200": balance["requests"]}
+    assert balance["above_slots"] == 0
+    assert sum(row["generations"] for row in balance["upstreams"]) > 0
+
+    names = {target["target"] for target in results["targets"]}
+    assert "fleet: prompt tokens reused, slotgate affinity" in names
+    assert "fleet: balance, max |busy share / capacity share - 1|" in names
+    assert "## Fleet: routing cost (stand-ins)" in (tmp_path / "latest.md").read_text()
