@@ -21,8 +21,10 @@ ROUTINGS = ("affinity", "least-loaded")
 AFFINITY_PREFIX_CHARS = 512
 
 _MASK = (1 << 64) - 1
-#: The golden ratio's fraction: its multiples mod 1 spread evenly over [0, 1) in any run.
-_GOLDEN = 0.6180339887498949
+#: Mixed with a request's arrival number, a draw that is the same on every replica. (Not a
+#: low-discrepancy sequence: the slot each draw picks changes what the next one finds free, and
+#: successive golden-ratio points then favour some upstreams over others.)
+_SPREAD = 0x9E3779B97F4A7C15
 
 
 class Candidate(Protocol):
@@ -69,11 +71,8 @@ def choose(
     With a key: the pool that ran the key's last request (`last`, where its prompt is cached
     now), then the pools in the key's rendezvous order, skipping any without room or loaded
     above (1 + epsilon) times the fleet's average share of its capacity once this request is
-    counted. Without one, or when every pool with room is loaded beyond that: the least loaded
-    pool with room (the lowest share of its capacity in use); among equally loaded ones (all
-    idle, most often) each is picked in proportion to its slots, by `spread` (the request's
-    arrival number) on a low-discrepancy sequence, so that every upstream's share of the work
-    follows its share of the slots at any load, with no state to keep.
+    counted. Without one, or when every pool with room is loaded beyond that: a pool with room
+    in proportion to its free slots, drawn by hashing `spread` (the request's arrival number).
     """
     ready = [pool for pool in pools if pool.capacity]
     if key is not None and len(ready) > 1:
@@ -95,28 +94,21 @@ def choose(
         for rank, pool in enumerate(ranked):
             if pool is not last and within(pool):
                 return pool, rank == 0 and last is None
-    least: list[P] = []
-    for pool in ready:
-        if not fits(pool):
-            continue
-        if not least:
-            least.append(pool)
-            continue
-        # active / capacity compared without division: an exact tie is a tie.
-        this = pool.active * (least[0].capacity or 1)
-        best = least[0].active * (pool.capacity or 1)
-        if this < best:
-            least = [pool]
-        elif this == best:
-            least.append(pool)
-    if not least:
+    # Without a key: one free slot of the fleet, each as likely as any other (an upstream with
+    # more free slots more often), drawn by hashing `spread`. By symmetry
+    # every slot is then as busy as every other: each upstream's share of the work follows its
+    # share of the slots at any load, with no state to keep.
+    room: list[P] = [pool for pool in ready if fits(pool)]
+    if not room:
         return None
-    chosen = least[0]
-    if len(least) > 1:
-        total = sum(pool.capacity or 0 for pool in least)
-        point = (spread * _GOLDEN) % 1.0 * total
-        for pool in least:
-            point -= pool.capacity or 0
+    chosen = room[0]
+    if len(room) > 1:
+        total = 0
+        for pool in room:
+            total += (pool.capacity or 0) - pool.active
+        point = score(spread, _SPREAD) / 2**64 * total
+        for pool in room:
+            point -= (pool.capacity or 0) - pool.active
             if point < 0:
                 chosen = pool
                 break
