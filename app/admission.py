@@ -17,6 +17,7 @@ capacity then admits them in arrival order, as any release would.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 import random
 import time
@@ -424,8 +425,9 @@ class Admission:
         self._closed = False
         # Who holds slots (ticket: when granted, weight), in the order granted, for `eta_s`.
         self._holders: dict[Ticket, tuple[float, int]] = {}
-        # When the refusals not yet due were told a place should be free (`_promise_s`).
-        self._promised: deque[float] = deque()
+        # When the refusals not yet due were told a place should be free (`_promise_s`): a
+        # heap, as a moment told while holds were long may fall after later ones.
+        self._promised: list[float] = []
         self._jitter = random.Random()  # noqa: S311 - spreading retries, not a secret
         # Where each affinity key's last request ran (its prompt is cached there now), the
         # newest last; bounded, the oldest forgotten first.
@@ -542,7 +544,7 @@ class Admission:
         now = time.monotonic()
         promised = self._promised
         while promised and promised[0] <= now:
-            promised.popleft()
+            heapq.heappop(promised)
         eta = self.eta_s(len(promised) + 1)
         if self.cold:
             # No hold seen yet: the guess errs late by design, and moments spaced by it would
@@ -554,7 +556,7 @@ class Admission:
         if eta < RETRY_AFTER_CAP_S:
             # Beyond the cap nothing is promised: the list stays as long as the places that
             # free within it.
-            promised.append(now + eta)
+            heapq.heappush(promised, now + eta)
         return min(max(eta, 0.05), RETRY_AFTER_CAP_S)
 
     # -- changing ----------------------------------------------------------------------------
