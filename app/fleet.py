@@ -191,9 +191,10 @@ class Fleet:
                 continue
             try:
                 addresses = await self._resolve(source.host, source.port)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 # The name's servers are what they were: a resolver that fails says nothing of
-                # them, and their own /props followers tell whether they answer.
+                # them, and their own /props followers tell whether they answer. A name that
+                # cannot be encoded (an empty or long label) is a UnicodeError, a ValueError.
                 log.warning("cannot resolve %s: %s", source.host, exc)
                 continue
             wanted: set[str | None] = set(addresses) if len(addresses) > 1 else {None}
