@@ -22,8 +22,11 @@ log = logging.getLogger("slotgate.fleet")
 #: Resolves a host name to its addresses (the system resolver unless a test gives another).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
-#: A Prometheus sample line: its name, its labels if any, the rest.
-_SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^\n]*?\})?( [^\n]*)$", re.MULTILINE)
+#: A Prometheus sample line: its name, its labels if any (a quoted value may hold "}" or an
+#: escaped quote), the rest.
+_SAMPLE = re.compile(
+    rb'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?( [^\n]*)$'
+)
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -168,17 +171,30 @@ class Fleet:
         if len(upstreams) == 1:
             return await upstreams[0].metrics()
         answers = await asyncio.gather(*(u.metrics() for u in upstreams))
-        seen: set[bytes] = set()
-        lines: list[bytes] = []
+        # The text format wants each family as one group: its HELP and TYPE once (the first
+        # upstream's, should builds word them differently), then every upstream's samples.
+        families: dict[bytes, tuple[dict[bytes, bytes], list[bytes]]] = {}
         for upstream, (text, _) in zip(upstreams, answers, strict=True):
             label = b'upstream="' + _escape(upstream.url) + b'"'
+            family: bytes | None = None
             for line in text.splitlines():
                 if line.startswith(b"#"):
-                    if line not in seen:
-                        seen.add(line)
-                        lines.append(line)
+                    words = line.split(None, 3)
+                    if len(words) > 2 and words[1] in (b"HELP", b"TYPE"):
+                        family = words[2]
+                        families.setdefault(family, ({}, []))[0].setdefault(words[1], line)
                     continue
-                lines.append(_labelled(line, label))
+                match = _SAMPLE.match(line)
+                if match is None:
+                    continue
+                if family is None or not match[1].startswith(family):
+                    family = match[1]  # a sample with no HELP or TYPE of its own
+                families.setdefault(family, ({}, []))[1].append(_labelled(match, label))
+        lines = [
+            line
+            for comments, samples in families.values()
+            for line in (*comments.values(), *samples)
+        ]
         return (b"\n".join(lines) + b"\n" if lines else b""), []
 
     # -- discovery ------------------------------------------------------------------------------
@@ -258,11 +274,10 @@ def _escape(text: str) -> bytes:
     return text.replace("\\", "\\\\").replace('"', '\\"').encode()
 
 
-def _labelled(line: bytes, label: bytes) -> bytes:
-    match = _SAMPLE.match(line)
-    if match is None:
-        return line
+def _labelled(match: re.Match[bytes], label: bytes) -> bytes:
     name, labels, rest = match.groups()
     if labels is None or labels == b"{}":
         return name + b"{" + label + b"}" + rest
-    return name + labels[:-1] + b"," + label + b"}" + rest
+    # The text format allows a trailing comma after the last label.
+    comma = b"" if labels.endswith(b",}") else b","
+    return name + labels[:-1] + comma + label + b"}" + rest

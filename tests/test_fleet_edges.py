@@ -7,8 +7,10 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from slotgate.admission import Admission
+from slotgate.asgi import Header
 from slotgate.fleet import Fleet
 from slotgate.settings import Settings
 
@@ -51,3 +53,50 @@ async def test_discovery_goes_on_after_the_resolver_fails_with_something_other_t
         await until(lambda: len(fleet.upstreams) == 2)
     finally:
         await fleet.close()
+
+
+FIRST = b"""# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 10
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+"""
+# Another build: another HELP text for one family, and a sample whose label value holds
+# what ends a label set ("} "), an escaped quote and a backslash, and a trailing comma.
+SECOND = b"""# HELP llamacpp:prompt_tokens_total Prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total{kind="cached",} 20
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing{slot="a} 1 \\"b\\" \\\\"} 2
+"""
+
+
+async def test_llama_servers_metrics_from_several_upstreams_merge_into_one_group_per_family(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = settings_for("http://127.0.0.1:9,http://127.0.0.2:9")
+    fleet = Fleet(settings, Admission(settings.queue_policy))
+    for upstream, text in zip(fleet.upstreams, (FIRST, SECOND), strict=True):
+
+        async def metrics(text: bytes = text) -> tuple[bytes, list[Header]]:
+            return text, []
+
+        monkeypatch.setattr(upstream, "metrics", metrics)
+    merged, _ = await fleet.metrics()
+    families = list(text_string_to_metric_families(merged.decode()))
+    # One family each, declared once and typed, holding both upstreams' samples.
+    assert [(f.name, f.type) for f in families] == [
+        ("llamacpp:prompt_tokens", "counter"),
+        ("llamacpp:requests_processing", "gauge"),
+    ]
+    first, second = (u.url for u in fleet.upstreams)
+    assert [(s.labels, s.value) for s in families[0].samples] == [
+        ({"upstream": first}, 10),
+        ({"kind": "cached", "upstream": second}, 20),
+    ]
+    assert [(s.labels, s.value) for s in families[1].samples] == [
+        ({"upstream": first}, 1),
+        ({"slot": 'a} 1 "b" \\', "upstream": second}, 2),
+    ]
