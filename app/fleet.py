@@ -98,7 +98,8 @@ class Fleet:
 
     @property
     def ready(self) -> bool:
-        return any(upstream.ready for upstream in self._by_pool.values())
+        # Not those leaving: they answer, but admit nothing more.
+        return any(upstream.ready for upstream in self._all)
 
     @property
     def reason(self) -> str:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from slotgate.admission import Admission
 from slotgate.asgi import Header
 from slotgate.fleet import Fleet
+from slotgate.metrics import Metrics
 from slotgate.settings import Settings
 
 
@@ -100,3 +101,60 @@ async def test_llama_servers_metrics_from_several_upstreams_merge_into_one_group
         ({"upstream": first}, 1),
         ({"slot": 'a} 1 "b" \\', "upstream": second}, 2),
     ]
+
+
+async def discovered(addresses: list[str]) -> tuple[Fleet, Admission]:
+    """A fleet behind one name, as discovery finds it (no followers: each upstream is made
+    ready by hand, as its /props would)."""
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(addresses)
+
+    settings = settings_for("http://llama.fleet.test:9")
+    admission = Admission(settings.queue_policy)
+    fleet = Fleet(settings, admission, resolver)
+    await fleet.discover()
+    for upstream in fleet.upstreams:
+        upstream.ready = True
+        upstream.pool.resize(2)
+    return fleet, admission
+
+
+async def test_an_upstream_leaving_with_requests_in_flight_does_not_keep_the_fleet_ready() -> None:
+    addresses = ["127.0.0.1", "127.0.0.2"]
+    fleet, admission = await discovered(addresses)
+    tickets = [admission.enter() for _ in range(4)]
+    addresses.clear()  # the name's servers are going away; their requests run on
+    await fleet.discover()
+    assert admission.capacity is None
+    assert not fleet.ready  # nothing can be admitted: /health must not say ready
+    for ticket in tickets:
+        ticket.release()
+    await fleet.close()
+
+
+async def test_an_address_back_while_its_old_self_still_leaves_is_one_series_per_upstream() -> None:
+    addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    fleet, admission = await discovered(addresses)
+    tickets = [admission.enter() for _ in range(6)]  # every slot held
+    addresses.pop()  # 127.0.0.3 leaves with two requests in flight ...
+    await fleet.discover()
+    addresses.append("127.0.0.3")  # ... and is back before they end
+    await fleet.discover()
+    fleet.upstreams[-1].pool.resize(2)
+    text = Metrics(admission, lambda: fleet.ready).render().decode()
+    url = "http://127.0.0.3:9"
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("slotgate_upstream_"):
+            labels = [tuple(sorted(s.labels.items())) for s in family.samples]
+            assert len(labels) == len(set(labels)), family.name  # Prometheus refuses twins
+    gauges = {
+        f.name: {s.labels["upstream"]: s.value for s in f.samples}
+        for f in text_string_to_metric_families(text)
+        if f.name in ("slotgate_upstream_slots_capacity", "slotgate_upstream_slots_active")
+    }
+    assert gauges["slotgate_upstream_slots_capacity"][url] == 2
+    assert gauges["slotgate_upstream_slots_active"][url] == 2  # the leaving one's holders
+    for ticket in tickets:
+        ticket.release()
+    await fleet.close()
