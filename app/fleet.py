@@ -119,6 +119,12 @@ class Fleet:
                 return upstream
         return upstreams[0]
 
+    @property
+    def verbose(self) -> bool:
+        """Some upstream adds `__verbose` to its answers (--verbose): a request is routed only
+        once admitted, so none is assembled from a stream while any might go there."""
+        return any(upstream.verbose for upstream in self._all)
+
     def of(self, pool: Pool) -> Upstream:
         return self._by_pool[pool]
 

@@ -244,7 +244,7 @@ class Proxy:
             # known (app/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
         upstream = request.upstream = self._fleet.primary
-        assemble = self._assemble and not upstream.verbose
+        assemble = self._assemble and not self._fleet.verbose
         cold = self._admission.cold
         wants = Wants(
             budget=self._admission.budget_tokens,

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from slotgate.main import create_app
+from slotgate.routing import score, stable_hash
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve
@@ -301,3 +302,25 @@ async def test_upstreams_that_serve_different_models_are_named_in_the_log_and_ad
         "different models (other.gguf, standin.gguf)" in record.getMessage()
         for record in caplog.records
     )
+
+
+async def test_a_verbose_upstream_that_is_not_the_first_gets_non_streamed_requests_as_sent(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    plain, verbose = await standins([1, 1])
+    verbose.verbose = True  # llama-server --verbose: __verbose cannot be rebuilt from a stream
+    gate = await gates([plain, verbose])
+    pools = gate.service.admission.pools
+    key = next(
+        f"user-{n}"
+        for n in range(10_000)
+        if max(pools, key=lambda p: score(stable_hash(f"key:user-{n}"), p.salt)) is pools[1]
+    )
+    answers = [
+        await client.post(gate.url + CHAT, json=chat(prompt_cache_key=key)) for _ in range(3)
+    ]
+    assert [a.status_code for a in answers] == [200] * 3
+    assert len(verbose.seen) == 3
+    # Once one answer showed it, the others go as sent and carry llama-server's own object.
+    assert b'"stream":true' not in verbose.seen[-1].body
+    assert answers[-1].json()["__verbose"] == {"stream": False}
