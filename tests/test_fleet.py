@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
+from slotgate.logs import JsonFormatter
 from slotgate.main import create_app
 from slotgate.routing import score, stable_hash
 from slotgate.settings import Settings
@@ -324,3 +327,22 @@ async def test_a_verbose_upstream_that_is_not_the_first_gets_non_streamed_reques
     # Once one answer showed it, the others go as sent and carry llama-server's own object.
     assert b'"stream":true' not in verbose.seen[-1].body
     assert answers[-1].json()["__verbose"] == {"stream": False}
+
+
+async def test_the_access_line_names_the_upstream_that_answered_and_none_for_a_refusal(
+    standins: StandIns,
+    gates: Callable[..., Any],
+    client: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstreams = await standins([1, 1])
+    gate = await gates(upstreams)
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        served = await client.post(gate.url + CHAT, json=chat())
+        refused = await client.post(gate.url + CHAT, json=chat(n=2))  # more than either has
+    assert (served.status_code, refused.status_code) == (200, 400)
+    lines = [
+        json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "slotgate.access"
+    ]
+    answered_by = next(u.url for u in upstreams if u.seen)
+    assert [line["upstream"] for line in lines] == [answered_by, None]
