@@ -210,6 +210,11 @@ class Pool:
         self.resize(None)
         self._admission._forget(self)
 
+    def revive(self) -> None:
+        """Its upstream is back before it left (its address returned while its last requests
+        ran): route to it again from its next `resize`."""
+        self.retired = False
+
     def charge(self, ticket: Ticket) -> int:
         """The tokens of this pool's budget that `ticket` takes."""
         budget = self.budget

@@ -78,7 +78,8 @@ class Fleet:
         self._by_pool: dict[Pool, Upstream] = {}
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
-        self._leaving: set[asyncio.Task[None]] = set()
+        #: Upstreams whose address left, each until its last request has ended.
+        self._leaving: dict[asyncio.Task[None], Upstream] = {}
         self._warned_models: set[str] = set()
         self._all: list[Upstream] = []
         for source in self._sources:
@@ -223,6 +224,8 @@ class Fleet:
             wanted: set[str | None] = set(addresses) if len(addresses) > 1 else {None}
             for key in wanted - source.upstreams.keys():
                 log.info("upstream joins: %s", key or source.url)
+                if self._revive(source, key) is not None:
+                    continue
                 upstream = self._add(source, key)
                 if self._started:
                     await upstream.start()
@@ -236,9 +239,7 @@ class Fleet:
 
     def _add(self, source: _Source, address: str | None) -> Upstream:
         url = source.url
-        pool = self._admission.add_pool(
-            url if address is None else address_url(urlsplit(url), address)
-        )
+        pool = self._admission.add_pool(_pool_key(source, address))
         upstream = Upstream(self._settings, pool, url, address, self._check_models)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
@@ -251,8 +252,25 @@ class Fleet:
         log.info("upstream leaves: %s", upstream.url)
         upstream.pool.retire()
         task = asyncio.create_task(self._leave(upstream), name="slotgate-upstream-leaves")
-        self._leaving.add(task)
-        task.add_done_callback(self._leaving.discard)
+        self._leaving[task] = upstream
+        task.add_done_callback(self._left)
+
+    def _left(self, task: asyncio.Task[None]) -> None:
+        self._leaving.pop(task, None)
+
+    def _revive(self, source: _Source, address: str | None) -> Upstream | None:
+        """The same server back while its last requests still run there: it takes work again
+        as itself, its holders counted against its slots (a second pool for it would not)."""
+        key = _pool_key(source, address)
+        for task, upstream in self._leaving.items():
+            if upstream.pool.key == key and upstream.pool.active:
+                task.cancel()
+                upstream.pool.revive()
+                source.upstreams[address] = upstream
+                self._list()
+                upstream.poke()  # its slot count now, not at the next tick
+                return upstream
+        return None
 
     async def _leave(self, upstream: Upstream) -> None:
         """Close a retired upstream once its last request has ended."""
@@ -267,6 +285,10 @@ class Fleet:
 
     def __iter__(self) -> Iterator[Upstream]:
         return iter(self.upstreams)
+
+
+def _pool_key(source: _Source, address: str | None) -> str:
+    return source.url if address is None else address_url(urlsplit(source.url), address)
 
 
 def _is_address(host: str) -> bool:

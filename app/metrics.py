@@ -109,22 +109,12 @@ class _PoolCollector(Collector):
             "choice, load, or a retry after another upstream did not take it",
             labels=["upstream", "reason"],
         )
-        # An address back while its old self still runs its last requests has two pools for
-        # a while: one series for both, as Prometheus refuses two samples of one series.
-        by_key: dict[str, tuple[list[int], dict[str, int]]] = {}
         for one in pool.pools:
-            sums, routes = by_key.setdefault(one.key, ([0, 0, 0], dict.fromkeys(one.routed, 0)))
-            sums[0] += one.capacity or 0
-            sums[1] += one.active
-            sums[2] |= one.capacity is not None
+            capacity.add_metric([one.key], one.capacity or 0)
+            active.add_metric([one.key], one.active)
+            available.add_metric([one.key], 0 if one.capacity is None else 1)
             for reason, count in one.routed.items():
-                routes[reason] += count
-        for key, ((slots, held, known), routes) in by_key.items():
-            capacity.add_metric([key], slots)
-            active.add_metric([key], held)
-            available.add_metric([key], known)
-            for reason, count in routes.items():
-                routed.add_metric([key, reason], count)
+                routed.add_metric([one.key, reason], count)
         yield capacity
         yield active
         yield available

@@ -141,9 +141,9 @@ async def test_an_address_back_while_its_old_self_still_leaves_is_one_series_per
     await fleet.discover()
     addresses.append("127.0.0.3")  # ... and is back before they end
     await fleet.discover()
-    fleet.upstreams[-1].pool.resize(2)
-    text = Metrics(admission, lambda: fleet.ready).render().decode()
     url = "http://127.0.0.3:9"
+    next(u for u in fleet.upstreams if u.url == url).pool.resize(2)
+    text = Metrics(admission, lambda: fleet.ready).render().decode()
     for family in text_string_to_metric_families(text):
         if family.name.startswith("slotgate_upstream_"):
             labels = [tuple(sorted(s.labels.items())) for s in family.samples]
@@ -156,5 +156,26 @@ async def test_an_address_back_while_its_old_self_still_leaves_is_one_series_per
     assert gauges["slotgate_upstream_slots_capacity"][url] == 2
     assert gauges["slotgate_upstream_slots_active"][url] == 2  # the leaving one's holders
     for ticket in tickets:
+        ticket.release()
+    await fleet.close()
+
+
+async def test_an_address_back_before_its_last_requests_ended_takes_none_beyond_its_slots() -> None:
+    addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    fleet, admission = await discovered(addresses)
+    tickets = [admission.enter() for _ in range(6)]  # every slot held, two on 127.0.0.3
+    url = "http://127.0.0.3:9"
+    leaving = next(u for u in fleet.upstreams if u.url == url)
+    addresses.pop()
+    await fleet.discover()
+    addresses.append("127.0.0.3")  # the same server is back while its two requests run
+    await fleet.discover()
+    back = next(u for u in fleet.upstreams if u.url == url)
+    back.pool.resize(2)  # its /props: two slots, both still held by those two
+    newcomer = admission.enter()
+    assert not newcomer.admitted
+    assert sum(p.active for p in admission.pools if p.key == back.pool.key) == 2
+    assert back is leaving  # the one that never stopped running them
+    for ticket in [*tickets, newcomer]:
         ticket.release()
     await fleet.close()
