@@ -346,3 +346,64 @@ async def test_the_access_line_names_the_upstream_that_answered_and_none_for_a_r
     ]
     answered_by = next(u.url for u in upstreams if u.seen)
     assert [line["upstream"] for line in lines] == [answered_by, None]
+
+
+async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_upstream_refuses(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    dead, alive = await standins([1, 1], [0.01, 0.2])
+    gate = await gates(
+        [dead, alive],
+        props_refresh_interval=30,  # slotgate learns of the death only from a refused request
+        keepalive_interval=0.05,
+        stream_head_after=0,
+        startup_wait=0,
+    )
+    admission = gate.service.admission
+    await dead.stop()
+    squatter = admission.enter()  # both idle: the first upstream's slot
+    assert squatter.pool is admission.pools[0]
+    long = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
+    await gate.until(lambda: admission.active == 2)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        chunks = response.aiter_text()
+        first = await anext(chunks)
+        assert first.startswith(": queued")  # the head is out; it waits in the line
+        squatter.release()  # its turn comes on the dead upstream, which refuses it
+        text = first + "".join([chunk async for chunk in chunks])
+    assert text.rstrip().endswith("data: [DONE]")
+    assert '"error"' not in text
+    assert (await long).status_code == 200
+    assert admission.pools[0].capacity is None
+    assert admission.pools[1].routed["retry"] == 1
+    assert len(alive.seen) == 2
+
+
+async def test_a_stream_that_leaves_while_sent_back_to_the_line_frees_its_place(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    dead, alive = await standins([1, 1], [0.01, 0.2])
+    gate = await gates(
+        [dead, alive],
+        props_refresh_interval=30,
+        keepalive_interval=0.05,
+        stream_head_after=0,
+        startup_wait=0,
+    )
+    admission = gate.service.admission
+    await dead.stop()
+    squatter = admission.enter()
+    long = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
+    await gate.until(lambda: admission.active == 2)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        chunks = response.aiter_text()
+        assert (await anext(chunks)).startswith(": queued")
+        squatter.release()
+        await gate.until(lambda: admission.pools[0].capacity is None)  # refused: sent back
+        assert (admission.active, admission.queued) == (1, 1)
+    # The client left while it waited again: its place is gone, and it is never sent.
+    await gate.until(lambda: admission.queued == 0)
+    assert (await long).status_code == 200
+    await gate.until(lambda: admission.active == 0)
+    assert len(alive.seen) == 1
