@@ -91,9 +91,11 @@ class QueueTimeout(AdmissionError):
 class TooLarge(AdmissionError):
     """The request needs more slots than the pool has, so it could never be admitted."""
 
-    def __init__(self, snapshot: Snapshot, weight: int) -> None:
+    def __init__(self, snapshot: Snapshot, weight: int, largest: int | None = None) -> None:
         super().__init__(snapshot, 0.0)
         self.weight = weight
+        #: The most slots one upstream has (a request runs in one): the fleet's, when one.
+        self.largest = snapshot.capacity if largest is None else largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -612,7 +614,7 @@ class Admission:
             # Known since the request was read (a big body's parse outlasted the start).
             weight = weigh(self._largest)
         if weight > self._largest:
-            raise TooLarge(self.snapshot(), weight)
+            raise TooLarge(self.snapshot(), weight, self._largest)
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
@@ -729,7 +731,7 @@ class Admission:
             future = ticket._future
             if ticket.weight > largest and future is not None and not future.done():
                 self._waiting -= 1
-                future.set_exception(TooLarge(self.snapshot(), ticket.weight))
+                future.set_exception(TooLarge(self.snapshot(), ticket.weight, largest))
         self._dispatch()
 
     def _forget(self, pool: Pool) -> None:

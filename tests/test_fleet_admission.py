@@ -21,6 +21,7 @@ from slotgate.admission import (
     Ticket,
     TooLarge,
 )
+from slotgate.errors import refusal
 from slotgate.routing import choose, score, stable_hash
 
 
@@ -378,3 +379,11 @@ async def test_a_key_follows_its_prompt_to_where_its_last_request_ran() -> None:
     follow = admission.enter(affinity=key)
     assert follow.pool is where
     follow.release()
+
+
+async def test_a_request_too_large_for_every_upstream_is_told_the_largest_ones_slots() -> None:
+    admission = fleet(2, 2)
+    with pytest.raises(TooLarge) as caught:
+        admission.enter(weight=3)
+    # Four slots in all, but a request runs in one upstream: two is what it can have.
+    assert "needs 3 slots but llama-server has 2" in refusal(caught.value).message
