@@ -221,7 +221,12 @@ class Fleet:
                 # cannot be encoded (an empty or long label) is a UnicodeError, a ValueError.
                 log.warning("cannot resolve %s: %s", source.host, exc)
                 continue
-            wanted: set[str | None] = set(addresses) if len(addresses) > 1 else {None}
+            # Once known by address, a server stays so while its name resolves to it: a
+            # fleet scaled down to one keeps that one, its running requests counted on it.
+            by_address = len(addresses) > 1 or (
+                len(addresses) == 1 and None not in source.upstreams
+            )
+            wanted: set[str | None] = set(addresses) if by_address else {None}
             for key in wanted - source.upstreams.keys():
                 log.info("upstream joins: %s", key or source.url)
                 if self._revive(source, key) is not None:

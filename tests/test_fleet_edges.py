@@ -179,3 +179,19 @@ async def test_an_address_back_before_its_last_requests_ended_takes_none_beyond_
     for ticket in [*tickets, newcomer]:
         ticket.release()
     await fleet.close()
+
+
+async def test_a_name_down_to_one_address_keeps_that_upstream_and_its_holders_counted() -> None:
+    addresses = ["127.0.0.1", "127.0.0.2"]
+    fleet, admission = await discovered(addresses)
+    tickets = [admission.enter() for _ in range(4)]  # two on each
+    staying = next(u for u in fleet.upstreams if u.url == "http://127.0.0.1:9")
+    addresses.pop()  # scaled down to one server, which runs its two requests on
+    await fleet.discover()
+    assert fleet.upstreams == [staying]
+    staying.pool.resize(2)
+    newcomer = admission.enter()
+    assert not newcomer.admitted  # its two slots are still held: nothing more goes there
+    for ticket in [*tickets, newcomer]:
+        ticket.release()
+    await fleet.close()
