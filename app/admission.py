@@ -137,7 +137,7 @@ class Pool:
 
     __slots__ = (
         "_admission", "active", "budget", "capacity", "committed", "key", "retired", "routed",
-        "salt",
+        "salt", "seen",
     )  # fmt: skip
 
     def __init__(self, admission: Admission, key: str) -> None:
@@ -146,6 +146,8 @@ class Pool:
         #: Its rendezvous identity: the same for the same upstream on every replica.
         self.salt = stable_hash(key)
         self.capacity: int | None = None
+        #: Its last known capacity: what it likely has again once back.
+        self.seen = 0
         self.active = 0
         #: The KV-cache tokens its slots share when that binds admission (else None), and what
         #: the requests it runs hold of them.
@@ -180,6 +182,8 @@ class Pool:
         if self.retired:
             capacity = None
         self.capacity = capacity
+        if capacity is not None:
+            self.seen = capacity
         self._admission._resized()
 
     def resize_budget(self, budget_tokens: int | None) -> None:
@@ -727,11 +731,17 @@ class Admission:
         self._limit = self._policy.limit(self._capacity)
         if self._unsized:
             self._weigh_unsized(largest)
+        # An upstream away may come back with as many slots as before: a waiter that only it
+        # fits is told to retry (503), not to ask for less (400).
+        likely = max([pool.seen for pool in self._pools if not pool.retired], default=0)
         for ticket in self._line:
             future = ticket._future
             if ticket.weight > largest and future is not None and not future.done():
                 self._waiting -= 1
-                future.set_exception(TooLarge(self.snapshot(), ticket.weight, largest))
+                if ticket.weight <= likely:
+                    future.set_exception(NotReady(self.snapshot(), self.retry_after_s(1)))
+                else:
+                    future.set_exception(TooLarge(self.snapshot(), ticket.weight, largest))
         self._dispatch()
 
     def _forget(self, pool: Pool) -> None:

@@ -387,3 +387,22 @@ async def test_a_request_too_large_for_every_upstream_is_told_the_largest_ones_s
         admission.enter(weight=3)
     # Four slots in all, but a request runs in one upstream: two is what it can have.
     assert "needs 3 slots but llama-server has 2" in refusal(caught.value).message
+
+
+async def test_a_heavy_waiter_is_told_to_retry_not_to_ask_less_while_its_upstream_restarts() -> (
+    None
+):
+    admission = fleet(4, 2)
+    holder = admission.enter(weight=4)
+    heavy = admission.enter(weight=4)  # waits for the four-slot upstream
+    admission.pools[0].resize(None)  # which restarts: it may well come back with four
+    with pytest.raises(NotReady):  # a 503 with Retry-After, which clients retry
+        await heavy.wait()
+    admission.pools[0].resize(4)
+    gone = admission.enter(weight=4)
+    assert not gone.admitted  # the holder's four slots are still held
+    admission.pools[0].retire()  # gone for good: no upstream will ever have four
+    with pytest.raises(TooLarge):
+        await gone.wait()
+    holder.release()
+    assert (admission.active, admission.queued) == (0, 0)
