@@ -216,6 +216,11 @@ class Pool:
         self.resize(None)
         self._admission._forget(self)
 
+    def rename(self, key: str) -> None:
+        """Its upstream is known by another URL now (an address of its name)."""
+        self.key = key
+        self.salt = stable_hash(key)
+
     def revive(self) -> None:
         """Its upstream is back before it left (its address returned while its last requests
         ran): route to it again from its next `resize`."""

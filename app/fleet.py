@@ -62,6 +62,8 @@ class _Source:
         self.named = not _is_address(self.host)
         #: By address; the name itself (key None) while it resolves to one address or fewer.
         self.upstreams: dict[str | None, Upstream] = {}
+        #: The address the name last resolved to alone (where the name's upstream runs).
+        self.single: str | None = None
 
 
 class Fleet:
@@ -227,6 +229,16 @@ class Fleet:
                 len(addresses) == 1 and None not in source.upstreams
             )
             wanted: set[str | None] = set(addresses) if by_address else {None}
+            single = source.single
+            if single is not None and by_address and None in source.upstreams and single in wanted:
+                # The name's one server is one of several now: the upstream that runs its
+                # requests becomes that address's, so they stay counted against its slots.
+                upstream = source.upstreams.pop(None)
+                upstream.readdress(single)
+                source.upstreams[single] = upstream
+                self._list()
+            if len(addresses) == 1:
+                source.single = addresses[0]
             for key in wanted - source.upstreams.keys():
                 log.info("upstream joins: %s", key or source.url)
                 if self._revive(source, key) is not None:

@@ -195,3 +195,24 @@ async def test_a_name_down_to_one_address_keeps_that_upstream_and_its_holders_co
     for ticket in [*tickets, newcomer]:
         ticket.release()
     await fleet.close()
+
+
+async def test_a_name_grown_from_one_address_to_several_keeps_its_running_requests_counted() -> (
+    None
+):
+    addresses = ["127.0.0.1"]
+    fleet, admission = await discovered(addresses)
+    (first,) = fleet.upstreams
+    assert first.url == "http://llama.fleet.test:9"  # one address: the name, as configured
+    tickets = [admission.enter() for _ in range(2)]  # its two slots held
+    addresses.append("127.0.0.2")  # scaled out while those two run
+    await fleet.discover()
+    by_url = {u.url: u for u in fleet.upstreams}
+    assert by_url["http://127.0.0.1:9"] is first  # the server that runs them, by its address
+    by_url["http://127.0.0.2:9"].pool.resize(2)
+    more = [admission.enter() for _ in range(3)]
+    assert [t.admitted for t in more] == [True, True, False]  # none past 127.0.0.1's slots
+    assert first.pool.active == 2
+    for ticket in [*tickets, *more]:
+        ticket.release()
+    await fleet.close()
