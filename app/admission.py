@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
 import math
 import random
 import time
@@ -99,9 +100,11 @@ class QueueTimeout(AdmissionError):
 class TooLarge(AdmissionError):
     """The request needs more slots than the pool has, so it could never be admitted."""
 
-    def __init__(self, snapshot: Snapshot, weight: int) -> None:
+    def __init__(self, snapshot: Snapshot, weight: int, largest: int | None = None) -> None:
         super().__init__(snapshot, 0.0)
         self.weight = weight
+        #: The most slots one upstream has (a request runs in one): the fleet's, when one.
+        self.largest = snapshot.capacity if largest is None else largest
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +146,7 @@ class Pool:
 
     __slots__ = (
         "_admission", "active", "budget", "capacity", "committed", "key", "retired", "routed",
-        "salt",
+        "salt", "seen",
     )  # fmt: skip
 
     def __init__(self, admission: Admission, key: str) -> None:
@@ -152,6 +155,8 @@ class Pool:
         #: Its rendezvous identity: the same for the same upstream on every replica.
         self.salt = stable_hash(key)
         self.capacity: int | None = None
+        #: Its last known capacity: what it likely has again once back.
+        self.seen = 0
         self.active = 0
         #: The KV-cache tokens its slots share when that binds admission (else None), and what
         #: the requests it runs hold of them.
@@ -186,6 +191,8 @@ class Pool:
         if self.retired:
             capacity = None
         self.capacity = capacity
+        if capacity is not None:
+            self.seen = capacity
         self._admission._resized()
 
     def resize_budget(self, budget_tokens: int | None) -> None:
@@ -217,6 +224,16 @@ class Pool:
         self.retired = True
         self.resize(None)
         self._admission._forget(self)
+
+    def rename(self, key: str) -> None:
+        """Its upstream is known by another URL now (an address of its name)."""
+        self.key = key
+        self.salt = stable_hash(key)
+
+    def revive(self) -> None:
+        """Its upstream is back before it left (its address returned while its last requests
+        ran): route to it again from its next `resize`."""
+        self.retired = False
 
     def charge(self, ticket: Ticket) -> int:
         """The tokens of this pool's budget that `ticket` takes."""
@@ -455,8 +472,9 @@ class Admission:
         self._closed = False
         # Who holds slots (ticket: when granted, weight), in the order granted, for `eta_s`.
         self._holders: dict[Ticket, tuple[float, int]] = {}
-        # When the refusals not yet due were told a place should be free (`_promise_s`).
-        self._promised: deque[float] = deque()
+        # When the refusals not yet due were told a place should be free (`_promise_s`): a
+        # heap, as a moment told while holds were long may fall after later ones.
+        self._promised: list[float] = []
         self._jitter = random.Random()  # noqa: S311 - spreading retries, not a secret
         # Where each affinity key's last request ran (its prompt is cached there now), the
         # newest last; bounded, the oldest forgotten first.
@@ -573,7 +591,7 @@ class Admission:
         now = time.monotonic()
         promised = self._promised
         while promised and promised[0] <= now:
-            promised.popleft()
+            heapq.heappop(promised)
         eta = self.eta_s(len(promised) + 1)
         if self.cold:
             # No hold seen yet: the guess errs late by design, and moments spaced by it would
@@ -585,7 +603,7 @@ class Admission:
         if eta < RETRY_AFTER_CAP_S:
             # Beyond the cap nothing is promised: the list stays as long as the places that
             # free within it.
-            promised.append(now + eta)
+            heapq.heappush(promised, now + eta)
         return min(max(eta, 0.05), RETRY_AFTER_CAP_S)
 
     # -- changing ----------------------------------------------------------------------------
@@ -645,7 +663,7 @@ class Admission:
             # Known since the request was read (a big body's parse outlasted the start).
             weight = weigh(self._largest)
         if weight > self._largest:
-            raise TooLarge(self.snapshot(), weight)
+            raise TooLarge(self.snapshot(), weight, self._largest)
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
@@ -814,11 +832,17 @@ class Admission:
         self._limit = self._policy.limit(self._capacity)
         if self._unsized:
             self._weigh_unsized(largest)
+        # An upstream away may come back with as many slots as before: a waiter that only it
+        # fits is told to retry (503), not to ask for less (400).
+        likely = max([pool.seen for pool in self._pools if not pool.retired], default=0)
         for ticket in self._in_line():
             future = ticket._future
             if ticket.weight > largest and future is not None and not future.done():
                 self._waiting -= 1
-                future.set_exception(TooLarge(self.snapshot(), ticket.weight))
+                if ticket.weight <= likely:
+                    future.set_exception(NotReady(self.snapshot(), self.retry_after_s(1)))
+                else:
+                    future.set_exception(TooLarge(self.snapshot(), ticket.weight, largest))
                 if self._fair is not None:
                     self._fair.leave(ticket)
         self._dispatch()

@@ -193,7 +193,7 @@ def _admission_refusal(exc: AdmissionError) -> Refusal:
         )  # fmt: skip
     if isinstance(exc, TooLarge):
         message = (
-            f"request needs {exc.weight} slots but llama-server has {snap.capacity}; "
+            f"request needs {exc.weight} slots but llama-server has {exc.largest}; "
             "ask for fewer choices (n)"
         )
         return Refusal(400, "invalid_request_error", "too_many_slots", message, "bad_request", "n")

@@ -22,8 +22,11 @@ log = logging.getLogger("slotgate.fleet")
 #: Resolves a host name to its addresses (the system resolver unless a test gives another).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
-#: A Prometheus sample line: its name, its labels if any, the rest.
-_SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^\n]*?\})?( [^\n]*)$", re.MULTILINE)
+#: A Prometheus sample line: its name, its labels if any (a quoted value may hold "}" or an
+#: escaped quote), the rest.
+_SAMPLE = re.compile(
+    rb'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?( [^\n]*)$'
+)
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -59,6 +62,8 @@ class _Source:
         self.named = not _is_address(self.host)
         #: By address; the name itself (key None) while it resolves to one address or fewer.
         self.upstreams: dict[str | None, Upstream] = {}
+        #: The address the name last resolved to alone (where the name's upstream runs).
+        self.single: str | None = None
 
 
 class Fleet:
@@ -75,7 +80,8 @@ class Fleet:
         self._by_pool: dict[Pool, Upstream] = {}
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
-        self._leaving: set[asyncio.Task[None]] = set()
+        #: Upstreams whose address left, each until its last request has ended.
+        self._leaving: dict[asyncio.Task[None], Upstream] = {}
         self._warned_models: set[str] = set()
         self._all: list[Upstream] = []
         for source in self._sources:
@@ -95,7 +101,8 @@ class Fleet:
 
     @property
     def ready(self) -> bool:
-        return any(upstream.ready for upstream in self._by_pool.values())
+        # Not those leaving: they answer, but admit nothing more.
+        return any(upstream.ready for upstream in self._all)
 
     @property
     def reason(self) -> str:
@@ -114,6 +121,12 @@ class Fleet:
             if upstream.ready:
                 return upstream
         return upstreams[0]
+
+    @property
+    def verbose(self) -> bool:
+        """Some upstream adds `__verbose` to its answers (--verbose): a request is routed only
+        once admitted, so none is assembled from a stream while any might go there."""
+        return any(upstream.verbose for upstream in self._all)
 
     def of(self, pool: Pool) -> Upstream:
         return self._by_pool[pool]
@@ -168,17 +181,30 @@ class Fleet:
         if len(upstreams) == 1:
             return await upstreams[0].metrics()
         answers = await asyncio.gather(*(u.metrics() for u in upstreams))
-        seen: set[bytes] = set()
-        lines: list[bytes] = []
+        # The text format wants each family as one group: its HELP and TYPE once (the first
+        # upstream's, should builds word them differently), then every upstream's samples.
+        families: dict[bytes, tuple[dict[bytes, bytes], list[bytes]]] = {}
         for upstream, (text, _) in zip(upstreams, answers, strict=True):
             label = b'upstream="' + _escape(upstream.url) + b'"'
+            family: bytes | None = None
             for line in text.splitlines():
                 if line.startswith(b"#"):
-                    if line not in seen:
-                        seen.add(line)
-                        lines.append(line)
+                    words = line.split(None, 3)
+                    if len(words) > 2 and words[1] in (b"HELP", b"TYPE"):
+                        family = words[2]
+                        families.setdefault(family, ({}, []))[0].setdefault(words[1], line)
                     continue
-                lines.append(_labelled(line, label))
+                match = _SAMPLE.match(line)
+                if match is None:
+                    continue
+                if family is None or not match[1].startswith(family):
+                    family = match[1]  # a sample with no HELP or TYPE of its own
+                families.setdefault(family, ({}, []))[1].append(_labelled(match, label))
+        lines = [
+            line
+            for comments, samples in families.values()
+            for line in (*comments.values(), *samples)
+        ]
         return (b"\n".join(lines) + b"\n" if lines else b""), []
 
     # -- discovery ------------------------------------------------------------------------------
@@ -191,14 +217,32 @@ class Fleet:
                 continue
             try:
                 addresses = await self._resolve(source.host, source.port)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 # The name's servers are what they were: a resolver that fails says nothing of
-                # them, and their own /props followers tell whether they answer.
+                # them, and their own /props followers tell whether they answer. A name that
+                # cannot be encoded (an empty or long label) is a UnicodeError, a ValueError.
                 log.warning("cannot resolve %s: %s", source.host, exc)
                 continue
-            wanted: set[str | None] = set(addresses) if len(addresses) > 1 else {None}
+            # Once known by address, a server stays so while its name resolves to it: a
+            # fleet scaled down to one keeps that one, its running requests counted on it.
+            by_address = len(addresses) > 1 or (
+                len(addresses) == 1 and None not in source.upstreams
+            )
+            wanted: set[str | None] = set(addresses) if by_address else {None}
+            single = source.single
+            if single is not None and by_address and None in source.upstreams and single in wanted:
+                # The name's one server is one of several now: the upstream that runs its
+                # requests becomes that address's, so they stay counted against its slots.
+                upstream = source.upstreams.pop(None)
+                upstream.readdress(single)
+                source.upstreams[single] = upstream
+                self._list()
+            if len(addresses) == 1:
+                source.single = addresses[0]
             for key in wanted - source.upstreams.keys():
                 log.info("upstream joins: %s", key or source.url)
+                if self._revive(source, key) is not None:
+                    continue
                 upstream = self._add(source, key)
                 if self._started:
                     await upstream.start()
@@ -212,9 +256,7 @@ class Fleet:
 
     def _add(self, source: _Source, address: str | None) -> Upstream:
         url = source.url
-        pool = self._admission.add_pool(
-            url if address is None else address_url(urlsplit(url), address)
-        )
+        pool = self._admission.add_pool(_pool_key(source, address))
         upstream = Upstream(self._settings, pool, url, address, self._check_models)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
@@ -227,8 +269,25 @@ class Fleet:
         log.info("upstream leaves: %s", upstream.url)
         upstream.pool.retire()
         task = asyncio.create_task(self._leave(upstream), name="slotgate-upstream-leaves")
-        self._leaving.add(task)
-        task.add_done_callback(self._leaving.discard)
+        self._leaving[task] = upstream
+        task.add_done_callback(self._left)
+
+    def _left(self, task: asyncio.Task[None]) -> None:
+        self._leaving.pop(task, None)
+
+    def _revive(self, source: _Source, address: str | None) -> Upstream | None:
+        """The same server back while its last requests still run there: it takes work again
+        as itself, its holders counted against its slots (a second pool for it would not)."""
+        key = _pool_key(source, address)
+        for task, upstream in self._leaving.items():
+            if upstream.pool.key == key and upstream.pool.active:
+                task.cancel()
+                upstream.pool.revive()
+                source.upstreams[address] = upstream
+                self._list()
+                upstream.poke()  # its slot count now, not at the next tick
+                return upstream
+        return None
 
     async def _leave(self, upstream: Upstream) -> None:
         """Close a retired upstream once its last request has ended."""
@@ -245,6 +304,10 @@ class Fleet:
         return iter(self.upstreams)
 
 
+def _pool_key(source: _Source, address: str | None) -> str:
+    return source.url if address is None else address_url(urlsplit(source.url), address)
+
+
 def _is_address(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
@@ -257,11 +320,10 @@ def _escape(text: str) -> bytes:
     return text.replace("\\", "\\\\").replace('"', '\\"').encode()
 
 
-def _labelled(line: bytes, label: bytes) -> bytes:
-    match = _SAMPLE.match(line)
-    if match is None:
-        return line
+def _labelled(match: re.Match[bytes], label: bytes) -> bytes:
     name, labels, rest = match.groups()
     if labels is None or labels == b"{}":
         return name + b"{" + label + b"}" + rest
-    return name + labels[:-1] + b"," + label + b"}" + rest
+    # The text format allows a trailing comma after the last label.
+    comma = b"" if labels.endswith(b",}") else b","
+    return name + labels[:-1] + comma + label + b"}" + rest

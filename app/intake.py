@@ -5,6 +5,7 @@ bodies parsed in a worker process so the event loop does not stall (docs/design.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import signal
@@ -88,8 +89,10 @@ def affinity_of(payload: dict[str, object]) -> int | None:
         return stable_hash("key:" + key)
     parts: list[str] = []
     size = 0
-    for text in _prompt_texts(payload):
-        parts.append(text)
+    # Each item looked at yields one text, maybe empty: at most this many are read, so that
+    # a list of empty messages costs no more than a prompt's start.
+    for text in itertools.islice(_prompt_texts(payload), AFFINITY_PREFIX_CHARS):
+        parts.append(text[:AFFINITY_PREFIX_CHARS])
         size += len(text)
         if size >= AFFINITY_PREFIX_CHARS:
             break
@@ -115,14 +118,15 @@ def _prompt_texts(payload: dict[str, object]) -> Iterator[str]:
                 if isinstance(item, str):
                     yield item
                 elif isinstance(item, dict):
-                    yield str(item.get("role", ""))
+                    role = item.get("role")
+                    yield role if isinstance(role, str) else ""
                     content = item.get("content")
                     if isinstance(content, str):
                         yield content
                     elif isinstance(content, list):
                         yield from _texts(content)
-                elif isinstance(item, list):  # token ids
-                    yield ",".join(str(t) for t in item[:AFFINITY_PREFIX_CHARS])
+                elif isinstance(item, list):  # token ids (and pieces of text, mixed in)
+                    yield ",".join(_token(t) for t in item[:AFFINITY_PREFIX_CHARS])
                 else:
                     return
         elif isinstance(value, dict):  # /completion's multimodal prompt
@@ -131,14 +135,21 @@ def _prompt_texts(payload: dict[str, object]) -> Iterator[str]:
                 yield text
 
 
+def _token(token: object) -> str:
+    if isinstance(token, str):
+        return token[:AFFINITY_PREFIX_CHARS]
+    return str(token) if isinstance(token, int) else ""
+
+
 def _texts(parts: list[object]) -> Iterator[str]:
     for part in parts:
         if isinstance(part, str):
             yield part
         elif isinstance(part, dict):
             text = part.get("text")
-            if isinstance(text, str):
-                yield text
+            yield text if isinstance(text, str) else ""
+        else:
+            yield ""
 
 
 async def take_off_loop(

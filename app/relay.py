@@ -244,8 +244,9 @@ class Proxy:
             # llama-server is (re)starting: wait in the queue, weighed once its slot count is
             # known (app/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
-        upstream = request.upstream = self._fleet.primary
-        assemble = self._assemble and not upstream.verbose
+        # Read for the request's shape only: which upstream runs it is known once admitted.
+        upstream = self._fleet.primary
+        assemble = self._assemble and not self._fleet.verbose
         cold = self._admission.cold
         wants = Wants(
             budget=self._admission.budget_tokens,

@@ -171,6 +171,13 @@ class Settings(BaseSettings):
             raise ValueError("must be an http:// or https:// URL with a host")
         if parts.query or parts.fragment:
             raise ValueError("must not carry a query or a fragment")
+        try:
+            parts.hostname.encode("idna")  # as DNS and the Host header will take it
+        except UnicodeError:
+            raise ValueError(
+                f"has a host name that cannot be looked up ({parts.hostname}: a label is empty "
+                "or over 63 characters)"
+            ) from None
         if parts.username is not None or parts.password is not None:
             # slotgate would not send them, and /admission and the logs show the URL.
             raise ValueError("must not carry user:password@; llama-server's key is LLAMA_API_KEY")

@@ -185,6 +185,12 @@ class Upstream:
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
+    def readdress(self, address: str) -> None:
+        """Known by its name so far, it is now one of the name's several addresses: this one."""
+        self.url = address_url(urlsplit(self.configured), address)
+        self._client.connect_to(address)
+        self.pool.rename(self.url)
+
     @property
     def keeps_streams(self) -> bool | None:
         """Does llama-server keep a connection open after an event stream? None until seen."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import time
 
 import pytest
+from slotgate import admission as admission_module
 from slotgate.admission import (
     RETRY_AFTER_CAP_S,
     Admission,
@@ -549,10 +549,36 @@ async def test_the_moments_promised_are_forgotten_once_they_pass() -> None:
     holder, waiter = admission.enter(), admission.enter()
     first = [admission._promise_s() for _ in range(3)]
     assert first[2] > first[0] + 3.5
-    admission._promised = collections.deque(t - 100 for t in admission._promised)
+    admission._promised = [t - 100 for t in admission._promised]
     assert admission._promise_s() < 2.6  # the next place again, not a fourth in a row
     holder.release()
     waiter.release()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(admission_module, "time", clock)
+    admission = pool(1)
+    admission._observe(10.0)  # long generations: a refusal is told about 10 s
+    holder = admission.enter()
+    assert admission._promise_s() > 9.0
+    for _ in range(60):
+        admission._observe(0.01)  # then the generations turn short
+    assert max(admission._promise_s() for _ in range(50)) < 1.0
+    clock.now += 2.0  # the fifty short moments have passed; the first one has not
+    # One moment is still due, so the next refusal is told the one after it.
+    assert admission._promise_s() <= admission.eta_s(2) + 0.01
+    holder.release()
 
 
 async def test_a_waiters_eta_counts_how_long_running_generations_have_held_their_slots() -> None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
+from slotgate.admission import Admission, Ticket
+from slotgate.logs import JsonFormatter
 from slotgate.main import create_app
+from slotgate.routing import score, stable_hash
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve
@@ -301,3 +306,114 @@ async def test_upstreams_that_serve_different_models_are_named_in_the_log_and_ad
         "different models (other.gguf, standin.gguf)" in record.getMessage()
         for record in caplog.records
     )
+
+
+async def test_a_verbose_upstream_that_is_not_the_first_gets_non_streamed_requests_as_sent(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    plain, verbose = await standins([1, 1])
+    verbose.verbose = True  # llama-server --verbose: __verbose cannot be rebuilt from a stream
+    gate = await gates([plain, verbose])
+    pools = gate.service.admission.pools
+    key = next(
+        f"user-{n}"
+        for n in range(10_000)
+        if max(pools, key=lambda p: score(stable_hash(f"key:user-{n}"), p.salt)) is pools[1]
+    )
+    answers = [
+        await client.post(gate.url + CHAT, json=chat(prompt_cache_key=key)) for _ in range(3)
+    ]
+    assert [a.status_code for a in answers] == [200] * 3
+    assert len(verbose.seen) == 3
+    # Once one answer showed it, the others go as sent and carry llama-server's own object.
+    assert b'"stream":true' not in verbose.seen[-1].body
+    assert answers[-1].json()["__verbose"] == {"stream": False}
+
+
+async def test_the_access_line_names_the_upstream_that_answered_and_none_for_a_refusal(
+    standins: StandIns,
+    gates: Callable[..., Any],
+    client: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstreams = await standins([1, 1])
+    gate = await gates(upstreams)
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        served = await client.post(gate.url + CHAT, json=chat())
+        refused = await client.post(gate.url + CHAT, json=chat(n=2))  # more than either has
+    assert (served.status_code, refused.status_code) == (200, 400)
+    lines = [
+        json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "slotgate.access"
+    ]
+    answered_by = next(u.url for u in upstreams if u.seen)
+    assert [line["upstream"] for line in lines] == [answered_by, None]
+
+
+def on_first_upstream(admission: Admission) -> Ticket:
+    """A slot held on the first upstream, the others left as they were."""
+    taken = [admission.enter() for _ in admission.pools]
+    for ticket in taken:
+        if ticket.pool is not admission.pools[0]:
+            ticket.release()
+    (squatter,) = (t for t in taken if t.pool is admission.pools[0])
+    return squatter
+
+
+async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_upstream_refuses(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    dead, alive = await standins([1, 1], [0.01, 0.2])
+    gate = await gates(
+        [dead, alive],
+        props_refresh_interval=30,  # slotgate learns of the death only from a refused request
+        keepalive_interval=0.05,
+        stream_head_after=0,
+        startup_wait=0,
+    )
+    admission = gate.service.admission
+    await dead.stop()
+    squatter = on_first_upstream(admission)
+    long = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
+    await gate.until(lambda: admission.active == 2)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        chunks = response.aiter_text()
+        first = await anext(chunks)
+        assert first.startswith(": queued")  # the head is out; it waits in the line
+        squatter.release()  # its turn comes on the dead upstream, which refuses it
+        text = first + "".join([chunk async for chunk in chunks])
+    assert text.rstrip().endswith("data: [DONE]")
+    assert '"error"' not in text
+    assert (await long).status_code == 200
+    assert admission.pools[0].capacity is None
+    assert admission.pools[1].routed["retry"] == 1
+    assert len(alive.seen) == 2
+
+
+async def test_a_stream_that_leaves_while_sent_back_to_the_line_frees_its_place(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    dead, alive = await standins([1, 1], [0.01, 0.2])
+    gate = await gates(
+        [dead, alive],
+        props_refresh_interval=30,
+        keepalive_interval=0.05,
+        stream_head_after=0,
+        startup_wait=0,
+    )
+    admission = gate.service.admission
+    await dead.stop()
+    squatter = on_first_upstream(admission)
+    long = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
+    await gate.until(lambda: admission.active == 2)
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
+        chunks = response.aiter_text()
+        assert (await anext(chunks)).startswith(": queued")
+        squatter.release()
+        await gate.until(lambda: admission.pools[0].capacity is None)  # refused: sent back
+        assert (admission.active, admission.queued) == (1, 1)
+    # The client left while it waited again: its place is gone, and it is never sent.
+    await gate.until(lambda: admission.queued == 0)
+    assert (await long).status_code == 200
+    await gate.until(lambda: admission.active == 0)
+    assert len(alive.seen) == 1

@@ -21,6 +21,7 @@ from slotgate.admission import (
     Ticket,
     TooLarge,
 )
+from slotgate.errors import refusal
 from slotgate.routing import choose, score, stable_hash
 
 
@@ -63,14 +64,16 @@ async def test_one_upstream_going_away_takes_only_its_share_and_its_holders_keep
     admission = fleet(1, 1)
     a, b = admission.enter(), admission.enter()
     assert held(admission) == [1, 1]
-    admission.pools[0].resize(None)
+    assert a.pool is not None
+    assert b.pool is not None
+    a.pool.resize(None)
     assert admission.capacity == 1
     assert admission.active == 2  # a still holds its slot until it ends or is sent back
     c = admission.enter()
     assert not c.admitted
     b.release()
-    await c.wait()
-    assert c.pool is admission.pools[1]
+    await asyncio.wait_for(c.wait(), 1)
+    assert c.pool is b.pool
     a.release()
     c.release()
     assert held(admission) == [0, 0]
@@ -119,16 +122,21 @@ async def test_a_request_runs_in_one_upstream_so_the_largest_bounds_its_weight()
     two = admission.enter(weight=2)
     assert two.admitted
     assert sorted(held(admission)) == [0, 2]
-    admission.pools[1].resize(4)
+    other = next(pool for pool in admission.pools if pool is not two.pool)
+    other.resize(4)
     three = admission.enter(weight=3)
     assert three.admitted
-    assert three.pool is admission.pools[1]
+    assert three.pool is other
 
 
 async def test_a_heavy_head_waits_for_one_upstream_with_room_and_nobody_overtakes_it() -> None:
     admission = fleet(2, 2)
-    a, b = admission.enter(), admission.enter()
-    assert held(admission) == [1, 1]  # least loaded: one each
+    full = [admission.enter() for _ in range(4)]
+    # One request running on each upstream.
+    for pool in admission.pools:
+        next(t for t in full if t.pool is pool).release()
+    a, b = (t for t in full if not t._released)
+    assert held(admission) == [1, 1]
     pair = admission.enter(weight=2)
     light = admission.enter()
     assert not pair.admitted
@@ -136,9 +144,9 @@ async def test_a_heavy_head_waits_for_one_upstream_with_room_and_nobody_overtake
     a.release()
     await settle()
     assert pair.granted
-    assert pair.pool is admission.pools[0]
+    assert pair.pool is a.pool
     assert light.granted  # the other upstream's free slot, right after the head
-    assert light.pool is admission.pools[1]
+    assert light.pool is b.pool
     for t in (b, pair, light):
         t.release()
 
@@ -264,8 +272,9 @@ async def test_a_request_its_upstream_did_not_take_runs_next_elsewhere_keeping_i
     assert a.position == 1  # ahead of c, which came later
     b.release()
     await a.wait()
-    assert a.pool is admission.pools[1]
-    assert admission.pools[1].routed["retry"] == 1
+    assert a.pool is b.pool
+    assert b.pool is not None
+    assert b.pool.routed["retry"] == 1
     assert not c.granted
     a.release()
     await c.wait()
@@ -383,3 +392,30 @@ async def test_a_key_follows_its_prompt_to_where_its_last_request_ran() -> None:
     follow = admission.enter(affinity=key)
     assert follow.pool is where
     follow.release()
+
+
+async def test_a_request_too_large_for_every_upstream_is_told_the_largest_ones_slots() -> None:
+    admission = fleet(2, 2)
+    with pytest.raises(TooLarge) as caught:
+        admission.enter(weight=3)
+    # Four slots in all, but a request runs in one upstream: two is what it can have.
+    assert "needs 3 slots but llama-server has 2" in refusal(caught.value).message
+
+
+async def test_a_heavy_waiter_is_told_to_retry_not_to_ask_less_while_its_upstream_restarts() -> (
+    None
+):
+    admission = fleet(4, 2)
+    holder = admission.enter(weight=4)
+    heavy = admission.enter(weight=4)  # waits for the four-slot upstream
+    admission.pools[0].resize(None)  # which restarts: it may well come back with four
+    with pytest.raises(NotReady):  # a 503 with Retry-After, which clients retry
+        await heavy.wait()
+    admission.pools[0].resize(4)
+    gone = admission.enter(weight=4)
+    assert not gone.admitted  # the holder's four slots are still held
+    admission.pools[0].retire()  # gone for good: no upstream will ever have four
+    with pytest.raises(TooLarge):
+        await gone.wait()
+    holder.release()
+    assert (admission.active, admission.queued) == (0, 0)

@@ -66,3 +66,51 @@ async def test_without_a_working_worker_big_bodies_are_read_on_the_loop(
     assert await take_off_loop(CHAT, body, 4, assemble=True) == take(CHAT, body, 4, assemble=True)
     assert "cannot parse big bodies in a worker process" in caplog.text
     assert intake._broken is True  # and it is not tried again for every body
+
+
+class _Counted(list[Any]):
+    """A list that counts how many of its items were looked at."""
+
+    looked = 0
+
+    def __iter__(self) -> Any:
+        for item in super().__iter__():
+            _Counted.looked += 1
+            yield item
+
+
+def test_the_affinity_key_looks_at_a_bounded_part_of_any_prompt() -> None:
+    # Messages or parts with no text give no prefix: however many, a few hundred are read.
+    payloads: list[dict[str, object]] = [
+        {"messages": _Counted([{}] * 100_000)},
+        {"messages": [{"role": "user", "content": _Counted([{"type": "image"}] * 100_000)}]},
+        {"input": _Counted([{"role": 7}] * 100_000)},
+    ]
+    for payload in payloads:
+        _Counted.looked = 0
+        intake.affinity_of(payload)
+        assert _Counted.looked <= 1024
+    # Nor is anything but a token id or a piece of text in a prompt of token ids made a string.
+    nested = [list(range(10_000))] * 3
+    assert intake.affinity_of({"prompt": [[1, nested]]}) == intake.affinity_of(
+        {"prompt": [[1, {}]]}
+    )
+
+
+def test_the_affinity_key_is_the_prompt_cache_key_else_the_prompts_start() -> None:
+    system = {"role": "system", "content": "You are terse. " * 50}
+    turn = [system, {"role": "user", "content": "hello"}]
+    later = [*turn, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    assert intake.affinity_of({"messages": turn}) == intake.affinity_of({"messages": later})
+    assert intake.affinity_of({"messages": turn}) != intake.affinity_of({"prompt": "hello"})
+    keyed = intake.affinity_of({"messages": turn, "prompt_cache_key": "user-1"})
+    assert keyed == intake.affinity_of({"prompt": "x", "prompt_cache_key": "user-1"})
+    # A key that is not a string is no key; a role that is not a string is no text.
+    assert intake.affinity_of({"messages": turn, "prompt_cache_key": 5}) == intake.affinity_of(
+        {"messages": turn}
+    )
+    odd = [{"role": ["user"] * 1000, "content": "hello"}]
+    assert intake.affinity_of({"messages": odd}) == intake.affinity_of(
+        {"messages": [{"role": None, "content": "hello"}]}
+    )
+    assert intake.affinity_of({"messages": []}) is None
