@@ -33,7 +33,7 @@ def start_standin(logs: Path) -> Server:
     port = free_port()
     server = spawn(
         "standin",
-        [sys.executable, "-m", "bench.standin", "--port", str(port)],
+        [sys.executable, "-m", "tests.standin", "--port", str(port)],
         port,
         CLIENT_CORE,
         logs,
