@@ -113,6 +113,8 @@ class StandIn:
     seen: list[Seen] = field(default_factory=list)
     gaps_ns: list[int] = field(default_factory=list)
     port: int = 0
+    model: str = "standin.gguf"  # /props model_path
+    host: str = "127.0.0.1"  # any of 127.0.0.0/8: several stand-ins on one port, for DNS
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -126,16 +128,16 @@ class StandIn:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Listen on 127.0.0.1 at `port` (0: any free one, kept for a restart)."""
+        """Listen on `host` at `port` (0: any free one, kept for a restart)."""
         loop = asyncio.get_running_loop()
         self._listening = True
         self._server = await loop.create_server(
-            lambda: Connection(self), "127.0.0.1", self.port, backlog=4096, reuse_address=True
+            lambda: Connection(self), self.host, self.port, backlog=4096, reuse_address=True
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -546,7 +548,7 @@ class Connection(asyncio.Protocol):
             self._json({
                 "total_slots": standin.total_slots,
                 "default_generation_settings": {"n_ctx": 1024, "params": {}},
-                "model_path": "standin.gguf",
+                "model_path": standin.model,
                 "build_info": "standin",
             })  # fmt: skip
 

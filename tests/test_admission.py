@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 
@@ -137,8 +138,8 @@ async def test_retry_after_grows_with_the_observed_hold_time_and_is_capped() -> 
     admission = pool(1, max_queue=1)
     short = admission.retry_after_s(1)
     for _ in range(50):
-        admission._release(0, 30.0)  # observe long holds (weight 0: the pool count stays)
-    long = admission.retry_after_s(2)
+        admission._observe(30.0)  # long holds
+    long = admission.retry_after_s(3)  # two holds from now: the free slot's, then one more
     assert short == 1.0
     assert 50 < long <= RETRY_AFTER_CAP_S
     assert admission.retry_after_s(1000) == RETRY_AFTER_CAP_S
@@ -151,8 +152,9 @@ async def test_before_any_hold_is_seen_retry_after_rests_on_the_holds_expected()
     admission.expect(10.0)
     assert admission.cold
     assert admission.hold_estimate_s == pytest.approx(8.0)
-    assert admission.retry_after_s(3) == pytest.approx(12.0)
-    admission._release(0, 3.0)  # the first hold seen replaces what was expected
+    # Two free slots take the first two; the third waits one expected hold.
+    assert admission.retry_after_s(3) == pytest.approx(8.0)
+    admission._observe(3.0)  # the first hold seen replaces what was expected
     assert not admission.cold
     assert admission.hold_estimate_s == pytest.approx(3.0)
     admission.expect(30.0)  # and expectations no longer count
@@ -499,13 +501,84 @@ async def test_a_waiter_that_entered_unknown_is_weighed_once_the_capacity_is_kno
     assert (admission.active, admission.queued) == (1, 0)
 
 
-async def test_known_returns_once_the_capacity_is_known_and_refuses_past_its_deadline() -> None:
-    admission = starting()
+async def test_a_ticket_sent_back_waits_for_a_capacity_and_is_refused_past_its_deadline() -> None:
+    admission = pool(1)
+    first = admission.enter()
+    admission.resize(None)  # its upstream went away
+    first.reroute(time.monotonic() + 0.05)
+    assert (admission.active, admission.queued) == (0, 1)
     with pytest.raises(NotReady):
-        await admission.known(time.monotonic() + 0.05)
-    waiting = asyncio.create_task(admission.known(time.monotonic() + 5))
+        await first.wait()
+    assert (admission.active, admission.queued) == (0, 0)
+    admission.resize(1)
+    third = admission.enter()
+    admission.resize(None)
+    third.reroute(time.monotonic() + 5)
+    waiting = asyncio.create_task(third.wait())
     await settle()
     assert admission.awaiting_capacity
     admission.resize(1)
     await waiting
-    assert not admission.awaiting_capacity
+    assert third.admitted
+    assert admission.active == 1
+
+
+async def test_a_burst_turned_away_is_told_the_moments_places_free_not_the_whole_line() -> None:
+    admission = pool(2, max_queue=4)
+    for _ in range(4):
+        admission._observe(4.0)  # generations of about 4 s
+    holders = [admission.enter() for _ in range(2)]
+    waiters = [admission.enter() for _ in range(4)]
+    told = []
+    for _ in range(8):
+        with pytest.raises(QueueFull) as refused:
+            admission.enter()
+        told.append(refused.value.retry_after_s)
+    # Two slots, each freeing a place about every 4 s: the refusals are told successive
+    # moments, two per hold, each within a quarter of a step of jitter.
+    for k, seconds in enumerate(told):
+        moment = (k // 2 + 1) * 4.0
+        assert moment - 0.1 <= seconds <= moment + 0.5, (k, told)
+    for ticket in [*holders, *waiters]:
+        ticket.release()
+
+
+async def test_the_moments_promised_are_forgotten_once_they_pass() -> None:
+    admission = pool(1, max_queue=1)
+    admission._observe(2.0)
+    holder, waiter = admission.enter(), admission.enter()
+    first = [admission._promise_s() for _ in range(3)]
+    assert first[2] > first[0] + 3.5
+    admission._promised = collections.deque(t - 100 for t in admission._promised)
+    assert admission._promise_s() < 2.6  # the next place again, not a fourth in a row
+    holder.release()
+    waiter.release()
+
+
+async def test_a_waiters_eta_counts_how_long_running_generations_have_held_their_slots() -> None:
+    admission = pool(1)
+    admission._observe(2.0)
+    holder = admission.enter()
+    assert admission.eta_s(1) == pytest.approx(2.0, abs=0.05)  # just began: a hold to go
+    granted_at, weight = admission._holders[holder]
+    admission._holders[holder] = (granted_at - 10, weight)  # it has run 10 s already
+    # Past the average, a generation is likely a long one: half as long again as it has run.
+    assert admission.eta_s(1) == pytest.approx(5.0, abs=0.05)
+    assert admission.eta_s(2) == pytest.approx(7.0, abs=0.05)  # then one more hold
+    assert admission.retry_after_s(1) == pytest.approx(5.0, abs=0.05)
+    holder.release()
+    assert admission.eta_s(1) == 0.0
+
+
+async def test_a_cold_gate_tells_nobody_more_than_two_guessed_holds() -> None:
+    admission = pool(2, max_queue=1)
+    admission.expect(3.0)  # a guess: no hold seen yet
+    tickets = [admission.enter() for _ in range(3)]
+    told = [admission._promise_s() for _ in range(12)]
+    assert told[0] == pytest.approx(3.0, abs=0.5)
+    assert max(told) <= 2 * 3.0 + 3.0 / 2 / 4
+    assert told[-1] >= 6.0 - 0.05  # the later ones wait for real holds to be seen
+    admission._observe(1.0)
+    assert admission._promise_s() > 6.0  # warm: the moments are spaced as they will come
+    for ticket in tickets:
+        ticket.release()

@@ -198,6 +198,35 @@ async def fire(sdk: str, url: str, args: argparse.Namespace, node: Path | None) 
     return await node_burst(url, args, node)
 
 
+async def fire_watched(
+    sdk: str, url: str, args: argparse.Namespace, node: Path | None
+) -> tuple[Burst | str, float]:
+    """`fire`, and the slot-seconds left idle while the burst still wanted them: from the
+    first request to the last answer, every 50 ms, the slots /admission shows free while
+    some client had not got its answer yet (the node SDK's: until the end of the burst)."""
+    idle = 0.0
+    done = asyncio.Event()
+
+    async def sample(client: httpx.AsyncClient) -> None:
+        nonlocal idle
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            state = (await client.get(f"{url}/admission")).json()
+            idle += state["free"] * (now - last)
+            last = now
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        sampler = asyncio.create_task(sample(client))
+        try:
+            burst = await fire(sdk, url, args, node)
+        finally:
+            done.set()
+            await sampler
+    return burst, idle
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sdk", default=",".join(SDKS), help="comma-separated: " + ", ".join(SDKS))
@@ -208,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="slotgate's KEY=VALUE")
     parser.add_argument("--pythonpath", help="run the slotgate found here (before/after)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on each burst")
+    parser.add_argument(
+        "--warm", type=int, default=0, help="requests one after another before the burst, so "
+        "that the gate has seen real holds (default 0: a cold gate)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     sdks = [name for name in args.sdk.split(",") if name]
     if unknown := set(sdks) - set(SDKS):
@@ -221,9 +254,15 @@ def main(argv: list[str] | None = None) -> int:
             gate = start_gate(url, env, args.pythonpath)
             gate_url = f"http://127.0.0.1:{gate.port}"
             try:
+                for _ in range(args.warm):
+                    httpx.post(
+                        f"{gate_url}/v1/chat/completions",
+                        json={"model": "m", "messages": PROMPT, "max_tokens": args.max_tokens},
+                        timeout=120,
+                    ).raise_for_status()
                 started = time.monotonic()
-                burst = asyncio.run(
-                    asyncio.wait_for(fire(sdk, gate_url, args, node), args.timeout_s)
+                burst, idle = asyncio.run(
+                    asyncio.wait_for(fire_watched(sdk, gate_url, args, node), args.timeout_s)
                 )
                 took = time.monotonic() - started
                 if isinstance(burst, str):
@@ -231,10 +270,17 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 ok = burst.outcomes.count("ok")
                 failed = sorted(o for o in burst.outcomes if o != "ok")
-                seen = sorted(set(burst.retry_after_ms)) if sdk != "node" else "not seen"
+                sent = sorted(burst.retry_after_ms)
+                seen = (
+                    f"{len(sent)} ({len(set(sent))} distinct; min {sent[0]}, median "
+                    f"{sent[len(sent) // 2]}, max {sent[-1]})"
+                    if sent and sdk != "node"
+                    else "none seen"
+                )
                 print(
-                    f"{sdk}: {ok}/{args.burst} succeeded in {took:.1f} s; failures: {failed}; "
-                    f"retry-after-ms sent: {seen}; "
+                    f"{sdk}: {ok}/{args.burst} succeeded in {took:.1f} s; failures: "
+                    f"{len(failed)} {sorted(set(failed))}; slot-seconds idle while wanted: "
+                    f"{idle:.1f}; retry-after-ms sent: {seen}; "
                     f"hold estimate after: {hold_estimate_s(gate_url)}",
                     flush=True,
                 )
