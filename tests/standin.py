@@ -211,7 +211,8 @@ class StandIn:
             self._reap()
         self.running += 1
         self.started += 1
-        self.max_running = max(self.max_running, self.running)
+        if self.running > self.max_running:
+            self.max_running = self.running
         if self.record_gaps and self._free_since:
             # The oldest freed slot is the one this arrival fills: FIFO matches llama-server,
             # which hands a free slot to the next task in its own order.
@@ -220,7 +221,8 @@ class StandIn:
     def end(self, cancelled: bool = False) -> None:
         self.running -= 1
         self.finished += 1
-        self.cancelled += cancelled
+        if cancelled:
+            self.cancelled += 1
         if self.record_gaps:
             self._free_since.append(time.monotonic_ns())
 
@@ -267,7 +269,7 @@ class StandIn:
 
     def answer(self, kind: str) -> bytes:
         """The bytes of an answer that depends only on the knobs, built once per setting."""
-        key = kind, self.tokens, self.verbose, self.created
+        key = (kind, self.tokens, self.verbose, self.created)
         cached = self._answers.get(key)
         if cached is None:
             if len(self._answers) > 64:
@@ -607,16 +609,18 @@ class Connection(asyncio.Protocol):
 
     def _generate(self, query: bytes, body: bytes) -> None:
         standin = self.standin
+        fault = standin.fault
         if standin.loading:
             self._json(_LOADING, 503)
             return
-        if standin.fault == "error_400":
+        if fault == "error_400":
             self._json(_TOO_LONG, 400)
             return
         standin.begin()
         self.busy = True
-        streamed = _streamed(body)
-        if b"hang=1" in query or (standin.fault == "hang" and not streamed):
+        found = _STREAM.search(body)  # the usual body, read without parsing it
+        streamed = found[1] == b"true" if found is not None else _streamed(body)
+        if b"hang=1" in query or (fault == "hang" and not streamed):
             return  # holds its slot until the client leaves
         delay = standin.hold_s
         if streamed:
@@ -635,6 +639,8 @@ class Connection(asyncio.Protocol):
         delay += standin.tokens * standin.token_delay_s
         if delay > 0:
             self.timer = asyncio.get_running_loop().call_later(delay, self._complete)
+        elif fault is None and not self.cors:
+            self._end(standin.answer("completion"))
         else:
             self._complete()
 
@@ -733,9 +739,6 @@ class Connection(asyncio.Protocol):
 
 
 def _streamed(body: bytes) -> bool:
-    found = _STREAM.search(body)
-    if found is not None:  # the usual body, read without parsing it
-        return found[1] == b"true"
     return body[:1] == b"{" and bool(_payload(body).get("stream"))
 
 
