@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from bench.standin import State
+from tests.standin import BENCH, StandIn
 
 held = 0
 _OK = [(b"content-type", b"application/json")]
@@ -47,7 +47,7 @@ async def hold(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 # The stand-in's own answer (16 tokens), without its HTTP head.
-_COMPLETION = State().completion.split(b"\r\n\r\n", 1)[1]
+_COMPLETION = StandIn(**BENCH).answer("completion").split(b"\r\n\r\n", 1)[1]
 _ANSWER_HEAD = [*_OK, (b"content-length", str(len(_COMPLETION)).encode())]
 
 

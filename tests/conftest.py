@@ -18,6 +18,7 @@ from slotgate.cli import uvicorn_config
 from slotgate.main import Gateway, Service, create_app
 from slotgate.settings import Settings
 
+from tests.hostile import Hostile
 from tests.standin import StandIn
 
 # Property tests: a light run in the fast tier, the full count in scripts/check, which selects
@@ -125,6 +126,15 @@ async def serve(settings: Settings, app: Gateway | None = None) -> RunningGate:
 @pytest.fixture
 async def standin() -> AsyncIterator[StandIn]:
     upstream = StandIn()
+    await upstream.start()
+    yield upstream
+    await upstream.stop()
+
+
+@pytest.fixture
+async def hostile() -> AsyncIterator[Hostile]:
+    """An upstream that misbehaves as the test scripts it (tests/hostile.py)."""
+    upstream = Hostile()
     await upstream.start()
     yield upstream
     await upstream.stop()

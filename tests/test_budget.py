@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 from slotgate.admission import Admission, QueuePolicy
 from slotgate.cost import counted, estimate, local
 from slotgate.endpoints import ENDPOINTS
@@ -192,36 +191,10 @@ async def test_a_lower_cost_in_line_or_admitted_lets_the_line_move() -> None:
 # -- through the gate -------------------------------------------------------------------------
 
 
-class CountingStandIn(StandIn):
-    """A stand-in that also answers /apply-template and /tokenize: one token per word."""
-
-    counted = 0
-
-    async def _echo(self, request: web.Request) -> web.Response:
-        if request.path == "/apply-template":
-            self.counted += 1
-            payload = await request.json()
-            text = " ".join(m["content"] for m in payload["messages"])
-            return web.json_response({"prompt": text})
-        if request.path == "/tokenize":
-            payload = await request.json()
-            return web.json_response({"tokens": [1] * len(payload["content"].split())})
-        return await super()._echo(request)
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        if self.fault == "out_of_cache":  # what a unified cache answers when it runs out
-            await request.read()
-            return web.json_response(
-                {"error": {"code": 500, "message": "Context size has been exceeded.",
-                           "type": "server_error"}},
-                status=500,
-            )  # fmt: skip
-        return await super()._generate(request)
-
-
 @pytest.fixture
 async def standin() -> AsyncIterator[StandIn]:
-    upstream = CountingStandIn(total_slots=4, tokens=20, token_delay_s=0.02)
+    # It counts prompts (/apply-template, /tokenize) as llama-server does, one token per word.
+    upstream = StandIn(total_slots=4, tokens=20, token_delay_s=0.02, counts=True)
     await upstream.start()
     yield upstream
     await upstream.stop()
@@ -323,7 +296,6 @@ async def test_a_full_line_says_how_much_of_the_budget_is_held(
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
     assert refused.status_code == 429
-    assert isinstance(standin, CountingStandIn)
     assert standin.counted == 2  # the refused request cost llama-server nothing
     snapshot = refused.json()["error"]["admission"]
     assert snapshot["budget_tokens"] == 1000

@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 from slotgate import upstream as upstream_module
@@ -21,7 +20,6 @@ from slotgate.upstream import Props
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
-from tests.test_budget import CountingStandIn
 
 CHAT = "/v1/chat/completions"
 
@@ -30,25 +28,9 @@ def words(n: int, **extra: Any) -> dict[str, Any]:
     return chat(messages=[{"role": "user", "content": "w " * n}], **extra)
 
 
-class SlowCountStandIn(CountingStandIn):
-    """Counts, but takes `count_delay_s` over each /apply-template and /tokenize, or answers
-    them with `count_answer` (raw bytes) instead."""
-
-    count_delay_s = 0.0
-    count_answer: bytes | None = None
-
-    async def _echo(self, request: web.Request) -> web.Response:
-        if request.path in ("/apply-template", "/tokenize"):
-            await asyncio.sleep(self.count_delay_s)
-            if self.count_answer is not None:
-                await request.read()
-                return web.Response(body=self.count_answer, content_type="application/json")
-        return await super()._echo(request)
-
-
 @pytest.fixture
 async def standin() -> AsyncIterator[StandIn]:
-    upstream = SlowCountStandIn(total_slots=4, tokens=20, token_delay_s=0.02)
+    upstream = StandIn(total_slots=4, tokens=20, token_delay_s=0.02, counts=True)
     await upstream.start()
     yield upstream
     await upstream.stop()
@@ -129,7 +111,6 @@ async def test_a_count_that_llama_server_is_too_slow_for_falls_back_to_the_local
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(upstream_module, "CONNECT_TIMEOUT_S", 0.5)
-    assert isinstance(standin, SlowCountStandIn)
     standin.tokens = 200
     gate = await start_gate(kv_budget_tokens=1000)
     # Each half of the count is within the bound, the two together are not.
@@ -146,7 +127,6 @@ async def test_a_count_that_llama_server_is_too_slow_for_falls_back_to_the_local
 async def test_a_count_answer_too_long_for_its_prompt_is_not_read_and_falls_back(
     start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
-    assert isinstance(standin, SlowCountStandIn)
     standin.count_answer = b'{"prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}'
     gate = await start_gate(kv_budget_tokens=1000)
     seen: list[int] = []
@@ -167,7 +147,6 @@ async def test_a_count_answer_too_long_for_its_prompt_is_not_read_and_falls_back
 async def test_a_client_that_leaves_while_its_prompt_is_counted_takes_no_tokens(
     start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
-    assert isinstance(standin, SlowCountStandIn)
     gate = await start_gate(kv_budget_tokens=1000)
     standin.count_delay_s = 0.5
     leaving = asyncio.create_task(client.post(gate.url + CHAT, json=words(10, max_tokens=50)))
@@ -300,7 +279,7 @@ async def test_a_client_that_leaves_while_its_prompt_is_counted_never_reaches_ll
     start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
     gate = await start_gate(kv_budget_tokens=1000)
-    standin.count_delay_s = 0.5  # type: ignore[attr-defined]
+    standin.count_delay_s = 0.5
     leaving = asyncio.create_task(client.post(gate.url + CHAT, json=words(10, max_tokens=50)))
     await gate.until(lambda: gate.service.admission.committed_tokens > 0)
     leaving.cancel()

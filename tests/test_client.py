@@ -8,7 +8,7 @@ import os
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 import uvloop
@@ -300,14 +300,6 @@ def test_a_probe_that_outlives_a_stall_still_sees_the_upstream_close(
 
 
 # -- against a hostile upstream ----------------------------------------------------------------
-
-
-@pytest.fixture
-async def hostile() -> AsyncIterator[Hostile]:
-    upstream = Hostile()
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
 
 
 def client_of(hostile: Hostile) -> Client:

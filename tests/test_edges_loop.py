@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import GateFactory
 from tests.standin import StandIn
-from tests.test_budget import CountingStandIn, words
+from tests.test_budget import words
 from tests.test_edges_merged import BIG, CHAT, big_chat, settled
 
 
@@ -55,7 +55,7 @@ async def test_a_big_body_is_not_parsed_on_the_loop_when_llama_server_becomes_kn
 
 @pytest.fixture
 async def counting() -> AsyncIterator[StandIn]:
-    upstream = CountingStandIn(total_slots=2, tokens=1000, token_delay_s=0.02)
+    upstream = StandIn(total_slots=2, tokens=1000, token_delay_s=0.02, counts=True)
     await upstream.start()
     yield upstream
     await upstream.stop()

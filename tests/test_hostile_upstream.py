@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -30,14 +29,6 @@ from tests.hostile import (
 )
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-async def hostile() -> AsyncIterator[Hostile]:
-    upstream = Hostile()
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
 
 
 async def gate_before(start_gate: GateFactory, hostile: Hostile, **overrides: Any) -> RunningGate:

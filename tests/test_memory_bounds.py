@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import tracemalloc
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -29,14 +28,6 @@ from tests.hostile import (
 )
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture
-async def hostile() -> AsyncIterator[Hostile]:
-    upstream = Hostile(total_slots=1)
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
 
 
 async def gate_before(start_gate: GateFactory, hostile: Hostile) -> RunningGate:

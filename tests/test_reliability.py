@@ -9,12 +9,12 @@ import resource
 import socket
 import struct
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 
 from tests.conftest import GateFactory, RunningGate, chat
+from tests.hostile import Hostile, closes, sends
 from tests.standin import StandIn
 
 CHAT = "/v1/chat/completions"
@@ -29,11 +29,8 @@ def many_files() -> None:
 
 
 def gate_tasks() -> int:
-    """Tasks in this loop, less the stand-in's own per-connection ones (aiohttp's server)."""
-    return sum(
-        1 for task in asyncio.all_tasks()
-        if getattr(task.get_coro(), "__qualname__", "") != "RequestHandler.start"
-    )  # fmt: skip
+    """Tasks in this loop (the stand-in runs none of its own per connection)."""
+    return len(asyncio.all_tasks())
 
 
 async def assert_settled(gate: RunningGate, standin: StandIn, baseline_tasks: int) -> None:
@@ -146,11 +143,24 @@ async def drop_at_random(port: int, rng: random.Random, stream: bool) -> str:
     return outcome
 
 
+async def leave_mid_generation(gate: RunningGate, standin: StandIn, stream: bool) -> None:
+    """A client whose generation is running upstream hangs up (a streamed one once it has
+    its first event): llama-server is told, and stops it."""
+    started, cancelled = standin.started, standin.cancelled
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(generation_request(stream))
+    await writer.drain()
+    await gate.until(lambda: standin.started > started)
+    if stream:
+        await reader.readuntil(b"data: ")
+    hang_up(writer, reset=stream)
+    await gate.until(lambda: standin.cancelled > cancelled)
+
+
 async def test_clients_dropping_at_random_moments_leak_nothing(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    # 0.2 s generations: long enough that some clients that hang up within 0.6 s do so while
-    # theirs runs (at 0.1 s, in 2 of 5 full runs none did, and `cancelled` stayed 0).
+    # 0.2 s generations: some clients that hang up within 0.6 s may do so while theirs runs.
     standin.tokens, standin.token_delay_s = 10, 0.02
     gate = await start_gate(max_queue=0)
     baseline = gate_tasks()
@@ -161,10 +171,16 @@ async def test_clients_dropping_at_random_moments_leak_nothing(
         )
     )
     assert outcomes["dropped"] > 200
+    # Whatever the draw left to chance, two clients leave mid-generation for certain (the
+    # draw alone had none in some runs), with generations that would run 20 s otherwise.
+    await gate.until(lambda: (gate.service.admission.active, standin.running) == (0, 0))
+    standin.tokens = 1000
+    await leave_mid_generation(gate, standin, stream=True)
+    await leave_mid_generation(gate, standin, stream=False)
     await assert_settled(gate, standin, baseline)
     assert standin.max_running <= 2
     # Every generation a client abandoned was stopped upstream, not left to run out.
-    assert standin.cancelled > 0
+    assert standin.cancelled >= 2
     assert standin.started == standin.finished
 
 
@@ -221,58 +237,11 @@ async def test_restart_with_another_parallel_is_followed(
         await restarted.stop()
 
 
-PROPS_ANSWER = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 18\r\n\r\n"
-    b'{"total_slots": 1}'
-)
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@pytest.fixture
-async def raw_upstream() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
-    """A hand-written upstream for faults aiohttp would never produce: /props is fine, any
-    other request gets what the test's handler writes."""
-    servers: list[asyncio.Server] = []
-
-    async def start(on_request: Handler) -> str:
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    length = 0
-                    for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            length = int(line.split(b":")[1])
-                    await reader.readexactly(length)
-                    if head.startswith(b"GET /props"):
-                        writer.write(PROPS_ANSWER)
-                        await writer.drain()
-                        continue
-                    await on_request(reader, writer)
-                    return
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            finally:
-                writer.close()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
-
-
 async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
-    start_gate: GateFactory, raw_upstream: Callable[[Handler], Awaitable[str]],
-    client: httpx.AsyncClient,
-) -> None:  # fmt: skip
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"\x16\x03\x01 this is not http\r\n\r\n")
-        await writer.drain()
-
-    gate = await start_gate(llama_server_url=await raw_upstream(garbage))
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
+    hostile.fallback = closes(sends(b"\x16\x03\x01 this is not http\r\n\r\n"))
+    gate = await start_gate(llama_server_url=hostile.url)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_failed"
@@ -280,37 +249,30 @@ async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
 
 
 async def test_truncated_body_gets_502_and_frees_the_slot(
-    start_gate: GateFactory, raw_upstream: Callable[[Handler], Awaitable[str]],
-    client: httpx.AsyncClient,
-) -> None:  # fmt: skip
-    async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                     b'Content-Length: 100\r\n\r\n{"choices": [')  # fmt: skip
-        await writer.drain()
-
-    gate = await start_gate(llama_server_url=await raw_upstream(truncated))
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
+    hostile.fallback = closes(
+        sends(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+              b'Content-Length: 100\r\n\r\n{"choices": [')
+    )  # fmt: skip
+    gate = await start_gate(llama_server_url=hostile.url)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
     assert gate.service.admission.active == 0
 
 
 async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
-    start_gate: GateFactory, raw_upstream: Callable[[Handler], Awaitable[str]],
-    client: httpx.AsyncClient,
-) -> None:  # fmt: skip
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
     events = b'data: {"choices":[{"delta":{"content":"slow"}}]}\n\ndata: [DONE]\n\n'
-
-    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-        for byte in events:
-            writer.write(b"1\r\n%b\r\n" % bytes([byte]))
-            await writer.drain()
-            await asyncio.sleep(0.001)
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-
-    gate = await start_gate(llama_server_url=await raw_upstream(trickle))
+    trickle: list[bytes | float] = []
+    for byte in events:
+        trickle += [b"1\r\n%b\r\n" % bytes([byte]), 0.001]
+    hostile.fallback = closes(
+        sends(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n", *trickle, b"0\r\n\r\n")
+    )  # fmt: skip
+    gate = await start_gate(llama_server_url=hostile.url)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 200
     assert response.content == events

@@ -27,19 +27,9 @@ from bench.procs import CLIENT_CORE, SERVER_CORE, Server, free_port, spawn
 
 LOGS = BENCH / "results" / "logs"
 
-# tests/standin.py (aiohttp) in a process of its own: it speaks every route an SDK uses
-# (/v1/chat/completions, /v1/messages), unlike bench/standin.py.
-_STANDIN = """
-import asyncio, json, sys
-from tests.standin import StandIn
-
-async def main() -> None:
-    standin = StandIn(port=int(sys.argv[1]), **json.loads(sys.argv[2]))
-    await standin.start()
-    await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
+#: tests/standin.py run on its own as llama-server behaves (stream connections closed, plain
+#: token contents) rather than with the benchmark's settings.
+_LIKE_LLAMA_SERVER = {"close_after_stream": True, "stamps": False}
 
 
 def _alive(start: Callable[[], Server]) -> Server:
@@ -65,7 +55,8 @@ def start_standin(**knobs: object) -> Server:
 
     def start() -> Server:
         port = free_port()
-        command = [sys.executable, "-c", _STANDIN, str(port), json.dumps(knobs)]
+        values = json.dumps({**_LIKE_LLAMA_SERVER, **knobs})
+        command = [sys.executable, "-m", "tests.standin", "--port", str(port), "--knobs", values]
         server = spawn("standin", command, port, CLIENT_CORE, logs(), cwd=REPO)
         return await_ready(server, "/props", 30)
 
