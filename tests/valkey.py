@@ -32,6 +32,7 @@ class Valkey:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
+        self.paused = False
 
     def start(self) -> None:
         binary = str(server_binary())
@@ -65,7 +66,13 @@ class Valkey:
     def pause(self) -> None:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGSTOP)
+        self.paused = True
 
     def resume(self) -> None:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGCONT)
+        self.paused = False
+
+    def resume_if_paused(self) -> None:
+        if self.paused and self.process is not None:
+            self.resume()
