@@ -68,6 +68,10 @@ class Down(Exception):
     """Redis did not answer in time, or not at all."""
 
 
+class Stale(Exception):
+    """An answer from before a degrade or a rejoin: what it gave, the rejoin took back."""
+
+
 @dataclass(frozen=True, slots=True)
 class Fleet:
     """What Redis last said of the whole fleet."""
@@ -251,6 +255,9 @@ class SharedAdmission:
         self._pending: set[asyncio.Task[Any]] = set()
         self._shared = asyncio.Event()  # set while in shared mode
         self._joining: asyncio.Future[None] | None = None
+        #: Changes at every degrade and rejoin: an answer from an older epoch is stale.
+        self._epoch = 0
+        self._stale_pool = False
         self._pubsub: Any = None
         self._listener: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -355,11 +362,20 @@ class SharedAdmission:
         ticket = SharedTicket(
             self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag
         )
-        if self.mode is Mode.SHARED:
+        stale = 0
+        while True:
+            # Never into the local line while a rejoin runs: its list would miss the ticket.
+            if self._joining is not None:
+                await asyncio.shield(self._joining)
+                continue
+            if self.mode is not Mode.SHARED or stale > 2:
+                break
             try:
                 return await self._enter_shared(ticket)
             except Down:
                 self._degrade()
+            except Stale:
+                stale += 1
         return self._enter_local(ticket)
 
     async def _enter_shared(self, ticket: SharedTicket) -> SharedTicket:
@@ -371,32 +387,43 @@ class SharedAdmission:
         )  # fmt: skip
         # The script runs as its own task: a caller cancelled while it runs must not strand
         # what it took in Redis, so whatever it took is handed back when it completes.
+        epoch = self._epoch
         task = asyncio.ensure_future(self._call("ENTER", *args))
+        # Known before the answer: its grant may be published, and read, before the reply.
+        self._tickets[ticket.id] = ticket
         try:
             reply = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._orphan(t, ticket))
+            return await self._answer(ticket, reply, epoch)
+        except BaseException as exc:
+            self._tickets.pop(ticket.id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                if task.done():
+                    self._orphan(task, ticket)
+                else:
+                    task.add_done_callback(lambda t: self._orphan(t, ticket))
             raise
+
+    async def _answer(self, ticket: SharedTicket, reply: list[bytes], epoch: int) -> SharedTicket:
         kind = reply[0].decode()
-        if kind == "fenced":
-            await self._rejoin()
-            if self.mode is not Mode.SHARED:
-                raise Down
-            return await self._enter_shared(ticket)
-        if kind == "grant":
-            ticket.member = reply[1].decode()
-            self._tickets[ticket.id] = ticket
-            self._granted(ticket, reply[2].decode(), reply[3].decode(), int(reply[4]))
-            return ticket
-        if kind == "queued":
-            ticket.member = member = reply[1].decode()
-            self._tickets[ticket.id] = ticket
+        if kind in ("grant", "queued"):
+            member = reply[1].decode()
+            early = self._early.pop(member, None)
+            if epoch != self._epoch or self._joining is not None:
+                # A rejoin's list was made while this ran: Redis forgets (or forgot) it.
+                self._spawn(self._release_shared(member, None))
+                raise Stale
+            ticket.member = member
+            if kind == "grant":
+                self._granted(ticket, reply[2].decode(), reply[3].decode(), int(reply[4]))
+                return ticket
             self._waiters[ticket.id] = ticket
             ticket._future = asyncio.get_running_loop().create_future()
-            early = self._early.pop(member, None)
             if early is not None:
                 self._granted(ticket, *early)
             return ticket
+        if kind == "fenced":
+            await self._rejoin()
+            raise Stale
         if kind == "full":
             self._fleet = Fleet.parse(reply[2:])
             queued = self._fleet.queued
@@ -412,9 +439,10 @@ class SharedAdmission:
             return
         reply = task.result()
         if reply[0] in (b"grant", b"queued"):
-            ticket.member = reply[1].decode()
+            member = reply[1].decode()
+            self._early.pop(member, None)
             ticket._released = True
-            self._spawn(self._release_shared(ticket.member, None))
+            self._spawn(self._release_shared(member, None))
 
     def _granted(self, ticket: SharedTicket, upstream: str, reason: str, grant_no: int) -> None:
         ticket.upstream = upstream
@@ -554,8 +582,26 @@ class SharedAdmission:
                 else:
                     self._fleet = Fleet.parse(reply[1:])
             else:
+                if self._stale_pool:
+                    # Connections to a Redis that restarted fail one by one when next used:
+                    # start over, so that the rejoin is not followed by a second fallback.
+                    self._stale_pool = False
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(self._timeout_s):
+                            await self._client.connection_pool.disconnect()
                 await asyncio.sleep(min(self._heartbeat_s, 0.2))
-                await self._rejoin()
+                # A ping first: local dispatch waits while a rejoin runs, so only try one
+                # once Redis answers.
+                if await self._answers():
+                    await self._rejoin()
+
+    async def _answers(self) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._client.ping()
+        except (RedisError, OSError, TimeoutError):
+            return False
+        return True
 
     async def _join(self) -> None:
         await self._subscribe()
@@ -567,12 +613,14 @@ class SharedAdmission:
             await asyncio.shield(self._joining)
             return
         self._joining = asyncio.get_running_loop().create_future()
+        self._epoch += 1
         try:
             if self._listener is None or self._listener.done():
                 try:
                     await self._subscribe()
                 except Down as exc:
                     self._degrade(str(exc))
+                    self._dispatch_local()
                     return
             grants = [t for t in self._tickets.values() if t.granted]
             waiters = sorted(self._waiters.values(), key=lambda t: t.order)
@@ -592,6 +640,8 @@ class SharedAdmission:
                 reply = await self._call("REJOIN", *args)
             except Down as exc:
                 self._degrade(str(exc))
+                # Whatever was released while it ran is free on this replica's share now.
+                self._dispatch_local()
                 return
             self._fleet = Fleet.parse(reply[:5])
             for t, member in zip(waiters, reply[5:], strict=True):
@@ -627,6 +677,8 @@ class SharedAdmission:
         if self.mode is Mode.DEGRADED or self._closed:
             return
         self.mode = Mode.DEGRADED
+        self._epoch += 1
+        self._stale_pool = True
         self._shared.clear()
         self.fallbacks_total += 1
         active: dict[str, int] = {}
