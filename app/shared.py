@@ -41,7 +41,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from . import shared_lua
 from .admission import (
@@ -240,6 +240,8 @@ class SharedAdmission:
         }
         self.mode = Mode.DEGRADED
         self.fallbacks_total = 0
+        #: Why Redis was last found unusable.
+        self.last_error = ""
         self._fleet = Fleet()
         self._capacities: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -338,8 +340,8 @@ class SharedAdmission:
                 await self._call(
                     "RESIZE", upstream, "" if capacity is None else capacity, self._epsilon
                 )
-            except Down:
-                self._degrade()
+            except Down as exc:
+                self._degrade(str(exc))
             return
         self._dispatch_local()
 
@@ -372,8 +374,8 @@ class SharedAdmission:
                 break
             try:
                 return await self._enter_shared(ticket)
-            except Down:
-                self._degrade()
+            except Down as exc:
+                self._degrade(str(exc))
             except Stale:
                 stale += 1
         return self._enter_local(ticket)
@@ -490,9 +492,9 @@ class SharedAdmission:
                 "RELEASE", self.replica, member, "" if hold_s is None else repr(hold_s),
                 self._epsilon, HOLD_EWMA_ALPHA,
             )  # fmt: skip
-        except Down:
+        except Down as exc:
             # Redis forgets it when this replica rejoins: the rejoin lists only what it holds.
-            self._degrade()
+            self._degrade(str(exc))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -505,11 +507,9 @@ class SharedAdmission:
         try:
             async with asyncio.timeout(self._timeout_s):
                 return await self._scripts[name](keys=[self._prefix], args=args)
-        except ResponseError as exc:
-            if not str(exc).startswith(("BUSY", "LOADING")):
-                raise
-            raise Down(f"{name}: {exc!r}") from exc
         except (RedisError, OSError, TimeoutError) as exc:
+            # A script error too (ResponseError): Redis is not usable as it is, so gate
+            # locally rather than fail requests; `last_error` says why.
             raise Down(f"{name}: {exc!r}") from exc
 
     async def _subscribe(self) -> None:
@@ -674,6 +674,8 @@ class SharedAdmission:
 
     def _degrade(self, why: str = "") -> None:
         """Redis is away: gate on this replica's share until it answers again."""
+        if why:
+            self.last_error = why
         if self.mode is Mode.DEGRADED or self._closed:
             return
         self.mode = Mode.DEGRADED

@@ -463,3 +463,22 @@ async def test_reject_mode_answers_503_while_redis_is_away(valkey: Valkey) -> No
             await admission.enter()
         holder.release()
         assert admission.mode is Mode.DEGRADED
+
+
+async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(valkey: Valkey) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey))
+        for admission in fleet:
+            await admission.resize("a", 6)
+        await until(lambda: all(a.snapshot().fleet.replicas == 3 for a in fleet), 3)
+        valkey.kill()
+        for admission in fleet:
+            first, second = await admission.enter(), await admission.enter()
+            third = await admission.enter()
+            assert admission.mode is Mode.DEGRADED
+            assert (first.granted, second.granted, third.granted) == (True, True, False)
+            first.release()
+            await asyncio.wait_for(third.wait(), 1)
+            assert admission.snapshot().active == 2
+            second.release()
+            third.release()
