@@ -201,7 +201,7 @@ class SharedAdmission:
         *,
         replica: str | None = None,
         policy: QueuePolicy | None = None,
-        epsilon: float = 0.25,
+        epsilon: float = 1.0,
         queue_timeout_s: float | None = None,
         timeout_s: float = 0.25,
         heartbeat_s: float = 1.0,
@@ -737,21 +737,19 @@ class SharedAdmission:
         """The same rule as the script's `choose`, over this replica's shares."""
         active = self._local_active
         w = ticket.weight
-        fleet_cap = sum(shares.values())
-        fleet_active = sum(active.get(u, 0) for u in shares)
-        for u in ticket.ranking:
-            c = shares.get(u)
-            if c is None:
-                continue
+        load = (sum(active.get(u, 0) for u in shares) + w) * (1 + self._epsilon)
+        load /= sum(shares.values())
+        ranked = [u for u in ticket.ranking if u in shares]
+        for rank, u in enumerate(ranked):
             a = active.get(u, 0) + w
-            if a <= c and a <= math.ceil((1 + self._epsilon) * (fleet_active + w) * c / fleet_cap):
-                return u, "affinity"
-        best: tuple[float, str] | None = None
+            if a <= shares[u] and a <= math.ceil(load * shares[u]):
+                return u, "affinity" if rank == 0 else "load"
+        best: tuple[float, int, str] | None = None
         for u, c in shares.items():
             a = active.get(u, 0) + w
-            if a <= c and (best is None or (a / c, u) < best):
-                best = (a / c, u)
-        return (best[1], "load") if best is not None else (None, "busy")
+            if a <= c and (best is None or (a / c, a - c, u) < best):
+                best = (a / c, a - c, u)
+        return (best[2], "load") if best is not None else (None, "busy")
 
     def _dispatch_local(self) -> None:
         if self.mode is not Mode.DEGRADED or self._failure_mode == "reject":

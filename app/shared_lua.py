@@ -56,29 +56,36 @@ local function pools()
   return cap, act, fleet_cap, fleet_active, max_cap
 end
 
--- The upstream for `w` slots: the first of the ranking within its bounded load
--- (active + w <= ceil((1 + eps) * (fleet_active + w) * cap / fleet_cap)) with room, else the
--- least loaded with room; nil and why not ('unknown', 'large', 'busy').
+-- The upstream for `w` slots, as app/routing.py's `choose`: the ranking's first upstream with
+-- room and within the bounded load (active + w <= ceil((fleet_active + w) * (1 + eps) /
+-- fleet_cap * cap)), else the least loaded with room (lowest share taken, then most free
+-- slots); the reason is 'affinity' for the ranking's first, else 'load'; nil and why not
+-- ('unknown', 'large', 'busy') when none has room.
 local function choose(ranking, w, eps)
   local cap, act, fleet_cap, fleet_active, max_cap = pools()
   if fleet_cap == 0 then return nil, 'unknown' end
   if w > max_cap then return nil, 'large' end
+  local load = (fleet_active + w) * (1 + eps) / fleet_cap
+  local rank = 0
   for u in string.gmatch(ranking, '[^\n]+') do
     local c = cap[u]
     if c then
       local a = (act[u] or 0) + w
-      if a <= c and a <= math.ceil((1 + eps) * (fleet_active + w) * c / fleet_cap) then
-        return u, 'affinity'
+      if a <= c and a <= math.ceil(load * c) then
+        if rank == 0 then return u, 'affinity' end
+        return u, 'load'
       end
+      rank = rank + 1
     end
   end
-  local best, best_load = nil, nil
+  local best, best_share, best_free = nil, nil, nil
   for u, c in pairs(cap) do
     local a = (act[u] or 0) + w
     if a <= c then
-      local load = a / c
-      if best == nil or load < best_load or (load == best_load and u < best) then
-        best, best_load = u, load
+      local share, free = a / c, c - a
+      if best == nil or share < best_share
+          or (share == best_share and (free > best_free or (free == best_free and u < best))) then
+        best, best_share, best_free = u, share, free
       end
     end
   end
