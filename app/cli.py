@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -23,6 +23,9 @@ from . import __version__, logs
 from .main import Service, create_app
 from .protocol import bounded_head_protocol
 from .settings import ENGINE_VARIABLES, Settings, describe, export_engine_variables, misspelt
+
+if TYPE_CHECKING:
+    from .engine import LocalFleet
 
 log = logging.getLogger("slotgate")
 
@@ -66,9 +69,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     local.add_argument(
         "--demo", action="store_true", help="start llama.cpp on the small gemma-3 270M model"
     )
-    local.add_argument("--parallel", type=_positive, metavar="N", help="slots (2)")
-    local.add_argument("--ctx-size", type=_positive, metavar="C", help="total context (4096)")
-    local.add_argument("--threads", type=_positive, metavar="T", help="CPU threads (llama.cpp's)")
+    local.add_argument("--parallel", type=_positive, metavar="N", help="slots of each engine (2)")
+    local.add_argument(
+        "--ctx-size",
+        type=_positive,
+        metavar="C",
+        help="context of each engine, shared by its slots (4096)",
+    )
+    local.add_argument(
+        "--threads", type=_positive, metavar="T",
+        help="CPU threads of each engine (llama.cpp's; by default shared out among replicas)",
+    )  # fmt: skip
+    local.add_argument(
+        "--replicas", type=_positive, metavar="R",
+        help="engines to start, each on its own port with its own slots and threads (1)",
+    )  # fmt: skip
+    local.add_argument(
+        "--gpus", type=_gpus, metavar="G1,G2",
+        help="one GPU per replica, as CUDA_VISIBLE_DEVICES gives it (sets --replicas too)",
+    )  # fmt: skip
     local.add_argument(
         "--engine-log",
         choices=("warnings", "all"),
@@ -77,12 +96,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     # These only shape a local engine: without one they would be silently ignored.
     engine_only = {"--parallel": args.parallel, "--ctx-size": args.ctx_size,
-                   "--threads": args.threads, "--engine-log": args.engine_log}  # fmt: skip
+                   "--threads": args.threads, "--engine-log": args.engine_log,
+                   "--replicas": args.replicas, "--gpus": args.gpus}  # fmt: skip
     given = [flag for flag, value in engine_only.items() if value is not None]
     if args.model and args.demo:
         parser.error("--model and --demo exclude each other; give one of them")
     if given and not (args.model or args.demo):
         parser.error(f"{given[0]} needs --model or --demo: it applies to a local engine only")
+    if args.gpus and args.replicas and len(args.gpus) != args.replicas:
+        parser.error(f"--gpus names {len(args.gpus)} GPUs for --replicas {args.replicas}; "
+                     "give one GPU per replica")  # fmt: skip
+    args.gpus = args.gpus or ()
+    args.replicas = args.replicas or len(args.gpus) or 1
     args.parallel = args.parallel or 2
     args.ctx_size = args.ctx_size or 4096
     args.engine_log = args.engine_log or "warnings"
@@ -112,6 +137,15 @@ def _path(text: str) -> str:
     return text
 
 
+def _gpus(text: str) -> tuple[str, ...]:
+    gpus = tuple(gpu.strip() for gpu in text.split(","))
+    if not all(gpus):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} lacks a GPU; give one per replica, comma-separated, such as 0,1"
+        )
+    return gpus
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -129,12 +163,10 @@ class Server(uvicorn.Server):
     requests; the gate meanwhile turns new work and the queue away with 503.
     """
 
-    def __init__(
-        self, config: uvicorn.Config, service: Service, engine_exit: Callable[[], int | None] | None
-    ) -> None:
+    def __init__(self, config: uvicorn.Config, service: Service, fleet: LocalFleet | None) -> None:
         super().__init__(config)
         self._service = service
-        self._engine_exit = engine_exit
+        self._fleet = fleet
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_died = False
 
@@ -143,15 +175,31 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._engine_exit is not None and counter % 5 == 0:
-            code = self._engine_exit()
-            if code is not None:
-                from .engine import ended
-
-                log.error("the local llama.cpp engine %s; slotgate stops", ended(code))
-                self.engine_died = True
-                self.should_exit = True
+        if self._fleet is not None and counter % 5 == 0:
+            self._watch(self._fleet)
         return await super().on_tick(counter)
+
+    def _watch(self, fleet: LocalFleet) -> None:
+        """An engine that ended leaves the rest serving (the gate routes around it); slotgate
+        stops, with status 1, once none is left."""
+        from .engine import ended
+
+        news = fleet.ended()
+        left = fleet.running
+        for index, (number, code) in enumerate(news):
+            # Told one by one, as if apart: of two found ended at once, the first is not the last.
+            rest = left + len(news) - 1 - index
+            if len(fleet.engines) == 1:
+                log.error("the local llama.cpp engine %s; slotgate stops", ended(code))
+            elif rest:
+                log.error("local llama.cpp engine %s %s; slotgate serves on the other %d",
+                          fleet.name(number), ended(code), rest)  # fmt: skip
+            else:
+                log.error("local llama.cpp engine %s %s, the last one; slotgate stops",
+                          fleet.name(number), ended(code))  # fmt: skip
+        if not left:
+            self.engine_died = True
+            self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a signal handler, between any two bytecodes: touch the pool only from the loop.
@@ -242,11 +290,11 @@ def base_url(host: str, port: int) -> str:
 
 def serve(
     settings: Settings,
-    engine_exit: Callable[[], int | None] | None = None,
+    fleet: LocalFleet | None = None,
     sockets: list[socket.socket] | None = None,
 ) -> int:
     app = create_app(settings)
-    server = Server(uvicorn_config(app, settings), app.state.service, engine_exit)
+    server = Server(uvicorn_config(app, settings), app.state.service, fleet)
     # Everything built so far (FastAPI, pydantic, uvicorn, the app) lives as long as the
     # process: out of the collector's sight, a full collection no longer walks it, which under
     # a storm of 1,000 clients cut the open-loop p99 time to a 429 from 2-13 ms to under 1 ms.
@@ -294,13 +342,14 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("LLAMA_SERVER_URL=%s is ignored: --model/--demo front their own engine",
                         settings.llama_server_url)  # fmt: skip
         export_engine_variables()
-        with _local_engine(args) as (url, engine_exit, kv_budget):
-            update: dict[str, object] = {"llama_server_url": url}
+        with _local_fleet(args) as fleet:
+            update: dict[str, object] = {"llama_server_url": ",".join(fleet.urls)}
             if settings.kv_budget_tokens is None:
-                update["kv_budget_tokens"] = kv_budget  # it knows whether its slots share a cache
+                # It knows whether its slots share a cache; every replica is alike.
+                update["kv_budget_tokens"] = fleet.kv_budget_tokens
             settings = settings.model_copy(update=update)
             _print_usage(settings, port)
-            return serve(settings, engine_exit, sockets)
+            return serve(settings, fleet, sockets)
     except KeyboardInterrupt:
         # Ctrl-C before uvicorn took the signal over (assembling the demo model, loading one):
         # the engine has been stopped on the way out; a traceback would say nothing more.
@@ -312,29 +361,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _local_engine(
-    args: argparse.Namespace,
-) -> Iterator[tuple[str, Callable[[], int | None], int]]:
-    from .engine import EngineFailed, EngineMisconfigured, LocalEngine  # stdlib only
+def _local_fleet(args: argparse.Namespace) -> Iterator[LocalFleet]:
+    from .engine import EngineFailed, EngineMisconfigured, LocalFleet  # stdlib only
 
     try:
-        engine = LocalEngine.from_args(
+        fleet = LocalFleet.from_args(
             model=args.model,
             demo=args.demo,
             parallel=args.parallel,
             ctx_size=args.ctx_size,
             threads=args.threads,
             log_all=args.engine_log == "all",
+            replicas=args.replicas,
+            gpus=args.gpus,
         )
-        engine.start()
+        fleet.start()
     except EngineFailed as exc:
         print(f"slotgate: {exc}", file=sys.stderr)  # noqa: T201 - start-up failure, one line
         # A bad flag or variable exits 2, as a bad setting does; an engine that fails, 1.
         raise SystemExit(2 if isinstance(exc, EngineMisconfigured) else 1) from None
     try:
-        yield engine.url, engine.poll, engine.kv_budget_tokens
+        yield fleet
     finally:
-        engine.stop()
+        fleet.stop()
 
 
 _EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,"stream":true}'
@@ -342,8 +391,9 @@ _EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,
 
 def _print_usage(settings: Settings, port: int) -> None:
     base = base_url(settings.host, port)
+    at = settings.llama_server_url.replace(",", ", ")
     print(  # noqa: T201 - the banner a person starting the demo reads
-        f"\nslotgate is starting on {base}, in front of llama.cpp at {settings.llama_server_url}\n"
+        f"\nslotgate is starting on {base}, in front of llama.cpp at {at}\n"
         f"  OpenAI base URL:  {base}/v1   (any API key)\n"
         f"  pool:             curl {base}/admission\n"
         f"  try:              curl -N {base}/v1/chat/completions \\\n"

@@ -434,8 +434,12 @@ class Client:
         connect_timeout_s: float,
         keepalive_s: float,
         stall_s: float | None,
+        address: str | None = None,
     ) -> None:
         self._host = host
+        # Where to connect, when not to `host` itself: one of the addresses a name resolves to
+        # (the Host header and TLS's server name stay the name).
+        self._address = address or host
         self._port = port
         self._ssl = ssl.create_default_context() if tls else None
         # An IPv6 literal goes in brackets, as in a URL (RFC 9110 section 7.2).
@@ -501,15 +505,20 @@ class Client:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    Connection, self._host, self._port, ssl=self._ssl
+                    Connection,
+                    self._address,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl is not None else None,
                 )
         except TimeoutError:
             raise ConnectFailed(
-                f"connecting to {self._host}:{self._port} took over {self._connect_timeout_s:g} s"
+                f"connecting to {self._address}:{self._port} took over "
+                f"{self._connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
             self._unreachable()
-            raise ConnectFailed(f"cannot connect to {self._host}:{self._port} ({exc})") from None
+            raise ConnectFailed(f"cannot connect to {self._address}:{self._port} ({exc})") from None
         return conn
 
     # -- hooks for an upstream's reuse policy ---------------------------------------------------

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO
@@ -233,9 +233,25 @@ def server_args(
 
 def free_port() -> int:
     """A loopback port that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that nothing listens on right now: all are held at
+    once while they are chosen, so that no two replicas are handed the same one."""
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                  for _ in range(count)]  # fmt: skip
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+
+
+def split_threads(total: int, replicas: int) -> list[int]:
+    """`total` CPU threads shared out among `replicas` engines, the first ones taking the
+    remainder, and each at least 1: 7 among 2 is [4, 3], 1 among 2 is [1, 1]."""
+    share, extra = divmod(total, replicas)
+    return [max(1, share + (index < extra)) for index in range(replicas)]
 
 
 # -- the parent's side ----------------------------------------------------------------------------
@@ -261,6 +277,8 @@ class LocalEngine:
         moot_warnings: tuple[str, ...] = _MOOT_WARNINGS,
         start_timeout_s: float = START_TIMEOUT_S,
         stop_grace_s: float = STOP_GRACE_S,
+        logger: str = "slotgate.engine",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.parallel = parallel
@@ -276,12 +294,17 @@ class LocalEngine:
         self.moot_warnings = moot_warnings
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
+        #: The logger its lines and news go to: one per replica of a fleet.
+        self.log = logging.getLogger(logger)
+        #: Variables set for this engine alone, over slotgate's environment (its GPU).
+        self.env = dict(env or {})
         self.url = ""
         self._process: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
         #: Its last lines: level, text, and whether slotgate's log has shown them.
         self._tail: collections.deque[tuple[int, str, bool]] = collections.deque(maxlen=50)
         self._stopping = False
+        self._deadline = 0.0
 
     @classmethod
     def from_args(
@@ -352,15 +375,26 @@ class LocalEngine:
 
     def start(self) -> None:
         """Start the engine and block until its /health answers 200; EngineFailed otherwise."""
+        self.launch(free_port())
+        try:
+            while not self.ready():
+                time.sleep(_HEALTH_POLL_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def launch(self, port: int) -> None:
+        """Start the engine's process on `port` without waiting for it; `ready()` says when
+        it serves. `start()` does both."""
         if self._process is not None:
             raise RuntimeError("a LocalEngine starts once")
-        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        log.info(
+        self.log.info(
             "starting llama.cpp (%s) at %s: model %s, %d slots sharing a context of %d tokens, "
-            "%d CPU thread%s",
+            "%d CPU thread%s%s",
             self.kind, self.url, self.model, self.parallel, self.ctx_size, self.threads,
             "" if self.threads == 1 else "s",
+            "".join(f", {name}={value}" for name, value in self.env.items()),
         )  # fmt: skip
         try:
             # A session of its own: a terminal's Ctrl-C reaches slotgate alone, which drains
@@ -371,6 +405,7 @@ class LocalEngine:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
         except OSError as exc:
             raise EngineFailed(
@@ -382,12 +417,25 @@ class LocalEngine:
             daemon=True,
         )  # fmt: skip
         self._reader.start()
-        try:
-            self._wait_healthy(port)
-        except BaseException:
-            self.stop()
-            raise
-        log.info("llama.cpp is ready at %s", self.url)
+        self._deadline = time.monotonic() + self.start_timeout_s
+
+    def ready(self) -> bool:
+        """Whether the launched engine answers /health with 200 yet; EngineFailed when it
+        ended, or did not answer within the start timeout. The caller stops it then."""
+        code = self.poll()
+        if code is not None:
+            if self._reader is not None:
+                self._reader.join(timeout=2)  # so that its last words are in the tail
+            raise EngineFailed(f"llama.cpp {ended(code)} before it was ready: {self._last_words()}")
+        if _healthy(self.url):
+            self.log.info("llama.cpp is ready at %s", self.url)
+            return True
+        if time.monotonic() > self._deadline:
+            raise EngineFailed(
+                f"llama.cpp did not answer /health within {self.start_timeout_s:g} s; "
+                "its log above says how far it got"
+            )
+        return False
 
     def poll(self) -> int | None:
         """The engine's exit code once it has ended (negative: the signal that ended it).
@@ -408,24 +456,31 @@ class LocalEngine:
             return None
         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
+    def terminate(self) -> None:
+        """Ask the engine to stop (end of its pipe and SIGTERM) without waiting for it: so a
+        fleet's engines stop side by side. Safe to call again; `stop()` finishes the job."""
+        process = self._process
+        if process is None or process.returncode is not None or self._stopping:
+            return
+        self._stopping = True
+        if self.poll() is None:
+            self.log.info("stopping llama.cpp (pid %d)", process.pid)
+            assert process.stdin is not None  # noqa: S101 - started with stdin=PIPE
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+            os.kill(process.pid, signal.SIGTERM)
+
     def stop(self) -> None:
         """Stop the engine: end of its pipe and SIGTERM, SIGKILL to its whole group after the
         grace period; then reap it. Safe to call again, and before or after a failed start."""
         process = self._process
         if process is None or process.returncode is not None:
             return
-        self._stopping = True
-        if self.poll() is None:
-            log.info("stopping llama.cpp (pid %d)", process.pid)
-            assert process.stdin is not None  # noqa: S101 - started with stdin=PIPE
-            with contextlib.suppress(OSError):
-                process.stdin.close()
-            os.kill(process.pid, signal.SIGTERM)
-            if not self._wait_exit(self.stop_grace_s):
-                log.warning(
-                    "llama.cpp did not stop within %.0f s of SIGTERM; killing it",
-                    self.stop_grace_s,
-                )
+        self.terminate()
+        if not self._wait_exit(self.stop_grace_s):
+            self.log.warning(
+                "llama.cpp did not stop within %.0f s of SIGTERM; killing it", self.stop_grace_s
+            )
         # The group goes whatever state its leader is in: a llama-server under the supervisor
         # must not outlive it. The leader is not reaped yet, so the group id is still ours.
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -439,25 +494,6 @@ class LocalEngine:
                     pipe.close()
 
     # -- internals -----------------------------------------------------------------------------
-
-    def _wait_healthy(self, port: int) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            code = self.poll()
-            if code is not None:
-                if self._reader is not None:
-                    self._reader.join(timeout=2)  # so that its last words are in the tail
-                raise EngineFailed(
-                    f"llama.cpp {ended(code)} before it was ready: {self._last_words()}"
-                )
-            if _healthy(port):
-                return
-            if time.monotonic() > deadline:
-                raise EngineFailed(
-                    f"llama.cpp did not answer /health within {self.start_timeout_s:g} s; "
-                    "its log above says how far it got"
-                )
-            time.sleep(_HEALTH_POLL_S)
 
     def _wait_exit(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -486,20 +522,20 @@ class LocalEngine:
                 # The backtrace after an abort: out of the tail, where the lines that led to
                 # the abort are worth more to the reader.
                 if self.log_all:
-                    log.log(level, "%s", text)
+                    self.log.log(level, "%s", text)
                 continue
             if this >= logging.WARNING and any(moot in text for moot in self.moot_warnings):
                 this = level = logging.INFO
             shown = self.log_all or this >= logging.WARNING
             self._tail.append((this, text, shown))
             if shown:
-                log.log(this, "%s", text)
+                self.log.log(this, "%s", text)
         if not self._stopping:
             hidden = [text for _, text, shown in self._tail if not shown][-_CRASH_LINES:]
             if hidden:
-                log.warning("llama.cpp ended; its last lines before that:")
+                self.log.warning("llama.cpp ended; its last lines before that:")
             for text in hidden:
-                log.warning("  %s", text)
+                self.log.warning("  %s", text)
 
     def _last_words(self) -> str:
         """The first error among its last lines (the cause; later ones are consequences)."""
@@ -508,6 +544,129 @@ class LocalEngine:
         if errors:
             return errors[0]
         return tail[-1][1] if tail else "it printed nothing"
+
+
+class LocalFleet:
+    """Replicas of one local engine, each on its own loopback port with its own slots, CPU
+    threads and environment (its GPU): the upstreams of one slotgate.
+
+    They start side by side and stop side by side; one that ends by itself is reported by
+    `ended()`, and the rest keep running. Call `start()` and `stop()` from one thread.
+    """
+
+    def __init__(self, engines: Sequence[LocalEngine]) -> None:
+        if not engines:
+            raise ValueError("a fleet needs at least one engine")
+        self.engines = list(engines)
+        self._reported: set[int] = set()
+
+    @classmethod
+    def from_args(
+        cls,
+        *,
+        model: str | None,
+        demo: bool,
+        parallel: int,
+        ctx_size: int,
+        threads: int | None,
+        log_all: bool = False,
+        replicas: int = 1,
+        gpus: Sequence[str] = (),
+    ) -> LocalFleet:
+        """The fleet slotgate's engine flags and --replicas/--gpus ask for.
+
+        --parallel and --ctx-size shape each engine; so does --threads when given, while
+        `threads=None` shares `default_threads()` out among the replicas (`split_threads`).
+        `gpus`, one per replica, become each one's CUDA_VISIBLE_DEVICES. With more than one
+        replica, each logs as `slotgate.engine.<n>`.
+        """
+        if gpus and len(gpus) != replicas:
+            raise EngineMisconfigured(
+                f"--gpus names {len(gpus)} GPU{'' if len(gpus) == 1 else 's'} for {replicas} "
+                "replicas; give one GPU per replica"
+            )
+        shares = [threads] * replicas if threads else split_threads(default_threads(), replicas)
+        first = LocalEngine.from_args(
+            model=model, demo=demo, parallel=parallel, ctx_size=ctx_size, threads=shares[0],
+            log_all=log_all,
+        )  # fmt: skip
+        engines = [first] + [
+            LocalEngine(
+                first.model, parallel=first.parallel, ctx_size=first.ctx_size, threads=share,
+                binary=first.binary, chat_template=first.chat_template, log_all=first.log_all,
+                kv_unified=first.kv_unified, moot_warnings=first.moot_warnings,
+            )
+            for share in shares[1:]
+        ]  # fmt: skip
+        for number, engine in enumerate(engines, 1):
+            if replicas > 1:
+                engine.log = logging.getLogger(f"slotgate.engine.{number}")
+            if gpus:
+                engine.env["CUDA_VISIBLE_DEVICES"] = gpus[number - 1]
+        return cls(engines)
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines]
+
+    @property
+    def kv_budget_tokens(self) -> int:
+        """KV_BUDGET_TOKENS for each engine (they are alike)."""
+        return self.engines[0].kv_budget_tokens
+
+    def name(self, number: int) -> str:
+        """How the log names engine `number` (from 1): its URL, and which of how many."""
+        engine = self.engines[number - 1]
+        if len(self.engines) == 1:
+            return engine.url
+        return f"{number} of {len(self.engines)} at {engine.url}"
+
+    def start(self) -> None:
+        """Start every engine at once, each on a port of its own, and block until all answer
+        /health; on any failure stop them all and raise EngineFailed naming the one."""
+        ports = free_ports(len(self.engines))
+        try:
+            for engine, port in zip(self.engines, ports, strict=True):
+                engine.launch(port)
+            waiting = list(enumerate(self.engines, 1))
+            while waiting:
+                waiting = [(number, engine) for number, engine in waiting
+                           if not self._ready(number, engine)]  # fmt: skip
+                if waiting:
+                    time.sleep(_HEALTH_POLL_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ready(self, number: int, engine: LocalEngine) -> bool:
+        try:
+            return engine.ready()
+        except EngineFailed as exc:
+            if len(self.engines) == 1:
+                raise
+            raise EngineFailed(f"replica {self.name(number)}: {exc}") from None
+
+    def ended(self) -> list[tuple[int, int]]:
+        """The engines that ended by themselves since the last call: (number, exit code)."""
+        found = []
+        for number, engine in enumerate(self.engines, 1):
+            if number not in self._reported and (code := engine.poll()) is not None:
+                self._reported.add(number)
+                found.append((number, code))
+        return found
+
+    @property
+    def running(self) -> int:
+        """How many engines `ended()` has not reported ended (one that ends meanwhile is
+        counted as running until it is reported, so that counts and reports agree)."""
+        return len(self.engines) - len(self._reported)
+
+    def stop(self) -> None:
+        """Stop every engine: all are asked at once, then each is waited for and reaped."""
+        for engine in self.engines:
+            engine.terminate()
+        for engine in self.engines:
+            engine.stop()
 
 
 def parse_log_line(line: str) -> tuple[int | None, str]:
@@ -527,7 +686,8 @@ def ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _healthy(port: int) -> bool:
+def _healthy(url: str) -> bool:
+    port = int(url.rsplit(":", 1)[1])
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     try:
         connection.request("GET", "/health")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import multiprocessing
 import signal
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from .cost import Estimate, local
 from .endpoints import ENDPOINTS, Demand, Endpoint, Kind, demand, demand_of, parse_json
 from .errors import BadRequest
 from .pace import expected_hold_of
+from .routing import AFFINITY_PREFIX_CHARS, stable_hash
 
 #: Bodies above this go to the worker: at most ~15 ms of parsing stays on the loop.
 OFF_LOOP_BYTES = 1024 * 1024
@@ -38,6 +40,7 @@ class Intake:
     return_tokens: bool = False  # an assembled native answer carries its tokens (asked for)
     estimate: Estimate | None = None  # its reservation of the KV budget, when one binds
     expected_hold_s: float | None = None  # how long it should hold its slots (a cold gate)
+    affinity: int | None = None  # its routing key among several upstreams (app/routing.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,7 @@ class Wants:
     default_output: int | None = None  # llama-server's -n, for a request that bounds none
     expect: bool = False  # a cold gate: how long should it hold its slots (app/pace.py)
     tokens_per_s: float | None = None
+    affinity: bool = False  # its routing key (several upstreams, ROUTING=affinity)
 
 
 def take(
@@ -65,12 +69,76 @@ def take(
     expected = None
     if wants.expect:
         expected = expected_hold_of(endpoint.kind, payload, wants.tokens_per_s)
+    key = affinity_of(payload) if wants.affinity else None
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:
         streaming, _ = streaming_request(body)
         return Intake(
-            want, streaming, True, payload.get("return_tokens") is True, estimate, expected
+            want, streaming, True, payload.get("return_tokens") is True, estimate, expected, key
         )
-    return Intake(want, body, False, False, estimate, expected)
+    return Intake(want, body, False, False, estimate, expected, key)
+
+
+def affinity_of(payload: dict[str, object]) -> int | None:
+    """The key that keeps a request on the upstream holding its prompt's start in cache: its
+    `prompt_cache_key` (the OpenAI parameter for this), else a hash of the prompt's first
+    AFFINITY_PREFIX_CHARS (a chat's first messages, a raw prompt's start, a Responses
+    request's instructions and input); None when there is no text to go by."""
+    key = payload.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return stable_hash("key:" + key)
+    parts: list[str] = []
+    size = 0
+    for text in _prompt_texts(payload):
+        parts.append(text)
+        size += len(text)
+        if size >= AFFINITY_PREFIX_CHARS:
+            break
+    if not size:
+        return None
+    return stable_hash("\x00".join(parts)[:AFFINITY_PREFIX_CHARS])
+
+
+def _prompt_texts(payload: dict[str, object]) -> Iterator[str]:
+    """The prompt's texts in order, as far as they are plain to read."""
+    for field in ("system", "instructions"):
+        value = payload.get(field)
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            yield from _texts(value)
+    for field in ("messages", "input", "prompt", "content"):
+        value = payload.get(field)
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, str):
+                    yield item
+                elif isinstance(item, dict):
+                    yield str(item.get("role", ""))
+                    content = item.get("content")
+                    if isinstance(content, str):
+                        yield content
+                    elif isinstance(content, list):
+                        yield from _texts(content)
+                elif isinstance(item, list):  # token ids
+                    yield ",".join(str(t) for t in item[:AFFINITY_PREFIX_CHARS])
+                else:
+                    return
+        elif isinstance(value, dict):  # /completion's multimodal prompt
+            text = value.get("prompt_string")
+            if isinstance(text, str):
+                yield text
+
+
+def _texts(parts: list[object]) -> Iterator[str]:
+    for part in parts:
+        if isinstance(part, str):
+            yield part
+        elif isinstance(part, dict):
+            text = part.get("text")
+            if isinstance(text, str):
+                yield text
 
 
 async def take_off_loop(

@@ -15,6 +15,7 @@ from .access import Access
 from .admission import Admission
 from .asgi import Message, Receive, Scope, Send
 from .errors import BadRequest, GateError, refusal, render, route_refusal
+from .fleet import Fleet, Resolver
 from .metrics import Metrics
 from .relay import Proxy
 from .request import id_headers, request_id
@@ -58,18 +59,19 @@ class Gateway(FastAPI):
 
 
 class Service:
-    """The pieces one app owns (admission, upstream, metrics, proxy), built and closed together."""
+    """The pieces one app owns (admission, upstreams, metrics, proxy), built and closed together."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, resolver: Resolver | None = None) -> None:
         self.settings = settings
         self.admission = Admission(
             settings.queue_policy,
             queue_timeout_s=settings.queue_timeout,
             startup_wait_s=settings.startup_wait,
+            epsilon=settings.routing_epsilon,
         )
-        self.upstream = Upstream(settings, self.admission)
-        self.metrics = Metrics(self.admission, lambda: self.upstream.ready)
-        self.proxy = Proxy(settings, self.admission, self.upstream, self.metrics)
+        self.fleet = Fleet(settings, self.admission, resolver)
+        self.metrics = Metrics(self.admission, lambda: self.fleet.ready)
+        self.proxy = Proxy(settings, self.admission, self.fleet, self.metrics)
         self.access = Access(settings.api_keys)
         self.draining = False
 
@@ -80,9 +82,16 @@ class Service:
         self.draining = True
         self.admission.close()
 
+    @property
+    def upstream(self) -> Upstream:
+        """The first upstream (the only one, unless several are configured or discovered)."""
+        return self.fleet.upstreams[0]
+
     def snapshot(self) -> dict[str, Any]:
         snap = self.admission.snapshot()
-        props = self.upstream.props
+        primary = self.fleet.primary
+        props = primary.props
+        models = self.fleet.models()
         return {
             "capacity": snap.capacity,
             "active": snap.active,
@@ -95,30 +104,49 @@ class Service:
             "admission_control": self.settings.admission_control,
             "retry_after_estimate_s": round(self.admission.retry_after_s(snap.queued + 1), 3),
             "upstream": {
-                "url": self.upstream.url,
-                "ready": self.upstream.ready,
-                "reason": self.upstream.reason,
-                "keeps_connections_after_streams": self.upstream.keeps_streams,
+                "url": primary.url,
+                "ready": self.fleet.ready,
+                "reason": "ready" if self.fleet.ready else self.fleet.reason,
+                "keeps_connections_after_streams": primary.keeps_streams,
                 "n_ctx": props.n_ctx if props else None,
                 "model": props.model if props else None,
                 "build_info": props.build_info if props else None,
             },
+            "routing": self.settings.routing,
+            # Upstreams are meant to serve one model; say when their /props disagree.
+            "models_differ": len(models) > 1,
+            "upstreams": [
+                {
+                    "url": upstream.url,
+                    "ready": upstream.ready,
+                    "reason": upstream.reason,
+                    "capacity": upstream.pool.capacity,
+                    "active": upstream.pool.active,
+                    "committed_tokens": upstream.pool.committed,
+                    "budget_tokens": upstream.pool.budget,
+                    "model": upstream.props.model if upstream.props else None,
+                    "n_ctx": upstream.props.n_ctx if upstream.props else None,
+                    "routed": dict(upstream.pool.routed),
+                }
+                for upstream in self.fleet
+            ],
         }
 
 
-def create_app(settings: Settings | None = None) -> Gateway:
-    """Build one slotgate app; its lifespan starts and stops the upstream client."""
+def create_app(settings: Settings | None = None, resolver: Resolver | None = None) -> Gateway:
+    """Build one slotgate app; its lifespan starts and stops the upstreams' clients.
+    `resolver` resolves upstream host names (the system's, unless a test gives another)."""
     settings = settings or Settings()
-    service = Service(settings)
+    service = Service(settings, resolver)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await service.upstream.start()
+        await service.fleet.start()
         try:
             yield
         finally:
             service.drain()
-            await service.upstream.close()
+            await service.fleet.close()
 
     app = Gateway(
         title="slotgate",
@@ -163,9 +191,9 @@ def create_app(settings: Settings | None = None) -> Gateway:
         """200 when llama-server answers and its slot count is known; 503 with the reason."""
         if service.draining:
             return JSONResponse({"status": "draining"}, 503, {"retry-after": "1"})
-        if not service.upstream.ready:
+        if not service.fleet.ready:
             return JSONResponse(
-                {"status": "not ready", "reason": service.upstream.reason},
+                {"status": "not ready", "reason": service.fleet.reason},
                 503,
                 {"retry-after": "1"},
             )
@@ -187,7 +215,7 @@ def create_app(settings: Settings | None = None) -> Gateway:
         text = service.metrics.render() if source != "llama-server" else b""
         headers: dict[str, str] = {}
         if source != "slotgate":
-            theirs, kept = await service.upstream.metrics()
+            theirs, kept = await service.fleet.metrics()
             text += theirs
             headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in kept}
         return Response(

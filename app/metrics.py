@@ -52,7 +52,7 @@ class _PoolCollector(Collector):
         self._admission = admission
         self._ready = ready
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         pool = self._admission
         limit = pool.queue_limit
         yield GaugeMetricFamily(
@@ -73,7 +73,7 @@ class _PoolCollector(Collector):
         if pool.capacity is not None:
             queue_limit.add_metric([], -1 if limit is None else limit)
         yield queue_limit
-        budget = pool.budget_tokens
+        budget = pool.snapshot().budget_tokens
         yield GaugeMetricFamily(
             "slotgate_kv_budget_tokens",
             "KV-cache tokens shared by the slots that admission counts; 0 when it does not bind",
@@ -91,6 +91,34 @@ class _PoolCollector(Collector):
             "slotgate_upstream_ready", "1 when llama-server answers and its slots are known",
             value=1 if self._ready() else 0,
         )  # fmt: skip
+        # One series per upstream, labelled by its URL: its share of the fleet's pool.
+        capacity = GaugeMetricFamily(
+            "slotgate_upstream_slots_capacity", "An upstream's slots; 0 while unknown",
+            labels=["upstream"],
+        )  # fmt: skip
+        active = GaugeMetricFamily(
+            "slotgate_upstream_slots_active", "An upstream's slots held", labels=["upstream"]
+        )
+        available = GaugeMetricFamily(
+            "slotgate_upstream_available", "1 when the upstream is ready and routed to",
+            labels=["upstream"],
+        )  # fmt: skip
+        routed = CounterMetricFamily(
+            "slotgate_upstream_routed",
+            "Requests given slots on an upstream, by why it was chosen: its affinity key's first "
+            "choice, load, or a retry after another upstream did not take it",
+            labels=["upstream", "reason"],
+        )
+        for one in pool.pools:
+            capacity.add_metric([one.key], one.capacity or 0)
+            active.add_metric([one.key], one.active)
+            available.add_metric([one.key], 0 if one.capacity is None else 1)
+            for reason, count in one.routed.items():
+                routed.add_metric([one.key, reason], count)
+        yield capacity
+        yield active
+        yield available
+        yield routed
         yield GaugeMetricFamily(
             "slotgate_slot_hold_estimate_seconds",
             "Moving average of slot hold times (until one is seen: the mean hold expected "

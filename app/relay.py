@@ -21,6 +21,7 @@ from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import BodyTooLarge, ExchangeFailed, Response
 from .endpoints import check_content_type, route_of
 from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
+from .fleet import Fleet
 from .intake import Wants, take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
@@ -34,7 +35,7 @@ from .request import (
     read_body,
 )
 from .settings import Settings
-from .upstream import Upstream, UpstreamStarting
+from .upstream import UpstreamStarting
 
 log = logging.getLogger("slotgate.relay")
 
@@ -131,11 +132,13 @@ class Proxy:
         self,
         settings: Settings,
         admission: Admission,
-        upstream: Upstream,
+        fleet: Fleet,
         metrics: Metrics,
     ) -> None:
         self._admission = admission
-        self._upstream = upstream
+        self._fleet = fleet
+        # Affinity keys are read only when there is something to choose between.
+        self._affinity = settings.routing == "affinity"
         self._metrics = metrics
         self._access = Access(settings.api_keys)
         self._gated = settings.admission_control
@@ -156,7 +159,7 @@ class Proxy:
         # Whoever checks or supplies credentials keeps the client's to itself.
         if settings.api_keys or settings.llama_api_key is not None:
             self._drop |= _CREDENTIALS
-        self._auth = upstream.auth
+        self._auth = fleet.primary.auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -233,19 +236,22 @@ class Proxy:
         assert endpoint is not None  # noqa: S101 - gated: _take_in found it
         assert head is not None  # noqa: S101 - read by _take_in
         check_content_type(endpoint, head.content_type)
-        capacity = self._admission.capacity
+        # A request runs in one upstream, so the largest one's slots bound its weight.
+        capacity = self._admission.largest
         unknown = capacity is None
         if unknown:
             # llama-server is (re)starting: wait in the queue, weighed once its slot count is
             # known (app/admission.py), and ask it for that now, not at the next tick.
-            self._upstream.poke()
-        assemble = self._assemble and not self._upstream.verbose
+            self._fleet.poke()
+        upstream = request.upstream = self._fleet.primary
+        assemble = self._assemble and not upstream.verbose
         cold = self._admission.cold
         wants = Wants(
             budget=self._admission.budget_tokens,
-            default_output=self._upstream.default_output,
+            default_output=upstream.default_output,
             expect=cold,
-            tokens_per_s=self._upstream.tokens_per_s if cold else None,
+            tokens_per_s=upstream.tokens_per_s if cold else None,
+            affinity=self._affinity and self._fleet.several,
         )
         taken = await take_off_loop(
             endpoint,
@@ -274,7 +280,9 @@ class Proxy:
             self._admission.expect(taken.expected_hold_s)
         request.weight = want.weight
         cost = taken.estimate
-        ticket = self._admission.enter(want.weight, cost.reserve if cost else 0, weigh)
+        ticket = self._admission.enter(
+            want.weight, cost.reserve if cost else 0, weigh, taken.affinity
+        )
         if ticket.admitted:
             self._let_go(request)
         request.ticket = ticket
@@ -290,7 +298,7 @@ class Proxy:
                 if request.estimate is not None:
                     # Counted exactly while it holds its place (or its slot): a refusal costs
                     # none.
-                    await self._upstream.count(ticket, request.estimate)
+                    await self._fleet.primary.count(ticket, request.estimate)
                 if not ticket.admitted:
                     await self._wait(request, answer, ticket)
                     self._let_go(request)
@@ -319,16 +327,22 @@ class Proxy:
         back_by: float | None = None
         resent = False
         while True:
+            assert ticket.pool is not None  # noqa: S101 - admitted
+            upstream = request.upstream = self._fleet.of(ticket.pool)
             try:
                 await self._forward(request, answer)
             except UpstreamStarting as exc:
-                if not self._startup_wait_s or (exc.sent and resent):
+                if exc.sent and resent:
                     raise
                 resent = resent or exc.sent
-                self._upstream.lost(exc.message)
+                upstream.lost(exc.message)
+                if not self._startup_wait_s and self._admission.capacity is None:
+                    raise  # no other upstream to send it to, and no wait for this one
                 if back_by is None:
                     back_by = time.monotonic() + self._startup_wait_s
-                await self._wait(request, answer, ticket, back_by)
+                # Back to the head of the line, for whichever upstream has room first.
+                ticket.reroute(back_by)
+                await self._wait(request, answer, ticket)
             else:
                 return
 
@@ -356,20 +370,14 @@ class Proxy:
         self._held_bytes -= request.held_bytes
         request.held_bytes = 0
 
-    async def _wait(
-        self, request: Request, answer: Answer, ticket: Ticket, back_by: float | None = None
-    ) -> None:
-        """Wait for the slot (or, given `back_by`, for llama-server to be back by then)."""
+    async def _wait(self, request: Request, answer: Answer, ticket: Ticket) -> None:
+        """Wait for the slot."""
         if request.stream and self._keepalive_s:
-            await self._wait_streaming(request, answer, ticket, back_by)
-        elif back_by is None:
-            await ticket.wait()
+            await self._wait_streaming(request, answer, ticket)
         else:
-            await self._admission.known(back_by)
+            await ticket.wait()
 
-    async def _wait_streaming(
-        self, request: Request, answer: Answer, ticket: Ticket, back_by: float | None
-    ) -> None:
+    async def _wait_streaming(self, request: Request, answer: Answer, ticket: Ticket) -> None:
         """Wait; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it
         went out) and tell the client where it stands every keep-alive interval.
 
@@ -378,9 +386,7 @@ class Proxy:
         before it, a refusal is a 503 or 429 with Retry-After, which they do. Most waits are
         short, so the head waits until the wait is long enough to risk an idle timeout.
         """
-        waiting = asyncio.ensure_future(
-            ticket.wait() if back_by is None else self._admission.known(back_by)
-        )
+        waiting = asyncio.ensure_future(ticket.wait())
         try:
             if not answer.stream:
                 if self._head_after_s:
@@ -420,7 +426,10 @@ class Proxy:
         try:
             # Leaving this block by an exception closes the connection, not pools it, which is
             # what makes llama-server cancel the task behind it.
-            async with self._upstream.request(request.method, target, headers, request.body) as r:
+            upstream = request.upstream
+            if upstream is None:  # not gated: any upstream answers it
+                upstream = request.upstream = self._fleet.primary
+            async with upstream.request(request.method, target, headers, request.body) as r:
                 await self._relay_answer(request, answer, r)
         except GateError as exc:
             if request.gated or answer.started:
@@ -429,13 +438,15 @@ class Proxy:
 
     async def _relay_answer(self, request: Request, answer: Answer, response: Response) -> None:
         """Pick the relay mode for llama-server's answer, once."""
-        if not self._upstream.ready and response.status == 200:
-            self._upstream.poke()  # e.g. its /health: it is back, so read its slot count now
+        upstream = request.upstream
+        assert upstream is not None  # noqa: S101 - set by _forward
+        if not upstream.ready and response.status == 200:
+            upstream.poke()  # e.g. its /health: it is back, so read its slot count now
         elif request.gated and response.status == 503 and self._startup_wait_s:
             # llama-server answers 503 to a generation only while it loads the model.
             raise UpstreamStarting("llama-server is loading the model (503); retry shortly")
         if request.origin is not None and self._teaches(request):
-            self._upstream.cors.learn(request.origin, response.headers)
+            upstream.cors.learn(request.origin, response.headers)
         request.upstream_status = response.status
         if answer.stream:
             await self._relay_into_stream(request, answer, response)
@@ -453,6 +464,11 @@ class Proxy:
             # relayed: llama-server's slot should not sit idle while slotgate writes to a client.
             await asyncio.sleep(0)
 
+    def _failed(self, request: Request, body: bytes) -> None:
+        """A generation failed with 500: let its upstream see whether its cache ran out."""
+        if request.upstream is not None:
+            request.upstream.check_failure(body)
+
     # -- relay modes ---------------------------------------------------------------------------
 
     async def _relay(self, request: Request, answer: Answer, response: Response) -> None:
@@ -466,7 +482,7 @@ class Proxy:
             if whole:
                 await self._upstream_done(request, response)
             if response.status == 500:
-                self._upstream.check_failure(first)
+                self._failed(request, first)
         except ExchangeFailed as exc:
             await self._refuse(request, answer, refusal(_upstream_failure(exc)))
             return
@@ -517,7 +533,7 @@ class Proxy:
             await self._upstream_done(request, response)
             status, body = assembly.result()
             if status == 500:
-                self._upstream.check_failure(body)
+                self._failed(request, body)
         except ExchangeFailed as exc:
             await self._refuse(request, answer, refusal(_upstream_failure(exc)))
             return
@@ -525,11 +541,13 @@ class Proxy:
             failure = UpstreamFailed("llama-server sent a stream event that is not JSON")
             await self._refuse(request, answer, refusal(failure))
             return
-        if assembly.verbose and not self._upstream.verbose:
+        upstream = request.upstream
+        assert upstream is not None  # noqa: S101 - set by _forward
+        if assembly.verbose and not upstream.verbose:
             # Its __verbose object cannot be rebuilt from a stream: from now on such requests
             # go as sent (this one's is the stream's last).
             log.info("llama-server runs with --verbose: non-streamed requests now go as sent")
-            self._upstream.verbose = True
+            upstream.verbose = True
         if status != 200:
             request.outcome = "upstream_error"
         # llama-server's own headers (CORS among them), but those of a JSON body of this size.
@@ -554,7 +572,7 @@ class Proxy:
                 # llama-server refused (e.g. the prompt exceeds the context): its JSON error
                 # becomes the stream's error event, as llama-server itself does mid-stream.
                 error = await response.read(ERROR_BODY_BYTES)
-                self._upstream.check_failure(error)
+                self._failed(request, error)
                 await self._upstream_done(request, response)
                 request.outcome = "upstream_error"
                 prefix = b"event: error\n" if request.flavor == "anthropic" else b""
@@ -608,7 +626,8 @@ class Proxy:
     def _own_headers(self, request: Request) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
         llama-server would give the request's Origin (app/cors.py)."""
-        return [*id_headers(request.id), *self._upstream.cors.headers_for(request.origin)]
+        upstream = request.upstream or self._fleet.primary
+        return [*id_headers(request.id), *upstream.cors.headers_for(request.origin)]
 
     def _account(self, request: Request, answer: Answer) -> None:
         """Its metrics and its access-log line, once it is over."""
@@ -633,6 +652,7 @@ class Proxy:
                 "route": route,
                 "outcome": request.outcome,
                 "status": answer.status,
+                "upstream": request.upstream.url if request.upstream is not None else None,
                 "upstream_status": request.upstream_status,
                 "weight": request.weight,
                 "queue_wait_s": round(ticket.wait_s, 4) if ticket is not None else None,

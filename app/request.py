@@ -10,6 +10,7 @@ import itertools
 import secrets
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .admission import Ticket
 from .asgi import Headers, Receive, Scope
@@ -17,6 +18,9 @@ from .assembly import Assembly
 from .cost import Estimate
 from .endpoints import Endpoint
 from .errors import BadRequest, Flavor, HeadersTooLarge, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from .upstream import Upstream
 
 #: uvicorn sets no bound on header size; llama-server's HTTP library (cpp-httplib) answers a
 #: header line over 8 KiB with an empty 400, and only once the request has reached it, slot
@@ -43,7 +47,7 @@ class Request:
     __slots__ = (
         "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held_bytes", "id",
         "method", "origin", "outcome", "path", "query", "started", "stream", "ticket",
-        "upstream_status", "weight",
+        "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, scope: Scope) -> None:
@@ -69,6 +73,8 @@ class Request:
         self.estimate: Estimate | None = None
         self.weight = 0
         self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES until admitted
+        #: The llama-server it goes to: its pool's, once admitted (any, until then).
+        self.upstream: Upstream | None = None
         self.upstream_status: int | None = None
         self.outcome = "served"
 

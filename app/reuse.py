@@ -28,6 +28,7 @@ class UpstreamClient(Client):
         connect_timeout_s: float,
         keepalive_s: float,
         stall_s: float | None,
+        address: str | None = None,
     ) -> None:
         super().__init__(
             host,
@@ -36,6 +37,7 @@ class UpstreamClient(Client):
             connect_timeout_s=connect_timeout_s,
             keepalive_s=keepalive_s,
             stall_s=stall_s,
+            address=address,
         )
         self._warming: set[asyncio.Task[None]] = set()
         self._probe: tuple[Connection, asyncio.TimerHandle] | None = None

@@ -43,7 +43,18 @@ class Settings(BaseSettings):
     )
 
     llama_server_url: str = Field(
-        "http://127.0.0.1:8080", description="llama-server's base URL (http or https)."
+        "http://127.0.0.1:8080",
+        description="llama-server's base URL (http or https), or several, comma-separated.",
+    )
+    routing: Literal["affinity", "least-loaded"] = Field(
+        "affinity",
+        description="With several upstreams: by prompt-cache affinity, then load; or load alone.",
+    )
+    routing_epsilon: float = Field(
+        1.0,
+        ge=0,
+        le=100,
+        description="Affinity yields once its upstream is loaded above (1 + this) x the average.",
     )
     llama_api_key: SecretStr | None = Field(
         None, description="Sent upstream as a Bearer token; replaces the client's credentials."
@@ -138,7 +149,17 @@ class Settings(BaseSettings):
 
     @field_validator("llama_server_url")
     @classmethod
-    def _http_url(cls, value: str) -> str:
+    def _http_urls(cls, value: str) -> str:
+        urls = [url.strip() for url in value.split(",") if url.strip()]
+        if not urls:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        checked = [cls._http_url(url) for url in urls]
+        if len(set(checked)) != len(checked):
+            raise ValueError("names one URL twice")
+        return ",".join(checked)
+
+    @staticmethod
+    def _http_url(value: str) -> str:
         parts = urlsplit(value)
         if parts.scheme not in {"http", "https"} or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host")
@@ -166,10 +187,15 @@ class Settings(BaseSettings):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value
 
-    @field_validator("log_level", "log_format", mode="before")
+    @field_validator("log_level", "log_format", "routing", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @property
+    def llama_server_urls(self) -> tuple[str, ...]:
+        """The upstreams' base URLs, in the order given."""
+        return tuple(self.llama_server_url.split(","))
 
     @property
     def queue_policy(self) -> QueuePolicy:

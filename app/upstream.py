@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import orjson
 
-from .admission import Admission, Ticket
+from .admission import Pool, Ticket
 from .asgi import Header
 from .client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
 from .cors import CorsPolicy
@@ -81,6 +82,13 @@ class Props:
         )
 
 
+def address_url(parts: SplitResult, address: str) -> str:
+    """`parts` as a URL with `address` for its host."""
+    host = f"[{address}]" if ":" in address else address
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
 class UpstreamStarting(UpstreamUnavailable):
     """llama-server is not there or still loading, and did not answer the request: it may be
     sent again once llama-server is back. `sent`: it may have reached a llama-server that
@@ -126,15 +134,25 @@ class Exchange:
 class Upstream:
     """llama-server behind one connection pool, and what slotgate knows of its state."""
 
-    def __init__(self, settings: Settings, admission: Admission) -> None:
-        self.url = settings.llama_server_url
-        parts = urlsplit(self.url)
+    def __init__(
+        self,
+        settings: Settings,
+        pool: Pool,
+        url: str | None = None,
+        address: str | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        parts = urlsplit(url or settings.llama_server_url)
+        #: Its base URL; for one of the addresses a name resolves to, with that address in it.
+        self.url = parts.geturl() if address is None else address_url(parts, address)
+        #: The URL as configured (the name, when it resolves to several addresses).
+        self.configured = parts.geturl()
         self._root = parts.path
-        self._admission = admission
+        self.pool = pool
         self._refresh_s = settings.props_refresh_interval
         self._kv_budget_tokens = settings.kv_budget_tokens
         # Known before llama-server is: requests that wait for it to start are weighed by it.
-        admission.resize_budget(settings.kv_budget_tokens)
+        pool.resize_budget(settings.kv_budget_tokens)
         #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
         self.shared_cache_seen = False
         tls = parts.scheme == "https"
@@ -147,12 +165,15 @@ class Upstream:
             connect_timeout_s=CONNECT_TIMEOUT_S,
             keepalive_s=KEEPALIVE_S,
             stall_s=settings.upstream_stall_timeout or None,
+            address=address,
         )
         key = settings.llama_api_key
         self.auth: Header | None = (
             (b"authorization", f"Bearer {key.get_secret_value()}".encode()) if key else None
         )
         self.props: Props | None = None
+        #: Called each time it becomes ready (the fleet compares the upstreams' models).
+        self._on_ready = on_ready
         #: One generation's tokens per second, as llama-server's /metrics last told it.
         self.tokens_per_s: float | None = None
         #: Its CORS policy, as its answers show it, for the answers slotgate makes itself.
@@ -278,23 +299,26 @@ class Upstream:
             self.cors.forget()
         if self.props is None or props.total_slots != self.props.total_slots or not self.ready:
             log.info(
-                "llama-server ready: total_slots=%d n_ctx=%s model=%s",
-                props.total_slots, props.n_ctx, props.model,
+                "llama-server ready: total_slots=%d n_ctx=%s model=%s url=%s",
+                props.total_slots, props.n_ctx, props.model, self.url,
             )  # fmt: skip
         if self.props is not None and (props.total_slots, props.n_ctx) != (
             self.props.total_slots,
             self.props.n_ctx,
         ):
             self.shared_cache_seen = False  # restarted with another -np or -c: learn afresh
-        if not self.ready and self._admission.cold:
+        if not self.ready and self.pool.cold:
             await self._learn_speed()
         self.props = props
+        became_ready = not self.ready
         self.ready = True
         self.reason = "ready"
+        if became_ready and self._on_ready is not None:
+            self._on_ready()
         # The budget first: the resize lets in whoever waited for the capacity, and they
         # must be weighed by the budget too.
-        self._admission.resize_budget(self.kv_budget(props))
-        self._admission.resize(props.total_slots)
+        self.pool.resize_budget(self.kv_budget(props))
+        self.pool.resize(props.total_slots)
 
     def kv_budget(self, props: Props) -> int | None:
         """The KV-cache tokens the slots share, when that binds admission; else None.
@@ -329,7 +353,7 @@ class Upstream:
                 "KV_BUDGET_TOKENS to say so from the start)",
                 budget,
             )
-            self._admission.resize_budget(budget)
+            self.pool.resize_budget(budget)
 
     @property
     def default_output(self) -> int | None:
@@ -401,13 +425,13 @@ class Upstream:
 
     def _mark_not_ready(self, reason: str) -> None:
         if self.ready or reason != self.reason:
-            log.warning("llama-server not ready: %s", reason)
+            log.warning("llama-server not ready: %s url=%s", reason, self.url)
         self._client.relearn()  # what comes back may be another build
         self.cors.forget()
         self.verbose = False
         self.ready = False
         self.reason = reason
-        self._admission.resize(None)
+        self.pool.resize(None)
 
     async def _follow(self) -> None:
         while True:
@@ -415,7 +439,7 @@ class Upstream:
             await self.refresh()
             if self.ready:
                 interval = self._refresh_s
-            elif self._admission.awaiting_capacity:
+            elif self.pool.awaiting_capacity:
                 interval = STARTING_POLL_S
             else:
                 interval = min(self._refresh_s, NOT_READY_RETRY_S)

@@ -108,8 +108,8 @@ class RunningGate:
                 await asyncio.sleep(0.01)
 
 
-async def serve(settings: Settings) -> RunningGate:
-    app = create_app(settings)
+async def serve(settings: Settings, app: Gateway | None = None) -> RunningGate:
+    app = app or create_app(settings)
     # uvicorn as `slotgate` runs it, on a free port, and quicker to give up on a drain.
     config = uvicorn_config(app, settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
     config.timeout_graceful_shutdown = 0.5  # type: ignore[assignment]  # Server takes a float

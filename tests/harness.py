@@ -12,10 +12,10 @@ import orjson
 from slotgate.admission import Admission
 from slotgate.asgi import Header, Message, Scope
 from slotgate.client import ExchangeFailed
+from slotgate.fleet import Fleet
 from slotgate.metrics import Metrics
 from slotgate.relay import Proxy
 from slotgate.settings import Settings
-from slotgate.upstream import Upstream
 
 
 class Client:
@@ -149,12 +149,13 @@ class Rig:
         values.update(settings)
         self.settings = Settings(_env_file=None, **values)
         self.admission = Admission(self.settings.queue_policy)
-        self.upstream = Upstream(self.settings, self.admission)
+        self.fleet = Fleet(self.settings, self.admission)
+        self.upstream = self.fleet.upstreams[0]
         self.upstream._client = client  # type: ignore[assignment]
         self.upstream.ready = True
         self.admission.resize(slots)
         self.proxy = Proxy(
-            self.settings, self.admission, self.upstream, Metrics(self.admission, lambda: True)
+            self.settings, self.admission, self.fleet, Metrics(self.admission, lambda: True)
         )
 
     async def call(self, client: Client, path: str = "/v1/chat/completions") -> None:

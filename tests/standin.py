@@ -55,12 +55,14 @@ class StandIn:
     open_connections: int = 0
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
+    model: str = "standin.gguf"  # /props model_path
+    host: str = "127.0.0.1"  # any of 127.0.0.0/8: several stand-ins on one port, for DNS
     created: int = field(default_factory=lambda: int(time.time()))
     _runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)  # llama-server takes big bodies
@@ -79,7 +81,7 @@ class StandIn:
             shutdown_timeout=self.shutdown_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         server = site._server
         assert server is not None
@@ -149,7 +151,7 @@ class StandIn:
             {
                 "total_slots": self.total_slots,
                 "default_generation_settings": {"n_ctx": 1024, "params": {}},
-                "model_path": "standin.gguf",
+                "model_path": self.model,
                 "build_info": "standin",
             }
         )

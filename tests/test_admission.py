@@ -137,7 +137,9 @@ async def test_retry_after_grows_with_the_observed_hold_time_and_is_capped() -> 
     admission = pool(1, max_queue=1)
     short = admission.retry_after_s(1)
     for _ in range(50):
-        admission._release(0, 30.0)  # observe long holds (weight 0: the pool count stays)
+        admission._release(
+            admission.pools[0], 0, 30.0
+        )  # observe long holds (weight 0: the pool count stays)
     long = admission.retry_after_s(2)
     assert short == 1.0
     assert 50 < long <= RETRY_AFTER_CAP_S
@@ -152,7 +154,7 @@ async def test_before_any_hold_is_seen_retry_after_rests_on_the_holds_expected()
     assert admission.cold
     assert admission.hold_estimate_s == pytest.approx(8.0)
     assert admission.retry_after_s(3) == pytest.approx(12.0)
-    admission._release(0, 3.0)  # the first hold seen replaces what was expected
+    admission._release(admission.pools[0], 0, 3.0)  # the first hold seen replaces what was expected
     assert not admission.cold
     assert admission.hold_estimate_s == pytest.approx(3.0)
     admission.expect(30.0)  # and expectations no longer count
@@ -499,13 +501,23 @@ async def test_a_waiter_that_entered_unknown_is_weighed_once_the_capacity_is_kno
     assert (admission.active, admission.queued) == (1, 0)
 
 
-async def test_known_returns_once_the_capacity_is_known_and_refuses_past_its_deadline() -> None:
-    admission = starting()
+async def test_a_ticket_sent_back_waits_for_a_capacity_and_is_refused_past_its_deadline() -> None:
+    admission = pool(1)
+    first = admission.enter()
+    admission.resize(None)  # its upstream went away
+    first.reroute(time.monotonic() + 0.05)
+    assert (admission.active, admission.queued) == (0, 1)
     with pytest.raises(NotReady):
-        await admission.known(time.monotonic() + 0.05)
-    waiting = asyncio.create_task(admission.known(time.monotonic() + 5))
+        await first.wait()
+    assert (admission.active, admission.queued) == (0, 0)
+    admission.resize(1)
+    third = admission.enter()
+    admission.resize(None)
+    third.reroute(time.monotonic() + 5)
+    waiting = asyncio.create_task(third.wait())
     await settle()
     assert admission.awaiting_capacity
     admission.resize(1)
     await waiting
-    assert not admission.awaiting_capacity
+    assert third.admitted
+    assert admission.active == 1

@@ -15,7 +15,7 @@ from aiohttp import web
 from slotgate.admission import Admission, QueuePolicy
 from slotgate.cost import counted, estimate, local
 from slotgate.endpoints import ENDPOINTS
-from slotgate.engine import LocalEngine
+from slotgate.engine import LocalEngine, LocalFleet
 from slotgate.errors import ContextExceeded
 from slotgate.settings import Settings
 
@@ -374,8 +374,8 @@ def test_slotgate_tells_the_gate_what_its_own_engine_shares_unless_told_otherwis
 
     engine = LocalEngine(Path("m.gguf"), parallel=4, ctx_size=1024, threads=1, kv_unified=True)
     monkeypatch.setattr(LocalEngine, "from_args", classmethod(lambda cls, **_: engine))
-    monkeypatch.setattr(LocalEngine, "start", lambda self: None)
-    monkeypatch.setattr(LocalEngine, "stop", lambda self: None)
+    monkeypatch.setattr(LocalFleet, "start", lambda self: None)
+    monkeypatch.setattr(LocalFleet, "stop", lambda self: None)
     engine.url = "http://127.0.0.1:9"
     seen: list[Settings] = []
 
@@ -403,5 +403,5 @@ async def test_a_waiter_counted_at_no_cost_leaves_nothing_behind() -> None:
     holder.release()
     await waiter.wait()
     waiter.release()
-    assert admission._costs == {}
+    assert not admission._line
     assert admission.committed_tokens == 0

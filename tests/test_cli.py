@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -12,12 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import pytest
+import uvicorn
 from aiohttp import web
 from slotgate import __version__, cli
 from slotgate.cli import listen
@@ -26,6 +28,9 @@ from slotgate.settings import Settings
 from bench.procs import free_port
 from tests.conftest import chat, serve
 from tests.standin import StandIn
+
+if TYPE_CHECKING:
+    from slotgate.main import Service
 
 APP = Path(__file__).resolve().parent.parent / "app"
 
@@ -89,7 +94,7 @@ def test_version_is_printed() -> None:
     assert result.stdout.strip() == f"slotgate {__version__}"
 
 
-@pytest.mark.parametrize("flag", ["--parallel", "--ctx-size", "--threads"])
+@pytest.mark.parametrize("flag", ["--parallel", "--ctx-size", "--threads", "--replicas", "--gpus"])
 def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
     result = run({}, flag, "4")
     assert result.returncode == 2
@@ -110,8 +115,27 @@ def test_engine_flags_without_a_local_engine_are_refused(flag: str) -> None:
         (["--model="], "argument --model: is empty; give the path of a .gguf model"),
         (["--host="], "argument --host: is empty; give an address such as 127.0.0.1 or ::1"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--demo", "--replicas", "0"], "argument --replicas: '0' must be at least 1"),
+        (
+            ["--demo", "--gpus", "0,1", "--replicas", "3"],
+            "--gpus names 2 GPUs for --replicas 3; give one GPU per replica",
+        ),
+        (
+            ["--demo", "--gpus", "0,,1"],
+            "argument --gpus: '0,,1' lacks a GPU; give one per replica, comma-separated, "
+            "such as 0,1",
+        ),
     ],
-    ids=["port", "model-and-demo", "empty-model", "empty-host", "unknown"],
+    ids=[
+        "port",
+        "model-and-demo",
+        "empty-model",
+        "empty-host",
+        "unknown",
+        "no-replicas",
+        "gpus-and-replicas",
+        "empty-gpu",
+    ],
 )
 def test_a_bad_flag_stops_start_up_with_one_line_naming_it(args: list[str], line: str) -> None:
     result = run({}, *args)
@@ -541,3 +565,142 @@ def test_host_all_ipv6_interfaces_takes_ipv4_clients_too_as_with_uvicorn() -> No
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_gpus_alone_start_one_replica_for_each() -> None:
+    args = cli.parse_args(["--demo", "--gpus", "1,0"])
+    assert (args.replicas, args.gpus) == (2, ("1", "0"))
+    assert cli.parse_args(["--demo"]).replicas == 1
+
+
+def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slotgate.engine import LocalFleet
+
+    from tests.test_engine import health, running
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD", "FAKE_MODE", "PORT"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.delenv("LLAMA_SERVER_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    seen: list[tuple[Settings, LocalFleet, list[int]]] = []
+
+    def serve(settings: Settings, fleet: LocalFleet, sockets: object) -> int:
+        seen.append((settings, fleet, [health(url) for url in fleet.urls]))
+        return 0
+
+    monkeypatch.setattr(cli, "serve", serve)
+    monkeypatch.setattr(cli, "_print_usage", lambda settings, port: None)
+
+    assert cli.main(["--model", str(model), "--replicas", "3", "--threads", "1"]) == 0
+
+    [(settings, fleet, statuses)] = seen
+    assert settings.llama_server_url == ",".join(fleet.urls)
+    assert len(set(fleet.urls)) == 3
+    assert statuses == [200, 200, 200]
+    assert settings.kv_budget_tokens == 0  # each engine's, as with one
+    pids = [engine.pid for engine in fleet.engines]
+    assert None not in pids
+    assert not [pid for pid in pids if pid is not None and running(pid)]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "at-once"])
+def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    together: bool,
+) -> None:
+    from slotgate.engine import LocalEngine, LocalFleet
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
+        monkeypatch.setenv(name, env[name])
+    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+                                 threads=1, replicas=2)  # fmt: skip
+    server = cli.Server(uvicorn.Config(lambda: None), cast("Service", None), fleet)
+
+    def die(*engines: LocalEngine) -> list[str]:
+        """Kill the engines, then let slotgate look once they have all ended."""
+        for engine in engines:
+            assert engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(engine.poll() is None for engine in engines):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        caplog.clear()
+        server._watch(fleet)
+        return [r.getMessage() for r in caplog.records]
+
+    try:
+        fleet.start()
+        with caplog.at_level(logging.ERROR, logger="slotgate"):
+            if together:
+                said = die(*fleet.engines)
+            else:
+                said = die(fleet.engines[0])
+                assert not server.should_exit
+                said += die(fleet.engines[1])
+    finally:
+        fleet.stop()
+    assert said == [
+        f"local llama.cpp engine 1 of 2 at {fleet.urls[0]} was killed by SIGKILL; "
+        "slotgate serves on the other 1",
+        f"local llama.cpp engine 2 of 2 at {fleet.urls[1]} was killed by SIGKILL, the last "
+        "one; slotgate stops",
+    ]
+    assert server.should_exit
+    assert server.engine_died
+
+
+def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_last_stops_it(
+    tmp_path: Path,
+) -> None:
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    port = free_port()
+    env.update(PORT=str(port), PROPS_REFRESH_INTERVAL="0.2", LOG_LEVEL="warning")
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "slotgate.log"
+
+    def ready_upstreams() -> list[bool]:
+        pool = httpx.get(base + "/admission").json()
+        return [upstream["ready"] for upstream in pool["upstreams"]]
+
+    def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+
+    with log.open("w") as stderr, subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model), "--replicas", "2",
+         "--threads", "1"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+    ) as proc:  # fmt: skip
+        try:
+            until(lambda: answered(base + "/readyz") == 200 and ready_upstreams() == [True, True])
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            engines = [int(pid) for pid in children]
+            assert len(engines) == 2
+            os.kill(engines[0], signal.SIGKILL)
+            until(lambda: sorted(ready_upstreams()) == [False, True])
+            until(lambda: "slotgate serves on the other 1" in log.read_text())
+            assert answered(base + "/readyz") == 200
+            assert proc.poll() is None
+            os.kill(engines[1], signal.SIGKILL)
+            assert proc.wait(timeout=30) == 1
+        finally:
+            proc.kill()
+    logged = log.read_text()
+    first = re.search(r"local llama.cpp engine (\d) of 2 at \S+ was killed by SIGKILL; "
+                      r"slotgate serves on the other 1", logged)  # fmt: skip
+    last = re.search(r"local llama.cpp engine (\d) of 2 at \S+ was killed by SIGKILL, "
+                     r"the last one; slotgate stops", logged)  # fmt: skip
+    assert first is not None, logged
+    assert last is not None, logged
+    assert {first[1], last[1]} == {"1", "2"}
+    assert "Traceback" not in logged

@@ -31,6 +31,7 @@ DOCKER = REPO / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
 COMPOSE = DOCKER / "compose.yaml"
 SIDECAR = DOCKER / "compose.sidecar.yaml"
+FLEET = DOCKER / "compose.fleet.yaml"
 ENV_EXAMPLE = REPO / ".env.example"
 # check-jsonschema carries the Compose Specification's schema: nothing outside the clone is read.
 SCHEMA = ["--builtin-schema", "vendor.compose-spec"]
@@ -132,6 +133,11 @@ def test_slotgate_starts_only_once_llama_server_is_healthy() -> None:
     for path in (COMPOSE, SIDECAR):
         depends_on = service(path, "slotgate")["depends_on"]
         assert depends_on["llama-server"]["condition"] == "service_healthy", path.name
+    depends_on = service(FLEET, "slotgate")["depends_on"]
+    assert {name: on["condition"] for name, on in depends_on.items()} == {
+        "llama-a": "service_healthy",
+        "llama-b": "service_healthy",
+    }
 
 
 def test_llama_servers_healthcheck_asks_its_own_health_endpoint() -> None:
@@ -147,7 +153,7 @@ def test_llama_servers_healthcheck_asks_its_own_health_endpoint() -> None:
 
 
 def test_slotgates_healthcheck_asks_healthz_on_the_port_it_listens_on() -> None:
-    for path in (COMPOSE, SIDECAR):
+    for path in (COMPOSE, SIDECAR, FLEET):
         slotgate = service(path, "slotgate")
         url = urlsplit(healthcheck_url(slotgate))
         assert url.path == "/healthz", path.name
@@ -155,7 +161,12 @@ def test_slotgates_healthcheck_asks_healthz_on_the_port_it_listens_on() -> None:
 
 
 def test_both_services_read_the_root_env_file_and_start_without_it() -> None:
-    for path, name in [(COMPOSE, "llama-server"), (COMPOSE, "slotgate"), (SIDECAR, "slotgate")]:
+    for path, name in [
+        (COMPOSE, "llama-server"),
+        (COMPOSE, "slotgate"),
+        (SIDECAR, "slotgate"),
+        (FLEET, "slotgate"),
+    ]:
         files = env_files(path, service(path, name))
         assert files == [(REPO / ".env", False)], f"{path.name}: {name}"
 
@@ -200,9 +211,55 @@ def test_sidecar_slotgate_lives_in_llama_servers_network_namespace() -> None:
     assert published_targets(llama) == [environment(slotgate)["PORT"]]
 
 
+def test_the_fleet_s_slotgate_fronts_two_llama_servers_made_like_compose_yaml_s() -> None:
+    base = service(COMPOSE, "llama-server")
+    slotgate = service(FLEET, "slotgate")
+    urls = [urlsplit(url) for url in environment(slotgate)["LLAMA_SERVER_URL"].split(",")]
+    assert [(url.scheme, url.hostname, str(url.port)) for url in urls] == [
+        ("http", "llama-a", environment(base)["LLAMA_ARG_PORT"]),
+        ("http", "llama-b", environment(base)["LLAMA_ARG_PORT"]),
+    ]
+    for name in ("llama-a", "llama-b"):
+        llama = service(FLEET, name)
+        # Image, .env, model, 0.0.0.0 and the healthcheck come from compose.yaml untouched.
+        assert llama == {"extends": {"file": "compose.yaml", "service": "llama-server"}}, name
+    assert published_targets(slotgate) == [environment(slotgate)["PORT"]]
+    assert environment(slotgate)["HOST"] == "0.0.0.0"
+    # The rest of slotgate's service is compose.yaml's.
+    mine = {
+        key: value for key, value in slotgate.items() if key not in {"depends_on", "environment"}
+    }
+    theirs = service(COMPOSE, "slotgate")
+    assert mine == {key: value for key, value in theirs.items() if key in mine}
+    assert mine.keys() == theirs.keys() - {"depends_on", "environment"}
+
+
+def test_the_fleet_s_gpu_lines_give_each_llama_server_a_gpu_of_its_own(tmp_path: Path) -> None:
+    text = FLEET.read_text()
+    uncommented = re.sub(r"(?m)^    # (deploy:|  )", lambda m: "    " + m.group(1), text)
+    gpus = tmp_path / "compose.fleet.gpus.yaml"
+    gpus.write_text(uncommented)
+    checked = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", *SCHEMA, str(gpus)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    services = yaml.safe_load(uncommented)["services"]
+    devices = [
+        services[name]["deploy"]["resources"]["reservations"]["devices"]
+        for name in ("llama-a", "llama-b")
+    ]
+    assert devices == [
+        [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}],
+        [{"driver": "nvidia", "device_ids": ["1"], "capabilities": ["gpu"]}],
+    ]
+
+
 def test_compose_waits_longer_than_slotgates_drain_before_killing_it() -> None:
     drain_s = Settings.model_fields["drain_timeout"].default
-    for path in (COMPOSE, SIDECAR):
+    for path in (COMPOSE, SIDECAR, FLEET):
         grace = service(path, "slotgate")["stop_grace_period"]
         assert seconds(default(grace)) > drain_s, path.name
 
@@ -218,7 +275,7 @@ def test_every_compose_file_and_the_cuda_variant_match_the_compose_schema(tmp_pa
     cuda = tmp_path / "compose.cuda.yaml"
     cuda.write_text(cuda_variant(COMPOSE.read_text()))
     files = [*sorted(DOCKER.glob("compose*.yaml")), cuda]
-    assert {COMPOSE, SIDECAR} <= set(files)
+    assert {COMPOSE, SIDECAR, FLEET} <= set(files)
     result = subprocess.run(
         [sys.executable, "-m", "check_jsonschema", *SCHEMA, *map(str, files)],
         capture_output=True,

@@ -51,7 +51,7 @@ def settled(gate: RunningGate) -> bool:
         admission.queued == 0
         and admission.active == 0
         and admission.committed_tokens == 0
-        and not admission._costs
+        and not admission._line
         and gate.service.proxy._held_bytes == 0
     )
 
@@ -74,7 +74,8 @@ async def waiting(gate: RunningGate, count: int = 1) -> None:
     """Until `count` requests wait in line, each holding its body and its tokens."""
     await gate.until(
         lambda: (
-            gate.service.admission.queued == count and len(gate.service.admission._costs) == count
+            gate.service.admission.queued == count
+            and sum(1 for t in gate.service.admission._line if t.cost) == count
         )
     )
     assert gate.service.proxy._held_bytes > BIG * count

@@ -25,19 +25,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from slotgate import engine as engine_module
 from slotgate.engine import (
     DEMO_CHAT_TEMPLATE,
     DEMO_PACKAGE,
     EngineFailed,
+    EngineMisconfigured,
     LocalEngine,
+    LocalFleet,
     cache_dir,
     checked_model,
     default_threads,
     demo_model,
     find_binary,
+    free_ports,
     parse_log_line,
     resolve_model,
     server_args,
+    split_threads,
 )
 
 FAKE_SERVER = """\
@@ -49,6 +54,9 @@ args = sys.argv[1:]
 with open(os.environ["FAKE_RECORD"], "w") as record:
     json.dump({{"argv": args, "pid": os.getpid(), "env": dict(os.environ)}}, record)
 mode = os.environ.get("FAKE_MODE", "serve")
+if os.environ.get("FAKE_AWAIT"):  # goes on once the fake that FAKE_AWAIT names has recorded
+    while not os.path.exists(os.environ["FAKE_AWAIT"]):
+        time.sleep(0.02)
 if mode == "fail":
     print("I load_model: loading model", file=sys.stderr, flush=True)
     print("E load_model: failed to load model 'x'", file=sys.stderr, flush=True)
@@ -70,6 +78,15 @@ if mode == "mute":
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path == "/props":  # enough of it for a gate in front
+            slots = int(args[args.index("-np") + 1])
+            body = json.dumps({{"total_slots": slots, "model_path": args[1]}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
         self.wfile.write(b'{{"status":"ok"}}')
@@ -734,6 +751,193 @@ def test_the_engine_and_its_llama_server_go_when_slotgate_is_killed(
 
     assert not running(child)
     assert not running(recorded(fake_server)["pid"])
+
+
+# -- a fleet of replicas (fake llama-server) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("total", "replicas", "shares"),
+    [(7, 2, [4, 3]), (1, 2, [1, 1]), (15, 1, [15]), (16, 3, [6, 5, 5]), (2, 3, [1, 1, 1])],
+)
+def test_the_default_threads_are_shared_out_among_replicas_each_keeping_one(
+    total: int, replicas: int, shares: list[int]
+) -> None:
+    assert split_threads(total, replicas) == shares
+
+
+def test_ports_chosen_together_are_distinct() -> None:
+    ports = free_ports(32)
+    assert len(set(ports)) == 32
+
+
+@pytest.fixture
+def fleets() -> Iterator[list[LocalFleet]]:
+    """Fleets a test starts, stopped even when the test fails half-way."""
+    started: list[LocalFleet] = []
+    yield started
+    for fleet in started:
+        fleet.stop()
+
+
+def fake_fleet(
+    model: Path, tmp_path: Path, fleets: list[LocalFleet], replicas: int = 2, **options: Any
+) -> tuple[LocalFleet, list[Path]]:
+    """A fleet of fake llama-servers, each recording its call in a file of its own."""
+    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=3, ctx_size=1536,
+                                 replicas=replicas, **options)  # fmt: skip
+    records = [tmp_path / f"record-{number}.json" for number in range(1, replicas + 1)]
+    for engine, record in zip(fleet.engines, records, strict=True):
+        engine.env["FAKE_RECORD"] = str(record)
+    fleets.append(fleet)
+    return fleet, records
+
+
+def test_replicas_run_each_on_its_own_port_with_its_thread_share_gpu_and_log(
+    model: Path,
+    fake_server: Path,
+    tmp_path: Path,
+    fleets: list[LocalFleet],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(engine_module, "default_threads", lambda: 3)
+    fleet, records = fake_fleet(model, tmp_path, fleets, threads=None, gpus=("1", "0"))
+
+    with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+        fleet.start()
+
+    calls = [recorded(record) for record in records]
+    ports = [call["argv"][call["argv"].index("--port") + 1] for call in calls]
+    assert fleet.urls == [f"http://127.0.0.1:{port}" for port in ports]
+    assert len(set(ports)) == 2
+    assert [call["argv"][call["argv"].index("-t") + 1] for call in calls] == ["2", "1"]
+    assert [call["argv"][call["argv"].index("-np") + 1] for call in calls] == ["3", "3"]
+    assert [call["env"]["CUDA_VISIBLE_DEVICES"] for call in calls] == ["1", "0"]
+    assert [health(url) for url in fleet.urls] == [200, 200]
+    ready = {(r.name, r.getMessage()) for r in caplog.records if "is ready" in r.getMessage()}
+    assert ready == {
+        ("slotgate.engine.1", f"llama.cpp is ready at {fleet.urls[0]}"),
+        ("slotgate.engine.2", f"llama.cpp is ready at {fleet.urls[1]}"),
+    }
+    assert fleet.kv_budget_tokens == 0
+
+    fleet.stop()
+
+    for call, engine in zip(calls, fleet.engines, strict=True):
+        assert engine.pid is not None
+        assert not running(engine.pid)
+        assert not running(call["pid"])
+
+
+def test_an_explicit_thread_count_is_each_replica_s_own(
+    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+) -> None:
+    fleet, _ = fake_fleet(model, tmp_path, fleets, replicas=3, threads=2)
+    assert [engine.threads for engine in fleet.engines] == [2, 2, 2]
+    # Without --gpus each sees what slotgate sees.
+    assert not [engine for engine in fleet.engines if "CUDA_VISIBLE_DEVICES" in engine.env]
+
+
+def test_one_replica_keeps_today_s_log_name_and_environment(model: Path, fake_server: Path) -> None:
+    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=2, ctx_size=64,
+                                 threads=None)  # fmt: skip
+    [engine] = fleet.engines
+    assert engine.log.name == "slotgate.engine"
+    assert engine.env == {}
+    assert engine.threads == default_threads()
+
+
+def test_replicas_start_side_by_side_not_one_after_another(
+    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+) -> None:
+    fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
+    # The first answers /health only once the second has started: one after the other,
+    # the fleet would wait on the first until its start timeout.
+    first = fleet.engines[0]
+    first.env["FAKE_AWAIT"] = str(records[1])
+    first.start_timeout_s = 10
+
+    fleet.start()
+
+    assert [health(url) for url in fleet.urls] == [200, 200]
+
+
+def test_a_replica_that_fails_to_start_is_named_and_the_others_are_stopped(
+    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+) -> None:
+    fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
+    # The second fails only once the first has recorded its call: it is running by then.
+    fleet.engines[1].env.update(FAKE_MODE="fail", FAKE_AWAIT=str(records[0]))
+
+    with pytest.raises(EngineFailed) as failed:
+        fleet.start()
+
+    assert str(failed.value) == (
+        f"replica 2 of 2 at {fleet.urls[1]}: llama.cpp exited with code 1 before it was ready: "
+        "load_model: failed to load model 'x'"
+    )
+    first = recorded(records[0])["pid"]
+    assert not running(first)
+    assert all(engine.pid is not None and not running(engine.pid) for engine in fleet.engines)
+
+
+def test_a_replica_that_dies_is_reported_once_while_the_others_keep_serving(
+    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+) -> None:
+    fleet, records = fake_fleet(model, tmp_path, fleets, replicas=3, threads=1)
+    fleet.start()
+    assert fleet.ended() == []
+
+    os.kill(recorded(records[1])["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not (ended := fleet.ended()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    assert ended == [(2, 128 + signal.SIGKILL)]
+    assert fleet.ended() == []  # reported once
+    assert fleet.running == 2
+    assert fleet.name(2) == f"2 of 3 at {fleet.urls[1]}"
+    assert [health(fleet.urls[0]), health(fleet.urls[2])] == [200, 200]
+
+
+def test_stop_asks_every_replica_before_waiting_for_any(
+    model: Path,
+    fake_server: Path,
+    tmp_path: Path,
+    fleets: list[LocalFleet],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "stubborn")
+    fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
+    for engine in fleet.engines:
+        engine.stop_grace_s = 0.3
+    fleet.start()
+    servers = [recorded(record)["pid"] for record in records]
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="slotgate.engine"):
+        fleet.stop()
+
+    said = [(r.name[-1], r.getMessage().split(" (")[0]) for r in caplog.records
+            if r.name.startswith("slotgate.engine.")
+            and r.getMessage().startswith(("stopping", "llama.cpp did not stop"))]  # fmt: skip
+    assert said == [
+        ("1", "stopping llama.cpp"),
+        ("2", "stopping llama.cpp"),
+        ("1", "llama.cpp did not stop within 0 s of SIGTERM; killing it"),
+        ("2", "llama.cpp did not stop within 0 s of SIGTERM; killing it"),
+    ]
+    for server in servers:
+        wait_gone(server, timeout_s=2)
+
+
+def test_gpus_that_do_not_match_the_replicas_are_refused(model: Path, fake_server: Path) -> None:
+    with pytest.raises(EngineMisconfigured, match=r"--gpus names 1 GPU for 2 replicas"):
+        LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64, threads=1,
+                             replicas=2, gpus=("0",))  # fmt: skip
 
 
 # -- the real engine ---------------------------------------------------------------------------

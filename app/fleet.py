@@ -1,0 +1,267 @@
+"""The upstreams behind one gate: one per configured URL, or per address of a name that
+resolves to several (a Kubernetes headless Service, a DNS round-robin name), kept current."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import re
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from urllib.parse import urlsplit
+
+from .admission import Admission, Pool
+from .asgi import Header
+from .settings import Settings
+from .upstream import Upstream, address_url
+
+log = logging.getLogger("slotgate.fleet")
+
+#: Resolves a host name to its addresses (the system resolver unless a test gives another).
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+#: A Prometheus sample line: its name, its labels if any, the rest.
+_SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^\n]*?\})?( [^\n]*)$", re.MULTILINE)
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The addresses of `host` in the system resolver's first family, in its order.
+
+    One family only: a name with an IPv4 and an IPv6 address (`localhost`) is one server,
+    reached by either, not two.
+    """
+    infos = await asyncio.get_running_loop().getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+    )
+    if not infos:
+        return []
+    family = infos[0][0]
+    addresses: list[str] = []
+    for info in infos:
+        address = str(info[4][0])
+        if info[0] == family and address not in addresses:
+            addresses.append(address)
+    return addresses
+
+
+class _Source:
+    """One configured URL and the upstreams it stands for now."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.url = url
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        #: A name (not an address) may stand for several servers: it is resolved again at
+        #: every refresh.
+        self.named = not _is_address(self.host)
+        #: By address; the name itself (key None) while it resolves to one address or fewer.
+        self.upstreams: dict[str | None, Upstream] = {}
+
+
+class Fleet:
+    """Every upstream, its pool in the admission core, and the discovery that keeps the set
+    current; slotgate is ready while any upstream is."""
+
+    def __init__(
+        self, settings: Settings, admission: Admission, resolver: Resolver | None = None
+    ) -> None:
+        self._settings = settings
+        self._admission = admission
+        self._resolve = resolver or system_resolver
+        self._sources = [_Source(url) for url in settings.llama_server_urls]
+        self._by_pool: dict[Pool, Upstream] = {}
+        self._discovery: asyncio.Task[None] | None = None
+        self._started = False
+        self._leaving: set[asyncio.Task[None]] = set()
+        self._warned_models: set[str] = set()
+        self._all: list[Upstream] = []
+        for source in self._sources:
+            self._add(source, None)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    @property
+    def upstreams(self) -> list[Upstream]:
+        """Every upstream taking work, in the order configured (and discovered)."""
+        return self._all
+
+    @property
+    def several(self) -> bool:
+        """More than one upstream: requests are routed, so they carry an affinity key."""
+        return len(self._by_pool) > 1
+
+    @property
+    def ready(self) -> bool:
+        return any(upstream.ready for upstream in self._by_pool.values())
+
+    @property
+    def reason(self) -> str:
+        """Why no upstream is ready: the only one's reason, or each one's."""
+        upstreams = self.upstreams
+        if len(upstreams) == 1:
+            return upstreams[0].reason
+        return "; ".join(f"{u.url}: {u.reason}" for u in upstreams)
+
+    @property
+    def primary(self) -> Upstream:
+        """The upstream for what is not routed by slots (counts, ungated requests): the first
+        ready one, else the first."""
+        upstreams = self._all
+        for upstream in upstreams:
+            if upstream.ready:
+                return upstream
+        return upstreams[0]
+
+    def of(self, pool: Pool) -> Upstream:
+        return self._by_pool[pool]
+
+    def models(self) -> set[str]:
+        """The models the ready upstreams serve (one, as meant, unless they disagree)."""
+        return {
+            u.props.model for u in self._by_pool.values() if u.ready and u.props and u.props.model
+        }
+
+    def _check_models(self) -> None:
+        models = self.models()
+        if len(models) > 1 and models != self._warned_models:
+            # Requests are routed by slots and cache, not by `model`: a request may be answered
+            # by any of them.
+            log.warning(
+                "the upstreams serve different models (%s): slotgate routes by slots and cache, "
+                "not by model, so give it upstreams of one model",
+                ", ".join(sorted(models)),
+            )
+        self._warned_models = models
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._started = True
+        for upstream in self.upstreams:
+            await upstream.start()
+        if any(source.named for source in self._sources):
+            await self.discover()
+            self._discovery = asyncio.create_task(self._rediscover(), name="slotgate-discovery")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._discovery, *self._leaving) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for upstream in list(self._by_pool.values()):
+            await upstream.close()
+
+    def poke(self) -> None:
+        """Read every upstream's /props now (a request waits for any of them)."""
+        for upstream in self._by_pool.values():
+            upstream.poke()
+
+    async def metrics(self) -> tuple[bytes, list[Header]]:
+        """llama-server's own /metrics: as it is from one upstream; from several, each sample
+        labelled with its upstream, and each family's HELP and TYPE once."""
+        upstreams = self.upstreams
+        if len(upstreams) == 1:
+            return await upstreams[0].metrics()
+        answers = await asyncio.gather(*(u.metrics() for u in upstreams))
+        seen: set[bytes] = set()
+        lines: list[bytes] = []
+        for upstream, (text, _) in zip(upstreams, answers, strict=True):
+            label = b'upstream="' + _escape(upstream.url) + b'"'
+            for line in text.splitlines():
+                if line.startswith(b"#"):
+                    if line not in seen:
+                        seen.add(line)
+                        lines.append(line)
+                    continue
+                lines.append(_labelled(line, label))
+        return (b"\n".join(lines) + b"\n" if lines else b""), []
+
+    # -- discovery ------------------------------------------------------------------------------
+
+    async def discover(self) -> None:
+        """Resolve every named URL again: a new address joins, a vanished one stops receiving
+        work and leaves once its requests end."""
+        for source in self._sources:
+            if not source.named:
+                continue
+            try:
+                addresses = await self._resolve(source.host, source.port)
+            except OSError as exc:
+                # The name's servers are what they were: a resolver that fails says nothing of
+                # them, and their own /props followers tell whether they answer.
+                log.warning("cannot resolve %s: %s", source.host, exc)
+                continue
+            wanted: set[str | None] = set(addresses) if len(addresses) > 1 else {None}
+            for key in wanted - source.upstreams.keys():
+                log.info("upstream joins: %s", key or source.url)
+                upstream = self._add(source, key)
+                if self._started:
+                    await upstream.start()
+            for key in source.upstreams.keys() - wanted:
+                self._retire(source, key)
+
+    async def _rediscover(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.props_refresh_interval)
+            await self.discover()
+
+    def _add(self, source: _Source, address: str | None) -> Upstream:
+        url = source.url
+        pool = self._admission.add_pool(
+            url if address is None else address_url(urlsplit(url), address)
+        )
+        upstream = Upstream(self._settings, pool, url, address, self._check_models)
+        source.upstreams[address] = upstream
+        self._by_pool[pool] = upstream
+        self._list()
+        return upstream
+
+    def _retire(self, source: _Source, key: str | None) -> None:
+        upstream = source.upstreams.pop(key)
+        self._list()
+        log.info("upstream leaves: %s", upstream.url)
+        upstream.pool.retire()
+        task = asyncio.create_task(self._leave(upstream), name="slotgate-upstream-leaves")
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+
+    async def _leave(self, upstream: Upstream) -> None:
+        """Close a retired upstream once its last request has ended."""
+        # A retired pool's last release sets no event of its own; a look per refresh is enough.
+        while upstream.pool.active:  # noqa: ASYNC110
+            await asyncio.sleep(self._settings.props_refresh_interval)
+        self._by_pool.pop(upstream.pool, None)
+        await upstream.close()
+
+    def _list(self) -> None:
+        self._all = [u for source in self._sources for u in source.upstreams.values()]
+
+    def __iter__(self) -> Iterator[Upstream]:
+        return iter(self.upstreams)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _escape(text: str) -> bytes:
+    return text.replace("\\", "\\\\").replace('"', '\\"').encode()
+
+
+def _labelled(line: bytes, label: bytes) -> bytes:
+    match = _SAMPLE.match(line)
+    if match is None:
+        return line
+    name, labels, rest = match.groups()
+    if labels is None or labels == b"{}":
+        return name + b"{" + label + b"}" + rest
+    return name + labels[:-1] + b"," + label + b"}" + rest

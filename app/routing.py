@@ -1,0 +1,98 @@
+"""Which upstream a request goes to, among those with room: its cache affinity first, load second.
+
+Standard library only. The affinity key picks an upstream by rendezvous hashing, so each key
+keeps its upstream while upstreams come and go (only the keys of one that leaves move); the
+bounded-load rule (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Loads")
+passes an upstream over when it is already loaded above (1 + epsilon) times the fleet's
+average, so that one hot key cannot pile work onto one server while the others idle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+#: Routing by affinity, or by load alone.
+ROUTINGS = ("affinity", "least-loaded")
+#: How much of a prompt's start makes its affinity key: enough to tell system prompts and
+#: first turns apart, short enough that every turn of a conversation starts the same way.
+AFFINITY_PREFIX_CHARS = 512
+
+_MASK = (1 << 64) - 1
+
+
+class Candidate(Protocol):
+    """What routing reads of an upstream's pool."""
+
+    @property
+    def salt(self) -> int: ...
+    @property
+    def capacity(self) -> int | None: ...
+    @property
+    def active(self) -> int: ...
+
+
+P = TypeVar("P", bound=Candidate)
+
+
+def stable_hash(text: str | bytes) -> int:
+    """A 64-bit hash that is the same in every process and on every replica (`hash()` of a str
+    is salted per process)."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def score(key: int, salt: int) -> int:
+    """The rendezvous score of an upstream for a key: splitmix64's finaliser of both mixed."""
+    z = (key ^ salt) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def choose(
+    pools: Sequence[P],
+    weight: int,
+    fits: Callable[[P], bool],
+    key: int | None,
+    epsilon: float,
+    last: P | None = None,
+) -> tuple[P, bool] | None:
+    """The pool for a request of `weight` slots, and whether it is its key's first choice; None
+    when no ready pool has room for it (`fits`).
+
+    With a key: the pool that ran the key's last request (`last`, where its prompt is cached
+    now), then the pools in the key's rendezvous order, skipping any without room or loaded
+    above (1 + epsilon) times the fleet's average share of its capacity once this request is
+    counted. Without one, or when every pool with room is loaded beyond that: the least loaded
+    pool with room (the lowest share of its capacity taken, then the most free slots).
+    """
+    ready = [pool for pool in pools if pool.capacity]
+    if key is not None and len(ready) > 1:
+        total_capacity = sum(pool.capacity or 0 for pool in ready)
+        load = (sum(pool.active for pool in ready) + weight) * (1 + epsilon) / total_capacity
+        ranked = sorted(ready, key=lambda pool: score(key, pool.salt), reverse=True)
+        if last is not None and last in ready and ranked[0] is not last:
+            ranked.remove(last)
+            ranked.insert(0, last)
+        for rank, pool in enumerate(ranked):
+            if pool.active + weight <= math.ceil(load * (pool.capacity or 0)) and fits(pool):
+                return pool, rank == 0
+    best: P | None = None
+    best_share = 0.0
+    for pool in ready:
+        if not fits(pool):
+            continue
+        capacity = pool.capacity or 1
+        share = (pool.active + weight) / capacity
+        if (
+            best is None
+            or share < best_share
+            or (share == best_share and capacity - pool.active > (best.capacity or 0) - best.active)
+        ):
+            best, best_share = pool, share
+    if best is None:
+        return None
+    return best, key is not None and len(ready) == 1

@@ -1,0 +1,303 @@
+"""slotgate in front of several stand-in llama-servers, over real sockets: one line for the
+fleet, no upstream above its slots, failover before a byte is sent, DNS discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.main import create_app
+from slotgate.settings import Settings
+
+from tests.conftest import RunningGate, chat, serve
+from tests.standin import StandIn
+
+StandIns = Callable[..., Any]
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+async def standins() -> AsyncIterator[StandIns]:
+    """Start stand-ins with the given slot counts (and token delays); all stop at the end."""
+    started: list[StandIn] = []
+
+    async def start(slots: Sequence[int], delays: Sequence[float] | None = None) -> list[StandIn]:
+        made = []
+        for index, count in enumerate(slots):
+            upstream = StandIn(total_slots=count, tokens=3)
+            upstream.token_delay_s = delays[index] if delays else 0.01
+            await upstream.start()
+            made.append(upstream)
+        started.extend(made)
+        return made
+
+    yield start
+    for upstream in started:
+        await upstream.stop()
+
+
+@pytest.fixture
+async def gates() -> AsyncIterator[Callable[..., Any]]:
+    running: list[RunningGate] = []
+
+    async def start(upstreams: Sequence[StandIn], **overrides: Any) -> RunningGate:
+        values: dict[str, Any] = {
+            "llama_server_url": ",".join(u.url for u in upstreams),
+            "props_refresh_interval": 0.2, "keepalive_interval": 0, "log_level": "warning",
+        }  # fmt: skip
+        values.update(overrides)
+        gate = await serve(Settings(_env_file=None, **values))
+        running.append(gate)
+        await gate.until(lambda: all(p.capacity for p in gate.service.admission.pools))
+        return gate
+
+    yield start
+    for gate in running:
+        await gate.stop()
+
+
+async def test_a_mixed_crowd_through_a_fleet_is_all_answered_and_no_upstream_runs_above_its_slots(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstreams = await standins([1, 2, 3, 4], [0.004, 0.01, 0.002, 0.02])
+    gate = await gates(upstreams, max_queue=30)
+    await crowd(gate, client, upstreams, 200)
+
+
+async def crowd(
+    gate: RunningGate, client: httpx.AsyncClient, upstreams: Sequence[StandIn], count: int
+) -> dict[int | str, int]:
+    """`count` mixed requests at once, some leaving early; every one answered (or left), the
+    line never above its limit, nothing held afterwards. Returns the statuses seen."""
+    admission = gate.service.admission
+    deepest = 0
+    statuses: dict[int | str, int] = {}
+    rng = random.Random(7)
+
+    async def watch() -> None:
+        nonlocal deepest
+        while True:
+            deepest = max(deepest, admission.queued)
+            limit = admission.queue_limit
+            # Beyond the limit only by requests an upstream sent back (they keep their turn).
+            back = sum(1 for t in admission._line if t.rerouted and not t._released)
+            assert limit is None or admission.queued <= limit + back
+            await asyncio.sleep(0.001)
+
+    async def one(n: int) -> None:
+        stream = n % 2 == 0
+        body = chat(stream=stream, messages=[{"role": "user", "content": f"c{n % 17}"}])
+        try:
+            async with client.stream("POST", gate.url + CHAT, json=body) as answer:
+                text = await answer.aread()
+            if answer.status_code == 200 and stream:
+                assert text.endswith(b"data: [DONE]\n\n")
+            statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+        except asyncio.CancelledError:
+            statuses["left"] = statuses.get("left", 0) + 1
+            raise
+
+    watcher = asyncio.create_task(watch())
+    tasks = [asyncio.create_task(one(n)) for n in range(count)]
+    for task in rng.sample(tasks, count // 5):  # a fifth leave at a random moment
+        asyncio.get_running_loop().call_later(rng.random() * 0.3, task.cancel)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    for upstream in upstreams:
+        assert upstream.max_running <= upstream.total_slots, upstream.url
+    assert set(statuses) <= {200, 429, "left"}
+    assert sum(statuses.values()) == count
+    assert statuses.get(200, 0) > 0
+    await gate.until(lambda: admission.active == 0 and admission.queued == 0)
+    assert all(pool.active == 0 and pool.committed == 0 for pool in admission.pools)
+    await gate.until(lambda: all(u.running == 0 for u in upstreams))
+    return statuses
+
+
+@pytest.mark.slow
+async def test_two_thousand_requests_over_eight_upstreams_survive_resizes_kills_and_restarts(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstreams = await standins([1, 2, 3, 4, 1, 2, 3, 4], [0.002 * (1 + n % 4) for n in range(8)])
+    gate = await gates(upstreams, max_queue=600, startup_wait=5)
+
+    async def trouble() -> None:
+        await asyncio.sleep(0.3)
+        upstreams[1].total_slots = 1  # a resize down: holders above it retire as they end
+        upstreams[5].total_slots = 4  # and up
+        await asyncio.sleep(0.3)
+        upstreams[2].shutdown_timeout_s = 0.05
+        await upstreams[2].stop()  # killed under load
+        await asyncio.sleep(0.5)
+        await upstreams[2].start()  # and back
+
+    chaos = asyncio.create_task(trouble())
+    statuses = await crowd(gate, client, upstreams, 2000)
+    await chaos
+    assert statuses.get(200, 0) >= 400  # a line's worth, less those who left
+    for upstream in upstreams:
+        assert upstream.max_running <= max(upstream.total_slots, 4)
+
+
+async def test_a_refused_connection_goes_to_another_upstream_and_nothing_is_lost(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    alive, dead = await standins([2, 2])
+    # slotgate reads /props rarely here, so it learns of the death from a refused request.
+    gate = await gates([alive, dead], props_refresh_interval=30, startup_wait=0)
+    await dead.stop()
+    answers = await asyncio.gather(
+        *(client.post(gate.url + CHAT, json=chat(messages=[{"role": "user", "content": str(n)}]))
+          for n in range(12))
+    )  # fmt: skip
+    assert [a.status_code for a in answers] == [200] * 12
+    assert alive.started == 12
+    pools = gate.service.admission.pools
+    assert pools[1].capacity is None  # marked down at once
+    assert pools[0].routed["retry"] >= 1
+
+
+async def test_a_down_upstream_is_back_in_rotation_soon_after_it_answers_again(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    first, second = await standins([1, 1])
+    gate = await gates([first, second], props_refresh_interval=5)
+    await second.stop()
+    gate.service.fleet.upstreams[1].lost("stopped by the test")
+    assert gate.service.admission.capacity == 1
+    await second.start()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await gate.until(lambda: gate.service.admission.capacity == 2)
+    # Looked at every NOT_READY_RETRY_S (1 s) while down, not every PROPS_REFRESH_INTERVAL.
+    assert loop.time() - began < 2.0
+    answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(4)))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert second.started > 0
+
+
+async def test_the_turns_of_a_conversation_stay_on_one_upstream(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstreams = await standins([2, 2, 2])
+    gate = await gates(upstreams)
+    system = {"role": "system", "content": "You are a patient tutor. " * 40}
+    for conversation in range(6):
+        history: list[dict[str, str]] = [system, {"role": "user", "content": f"q{conversation}"}]
+        for turn in range(3):
+            answer = await client.post(gate.url + CHAT, json=chat(messages=history))
+            assert answer.status_code == 200
+            history += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "?"}]
+            del turn
+    # The shared long system prompt is the key: every turn of every conversation, one place.
+    assert sorted(len(u.seen) for u in upstreams) == [0, 0, 18]
+    keyed = await asyncio.gather(
+        *(client.post(gate.url + CHAT, json=chat(prompt_cache_key=f"user-{n}")) for n in range(30))
+    )
+    assert all(a.status_code == 200 for a in keyed)
+    assert all(len(u.seen) > 0 for u in upstreams)  # thirty keys spread over the fleet
+    routed = [pool.routed for pool in gate.service.admission.pools]
+    assert sum(r["affinity"] for r in routed) >= 18
+
+
+async def test_least_loaded_routing_ignores_the_prompt(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstreams = await standins([1, 1, 1])
+    gate = await gates(upstreams, routing="least-loaded")
+    answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(3)))
+    assert [a.status_code for a in answers] == [200] * 3
+    assert [len(u.seen) for u in upstreams] == [1, 1, 1]  # all at once: one each
+    assert sum(p.routed["affinity"] for p in gate.service.admission.pools) == 0
+
+
+async def test_admission_and_metrics_show_each_upstream(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstreams = await standins([1, 3])
+    gate = await gates(upstreams)
+    snapshot = (await client.get(gate.url + "/admission")).json()
+    assert snapshot["capacity"] == 4
+    assert [(u["url"], u["capacity"], u["ready"]) for u in snapshot["upstreams"]] == [
+        (upstreams[0].url, 1, True),
+        (upstreams[1].url, 3, True),
+    ]
+    assert snapshot["models_differ"] is False
+    text = (await client.get(gate.url + "/metrics")).text
+    for upstream in upstreams:
+        label = f'upstream="{upstream.url}"'
+        assert f"slotgate_upstream_slots_capacity{{{label}}} {upstream.total_slots}.0" in text
+        assert f"llamacpp:requests_processing{{{label}}} 0" in text
+    # Each of llama-server's families is declared once, for both upstreams' samples.
+    assert text.count("# TYPE llamacpp:requests_processing gauge") == 1
+
+
+async def test_a_name_that_resolves_to_several_addresses_is_one_upstream_per_address(
+    client: httpx.AsyncClient,
+) -> None:
+    first = StandIn(total_slots=1, host="127.0.0.1")
+    await first.start()
+    others = [StandIn(total_slots=n + 2, host=f"127.0.0.{n + 2}", port=first.port) for n in (0, 1)]
+    addresses = ["127.0.0.1", "127.0.0.2"]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        assert (host, port) == ("llama.fleet.test", first.port)
+        return list(addresses)
+
+    settings = Settings(
+        _env_file=None,
+        llama_server_url=f"http://llama.fleet.test:{first.port}",
+        props_refresh_interval=0.1,
+        log_level="warning",
+    )
+    gate = None
+    try:
+        for other in others:
+            await other.start()
+        gate = await serve(settings, create_app(settings, resolver))
+        admission = gate.service.admission
+        await gate.until(lambda: admission.capacity == 3)
+        assert sorted(u.url for u in gate.service.fleet) == [
+            f"http://127.0.0.1:{first.port}", f"http://127.0.0.2:{first.port}"
+        ]  # fmt: skip
+        answers = await asyncio.gather(
+            *(client.post(gate.url + CHAT, json=chat()) for _ in range(3))
+        )
+        assert [a.status_code for a in answers] == [200] * 3
+        # The Host header names the name, not the address.
+        assert others[0].seen[-1].headers["Host"] == f"llama.fleet.test:{first.port}"
+        addresses.append("127.0.0.3")  # a new address joins
+        await gate.until(lambda: admission.capacity == 6)
+        addresses.remove("127.0.0.1")  # and one leaves
+        await gate.until(lambda: admission.capacity == 5)
+        assert len(admission.pools) == 2
+    finally:
+        if gate is not None:
+            await gate.stop()
+        for upstream in (first, *others):
+            await upstream.stop()
+
+
+async def test_upstreams_that_serve_different_models_are_named_in_the_log_and_admission(
+    standins: StandIns,
+    gates: Callable[..., Any],
+    client: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstreams = await standins([1, 1])
+    upstreams[1].model = "other.gguf"
+    gate = await gates(upstreams)
+    snapshot = (await client.get(gate.url + "/admission")).json()
+    assert snapshot["models_differ"] is True
+    assert [u["model"] for u in snapshot["upstreams"]] == ["standin.gguf", "other.gguf"]
+    assert any(
+        "different models (other.gguf, standin.gguf)" in record.getMessage()
+        for record in caplog.records
+    )
