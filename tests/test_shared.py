@@ -11,11 +11,14 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
 from slotgate.admission import NotReady, QueueFull, QueuePolicy
+from slotgate.routing import choose, score, stable_hash
 from slotgate.shared import Mode, SharedAdmission, SharedTicket
 
 from .valkey import Valkey
@@ -482,3 +485,60 @@ async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(valkey: V
             assert admission.snapshot().active == 2
             second.release()
             third.release()
+
+
+def fits(pool: FakePool, weight: int) -> bool:
+    return pool.active + weight <= (pool.capacity or 0)
+
+
+@dataclass(eq=False)
+class FakePool:
+    name: str
+    salt: int
+    capacity: int | None
+    active: int
+
+
+async def test_the_scripts_upstream_is_the_one_routing_chooses(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    rng = random.Random(20)
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1))
+        for case in range(300):
+            epsilon = rng.choice([0.0, 0.25, 1.0])
+            admission._epsilon = epsilon
+            pools = [
+                FakePool(f"u{i}", stable_hash(f"u{i}"), rng.randint(1, 4), 0)
+                for i in range(rng.randint(1, 4))
+            ]
+            for pool in pools:
+                assert pool.capacity is not None
+                pool.active = rng.randint(0, pool.capacity)
+            weight = rng.randint(1, 2)
+            key = rng.getrandbits(64)
+            await redis_client.delete(PREFIX + "pools", PREFIX + "active")
+            await redis_client.hset(
+                PREFIX + "pools", mapping={p.name: p.capacity or 0 for p in pools}
+            )
+            await redis_client.hset(PREFIX + "active", mapping={p.name: p.active for p in pools})
+            ranking = [
+                p.name for p in sorted(pools, key=lambda p: score(key, p.salt), reverse=True)
+            ]
+            expected = choose(pools, weight, partial(fits, weight=weight), key, epsilon)
+            if weight > max(p.capacity or 0 for p in pools):
+                continue
+            try:
+                ticket = await admission.enter(weight=weight, ranking=ranking)
+            except QueueFull:
+                ticket = None
+            if expected is None:
+                assert ticket is None or not ticket.granted, case
+            else:
+                assert ticket is not None, case
+                assert (ticket.upstream, ticket.reason) == (
+                    expected[0].name,
+                    "affinity" if expected[1] else "load",
+                ), case
+            if ticket is not None:
+                await ticket.aclose()
