@@ -17,7 +17,7 @@ from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
-from slotgate.admission import NotReady, QueueFull, QueuePolicy
+from slotgate.admission import NotReady, QueueFull, QueuePolicy, ShuttingDown
 from slotgate.routing import choose, score, stable_hash
 from slotgate.shared import Mode, SharedAdmission, SharedTicket
 
@@ -542,3 +542,46 @@ async def test_the_scripts_upstream_is_the_one_routing_chooses(
                 ), case
             if ticket is not None:
                 await ticket.aclose()
+
+
+async def test_waiting_requests_cost_redis_nothing_while_they_wait(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(
+            stack, replicas(valkey, n=1, policy=QueuePolicy(max_queue=0), heartbeat_s=0.2)
+        )
+        await admission.resize("a", 1)
+        held = await admission.enter()
+        waiters = [await admission.enter() for _ in range(50)]
+        waiting = [asyncio.create_task(t.wait()) for t in waiters]
+        await redis_client.config_resetstat()
+        await asyncio.sleep(1.0)
+        stats = await redis_client.info("commandstats")
+        # Heartbeats only (about five in a second), not one call per waiter.
+        assert stats["cmdstat_evalsha"]["calls"] <= 10
+        assert "cmdstat_publish" not in stats
+        held.release()
+        for ticket, task in zip(waiters, waiting, strict=True):
+            await asyncio.wait_for(task, 2)
+            ticket.release()
+
+
+async def test_a_replica_that_closes_hands_back_everything_at_once(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        leaving, staying = await started(stack, replicas(valkey, n=2))
+        await leaving.resize("a", 2)
+        await leaving.enter()
+        await leaving.enter()
+        gone = [await leaving.enter(), await leaving.enter()]
+        waiter = await staying.enter()
+        await leaving.close()
+        for ticket in gone:
+            with pytest.raises(ShuttingDown):
+                await ticket.wait()
+        await asyncio.wait_for(waiter.wait(), 1)
+        assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
+        assert not await redis_client.keys(PREFIX + "*r0*")
+        await waiter.aclose()
