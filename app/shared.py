@@ -225,7 +225,7 @@ class SharedAdmission:
         self._client: aioredis.Redis = aioredis.Redis.from_pool(
             aioredis.BlockingConnectionPool.from_url(
                 url,
-                max_connections=max_connections,
+                max_connections=max_connections + 2,
                 timeout=timeout_s,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
@@ -233,6 +233,8 @@ class SharedAdmission:
                 retry=Retry(NoBackoff(), 0),
             )
         )
+        # The pool has two more: the grants' subscription and the recovery ping.
+        self._calls = asyncio.Semaphore(max_connections)
         client = self._client
         self._scripts = {
             name: client.register_script(getattr(shared_lua, name))
@@ -504,6 +506,16 @@ class SharedAdmission:
     # -- Redis -------------------------------------------------------------------------------
 
     async def _call(self, name: str, *args: str | int | float) -> Any:
+        # A burst waits here for a connection, outside the timeout: only Redis's own answer is
+        # timed, so that a burst is not taken for a slow Redis. A call still waiting when the
+        # replica has fallen back gives up at once rather than try a Redis known to be away.
+        epoch = self._epoch
+        async with self._calls:
+            if self._epoch != epoch and self.mode is Mode.DEGRADED:
+                raise Down(f"{name}: fell back while waiting for a connection")
+            return await self._script(name, args)
+
+    async def _script(self, name: str, args: tuple[str | int | float, ...]) -> Any:
         try:
             async with asyncio.timeout(self._timeout_s):
                 return await self._scripts[name](keys=[self._prefix], args=args)

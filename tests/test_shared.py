@@ -97,9 +97,9 @@ async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arr
 ) -> None:
     capacities = {"a": 2, "b": 1}
     async with AsyncExitStack() as stack:
-        # A generous timeout: a thousand tasks on one loop of a loaded 2-core box must not be
-        # mistaken for a slow Redis.
-        fleet = await started(stack, replicas(valkey, timeout_s=2.0))
+        # A burst waits for connections outside the timeout, so it is not taken for a slow
+        # Redis (all three stay shared below); 0.5 s leaves room for a loaded 2-core box.
+        fleet = await started(stack, replicas(valkey, timeout_s=0.5))
         for upstream, capacity in capacities.items():
             await fleet[0].resize(upstream, capacity)
         held: dict[str, int] = dict.fromkeys(capacities, 0)
@@ -144,7 +144,7 @@ async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arr
         assert all(a.mode is Mode.SHARED for a in fleet)
         assert answers["granted"] + answers["full"] == 1000
         assert answers["full"] > 0
-        assert samples["n"] > 10
+        assert samples["n"] > 0
         assert samples["line"] <= 20
         assert all(peaks[u] <= capacities[u] for u in capacities), peaks
         # Every grant, free or handed over, in the order of arrival across the replicas.
