@@ -175,6 +175,13 @@ class SharedTicket:
         self._released = True
         self._admission._drop(self)
 
+    def reroute(self) -> None:
+        """Its upstream did not take the request (refused, down, restarting): give the slots
+        back and wait again at the head of the line, for whichever upstream has room first."""
+        if self._released or self.upstream is None:
+            return
+        self._admission._reroute(self)
+
     async def aclose(self) -> None:
         """`release`, and wait until Redis has it (or gave up trying)."""
         self.release()
@@ -238,7 +245,7 @@ class SharedAdmission:
         client = self._client
         self._scripts = {
             name: client.register_script(getattr(shared_lua, name))
-            for name in ("ENTER", "RELEASE", "HEARTBEAT", "REJOIN", "RESIZE", "RETIRE")
+            for name in ("ENTER", "RELEASE", "HEARTBEAT", "REJOIN", "RESIZE", "RETIRE", "REROUTE")
         }
         self.mode = Mode.DEGRADED
         self.fallbacks_total = 0
@@ -488,6 +495,37 @@ class SharedAdmission:
         if self.mode is Mode.DEGRADED and self._joining is None:
             self._dispatch_local()
 
+    def _reroute(self, ticket: SharedTicket) -> None:
+        upstream, ticket.upstream = ticket.upstream, None
+        ticket.reason = ""
+        ticket.grant_no = 0
+        ticket.admitted_at = None
+        ticket._future = asyncio.get_running_loop().create_future()
+        ticket.order = 0  # the head of this replica's own line, should it gate alone
+        self._waiters[ticket.id] = ticket
+        if self.mode is Mode.SHARED and self._joining is None and ticket.member is not None:
+            self._spawn(self._reroute_shared(ticket, ticket.member))
+            return
+        # Degraded, or a rejoin runs (it finds the ticket no longer granted: `_rejoin`).
+        if upstream is not None:
+            self._local_active[upstream] = max(
+                self._local_active.get(upstream, 0) - ticket.weight, 0
+            )
+        if self.mode is Mode.DEGRADED and self._joining is None:
+            self._dispatch_local()
+
+    async def _reroute_shared(self, ticket: SharedTicket, member: str) -> None:
+        try:
+            await self._call(
+                "REROUTE", self.replica, member, ticket.weight, ticket.cost,
+                "\n".join(ticket.ranking), self._epsilon,
+            )  # fmt: skip
+        except Down as exc:
+            # It waits in this replica's line now; the rejoin lists it as a waiter.
+            self._degrade(str(exc))
+        # 'none': Redis does not know the grant, so it gave this replica up; the heartbeat
+        # finds it fenced and the rejoin lists the ticket as a waiter.
+
     async def _release_shared(self, member: str, hold_s: float | None) -> None:
         try:
             await self._call(
@@ -671,6 +709,8 @@ class SharedAdmission:
                     t.member = f"{0:016x}|{t.id}"
                 if t._released:
                     self._spawn(self._release_shared(t.member, None))
+                elif not t.granted:  # rerouted while the rejoin ran
+                    self._spawn(self._reroute_shared(t, t.member))
             # What is left names places of before the rejoin, or of enters still in flight.
             self._early = {m: e for m, e in self._early.items() if self._in_flight(m)}
             self._local_active.clear()

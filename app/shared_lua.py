@@ -345,6 +345,28 @@ return 'ok'
 """
 )
 
+#: ARGV: replica, member, weight, cost, ranking, eps -> 'queued' | 'none'
+#: Its upstream did not take the request: the grant's slots go back and the ticket waits again
+#: at the head of the line (a score under the head's), for whichever upstream has room first.
+REROUTE = (
+    _COMMON
+    + r"""
+local me, m = ARGV[1], ARGV[2]
+local v = redis.call('HGET', held_key(me), m)
+if not v or v == 'w' then return 'none' end
+local u, w = string.match(v, '^g\t([^\t]*)\t(%d+)$')
+give_back(u, tonumber(w))
+local head = redis.call('ZRANGE', K_LINE, 0, 0, 'WITHSCORES')
+local score = 0
+if #head > 0 then score = math.min(tonumber(head[2]) - 1, 0) end
+redis.call('ZADD', K_LINE, score, m)
+redis.call('HSET', K_TICKETS, m, me..'\t'..ARGV[3]..'\t'..ARGV[4]..'\t'..ARGV[5])
+redis.call('HSET', held_key(me), m, 'w')
+dispatch(tonumber(ARGV[6]))
+return 'queued'
+"""
+)
+
 #: ARGV: replica -> 'ok' (a replica leaving for good: what it holds goes back at once)
 RETIRE = (
     _COMMON

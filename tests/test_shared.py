@@ -585,3 +585,32 @@ async def test_a_replica_that_closes_hands_back_everything_at_once(
         assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
         assert not await redis_client.keys(PREFIX + "*r0*")
         await waiter.aclose()
+
+
+async def test_a_rerouted_grant_waits_again_at_the_head_for_whichever_upstream_frees_first(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        first, second = await started(stack, replicas(valkey, n=2))
+        await first.resize("a", 1)
+        await first.resize("b", 1)
+        refused = await first.enter(ranking=["a"])
+        other = await first.enter(ranking=["b"])
+        behind = await second.enter()
+        assert (refused.upstream, other.upstream, behind.granted) == ("a", "b", False)
+        # "a" refused the request and is down: the request goes back ahead of `behind`.
+        await first.resize("a", None)
+        refused.reroute()
+        await first.settle()
+        assert not refused.granted
+        assert await pool_state(redis_client) == ({"a": 0, "b": 1}, 2, 2)
+        other.release()
+        await asyncio.wait_for(refused.wait(), 2)
+        assert refused.upstream == "b"
+        assert not behind.granted
+        await first.resize("a", 1)
+        await asyncio.wait_for(behind.wait(), 2)
+        assert behind.upstream == "a"
+        for ticket in (refused, behind):
+            await ticket.aclose()
+        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
