@@ -1,0 +1,832 @@
+"""Admission shared by several replicas through Redis or Valkey: one pool per upstream and one
+bounded line, whichever replica a request came to.
+
+The state lives in Redis (app/shared_lua.py lists the keys) and changes only inside server-side
+scripts, so that every decision (a free slot, a place in the line, the line bound, the hand-off
+to the head of the line) is one atomic step, and taking a free slot is one round trip. A
+release hands the slots to the head of the line inside the same script and publishes the grant
+on the waiter's replica's channel: one subscription per replica, no polling, no other waiter
+woken.
+
+The line is a sorted set ordered by a score the replica computes: band, then a tag (a virtual
+start time, for fair share between tenants), then the arrival number. Without a tag the tag is
+the arrival number itself, so with one tenant the order is exact FIFO.
+
+When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
+with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
+by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
+`NotReady` (503). It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
+holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
+order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
+expired): Redis never counts what the replica no longer holds, and never loses what it still
+does.
+
+Everything runs on one event loop; local bookkeeping changes only synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import math
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from . import shared_lua
+from .admission import (
+    HOLD_EWMA_ALPHA,
+    INITIAL_HOLD_S,
+    RETRY_AFTER_CAP_S,
+    NotReady,
+    QueueFull,
+    QueuePolicy,
+    QueueTimeout,
+    ShuttingDown,
+    Snapshot,
+    TooLarge,
+)
+
+
+class Mode(enum.Enum):
+    SHARED = "shared"
+    #: Redis is away; the replica gates on its share (or refuses, with failure_mode "reject").
+    DEGRADED = "degraded"
+
+
+class Down(Exception):
+    """Redis did not answer in time, or not at all."""
+
+
+class Stale(Exception):
+    """An answer from before a degrade or a rejoin: what it gave, the rejoin took back."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What Redis last said of the whole fleet."""
+
+    capacity: int = 0
+    active: int = 0
+    queued: int = 0
+    hold_s: float | None = None
+    replicas: int = 1
+
+    @classmethod
+    def parse(cls, raw: Sequence[bytes]) -> Fleet:
+        hold = float(raw[3])
+        return cls(int(raw[0]), int(raw[1]), int(raw[2]), hold if hold >= 0 else None, int(raw[4]))
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSnapshot:
+    mode: Mode
+    fleet: Fleet
+    #: This replica's part: slots it holds and requests of its own in the line.
+    active: int
+    queued: int
+    #: The capacities this replica's own followers see.
+    capacities: dict[str, int] = field(default_factory=dict)
+    fallbacks: int = 0
+
+
+class SharedTicket:
+    """One request's claim; `async with ticket:` releases it on every way out."""
+
+    __slots__ = (
+        "_admission", "_future", "_released", "admitted_at", "band", "cost", "entered_at",
+        "grant_no", "id", "member", "order", "ranking", "reason", "tag", "upstream", "weight",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        admission: SharedAdmission,
+        id: str,
+        order: int,
+        weight: int,
+        cost: int,
+        ranking: Sequence[str],
+        band: int,
+        tag: float | None,
+    ) -> None:
+        self._admission = admission
+        self.id = id
+        #: This replica's own arrival number: the order of its waiters when they rejoin.
+        self.order = order
+        self.weight = weight
+        self.cost = cost
+        self.ranking = tuple(ranking)
+        self.band = band
+        self.tag = tag
+        #: `<seq>|<id>` while Redis knows the ticket; a new one each time it (re)joins.
+        self.member: str | None = None
+        self.upstream: str | None = None
+        self.reason = ""
+        #: The grant's place among all grants of the fleet (0: granted locally).
+        self.grant_no = 0
+        self.entered_at = time.monotonic()
+        self.admitted_at: float | None = None
+        self._future: asyncio.Future[None] | None = None
+        self._released = False
+
+    @property
+    def seq(self) -> int:
+        """The fleet-wide arrival number (0 when Redis never saw the ticket)."""
+        return int(self.member.split("|", 1)[0], 16) if self.member else 0
+
+    @property
+    def granted(self) -> bool:
+        return self.upstream is not None
+
+    async def wait(self) -> None:
+        """Wait for the slots; on any exit without them, leave the line at once."""
+        if self.granted or self._future is None:
+            return
+        admission = self._admission
+        try:
+            if admission._queue_timeout_s is None:
+                await self._future
+            else:
+                async with asyncio.timeout(
+                    admission._queue_timeout_s - (time.monotonic() - self.entered_at)
+                ):
+                    await self._future
+        except BaseException as exc:
+            self.release()
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(admission._snapshot(), admission._retry_after_s(1)) from None
+            raise
+        self.admitted_at = time.monotonic()
+
+    def release(self) -> None:
+        """Give the slots (or the place in the line) back; a second call does nothing."""
+        if self._released:
+            return
+        self._released = True
+        self._admission._drop(self)
+
+    def reroute(self) -> None:
+        """Its upstream did not take the request (refused, down, restarting): give the slots
+        back and wait again at the head of the line, for whichever upstream has room first."""
+        if self._released or self.upstream is None:
+            return
+        self._admission._reroute(self)
+
+    async def aclose(self) -> None:
+        """`release`, and wait until Redis has it (or gave up trying)."""
+        self.release()
+        await self._admission.settle()
+
+    async def __aenter__(self) -> SharedTicket:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = f"granted on {self.upstream}" if self.granted else "waiting"
+        return f"<SharedTicket {self.member or self.id} {state}>"
+
+
+class SharedAdmission:
+    """The admission of one replica among several sharing a fleet through Redis."""
+
+    def __init__(
+        self,
+        url: str,
+        fleet: str = "default",
+        *,
+        replica: str | None = None,
+        policy: QueuePolicy | None = None,
+        epsilon: float = 1.0,
+        queue_timeout_s: float | None = None,
+        timeout_s: float = 0.25,
+        heartbeat_s: float = 1.0,
+        ttl_s: float = 3.0,
+        failure_mode: str = "local",
+        max_connections: int = 32,
+    ) -> None:
+        if failure_mode not in ("local", "reject"):
+            raise ValueError(f"failure_mode must be local or reject, got {failure_mode!r}")
+        self._url = url
+        self._prefix = f"slotgate:{{{fleet}}}:"
+        self.replica = replica or f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._channel = f"{self._prefix}ch:{self.replica}"
+        self._policy = policy or QueuePolicy()
+        self._epsilon = epsilon
+        self._queue_timeout_s = queue_timeout_s
+        self._timeout_s = timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._ttl_ms = round(ttl_s * 1000)
+        self._failure_mode = failure_mode
+        self._client: aioredis.Redis = aioredis.Redis.from_pool(
+            aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections + 2,
+                timeout=timeout_s,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                # Fail fast: a retry would only stretch the time before degrading.
+                retry=Retry(NoBackoff(), 0),
+            )
+        )
+        # The pool has two more: the grants' subscription and the recovery ping.
+        self._calls = asyncio.Semaphore(max_connections)
+        client = self._client
+        self._scripts = {
+            name: client.register_script(getattr(shared_lua, name))
+            for name in ("ENTER", "RELEASE", "HEARTBEAT", "REJOIN", "RESIZE", "RETIRE", "REROUTE")
+        }
+        self.mode = Mode.DEGRADED
+        self.fallbacks_total = 0
+        #: Why Redis was last found unusable.
+        self.last_error = ""
+        self._fleet = Fleet()
+        self._capacities: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        #: Every live ticket of this replica, by id; waiters in arrival order (dicts keep it).
+        self._tickets: dict[str, SharedTicket] = {}
+        self._waiters: dict[str, SharedTicket] = {}
+        #: Grants that arrived before the reply that named their member.
+        self._early: dict[str, tuple[str, str, int]] = {}
+        #: Degraded mode: this replica's own slots in use per upstream.
+        self._local_active: dict[str, int] = {}
+        self._hold_ewma_s = INITIAL_HOLD_S
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._shared = asyncio.Event()  # set while in shared mode
+        self._joining: asyncio.Future[None] | None = None
+        #: Changes at every degrade and rejoin: an answer from an older epoch is stale.
+        self._epoch = 0
+        self._stale_pool = False
+        self._pubsub: Any = None
+        self._listener: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- life ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join the fleet (or start degraded, if Redis does not answer); keep the heartbeat."""
+        with contextlib.suppress(Down):
+            await self._join()
+        self._keeper = asyncio.create_task(self._keep(), name="slotgate-shared-heartbeat")
+
+    async def close(self) -> None:
+        """Take no new work, refuse every waiter, hand back what Redis counts for this replica."""
+        self._closed = True
+        for ticket in list(self._waiters.values()):
+            self._fail(ticket, ShuttingDown(self._snapshot(), 1.0))
+        for task in (self._keeper, self._listener):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self.settle()
+        if self.mode is Mode.SHARED:
+            with contextlib.suppress(Down):
+                await self._call("RETIRE", self.replica, self._epsilon)
+        await self._unsubscribe()
+        await self._client.aclose()
+
+    async def settle(self) -> None:
+        """Until the releases already made have reached Redis (or failed)."""
+        while self._pending:
+            await asyncio.wait(list(self._pending))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def snapshot(self) -> SharedSnapshot:
+        return SharedSnapshot(
+            self.mode,
+            self._fleet,
+            sum(t.weight for t in self._tickets.values() if t.granted),
+            len(self._waiters),
+            dict(self._capacities),
+            self.fallbacks_total,
+        )
+
+    def _snapshot(self) -> Snapshot:
+        """The fleet as the local core's Snapshot, for the errors the HTTP layer maps."""
+        fleet = self._fleet
+        if self.mode is Mode.DEGRADED:
+            return Snapshot(
+                sum(self._shares().values()) or None,
+                sum(self._local_active.values()),
+                len(self._waiters),
+                self._local_limit(),
+            )
+        return Snapshot(fleet.capacity or None, fleet.active, fleet.queued, self._limit())
+
+    def _limit(self) -> int | None:
+        return self._policy.limit(self._fleet.capacity) if self._fleet.capacity else None
+
+    def _retry_after_s(self, position: int) -> float:
+        capacity = self._snapshot().capacity or 1
+        hold = self._fleet.hold_s if self._fleet.hold_s is not None else self._hold_ewma_s
+        return min(max(hold * position / capacity, 1.0), RETRY_AFTER_CAP_S)
+
+    # -- changing --------------------------------------------------------------------------
+
+    async def resize(self, upstream: str, capacity: int | None) -> None:
+        """Follow one upstream's slot count as this replica's follower sees it (None: unknown)."""
+        if capacity is None:
+            self._capacities.pop(upstream, None)
+        else:
+            self._capacities[upstream] = capacity
+        if self.mode is Mode.SHARED:
+            try:
+                await self._call(
+                    "RESIZE", upstream, "" if capacity is None else capacity, self._epsilon
+                )
+            except Down as exc:
+                self._degrade(str(exc))
+            return
+        self._dispatch_local()
+
+    async def enter(
+        self,
+        weight: int = 1,
+        cost: int = 0,
+        ranking: Sequence[str] = (),
+        band: int = 0,
+        tag: float | None = None,
+    ) -> SharedTicket:
+        """Take `weight` slots on one upstream now, or a place in the line, or raise why not.
+
+        `ranking` is the request's upstreams by affinity, best first (empty: least loaded);
+        `band` and `tag` order the line (lower first; no tag: the arrival number).
+        """
+        if self._closed:
+            raise ShuttingDown(self._snapshot(), 1.0)
+        order = next(self._ids)
+        ticket = SharedTicket(
+            self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag
+        )
+        stale = 0
+        while True:
+            # Never into the local line while a rejoin runs: its list would miss the ticket.
+            if self._joining is not None:
+                await asyncio.shield(self._joining)
+                continue
+            if self.mode is not Mode.SHARED or stale > 2:
+                break
+            try:
+                return await self._enter_shared(ticket)
+            except Down as exc:
+                self._degrade(str(exc))
+            except Stale:
+                stale += 1
+        return self._enter_local(ticket)
+
+    async def _enter_shared(self, ticket: SharedTicket) -> SharedTicket:
+        policy = self._policy
+        args = (
+            self.replica, ticket.id, ticket.weight, ticket.cost, "\n".join(ticket.ranking),
+            self._epsilon, ticket.band, "" if ticket.tag is None else repr(ticket.tag),
+            _unset(policy.max_queue), _unset(policy.queue_per_slot), _unset(policy.min_queue),
+        )  # fmt: skip
+        # The script runs as its own task: a caller cancelled while it runs must not strand
+        # what it took in Redis, so whatever it took is handed back when it completes.
+        epoch = self._epoch
+        task = asyncio.ensure_future(self._call("ENTER", *args))
+        # Known before the answer: its grant may be published, and read, before the reply.
+        self._tickets[ticket.id] = ticket
+        try:
+            reply = await asyncio.shield(task)
+            return await self._answer(ticket, reply, epoch)
+        except BaseException as exc:
+            self._tickets.pop(ticket.id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                if task.done():
+                    self._orphan(task, ticket)
+                else:
+                    task.add_done_callback(lambda t: self._orphan(t, ticket))
+            raise
+
+    async def _answer(self, ticket: SharedTicket, reply: list[bytes], epoch: int) -> SharedTicket:
+        kind = reply[0].decode()
+        if kind in ("grant", "queued"):
+            member = reply[1].decode()
+            early = self._early.pop(member, None)
+            if epoch != self._epoch or self._joining is not None:
+                # A rejoin's list was made while this ran: Redis forgets (or forgot) it.
+                self._spawn(self._release_shared(member, None))
+                raise Stale
+            ticket.member = member
+            if kind == "grant":
+                self._granted(ticket, reply[2].decode(), reply[3].decode(), int(reply[4]))
+                return ticket
+            self._waiters[ticket.id] = ticket
+            ticket._future = asyncio.get_running_loop().create_future()
+            if early is not None:
+                self._granted(ticket, *early)
+            return ticket
+        if kind == "fenced":
+            await self._rejoin()
+            raise Stale
+        if kind == "full":
+            self._fleet = Fleet.parse(reply[2:])
+            queued = self._fleet.queued
+            raise QueueFull(self._snapshot(), self._retry_after_s(queued + ticket.weight))
+        if kind == "large":
+            self._fleet = Fleet.parse(reply[2:])
+            raise TooLarge(self._snapshot(), ticket.weight)
+        self._fleet = Fleet.parse(reply[1:])
+        raise NotReady(self._snapshot(), 1.0)
+
+    def _orphan(self, task: asyncio.Future[Any], ticket: SharedTicket) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        reply = task.result()
+        if reply[0] in (b"grant", b"queued"):
+            member = reply[1].decode()
+            self._early.pop(member, None)
+            ticket._released = True
+            self._spawn(self._release_shared(member, None))
+
+    def _granted(self, ticket: SharedTicket, upstream: str, reason: str, grant_no: int) -> None:
+        ticket.upstream = upstream
+        ticket.reason = reason
+        ticket.grant_no = grant_no
+        ticket.admitted_at = time.monotonic()
+        self._waiters.pop(ticket.id, None)
+        future = ticket._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _fail(self, ticket: SharedTicket, error: Exception) -> None:
+        self._waiters.pop(ticket.id, None)
+        self._tickets.pop(ticket.id, None)
+        ticket._released = True
+        future = ticket._future
+        if future is not None and not future.done():
+            future.set_exception(error)
+        if ticket.member is not None and self.mode is Mode.SHARED:
+            self._spawn(self._release_shared(ticket.member, None))
+
+    def _drop(self, ticket: SharedTicket) -> None:
+        """A ticket is done with: forget it here, and in Redis if Redis knows it."""
+        self._tickets.pop(ticket.id, None)
+        self._waiters.pop(ticket.id, None)
+        hold_s = None
+        if ticket.granted and ticket.admitted_at is not None:
+            hold_s = time.monotonic() - ticket.admitted_at
+            self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
+        if self.mode is Mode.SHARED and ticket.member is not None:
+            self._spawn(self._release_shared(ticket.member, hold_s))
+            return
+        # Degraded (or rejoining: the rejoin's list no longer has it, and Redis forgets it).
+        upstream = ticket.upstream
+        if upstream is not None:
+            self._local_active[upstream] = max(
+                self._local_active.get(upstream, 0) - ticket.weight, 0
+            )
+        if self.mode is Mode.DEGRADED and self._joining is None:
+            self._dispatch_local()
+
+    def _reroute(self, ticket: SharedTicket) -> None:
+        upstream, ticket.upstream = ticket.upstream, None
+        ticket.reason = ""
+        ticket.grant_no = 0
+        ticket.admitted_at = None
+        ticket._future = asyncio.get_running_loop().create_future()
+        ticket.order = 0  # the head of this replica's own line, should it gate alone
+        self._waiters[ticket.id] = ticket
+        if self.mode is Mode.SHARED and self._joining is None and ticket.member is not None:
+            self._spawn(self._reroute_shared(ticket, ticket.member))
+            return
+        # Degraded, or a rejoin runs (it finds the ticket no longer granted: `_rejoin`).
+        if upstream is not None:
+            self._local_active[upstream] = max(
+                self._local_active.get(upstream, 0) - ticket.weight, 0
+            )
+        if self.mode is Mode.DEGRADED and self._joining is None:
+            self._dispatch_local()
+
+    async def _reroute_shared(self, ticket: SharedTicket, member: str) -> None:
+        try:
+            await self._call(
+                "REROUTE", self.replica, member, ticket.weight, ticket.cost,
+                "\n".join(ticket.ranking), self._epsilon,
+            )  # fmt: skip
+        except Down as exc:
+            # It waits in this replica's line now; the rejoin lists it as a waiter.
+            self._degrade(str(exc))
+        # 'none': Redis does not know the grant, so it gave this replica up; the heartbeat
+        # finds it fenced and the rejoin lists the ticket as a waiter.
+
+    async def _release_shared(self, member: str, hold_s: float | None) -> None:
+        try:
+            await self._call(
+                "RELEASE", self.replica, member, "" if hold_s is None else repr(hold_s),
+                self._epsilon, HOLD_EWMA_ALPHA,
+            )  # fmt: skip
+        except Down as exc:
+            # Redis forgets it when this replica rejoins: the rejoin lists only what it holds.
+            self._degrade(str(exc))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    # -- Redis -------------------------------------------------------------------------------
+
+    async def _call(self, name: str, *args: str | int | float) -> Any:
+        # A burst waits here for a connection, outside the timeout: only Redis's own answer is
+        # timed, so that a burst is not taken for a slow Redis. A call still waiting when the
+        # replica has fallen back gives up at once rather than try a Redis known to be away.
+        epoch = self._epoch
+        async with self._calls:
+            if self._epoch != epoch and self.mode is Mode.DEGRADED:
+                raise Down(f"{name}: fell back while waiting for a connection")
+            return await self._script(name, args)
+
+    async def _script(self, name: str, args: tuple[str | int | float, ...]) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._scripts[name](keys=[self._prefix], args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            # A script error too (ResponseError): Redis is not usable as it is, so gate
+            # locally rather than fail requests; `last_error` says why.
+            raise Down(f"{name}: {exc!r}") from exc
+
+    async def _subscribe(self) -> None:
+        await self._unsubscribe()
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await pubsub.subscribe(self._channel)
+        except (RedisError, OSError, TimeoutError) as exc:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            raise Down(f"SUBSCRIBE: {exc!r}") from exc
+        self._pubsub = pubsub
+        self._listener = asyncio.create_task(self._listen(pubsub), name="slotgate-shared-grants")
+
+    async def _unsubscribe(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None and listener is not asyncio.current_task():
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await listener
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout_s):
+                    await pubsub.aclose()
+
+    async def _listen(self, pubsub: Any) -> None:
+        try:
+            async for message in pubsub.listen():
+                if message["type"] == "message":
+                    self._on_grant(message["data"].decode())
+        except (RedisError, OSError) as exc:
+            if not self._closed:
+                self._degrade(str(exc))
+
+    def _on_grant(self, data: str) -> None:
+        member, upstream, reason, grant_no = data.split("\t")
+        if self._joining is not None:
+            # The rejoin's own dispatch may grant a place whose name its reply has not told yet.
+            self._early[member] = (upstream, reason, int(grant_no))
+            return
+        if self.mode is Mode.DEGRADED:
+            return  # Redis forgets this place when the replica rejoins; the waiter waits here
+        ticket = self._tickets.get(member.split("|", 1)[1])
+        if ticket is None or ticket._released:
+            return  # it left: its leave (RELEASE) finds it granted and returns the slots
+        if ticket.member is None:
+            self._early[member] = (upstream, reason, int(grant_no))
+            return
+        if ticket.member != member or ticket.granted:
+            return  # a grant to a place the ticket had before a rejoin: Redis forgot it
+        if reason == "large":
+            self._fail(ticket, TooLarge(self._snapshot(), ticket.weight))
+            return
+        self._granted(ticket, upstream, reason, int(grant_no))
+
+    async def _keep(self) -> None:
+        """The heartbeat in shared mode; while degraded, ping until Redis answers and rejoin."""
+        while True:
+            if self.mode is Mode.SHARED:
+                await asyncio.sleep(self._heartbeat_s)
+                try:
+                    reply = await self._call("HEARTBEAT", self.replica, self._ttl_ms, self._epsilon)
+                except Down as exc:
+                    self._degrade(str(exc))
+                    continue
+                if reply[0] == b"fenced":
+                    await self._rejoin()
+                else:
+                    self._fleet = Fleet.parse(reply[1:])
+            else:
+                if self._stale_pool:
+                    # Connections to a Redis that restarted fail one by one when next used:
+                    # start over, so that the rejoin is not followed by a second fallback.
+                    self._stale_pool = False
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(self._timeout_s):
+                            await self._client.connection_pool.disconnect()
+                await asyncio.sleep(min(self._heartbeat_s, 0.2))
+                # A ping first: local dispatch waits while a rejoin runs, so only try one
+                # once Redis answers.
+                if await self._answers():
+                    await self._rejoin()
+
+    async def _answers(self) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._client.ping()
+        except (RedisError, OSError, TimeoutError):
+            return False
+        return True
+
+    async def _join(self) -> None:
+        await self._subscribe()
+        await self._rejoin()
+
+    async def _rejoin(self) -> None:
+        """Replace what Redis holds for this replica with what it holds; shared mode after."""
+        if self._joining is not None:
+            await asyncio.shield(self._joining)
+            return
+        self._joining = asyncio.get_running_loop().create_future()
+        self._epoch += 1
+        try:
+            if self._listener is None or self._listener.done():
+                try:
+                    await self._subscribe()
+                except Down as exc:
+                    self._degrade(str(exc))
+                    self._dispatch_local()
+                    return
+            grants = [t for t in self._tickets.values() if t.granted]
+            waiters = sorted(self._waiters.values(), key=lambda t: t.order)
+            args: list[str | int | float] = [
+                self.replica, self._ttl_ms, self._epsilon,
+                len(self._capacities), len(grants), len(waiters),
+            ]  # fmt: skip
+            for upstream, capacity in self._capacities.items():
+                args += (upstream, capacity)
+            for t in grants:
+                args += (t.member or f"{0:016x}|{t.id}", t.upstream or "", t.weight)
+            for t in waiters:
+                tag = "" if t.tag is None else repr(t.tag)
+                args += (t.id, t.weight, t.cost, "\n".join(t.ranking), t.band, tag)
+            self._early.clear()
+            try:
+                reply = await self._call("REJOIN", *args)
+            except Down as exc:
+                self._degrade(str(exc))
+                # Whatever was released while it ran is free on this replica's share now.
+                self._dispatch_local()
+                return
+            self._fleet = Fleet.parse(reply[:5])
+            for t, member in zip(waiters, reply[5:], strict=True):
+                # A waiter that left (or was granted locally) while the rejoin ran: Redis holds
+                # a place for it that nobody will claim, so give it back.
+                if t._released or t.granted:
+                    self._spawn(self._release_shared(member.decode(), None))
+                    continue
+                t.member = member.decode()
+                early = self._early.pop(t.member, None)
+                if early is not None:
+                    self._granted(t, *early)
+            for t in grants:
+                if t.member is None:
+                    t.member = f"{0:016x}|{t.id}"
+                if t._released:
+                    self._spawn(self._release_shared(t.member, None))
+                elif not t.granted:  # rerouted while the rejoin ran
+                    self._spawn(self._reroute_shared(t, t.member))
+            # What is left names places of before the rejoin, or of enters still in flight.
+            self._early = {m: e for m, e in self._early.items() if self._in_flight(m)}
+            self._local_active.clear()
+            self.mode = Mode.SHARED
+            self._shared.set()
+        finally:
+            joining, self._joining = self._joining, None
+            joining.set_result(None)
+
+    def _in_flight(self, member: str) -> bool:
+        ticket = self._tickets.get(member.split("|", 1)[1])
+        return ticket is not None and ticket.member is None
+
+    def _degrade(self, why: str = "") -> None:
+        """Redis is away: gate on this replica's share until it answers again."""
+        if why:
+            self.last_error = why
+        if self.mode is Mode.DEGRADED or self._closed:
+            return
+        self.mode = Mode.DEGRADED
+        self._epoch += 1
+        self._stale_pool = True
+        self._shared.clear()
+        self.fallbacks_total += 1
+        active: dict[str, int] = {}
+        for t in self._tickets.values():
+            if t.granted and t.upstream is not None:
+                active[t.upstream] = active.get(t.upstream, 0) + t.weight
+        self._local_active = active
+        if self._failure_mode == "reject":
+            for t in list(self._waiters.values()):
+                self._fail(t, NotReady(self._snapshot(), 1.0))
+            return
+        self._dispatch_local()
+
+    # -- degraded mode: this replica's share -------------------------------------------------
+
+    def _shares(self) -> dict[str, int]:
+        n = max(self._fleet.replicas, 1)
+        return {u: max(c // n, 1) for u, c in self._capacities.items()}
+
+    def _local_limit(self) -> int | None:
+        capacity = sum(self._capacities.values())
+        if not capacity:
+            return None
+        limit = self._policy.limit(capacity)
+        if limit is None:
+            return None
+        return max(limit // max(self._fleet.replicas, 1), 1)
+
+    def _enter_local(self, ticket: SharedTicket) -> SharedTicket:
+        if self._failure_mode == "reject":
+            raise NotReady(self._snapshot(), 1.0)
+        shares = self._shares()
+        if not shares:
+            raise NotReady(self._snapshot(), 1.0)
+        if ticket.weight > max(shares.values()):
+            raise TooLarge(self._snapshot(), ticket.weight)
+        if not self._waiters:
+            upstream, reason = self._choose_local(ticket, shares)
+            if upstream is not None:
+                self._tickets[ticket.id] = ticket
+                self._local_active[upstream] = self._local_active.get(upstream, 0) + ticket.weight
+                ticket.upstream, ticket.reason = upstream, reason
+                ticket.admitted_at = time.monotonic()
+                return ticket
+        limit = self._local_limit()
+        if limit is not None and len(self._waiters) >= limit:
+            raise QueueFull(self._snapshot(), self._retry_after_s(len(self._waiters) + 1))
+        ticket._future = asyncio.get_running_loop().create_future()
+        self._tickets[ticket.id] = ticket
+        self._waiters[ticket.id] = ticket
+        return ticket
+
+    def _choose_local(self, ticket: SharedTicket, shares: dict[str, int]) -> tuple[str | None, str]:
+        """The same rule as the script's `choose`, over this replica's shares."""
+        active = self._local_active
+        w = ticket.weight
+        load = (sum(active.get(u, 0) for u in shares) + w) * (1 + self._epsilon)
+        load /= sum(shares.values())
+        ranked = [u for u in ticket.ranking if u in shares]
+        for rank, u in enumerate(ranked):
+            a = active.get(u, 0) + w
+            if a <= shares[u] and a <= math.ceil(load * shares[u]):
+                return u, "affinity" if rank == 0 else "load"
+        best: tuple[float, int, str] | None = None
+        for u, c in shares.items():
+            a = active.get(u, 0) + w
+            if a <= c and (best is None or (a / c, a - c, u) < best):
+                best = (a / c, a - c, u)
+        return (best[2], "load") if best is not None else (None, "busy")
+
+    def _dispatch_local(self) -> None:
+        if self.mode is not Mode.DEGRADED or self._failure_mode == "reject":
+            return
+        shares = self._shares()
+        if not shares:
+            return
+        for ticket in sorted(self._waiters.values(), key=lambda t: t.order):
+            upstream, reason = self._choose_local(ticket, shares)
+            if upstream is None:
+                return  # the head only: nobody overtakes it
+            self._local_active[upstream] = self._local_active.get(upstream, 0) + ticket.weight
+            ticket.member = None  # Redis will know it only from the rejoin's list of grants
+            self._granted(ticket, upstream, reason, 0)
+
+
+def _unset(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+__all__ = [
+    "Down",
+    "Fleet",
+    "Mode",
+    "SharedAdmission",
+    "SharedSnapshot",
+    "SharedTicket",
+]

