@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -141,6 +142,7 @@ class Service:
     def tenants(self) -> list[dict[str, Any]]:
         """Each tenant by name (never a key), its share and what it holds and waits for."""
         shown = []
+        shares = self.metrics.minute.shares(time.monotonic())
         for tenant in self.access.tenants.roster.tenants:
             active, queued = self.admission.tenant_counts(tenant.name)
             shown.append(
@@ -152,6 +154,9 @@ class Service:
                     "max_queued": tenant.max_queued,
                     "active": active,
                     "queued": queued,
+                    # Its part of the slot-seconds held by requests that ended in about the
+                    # last minute (0 to 1; all tenants' add up to 1 once anything ended).
+                    "slot_seconds_share_1m": round(shares.get(tenant.name, 0.0), 4),
                 }
             )
         return shown

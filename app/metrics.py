@@ -9,6 +9,8 @@ slotgate touches them from one thread, its event loop, which also answers the sc
 from __future__ import annotations
 
 import bisect
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -45,6 +47,38 @@ FAMILIES = tuple(kind.value for kind in Kind)
 BUCKETS_S = (
     0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120, 300, 600,
 )  # fmt: skip
+
+
+class SlotTime:
+    """Slot-seconds of the holds that ended, per tenant, over the last minute: six buckets of
+    ten seconds, the oldest dropped as time moves on (so 50 to 60 s of them at any moment)."""
+
+    BUCKET_S = 10.0
+    BUCKETS = 6
+
+    def __init__(self) -> None:
+        self._buckets: deque[tuple[int, dict[str, float]]] = deque()
+
+    def add(self, tenant: str, slot_seconds: float, now: float) -> None:
+        index = int(now // self.BUCKET_S)
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] != index:
+            buckets.append((index, {}))
+            while buckets[0][0] <= index - self.BUCKETS:
+                buckets.popleft()
+        totals = buckets[-1][1]
+        totals[tenant] = totals.get(tenant, 0.0) + slot_seconds
+
+    def shares(self, now: float) -> dict[str, float]:
+        """Each tenant's part of the slot-seconds held over the last minute (none: empty)."""
+        oldest = int(now // self.BUCKET_S) - self.BUCKETS
+        sums: dict[str, float] = {}
+        for index, totals in self._buckets:
+            if index > oldest:
+                for tenant, value in totals.items():
+                    sums[tenant] = sums.get(tenant, 0.0) + value
+        total = sum(sums.values())
+        return {tenant: value / total for tenant, value in sums.items()} if total else {}
 
 
 class _PoolCollector(Collector):
@@ -192,6 +226,8 @@ class Metrics(Collector):
     ) -> None:
         self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
         self._by_tenant = by_tenant
+        #: Slot-seconds each tenant held over about the last minute (`/admission`).
+        self.minute = SlotTime()
         self._series: dict[str, _Series] = {}
         everyone = self._of(EVERYONE.name)
         self.admitted = everyone.admitted
@@ -213,8 +249,9 @@ class Metrics(Collector):
         series.admitted[route] += 1
         series.wait[route].observe(wait_s)
 
-    def held(self, route: str, hold_s: float, tenant: str = EVERYONE.name) -> None:
+    def held(self, route: str, hold_s: float, tenant: str = EVERYONE.name, slots: int = 1) -> None:
         (self._series.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
+        self.minute.add(tenant, hold_s * slots, time.monotonic())
 
     def rejected(self, route: str, reason: str, tenant: str = EVERYONE.name) -> None:
         rejected = (self._series.get(tenant) or self._of(tenant)).rejected

@@ -649,7 +649,7 @@ class Proxy:
         if ticket is not None and ticket.admitted_at is not None:
             hold_s = now - ticket.admitted_at
             if route is not None:
-                self._metrics.held(route, hold_s, request.tenant.name)
+                self._metrics.held(route, hold_s, request.tenant.name, ticket.weight)
         if not access_log.isEnabledFor(logging.INFO):
             return
         access_log.info(

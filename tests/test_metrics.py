@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from slotgate.admission import Admission, QueuePolicy
-from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics
+from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
@@ -184,3 +184,15 @@ def test_with_keys_request_series_carry_the_tenant_by_name_once_it_has_a_sample(
     assert 'tenant=""' not in text.decode()
     for name in ("slotgate_requests_admitted_total{", "slotgate_slot_hold_seconds_count{"):
         assert all("tenant=" in line for line in series(text, name))
+
+
+def test_the_minute_of_slot_time_counts_each_tenants_part_and_forgets_what_is_older() -> None:
+    minute = SlotTime()
+    minute.add("flood", 30.0, now=1000.0)
+    minute.add("chat", 10.0, now=1015.0)
+    assert minute.shares(1020.0) == {"flood": 0.75, "chat": 0.25}
+    # A minute on, the flood's bucket has gone: only the chat's remains.
+    assert minute.shares(1065.0) == {"chat": 1.0}
+    minute.add("chat", 5.0, now=1200.0)  # and old buckets are dropped, not kept
+    assert len(minute._buckets) == 1
+    assert minute.shares(1300.0) == {}

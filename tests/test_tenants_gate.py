@@ -165,7 +165,7 @@ async def test_admission_lists_tenants_by_name_and_never_their_keys(
     assert [t["name"] for t in tenants][:3] == ["flood", "chat", "jobs"]
     assert tenants[2] == {
         "name": "jobs", "band": 1, "weight": 1.0, "max_active": None, "max_queued": 2,
-        "active": 0, "queued": 0,
+        "active": 0, "queued": 0, "slot_seconds_share_1m": 0.0,
     }  # fmt: skip
     assert tenants[3]["name"].startswith("key-")
     assert "sk-" not in answer.text
@@ -197,3 +197,20 @@ async def test_a_reload_under_load_loses_nothing_and_a_bad_one_is_refused(
     assert gate.service.admission.queued == 0
     by_name = {t.name: t for t in gate.service.access.tenants.roster.tenants}
     assert by_name["chat"].weight == 4
+
+
+async def test_admission_shows_each_tenants_share_of_the_slot_seconds_over_the_last_minute(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, keys_file: Path
+) -> None:
+    standin.tokens, standin.token_delay_s = 4, 0.02
+    gate = await start_gate(api_keys_file=keys_file)
+    await asyncio.gather(
+        *(client.post(gate.url + CHAT, json=chat(), headers=bearer("sk-flood")) for _ in range(3)),
+        client.post(gate.url + CHAT, json=chat(), headers=bearer("sk-chat")),
+    )
+    answer = await client.get(gate.url + "/admission", headers=bearer("sk-chat"))
+    shares = {t["name"]: t["slot_seconds_share_1m"] for t in answer.json()["tenants"]}
+    # Four generations of about the same length, three of them the flood's.
+    assert shares["flood"] == pytest.approx(0.75, abs=0.15)
+    assert shares["chat"] == pytest.approx(0.25, abs=0.15)
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.001)
