@@ -359,13 +359,15 @@ def on_first_upstream(admission: Admission) -> Ticket:
     return squatter
 
 
-async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_upstream_refuses(
+async def first_upstream_dead_and_held(
     standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
-) -> None:
+) -> tuple[RunningGate, StandIn, Ticket, asyncio.Task[httpx.Response]]:
+    """Two upstreams of one slot; the first stopped (slotgate learns of it only from a refused
+    request), its slot held by a squatter, the second's by a long stream: both busy."""
     dead, alive = await standins([1, 1], [0.01, 0.2])
     gate = await gates(
         [dead, alive],
-        props_refresh_interval=30,  # slotgate learns of the death only from a refused request
+        props_refresh_interval=30,
         keepalive_interval=0.05,
         stream_head_after=0,
         startup_wait=0,
@@ -375,6 +377,14 @@ async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_u
     squatter = on_first_upstream(admission)
     long = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
     await gate.until(lambda: admission.active == 2)
+    return gate, alive, squatter, long
+
+
+async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_upstream_refuses(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    gate, alive, squatter, long = await first_upstream_dead_and_held(standins, gates, client)
+    admission = gate.service.admission
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         chunks = response.aiter_text()
@@ -393,19 +403,8 @@ async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_u
 async def test_a_stream_that_leaves_while_sent_back_to_the_line_frees_its_place(
     standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
 ) -> None:
-    dead, alive = await standins([1, 1], [0.01, 0.2])
-    gate = await gates(
-        [dead, alive],
-        props_refresh_interval=30,
-        keepalive_interval=0.05,
-        stream_head_after=0,
-        startup_wait=0,
-    )
+    gate, alive, squatter, long = await first_upstream_dead_and_held(standins, gates, client)
     admission = gate.service.admission
-    await dead.stop()
-    squatter = on_first_upstream(admission)
-    long = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
-    await gate.until(lambda: admission.active == 2)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         chunks = response.aiter_text()
         assert (await anext(chunks)).startswith(": queued")
