@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from .fairline import FairLine, Share
 from .routing import choose, stable_hash
@@ -140,6 +141,30 @@ class QueuePolicy:
         return max(self.queue_per_slot * capacity, self.min_queue or 0)
 
 
+class Claim(Protocol):
+    """What the request path needs of a request's claim on the slots: a `Ticket` of this core,
+    or a `ReplicaTicket` when replicas share the line through Redis (app/replica.py)."""
+
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def admitted_at(self) -> float | None: ...
+    @property
+    def weight(self) -> int: ...
+    @property
+    def wait_s(self) -> float: ...
+    @property
+    def pool(self) -> Pool | None: ...
+    @property
+    def position(self) -> int: ...
+    async def wait(self) -> None: ...
+    def release(self) -> bool: ...
+    def reroute(self, known_by: float) -> None: ...
+    def recost(self, cost: int) -> None: ...
+    async def __aenter__(self) -> Claim: ...
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+
 class Pool:
     """One upstream's slots and KV-cache budget in the fleet; its capacity is None while the
     upstream is not ready (starting, restarting, down), and then nothing is routed to it."""
@@ -194,6 +219,7 @@ class Pool:
         if capacity is not None:
             self.seen = capacity
         self._admission._resized()
+        self._admission._notify(self)
 
     def resize_budget(self, budget_tokens: int | None) -> None:
         """Follow the upstream's KV-cache budget; None (or 0) means it does not bind.
@@ -217,6 +243,7 @@ class Pool:
         admission._budgeted = bool(budgets)
         admission._largest_budget = max(budgets) if budgets else None
         admission._dispatch()
+        admission._notify(self)
 
     def retire(self) -> None:
         """The upstream is gone for good (its address left DNS): route nothing more to it; it
@@ -229,6 +256,7 @@ class Pool:
         """Its upstream is known by another URL now (an address of its name)."""
         self.key = key
         self.salt = stable_hash(key)
+        self._admission._notify(self)
 
     def revive(self) -> None:
         """Its upstream is back before it left (its address returned while its last requests
@@ -483,6 +511,9 @@ class Admission:
         # The largest of them: no request takes more, since it runs on one upstream.
         self._largest_budget: int | None = None
         self._changed = asyncio.Event()  # some pool's capacity changed (see _until_known)
+        #: Told of every change to a pool's capacity, budget or name (the shared line through
+        #: Redis follows them: app/replica.py).
+        self.on_change: Callable[[Pool], None] | None = None
         self.admitted_total = 0
         if capacity is not None:
             self.resize(capacity)
@@ -693,6 +724,37 @@ class Admission:
             fair.push(ticket)
         self._waiting = waiting + 1
         return ticket
+
+    def hold(
+        self,
+        pool: Pool,
+        weight: int,
+        cost: int = 0,
+        affinity: int | None = None,
+        *,
+        tenant: Tenant = EVERYONE,
+        reason: str = "load",
+    ) -> Ticket:
+        """Count slots that the fleet's shared line (app/replica.py) granted this replica on
+        `pool`, room or not: Redis is the judge then, and this core keeps this replica's part
+        (what it holds of each upstream, its tenants', the holds behind its estimates)."""
+        fair = self._fair
+        if tenant is not self._solo and fair is None:
+            fair = self._share(tenant)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
+        self._take(ticket, pool, reason)
+        if fair is not None:
+            fair.granted(ticket)
+        if affinity is not None:
+            self._remember(affinity, pool)
+        ticket.admitted_at = ticket.entered_at
+        return ticket
+
+    def last_pool(self, affinity: int) -> Pool | None:
+        """The pool that ran the last request of this affinity key (its prompt is cached there)."""
+        return self._last.get(affinity)
 
     def tenant_counts(self, name: str) -> tuple[int, int]:
         """(slots held, waiters) of the tenant `name`."""
@@ -914,20 +976,32 @@ class Admission:
                 return False
             pool, first = chosen
             if key is not None:
-                last[key] = pool
-                last.move_to_end(key)
-                if len(last) > AFFINITY_MEMORY:
-                    last.popitem(last=False)
+                self._remember(key, pool)
+        self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
+        return True
+
+    def _take(self, ticket: Ticket, pool: Pool, reason: str) -> None:
+        """`ticket` holds its slots and tokens of `pool` from now on."""
         charge = pool.charge(ticket)
         pool.active += ticket.weight
         pool.committed += charge
-        pool.routed["retry" if ticket.rerouted else "affinity" if first else "load"] += 1
+        pool.routed[reason] += 1
         ticket.pool = pool
         ticket.charged = charge
         self._holders[ticket] = (time.monotonic(), ticket.weight)
         self._active += ticket.weight
         self.admitted_total += 1
-        return True
+
+    def _remember(self, key: int, pool: Pool) -> None:
+        last = self._last
+        last[key] = pool
+        last.move_to_end(key)
+        if len(last) > AFFINITY_MEMORY:
+            last.popitem(last=False)
+
+    def _notify(self, pool: Pool) -> None:
+        if self.on_change is not None:
+            self.on_change(pool)
 
     def _dispatch(self) -> None:
         capacity = self._capacity

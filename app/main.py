@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +23,9 @@ from .relay import Proxy
 from .request import id_headers, request_id
 from .settings import Settings
 from .upstream import Upstream
+
+if TYPE_CHECKING:
+    from .replica import ReplicaAdmission
 
 log = logging.getLogger("slotgate")
 
@@ -73,12 +76,24 @@ class Service:
         )
         self.fleet = Fleet(settings, self.admission, resolver)
         self.access = Access(settings.api_keys, settings.api_keys_file)
+        #: The line shared with other replicas through Redis; None without REDIS_URL (and then
+        #: no Redis code is even imported).
+        self.replica: ReplicaAdmission | None = None
+        if settings.redis_url is not None and settings.admission_control:
+            from .replica import ReplicaAdmission  # only with REDIS_URL: no Redis code else
+
+            self.replica = ReplicaAdmission(settings, self.admission, settings.redis_url)
         self.metrics = Metrics(
-            self.admission, lambda: self.fleet.ready, by_tenant=self.access.enabled
+            self.admission,
+            lambda: self.fleet.ready,
+            by_tenant=self.access.enabled,
+            replica=self.replica,
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.admission.retune(roster.tenants))
-        self.proxy = Proxy(settings, self.admission, self.fleet, self.metrics, self.access)
+        self.proxy = Proxy(
+            settings, self.admission, self.fleet, self.metrics, self.access, self.replica
+        )
         self.draining = False
 
     def drain(self) -> None:
@@ -87,6 +102,8 @@ class Service:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
         self.admission.close()
+        if self.replica is not None:
+            self.replica.drain()
 
     @property
     def upstream(self) -> Upstream:
@@ -137,6 +154,7 @@ class Service:
                 for upstream in self.fleet
             ],
             "tenants": self.tenants(),
+            "replication": {"mode": "off"} if self.replica is None else self.replica.view(),
         }
 
     def tenants(self) -> list[dict[str, Any]]:
@@ -172,13 +190,19 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         service.access.tenants.install(loop)  # API_KEYS_FILE is read again on SIGHUP
-        await service.fleet.start()
-        try:
-            yield
-        finally:
-            service.access.tenants.uninstall(loop)
-            service.drain()
-            await service.fleet.close()
+        async with contextlib.AsyncExitStack() as scope:
+            if service.replica is not None:
+                # Before the followers, whose first capacities reach Redis as they come; closed
+                # after the requests have ended: what Redis still counts here goes back then.
+                await service.replica.start()
+                scope.push_async_callback(service.replica.close)
+            await service.fleet.start()
+            scope.push_async_callback(service.fleet.close)
+            try:
+                yield
+            finally:
+                service.access.tenants.uninstall(loop)
+                service.drain()
 
     app = Gateway(
         title="slotgate",
@@ -229,7 +253,21 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
-        return JSONResponse({"status": "ready", "capacity": service.admission.capacity})
+        replica = service.replica
+        if replica is None:
+            return JSONResponse({"status": "ready", "capacity": service.admission.capacity})
+        mode = replica.mode
+        if mode == "rejecting":
+            reason = f"Redis unreachable ({replica.shared.last_error}); REDIS_FAILURE_MODE=reject"
+            return JSONResponse(
+                {"status": "not ready", "reason": reason, "replication": mode},
+                503,
+                {"retry-after": "1"},
+            )
+        # Degraded (Redis away, gating on this replica's share) is still ready: say so.
+        return JSONResponse(
+            {"status": "ready", "capacity": service.admission.capacity, "replication": mode}
+        )
 
     @app.get("/admission", dependencies=[Depends(authorized)])
     async def admission() -> dict[str, Any]:

@@ -12,6 +12,7 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -25,6 +26,12 @@ from prometheus_client.registry import Collector
 from .admission import Admission
 from .endpoints import ENDPOINTS, Kind
 from .tenants import EVERYONE
+
+if TYPE_CHECKING:
+    from .replica import ReplicaAdmission
+
+#: What a replica sharing the line through Redis does now (app/replica.py).
+REPLICATION_MODES = ("shared", "degraded", "rejecting")
 
 REASONS = (
     "queue_full",
@@ -163,6 +170,44 @@ class _PoolCollector(Collector):
         )
 
 
+class _ReplicaCollector(Collector):
+    """The fleet's line as Redis last told it, and this replica's part, read at scrape time."""
+
+    def __init__(self, replica: ReplicaAdmission) -> None:
+        self._replica = replica
+
+    def collect(self) -> Iterator[Metric]:
+        replica = self._replica
+        view = replica.view()
+        mode = GaugeMetricFamily(
+            "slotgate_replication_mode",
+            "1 for what this replica does now: shared (one line through Redis), degraded (Redis "
+            "away: gating alone on its share) or rejecting (Redis away, REDIS_FAILURE_MODE=reject)",
+            labels=["mode"],
+        )
+        for name in REPLICATION_MODES:
+            mode.add_metric([name], 1 if view["mode"] == name else 0)
+        yield mode
+        yield CounterMetricFamily(
+            "slotgate_replication_fallbacks",
+            "Times this replica found Redis away and fell back (REDIS_FAILURE_MODE)",
+            value=view["fallbacks"],
+        )
+        fleet = view["fleet"]
+        for name, help_text in (
+            ("capacity", "Slots of the whole fleet, as Redis last told this replica"),
+            ("active", "Slots held fleet-wide, as Redis last told this replica"),
+            ("queued", "Requests waiting in the fleet's shared line, as Redis last told"),
+            ("replicas", "Replicas sharing the line, as Redis last told this replica"),
+        ):
+            yield GaugeMetricFamily(f"slotgate_fleet_{name}", help_text, value=fleet[name])
+        yield GaugeMetricFamily(
+            "slotgate_replica_queue_depth",
+            "This replica's requests waiting in the fleet's shared line",
+            value=view["this_replica"]["queued"],
+        )
+
+
 class _Histogram:
     """Counts per bucket (the last one past every bound) and the sum, as observed."""
 
@@ -222,7 +267,12 @@ class Metrics(Collector):
     """
 
     def __init__(
-        self, admission: Admission, ready: Callable[[], bool], *, by_tenant: bool = False
+        self,
+        admission: Admission,
+        ready: Callable[[], bool],
+        *,
+        by_tenant: bool = False,
+        replica: ReplicaAdmission | None = None,
     ) -> None:
         self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
         self._by_tenant = by_tenant
@@ -236,6 +286,8 @@ class Metrics(Collector):
         self._rejected = everyone.rejected
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(admission, ready))
+        if replica is not None:
+            self.registry.register(_ReplicaCollector(replica))
         self.registry.register(self)
 
     def _of(self, tenant: str) -> _Series:

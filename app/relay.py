@@ -11,10 +11,11 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from .access import OPEN_PATHS, Access
-from .admission import Admission, AdmissionError, Ticket
+from .admission import Admission, AdmissionError, Claim, NotReady
 from .answer import Answer
 from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
@@ -36,6 +37,10 @@ from .request import (
 )
 from .settings import Settings
 from .upstream import UpstreamStarting
+
+if TYPE_CHECKING:
+    # Imported only with REDIS_URL set (app/main.py): without it no Redis code is loaded.
+    from .replica import ReplicaAdmission
 
 log = logging.getLogger("slotgate.relay")
 
@@ -135,8 +140,11 @@ class Proxy:
         fleet: Fleet,
         metrics: Metrics,
         access: Access | None = None,
+        replica: ReplicaAdmission | None = None,
     ) -> None:
         self._admission = admission
+        #: The fleet's line shared with other replicas through Redis (REDIS_URL), if any.
+        self._replica = replica
         self._fleet = fleet
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
@@ -230,7 +238,7 @@ class Proxy:
                     return
                 raise
 
-    async def _enter(self, request: Request) -> Ticket:
+    async def _enter(self, request: Request) -> Claim:
         """Read the body's demand and join the queue (or take a slot at once)."""
         endpoint = request.endpoint
         head = request.head
@@ -283,14 +291,20 @@ class Proxy:
         request.weight = want.weight
         cost = taken.estimate
         tenant = request.tenant
-        ticket = self._admission.enter(
-            want.weight,
-            cost.reserve if cost else 0,
-            weigh,
-            taken.affinity,
-            tenant=tenant,
-            band=None if head.priority is None else tenant.band_for(head.priority),
-        )
+        band = None if head.priority is None else tenant.band_for(head.priority)
+        ticket: Claim
+        if self._replica is not None:
+            if weigh is not None:
+                # No upstream known to this replica yet: the shared line has no startup wait.
+                raise NotReady(self._admission.snapshot(), 1.0)
+            ticket = await self._replica.enter(
+                want.weight, cost.reserve if cost else 0, taken.affinity, tenant=tenant, band=band
+            )
+        else:
+            ticket = self._admission.enter(
+                want.weight, cost.reserve if cost else 0, weigh, taken.affinity,
+                tenant=tenant, band=band,
+            )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)
         request.ticket = ticket
@@ -298,7 +312,7 @@ class Proxy:
         return ticket
 
     async def _gated_exchange(
-        self, request: Request, receive: Receive, answer: Answer, ticket: Ticket
+        self, request: Request, receive: Receive, answer: Answer, ticket: Claim
     ) -> None:
         """Count, wait for the slot, forward; the client leaving cancels whatever is under way."""
         with _Watch(receive) as watch:
@@ -328,7 +342,7 @@ class Proxy:
             finally:
                 self._let_go(request)
 
-    async def _forward_when_up(self, request: Request, answer: Answer, ticket: Ticket) -> None:
+    async def _forward_when_up(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Forward; while llama-server is restarting (and did not take the request), keep the
         slot and send it again once llama-server is back, within STARTUP_WAIT of the first
         refusal (the restarted server runs it in one)."""
@@ -378,14 +392,14 @@ class Proxy:
         self._held_bytes -= request.held_bytes
         request.held_bytes = 0
 
-    async def _wait(self, request: Request, answer: Answer, ticket: Ticket) -> None:
+    async def _wait(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Wait for the slot."""
         if request.stream and self._keepalive_s:
             await self._wait_streaming(request, answer, ticket)
         else:
             await ticket.wait()
 
-    async def _wait_streaming(self, request: Request, answer: Answer, ticket: Ticket) -> None:
+    async def _wait_streaming(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Wait; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it
         went out) and tell the client where it stands every keep-alive interval.
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .admission import Ticket
+from .admission import Claim
 from .asgi import Headers, Receive, Scope
 from .assembly import Assembly
 from .cost import Estimate
@@ -69,7 +69,7 @@ class Request:
         #: Non-streamed, sent upstream as a stream, and answered from it (app/assembly.py).
         self.assembly: Assembly | None = None
         self.origin: bytes | None = None  # its Origin, for answers slotgate makes itself
-        self.ticket: Ticket | None = None
+        self.ticket: Claim | None = None
         #: Whom it is for: its key's tenant (app/tenants.py); EVERYONE without keys.
         self.tenant = EVERYONE
         #: Its reservation of the KV-cache budget, when a budget binds (app/cost.py).

@@ -148,6 +148,38 @@ class Settings(BaseSettings):
     forward_conversation_id: bool = Field(
         False, description="Pass X-Conversation-Id upstream (llama.cpp then ignores client exits)."
     )
+    redis_url: str | None = Field(
+        None,
+        description="Redis or Valkey (redis://, rediss://, unix://) through which several "
+        "slotgate replicas share one line and each upstream's slots; unset = this process alone.",
+    )
+    redis_failure_mode: Literal["local", "reject"] = Field(
+        "local",
+        description="While Redis is away: local = gate alone on this replica's share of the slots "
+        "and of the line; reject = answer 503.",
+    )
+    redis_fleet: str = Field(
+        "default",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name of the line in Redis: the replicas in front of the same llama-servers "
+        "share one.",
+    )
+    redis_timeout: float = Field(
+        0.25,
+        gt=0,
+        le=10,
+        description="Seconds a Redis call may take before this replica falls back "
+        "(REDIS_FAILURE_MODE).",
+    )
+    redis_ttl: float = Field(
+        3.0,
+        ge=0.3,
+        le=300,
+        description="Seconds after which a silent replica's slots and places go back to the others "
+        "(it beats every third of this).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -187,6 +219,24 @@ class Settings(BaseSettings):
             raise ValueError("must have a port from 0 to 65535, if any") from None
         return value.rstrip("/")
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in {"redis", "rediss", "unix"}:
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("must name a host")
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError("must name the socket's path")
+        try:
+            parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+        except ValueError:
+            raise ValueError("must have a port from 0 to 65535, if any") from None
+        return value
+
     @field_validator("host")
     @classmethod
     def _unbracketed(cls, value: str) -> str:
@@ -213,7 +263,7 @@ class Settings(BaseSettings):
                 ) from None
         return value
 
-    @field_validator("log_level", "log_format", "routing", mode="before")
+    @field_validator("log_level", "log_format", "routing", "redis_failure_mode", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
@@ -257,7 +307,9 @@ def describe(error: ValidationError, env_file: Path | str = ".env") -> str:
     name = str(first["loc"][0]).upper() if first["loc"] else "configuration"
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f"={value!s}"
-    if name in ("LLAMA_API_KEY", "API_KEYS") or (name == "LLAMA_SERVER_URL" and "@" in shown):
+    if name in ("LLAMA_API_KEY", "API_KEYS") or (
+        name in ("LLAMA_SERVER_URL", "REDIS_URL") and "@" in shown
+    ):
         shown = ""  # a secret, or a URL that may carry one
     in_environment = any(key.upper() == name for key, text in os.environ.items() if text)
     in_file = any(key.upper() == name for key in dotenv_values(env_file))

@@ -13,7 +13,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import orjson
 
-from .admission import Pool, Ticket
+from .admission import Claim, Pool
 from .asgi import Header
 from .client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
 from .cors import CorsPolicy
@@ -366,7 +366,7 @@ class Upstream:
         """llama-server's own output limit for a request that sets none (its -n), if known."""
         return self.props.n_predict if self.props is not None else None
 
-    async def count(self, ticket: Ticket, est: Estimate) -> None:
+    async def count(self, ticket: Claim, est: Estimate) -> None:
         """Have llama-server count the prompt of a request that holds `ticket` (admitted or in
         line), and cut its reservation to that; release it when the prompt can never fit."""
         try:

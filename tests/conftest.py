@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -20,6 +20,7 @@ from slotgate.settings import Settings
 
 from tests.hostile import Hostile
 from tests.standin import StandIn
+from tests.valkey import Valkey
 
 # Property tests: a light run in the fast tier, the full count in scripts/check, which selects
 # the profile with --hypothesis-profile=full.
@@ -129,6 +130,18 @@ async def standin() -> AsyncIterator[StandIn]:
     await upstream.start()
     yield upstream
     await upstream.stop()
+
+
+@pytest.fixture
+def valkey() -> Iterator[Valkey]:
+    """A valkey-server of its own on a loopback port, killed at the end."""
+    server = Valkey()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.resume_if_paused()
+        server.kill()
 
 
 @pytest.fixture

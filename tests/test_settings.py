@@ -146,3 +146,47 @@ def test_a_bad_value_from_the_environment_is_not_blamed_on_dotenv(
 def test_an_ipv6_host_may_be_written_in_brackets_as_in_a_url() -> None:
     assert Settings(_env_file=None, host="[::1]").host == "::1"
     assert Settings(_env_file=None, host="::1").host == "::1"
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("http://valkey:6379", "must be a redis://, rediss:// or unix:// URL"),
+        ("redis://", "must name a host"),
+        ("redis://valkey:99999", "must have a port from 0 to 65535"),
+        ("unix://", "must name the socket's path"),
+    ],
+)
+def test_a_redis_url_that_is_not_one_stops_start_up_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str, why: str
+) -> None:
+    monkeypatch.setenv("REDIS_URL", value)
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    line = describe(caught.value)
+    assert line.startswith("slotgate: invalid REDIS_URL")
+    assert why in line
+
+
+def test_a_refused_redis_url_never_echoes_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "http://:hunter2@valkey:6379")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    line = describe(caught.value)
+    assert line.startswith("slotgate: invalid REDIS_URL")
+    assert "hunter2" not in line
+
+
+def test_redis_settings_accept_the_urls_valkey_takes_and_refuse_a_fleet_name_with_braces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for url in ("redis://valkey:6379/0", "rediss://:pw@cache.example:6380", "unix:///run/v.sock"):
+        assert Settings(_env_file=None, redis_url=url).redis_url == url
+    monkeypatch.setenv("REDIS_FLEET", "a}b")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    assert describe(caught.value).startswith("slotgate: invalid REDIS_FLEET=a}b")
+    monkeypatch.setenv("REDIS_FLEET", "chat-prod")
+    monkeypatch.setenv("REDIS_FAILURE_MODE", "REJECT")
+    settings = Settings(_env_file=None)
+    assert (settings.redis_fleet, settings.redis_failure_mode) == ("chat-prod", "reject")

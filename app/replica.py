@@ -1,0 +1,322 @@
+"""Admission when several slotgate replicas share one line through Redis or Valkey (REDIS_URL).
+
+The shared line (app/shared.py) decides who runs, when and on which upstream, for every replica
+at once. This replica's own core (app/admission.py) then holds what it was granted (`hold`),
+room or not: it no longer decides, it counts this replica's part, so that the request path,
+the per-upstream figures, the tenants' counts and the hold times behind the estimates work as
+they do for one process. The core's line stays empty.
+
+`ReplicaTicket` is the request's claim: a place in the shared line, then a ticket of the core
+on the granted upstream's pool, released together on every way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from .admission import Admission, NotReady, Pool, ShuttingDown, Ticket
+from .routing import score
+from .settings import Settings
+from .shared import Mode, SharedAdmission, SharedTicket
+from .tenants import EVERYONE, Tenant
+
+log = logging.getLogger("slotgate.replica")
+
+
+class ReplicaTicket:
+    """One request's claim on the fleet's shared slots (see `Claim` in app/admission.py)."""
+
+    __slots__ = (
+        "_gate", "_known_by", "_local", "_released", "_shared", "affinity", "cost", "entered_at",
+        "rerouted", "tenant", "weight",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        gate: ReplicaAdmission,
+        shared: SharedTicket,
+        weight: int,
+        cost: int,
+        affinity: int | None,
+        tenant: Tenant,
+    ) -> None:
+        self._gate = gate
+        self._shared = shared
+        self.weight = weight
+        self.cost = cost
+        self.affinity = affinity
+        self.tenant = tenant
+        self.entered_at = shared.entered_at
+        #: The core's ticket on the granted upstream's pool, once granted.
+        self._local: Ticket | None = None
+        self._known_by: float | None = None
+        self.rerouted = False
+        self._released = False
+
+    @property
+    def admitted(self) -> bool:
+        return self._local is not None
+
+    @property
+    def admitted_at(self) -> float | None:
+        return self._local.admitted_at if self._local is not None else None
+
+    @property
+    def wait_s(self) -> float:
+        return (self.admitted_at or time.monotonic()) - self.entered_at
+
+    @property
+    def pool(self) -> Pool | None:
+        return self._local.pool if self._local is not None else None
+
+    @property
+    def position(self) -> int:
+        """1-based place in the fleet's line when it entered (0 once admitted)."""
+        if self.admitted:
+            return 0
+        return max(getattr(self._shared, "position", 1), 1)
+
+    async def wait(self) -> None:
+        """Wait for the shared line's grant, then hold it on this replica's pool; on any exit
+        without it, leave the line at once."""
+        if self.admitted:
+            return
+        gate = self._gate
+        try:
+            if self._shared.granted:
+                pass
+            elif self._known_by is not None:
+                # Sent back by its upstream: for at most STARTUP_WAIT from the first refusal.
+                try:
+                    async with asyncio.timeout(max(self._known_by - time.monotonic(), 0)):
+                        await gate._until_granted(self._shared)
+                except TimeoutError:
+                    raise NotReady(gate.admission.snapshot(), 1.0) from None
+            else:
+                await gate._until_granted(self._shared)
+        except BaseException:
+            self.release()
+            raise
+        self._hold()
+
+    def _hold(self) -> None:
+        shared = self._shared
+        gate = self._gate
+        pool = gate.pool_of(shared.upstream)
+        if pool is None:
+            # Granted on an upstream this replica does not know (configured differently, or gone
+            # from its DNS since): not one it can send to.
+            self.release()
+            raise NotReady(gate.admission.snapshot(), 1.0)
+        reason = "retry" if self.rerouted else shared.reason or "load"
+        self._local = gate.admission.hold(
+            pool, self.weight, self.cost, self.affinity, tenant=self.tenant, reason=reason
+        )
+
+    def reroute(self, known_by: float) -> None:
+        """Its upstream did not take the request: give the slots back to the fleet and wait
+        again at the head of the shared line, until `known_by` at most."""
+        local = self._local
+        if self._released or local is None:
+            return
+        self._local = None
+        local.release()
+        self._known_by = known_by
+        self.rerouted = True
+        self._shared.reroute()
+
+    def recost(self, cost: int) -> None:
+        self.cost = cost
+        if self._local is not None:
+            self._local.recost(cost)
+
+    def release(self) -> bool:
+        """Give the slots (or the place in the shared line) back; a second call does nothing.
+        The hand-off to the next waiter happens in Redis, so this never hands slots on here."""
+        if self._released:
+            return False
+        self._released = True
+        local, self._local = self._local, None
+        if local is not None:
+            local.release()
+        self._shared.release()
+        return False
+
+    async def __aenter__(self) -> ReplicaTicket:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class ReplicaAdmission:
+    """This replica's admission through the shared line, over its own core's pools."""
+
+    def __init__(self, settings: Settings, admission: Admission, url: str) -> None:
+        self.admission = admission
+        self.shared = SharedAdmission(
+            url,
+            settings.redis_fleet,
+            policy=settings.queue_policy,
+            epsilon=settings.routing_epsilon,
+            queue_timeout_s=settings.queue_timeout or None,
+            timeout_s=settings.redis_timeout,
+            heartbeat_s=settings.redis_ttl / 3,
+            ttl_s=settings.redis_ttl,
+            failure_mode=settings.redis_failure_mode,
+        )
+        self.failure_mode = settings.redis_failure_mode
+        self._affinity = settings.routing == "affinity"
+        #: The key and capacity each pool is known by in Redis, as last told.
+        self._told: dict[Pool, tuple[str, int | None]] = {}
+        # Changes reach Redis one at a time, in the order they happened.
+        self._order = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing: asyncio.Future[None] | None = None
+        admission.on_change = self._changed
+
+    # -- life ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._closing = asyncio.get_running_loop().create_future()
+        await self.shared.start()
+        log.info(
+            "sharing the line through Redis as replica %s (%s)",
+            self.shared.replica,
+            self.shared.mode.value,
+        )
+
+    def drain(self) -> None:
+        """Shutdown has begun: no new requests; the waiters are turned away (ShuttingDown)."""
+        if self._closing is not None and not self._closing.done():
+            self._closing.set_result(None)
+
+    async def close(self) -> None:
+        """Once the running requests have ended: hand back whatever Redis still counts here."""
+        self.drain()
+        for task in list(self._tasks):
+            with contextlib.suppress(Exception):
+                await task
+        await self.shared.close()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """shared; degraded (gating alone on a share); rejecting (degraded, REDIS_FAILURE_MODE
+        reject)."""
+        if self.shared.mode is Mode.SHARED:
+            return "shared"
+        return "degraded" if self.failure_mode == "local" else "rejecting"
+
+    def pool_of(self, key: str | None) -> Pool | None:
+        for pool in self.admission.pools:
+            if pool.key == key and not pool.retired:
+                return pool
+        return None
+
+    def view(self) -> dict[str, Any]:
+        """The fleet as Redis last told it, and this replica's part (`/admission`)."""
+        snap = self.shared.snapshot()
+        fleet = snap.fleet
+        return {
+            "mode": self.mode,
+            "replica": self.shared.replica,
+            "fleet": {
+                "capacity": fleet.capacity,
+                "active": fleet.active,
+                "queued": fleet.queued,
+                "replicas": fleet.replicas,
+                "hold_estimate_s": fleet.hold_s,
+            },
+            "this_replica": {"active": snap.active, "queued": snap.queued},
+            "fallbacks": snap.fallbacks,
+            "last_error": self.shared.last_error or None,
+        }
+
+    # -- changing ----------------------------------------------------------------------------
+
+    async def enter(
+        self,
+        weight: int,
+        cost: int,
+        affinity: int | None,
+        *,
+        tenant: Tenant = EVERYONE,
+        band: int | None = None,
+    ) -> ReplicaTicket:
+        """A place in the fleet's line (or its slots at once), or why neither is possible."""
+        closing = self._closing
+        if closing is None or closing.done():
+            raise ShuttingDown(self.admission.snapshot(), 1.0)
+        shared = await self.shared.enter(
+            weight=weight,
+            cost=cost,
+            ranking=self._ranking(affinity),
+            band=tenant.band if band is None else band,
+        )
+        ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant)
+        if shared.granted:
+            try:
+                ticket._hold()
+            except BaseException:
+                ticket.release()
+                raise
+        return ticket
+
+    def _ranking(self, affinity: int | None) -> list[str]:
+        """The upstreams in the key's order (its last one first), as app/routing.py ranks them;
+        empty without a key: the script then takes the least loaded."""
+        if affinity is None or not self._affinity:
+            return []
+        pools = [pool for pool in self.admission.pools if pool.capacity and not pool.retired]
+        if len(pools) < 2:
+            return []
+        ranked = sorted(pools, key=lambda pool: score(affinity, pool.salt), reverse=True)
+        last = self.admission.last_pool(affinity)
+        if last is not None and last in ranked:
+            ranked.remove(last)
+            ranked.insert(0, last)
+        return [pool.key for pool in ranked]
+
+    async def _until_granted(self, shared: SharedTicket) -> None:
+        """The shared ticket's wait, cut short by shutdown."""
+        closing = self._closing
+        assert closing is not None  # noqa: S101 - started before any request
+        waiting = asyncio.ensure_future(shared.wait())
+        try:
+            await asyncio.wait((waiting, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+        if not waiting.cancelled() and waiting.exception() is None:
+            return
+        if waiting.cancelled():
+            raise ShuttingDown(self.admission.snapshot(), 1.0)
+        error = waiting.exception()
+        assert error is not None  # noqa: S101 - not cancelled and not a result
+        raise error
+
+    def _changed(self, pool: Pool) -> None:
+        """A pool's capacity or name changed: tell Redis, in order."""
+        task = asyncio.get_running_loop().create_task(self._tell(pool, pool.key, pool.capacity))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tell(self, pool: Pool, key: str, capacity: int | None) -> None:
+        if pool.retired:
+            capacity = None
+        async with self._order:
+            told = self._told.get(pool)
+            if told == (key, capacity):
+                return  # a props refresh that changed nothing
+            if told is not None and told[0] != key:
+                await self.shared.resize(told[0], None)
+            self._told[pool] = (key, capacity)
+            await self.shared.resize(key, capacity)

@@ -1,0 +1,235 @@
+"""Several slotgate replicas sharing one line through a real valkey-server (REDIS_URL), over
+real sockets, in front of stand-in llama-servers: one pool of slots whichever replica a request
+came to, the hand-off across replicas, the fallback when Redis is away, and what operators see."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.settings import Settings
+
+from tests.conftest import RunningGate, chat, serve
+from tests.standin import StandIn
+from tests.valkey import Valkey
+
+CHAT = "/v1/chat/completions"
+Gates = Callable[..., Any]
+
+
+@pytest.fixture
+async def replicas(standin: StandIn, valkey: Valkey) -> AsyncIterator[Gates]:
+    """Start `n` slotgates sharing `valkey` in front of the stand-in; each waits until it is
+    in shared mode and Redis knows the stand-in's slots."""
+    running: list[RunningGate] = []
+
+    async def start(n: int = 2, **overrides: Any) -> list[RunningGate]:
+        values: dict[str, Any] = {
+            "llama_server_url": standin.url, "props_refresh_interval": 0.2,
+            "keepalive_interval": 0, "log_level": "warning", "redis_url": valkey.url,
+            "redis_fleet": "test", "redis_ttl": 0.6, "redis_timeout": 0.3,
+        }  # fmt: skip
+        values.update(overrides)
+        made = []
+        for _ in range(n):
+            gate = await serve(Settings(_env_file=None, **values))
+            running.append(gate)
+            made.append(gate)
+        for gate in made:
+            await gate.until(knows(gate, standin.total_slots))
+        return made
+
+    yield start
+    for gate in running:
+        await gate.stop()
+
+
+def fleet(gate: RunningGate) -> dict[str, Any]:
+    replica = gate.service.replica
+    assert replica is not None
+    view: dict[str, Any] = replica.view()["fleet"]
+    return view
+
+
+def knows(gate: RunningGate, slots: int) -> Callable[[], bool]:
+    """Redis has told `gate` of the fleet's `slots`."""
+    return lambda: fleet(gate)["capacity"] == slots
+
+
+def idle(gate: RunningGate) -> Callable[[], bool]:
+    """Redis has told `gate` that nothing is held or waits, fleet-wide."""
+    return lambda: fleet(gate)["active"] == 0 and fleet(gate)["queued"] == 0
+
+
+def mode(gate: RunningGate) -> str:
+    replica = gate.service.replica
+    assert replica is not None
+    return replica.mode
+
+
+async def test_a_burst_through_two_replicas_never_runs_more_than_the_upstreams_slots(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 2
+    standin.token_delay_s = 0.02
+    gates = await replicas(2, max_queue=4)
+    answers = await asyncio.gather(
+        *(client.post(gates[i % 2].url + CHAT, json=chat()) for i in range(24))
+    )
+    statuses = [answer.status_code for answer in answers]
+    assert set(statuses) <= {200, 429}, statuses
+    # Two run and four wait, fleet-wide: each replica alone would let 2 + 4 through.
+    assert statuses.count(200) >= 6
+    assert standin.max_running == 2
+    refused = [answer for answer in answers if answer.status_code == 429]
+    assert refused, "24 requests at once over 2 slots and a line of 4"
+    for answer in refused:
+        assert float(answer.headers["retry-after"]) >= 1
+        snapshot = answer.json()["error"]["admission"]
+        assert snapshot["capacity"] == 2
+        assert snapshot["queue_limit"] == 4
+    for gate in gates:
+        await gate.until(idle(gate))
+
+
+async def one_runs_one_waits(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> tuple[RunningGate, RunningGate, asyncio.Task[httpx.Response], asyncio.Task[httpx.Response]]:
+    """Two replicas over one slot: a request runs through the first, one waits on the second."""
+    standin.total_slots = 1
+    standin.tokens = 40
+    standin.token_delay_s = 0.02
+    first, second = await replicas(2)
+    running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
+    await first.until(lambda: standin.running == 1)
+    waiting = asyncio.create_task(client.post(second.url + CHAT, json=chat()))
+    await second.until(lambda: queued(second) == 1)
+    return first, second, running, waiting
+
+
+async def test_a_release_on_one_replica_hands_the_slot_to_a_waiter_on_the_other(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    _, second, running, waiting = await one_runs_one_waits(standin, replicas, client)
+    assert not waiting.done()
+    assert (await running).status_code == 200
+    answer = await waiting
+    assert answer.status_code == 200
+    assert standin.max_running == 1
+    admission = (await client.get(second.url + "/admission")).json()
+    assert (
+        admission["upstreams"][0]["routed"]["load"]
+        + admission["upstreams"][0]["routed"]["affinity"]
+        == 1
+    )
+
+
+def queued(gate: RunningGate) -> int:
+    replica = gate.service.replica
+    assert replica is not None
+    count: int = replica.view()["this_replica"]["queued"]
+    return count
+
+
+async def test_admission_metrics_and_readyz_show_the_shared_line_and_this_replicas_part(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 3
+    (gate,) = await replicas(1)
+    admission = (await client.get(gate.url + "/admission")).json()
+    replication = admission["replication"]
+    assert replication["mode"] == "shared"
+    assert replication["fleet"]["capacity"] == 3
+    assert replication["fleet"]["replicas"] == 1
+    assert replication["this_replica"] == {"active": 0, "queued": 0}
+    assert replication["fallbacks"] == 0
+    ready = await client.get(gate.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["replication"] == "shared"
+    metrics = (await client.get(gate.url + "/metrics?source=slotgate")).text
+    assert 'slotgate_replication_mode{mode="shared"} 1.0' in metrics
+    assert 'slotgate_replication_mode{mode="degraded"} 0.0' in metrics
+    assert "slotgate_replication_fallbacks_total 0.0" in metrics
+    assert "slotgate_fleet_capacity 3.0" in metrics
+
+
+async def test_without_redis_url_admission_says_replication_is_off(
+    standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await serve(Settings(_env_file=None, llama_server_url=standin.url, log_level="warning"))
+    try:
+        admission = (await client.get(gate.url + "/admission")).json()
+        assert admission["replication"] == {"mode": "off"}
+        metrics = (await client.get(gate.url + "/metrics?source=slotgate")).text
+        assert "slotgate_replication_mode" not in metrics
+    finally:
+        await gate.stop()
+
+
+def test_without_redis_url_no_redis_code_is_loaded() -> None:
+    code = (
+        "import sys; from slotgate.main import create_app; from slotgate.settings import "
+        "Settings; create_app(Settings(_env_file=None)); "
+        "print(sorted(m for m in sys.modules if m.startswith(('redis', 'slotgate.shared', "
+        "'slotgate.replica'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+async def test_redis_away_falls_back_to_this_replicas_share_and_readyz_stays_ready(
+    standin: StandIn, valkey: Valkey, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 2
+    first, second = await replicas(2)
+    valkey.kill()
+    answers = await asyncio.gather(
+        *(client.post(g.url + CHAT, json=chat()) for g in (first, second) for _ in range(3))
+    )
+    assert [a.status_code for a in answers] == [200] * 6
+    for gate in (first, second):
+        assert mode(gate) == "degraded"
+        ready = await client.get(gate.url + "/readyz")
+        assert (ready.status_code, ready.json()["replication"]) == (200, "degraded")
+        metrics = (await client.get(gate.url + "/metrics?source=slotgate")).text
+        assert "slotgate_replication_fallbacks_total 1.0" in metrics
+    # Each replica gates on its share of the two slots: one each.
+    assert standin.max_running <= 2
+    valkey.start()
+    for gate in (first, second):
+        async with asyncio.timeout(5):
+            while mode(gate) != "shared":
+                await asyncio.sleep(0.05)
+    answer = await client.post(first.url + CHAT, json=chat())
+    assert answer.status_code == 200
+
+
+async def test_reject_mode_answers_503_and_is_not_ready_while_redis_is_away(
+    standin: StandIn, valkey: Valkey, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    (gate,) = await replicas(1, redis_failure_mode="reject")
+    valkey.kill()
+    answer = await client.post(gate.url + CHAT, json=chat())
+    assert answer.status_code == 503
+    assert "retry-after" in answer.headers
+    ready = await client.get(gate.url + "/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["replication"] == "rejecting"
+    assert "REDIS_FAILURE_MODE=reject" in ready.json()["reason"]
+
+
+async def test_a_waiter_that_leaves_on_one_replica_leaks_nothing_in_the_fleet(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    first, second, running, leaving = await one_runs_one_waits(standin, replicas, client)
+    leaving.cancel()
+    await second.until(lambda: queued(second) == 0)
+    assert (await running).status_code == 200
+    for gate in (first, second):
+        await gate.until(idle(gate))
+    assert standin.started == 1
