@@ -233,3 +233,29 @@ async def test_a_waiter_that_leaves_on_one_replica_leaks_nothing_in_the_fleet(
     for gate in (first, second):
         await gate.until(idle(gate))
     assert standin.started == 1
+
+
+async def test_a_draining_replica_turns_its_waiters_away_and_its_place_leaves_the_fleets_line(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    first, second, running, waiting = await one_runs_one_waits(standin, replicas, client)
+    second.service.drain()
+    answer = await waiting
+    assert answer.status_code == 503
+    assert answer.json()["error"]["type"] == "unavailable_error"
+    refused = await client.post(second.url + CHAT, json=chat())
+    assert refused.status_code == 503
+    assert (await running).status_code == 200
+    await first.until(idle(first))
+    assert standin.started == 1
+
+
+async def test_a_replica_that_stops_hands_back_what_it_held_and_leaves_the_count(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 2
+    first, second = await replicas(2)
+    await first.until(lambda: fleet(first)["replicas"] == 2)
+    await second.stop()
+    await first.until(lambda: fleet(first)["replicas"] == 1)
+    assert (await client.post(first.url + CHAT, json=chat())).status_code == 200
