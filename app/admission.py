@@ -292,7 +292,7 @@ class Ticket:
 
     __slots__ = (
         "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "charged",
-        "cost", "costed", "entered_at", "pool", "rerouted", "seq", "tenant", "weight",
+        "cost", "costed", "entered_at", "memo", "pool", "rerouted", "seq", "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -303,6 +303,7 @@ class Ticket:
         cost: int = 0,
         affinity: int | None = None,
         tenant: Tenant = EVERYONE,
+        conversation: int | None = None,
     ) -> None:
         self._admission = admission
         self.weight = weight
@@ -314,6 +315,8 @@ class Ticket:
         #: what it takes is unknown).
         self.costed = admission._budgeted
         self.affinity = affinity
+        #: The key its upstream is remembered by: its conversation's, else its affinity key.
+        self.memo = conversation if conversation is not None else affinity
         self.seq = seq
         self.entered_at = time.monotonic()
         self.admitted_at: float | None = None
@@ -670,6 +673,7 @@ class Admission:
         *,
         tenant: Tenant = EVERYONE,
         band: int | None = None,
+        conversation: int | None = None,
     ) -> Ticket:
         """Take `weight` slots of one pool and `cost` tokens of its budget now, or a place in
         the line, or raise why neither is possible.
@@ -689,7 +693,7 @@ class Admission:
         if tenant is not self._solo and fair is None:
             fair = self._share(tenant)
         if self._capacity is None:
-            return self._enter_unknown(weight, cost, weigh, affinity, tenant)
+            return self._enter_unknown(weight, cost, weigh, affinity, tenant, conversation)
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
             weight = weigh(self._largest)
@@ -698,7 +702,7 @@ class Admission:
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits
         # (nobody who may run, with tenants: one at its max_active may not).
         if fair is None:
@@ -734,6 +738,7 @@ class Admission:
         *,
         tenant: Tenant = EVERYONE,
         reason: str = "load",
+        conversation: int | None = None,
     ) -> Ticket:
         """Count slots that the fleet's shared line (app/replica.py) granted this replica on
         `pool`, room or not: Redis is the judge then, and this core keeps this replica's part
@@ -743,18 +748,19 @@ class Admission:
             fair = self._share(tenant)
         seq = self._next_seq
         self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
         self._take(ticket, pool, reason)
         if fair is not None:
             fair.granted(ticket)
-        if affinity is not None:
-            self._remember(affinity, pool)
+        if ticket.memo is not None:
+            self._remember(ticket.memo, pool)
         ticket.admitted_at = ticket.entered_at
         return ticket
 
-    def last_pool(self, affinity: int) -> Pool | None:
-        """The pool that ran the last request of this affinity key (its prompt is cached there)."""
-        return self._last.get(affinity)
+    def last_pool(self, memo: int) -> Pool | None:
+        """The pool that ran the last request of this conversation (or affinity key): its
+        prompt is cached there."""
+        return self._last.get(memo)
 
     def tenant_counts(self, name: str) -> tuple[int, int]:
         """(slots held, waiters) of the tenant `name`."""
@@ -804,6 +810,7 @@ class Admission:
         weigh: Callable[[int], int] | None,
         affinity: int | None,
         tenant: Tenant,
+        conversation: int | None = None,
     ) -> Ticket:
         if self._startup_wait_s is None:
             raise NotReady(self.snapshot(), 1.0)
@@ -812,7 +819,7 @@ class Admission:
             raise QueueFull(self.snapshot(), self._promise_s())
         seq = self._next_seq
         self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         fair = self._fair
@@ -961,22 +968,23 @@ class Admission:
             first = ticket.affinity is not None
         else:
             weight = ticket.weight
-            key = ticket.affinity
-            last = self._last
+            # Its conversation's last upstream first (else its key's): its history is cached
+            # there; its key's rendezvous order next, where the shared prompt start is.
+            memo = ticket.memo
             chosen = choose(
                 pools,
                 weight,
                 lambda pool: pool.fits(weight, pool.charge(ticket)),
-                key,
+                ticket.affinity,
                 self._epsilon,
-                None if key is None else last.get(key),
+                None if memo is None else self._last.get(memo),
                 ticket.seq,
             )
             if chosen is None:
                 return False
             pool, first = chosen
-            if key is not None:
-                self._remember(key, pool)
+            if memo is not None:
+                self._remember(memo, pool)
         self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
         return True
 

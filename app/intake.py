@@ -32,6 +32,10 @@ ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 
 log = logging.getLogger("slotgate.intake")
 
+#: How much of a chat's start makes its conversation key: the system prompt and the first
+#: user message, or this much of them.
+CONVERSATION_CHARS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class Intake:
@@ -42,6 +46,7 @@ class Intake:
     estimate: Estimate | None = None  # its reservation of the KV budget, when one binds
     expected_hold_s: float | None = None  # how long it should hold its slots (a cold gate)
     affinity: int | None = None  # its routing key among several upstreams (app/routing.py)
+    conversation: int | None = None  # the key of its conversation, within the affinity key's
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +76,14 @@ def take(
     if wants.expect:
         expected = expected_hold_of(endpoint.kind, payload, wants.tokens_per_s)
     key = affinity_of(payload) if wants.affinity else None
+    talk = conversation_of(payload) if key is not None else None
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:
         streaming, _ = streaming_request(body)
         return Intake(
-            want, streaming, True, payload.get("return_tokens") is True, estimate, expected, key
-        )
-    return Intake(want, body, False, False, estimate, expected, key)
+            want, streaming, True, payload.get("return_tokens") is True, estimate, expected, key,
+            talk,
+        )  # fmt: skip
+    return Intake(want, body, False, False, estimate, expected, key, talk)
 
 
 def affinity_of(payload: dict[str, object]) -> int | None:
@@ -99,6 +106,30 @@ def affinity_of(payload: dict[str, object]) -> int | None:
     if not size:
         return None
     return stable_hash("\x00".join(parts)[:AFFINITY_PREFIX_CHARS])
+
+
+def conversation_of(payload: dict[str, object]) -> int | None:
+    """The key of a chat's conversation: its prompt's start up to the end of its first user
+    message (at most CONVERSATION_CHARS), the same at every turn. Several conversations share
+    one affinity key when their system prompt fills it: each turn then goes back to where its
+    own conversation ran last (its whole history is cached there), while a new conversation
+    goes where the system prompt is. None for anything but a chat without prompt_cache_key."""
+    messages = payload.get("messages")
+    if "prompt_cache_key" in payload or not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    size = 0
+    texts = _prompt_texts({"system": payload.get("system"), "messages": messages})
+    for text in itertools.islice(texts, CONVERSATION_CHARS):
+        parts.append(text[: CONVERSATION_CHARS - size])
+        size += len(parts[-1])
+        if size >= CONVERSATION_CHARS:
+            break
+        if len(parts) >= 2 and parts[-2] == "user":
+            break  # the first user message's content: the conversation is told apart
+    if not size:
+        return None
+    return stable_hash("conversation\x00" + "\x00".join(parts))
 
 
 def _prompt_texts(payload: dict[str, object]) -> Iterator[str]:

@@ -298,12 +298,13 @@ class Proxy:
                 # No upstream known to this replica yet: the shared line has no startup wait.
                 raise NotReady(self._admission.snapshot(), 1.0)
             ticket = await self._replica.enter(
-                want.weight, cost.reserve if cost else 0, taken.affinity, tenant=tenant, band=band
-            )
+                want.weight, cost.reserve if cost else 0, taken.affinity,
+                tenant=tenant, band=band, conversation=taken.conversation,
+            )  # fmt: skip
         else:
             ticket = self._admission.enter(
                 want.weight, cost.reserve if cost else 0, weigh, taken.affinity,
-                tenant=tenant, band=band,
+                tenant=tenant, band=band, conversation=taken.conversation,
             )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)

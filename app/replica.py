@@ -31,8 +31,8 @@ class ReplicaTicket:
     """One request's claim on the fleet's shared slots (see `Claim` in app/admission.py)."""
 
     __slots__ = (
-        "_gate", "_known_by", "_local", "_released", "_shared", "affinity", "cost", "entered_at",
-        "rerouted", "tenant", "weight",
+        "_gate", "_known_by", "_local", "_released", "_shared", "affinity", "conversation", "cost",
+        "entered_at", "rerouted", "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -43,12 +43,14 @@ class ReplicaTicket:
         cost: int,
         affinity: int | None,
         tenant: Tenant,
+        conversation: int | None = None,
     ) -> None:
         self._gate = gate
         self._shared = shared
         self.weight = weight
         self.cost = cost
         self.affinity = affinity
+        self.conversation = conversation
         self.tenant = tenant
         self.entered_at = shared.entered_at
         #: The core's ticket on the granted upstream's pool, once granted.
@@ -114,8 +116,9 @@ class ReplicaTicket:
             raise NotReady(gate.admission.snapshot(), 1.0)
         reason = "retry" if self.rerouted else shared.reason or "load"
         self._local = gate.admission.hold(
-            pool, self.weight, self.cost, self.affinity, tenant=self.tenant, reason=reason
-        )
+            pool, self.weight, self.cost, self.affinity,
+            tenant=self.tenant, reason=reason, conversation=self.conversation,
+        )  # fmt: skip
 
     def reroute(self, known_by: float) -> None:
         """Its upstream did not take the request: give the slots back to the fleet and wait
@@ -248,6 +251,7 @@ class ReplicaAdmission:
         *,
         tenant: Tenant = EVERYONE,
         band: int | None = None,
+        conversation: int | None = None,
     ) -> ReplicaTicket:
         """A place in the fleet's line (or its slots at once), or why neither is possible."""
         closing = self._closing
@@ -256,10 +260,10 @@ class ReplicaAdmission:
         shared = await self.shared.enter(
             weight=weight,
             cost=cost,
-            ranking=self._ranking(affinity),
+            ranking=self._ranking(affinity, conversation),
             band=tenant.band if band is None else band,
         )
-        ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant)
+        ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:
             try:
                 ticket._hold()
@@ -268,16 +272,17 @@ class ReplicaAdmission:
                 raise
         return ticket
 
-    def _ranking(self, affinity: int | None) -> list[str]:
-        """The upstreams in the key's order (its last one first), as app/routing.py ranks them;
-        empty without a key: the script then takes the least loaded."""
+    def _ranking(self, affinity: int | None, conversation: int | None) -> list[str]:
+        """The upstreams in the key's order (its conversation's last one first), as
+        app/routing.py ranks them; empty without a key: the script then takes the least
+        loaded. (The last one is this replica's memory: another replica's is not shared.)"""
         if affinity is None or not self._affinity:
             return []
         pools = [pool for pool in self.admission.pools if pool.capacity and not pool.retired]
         if len(pools) < 2:
             return []
         ranked = sorted(pools, key=lambda pool: score(affinity, pool.salt), reverse=True)
-        last = self.admission.last_pool(affinity)
+        last = self.admission.last_pool(conversation if conversation is not None else affinity)
         if last is not None and last in ranked:
             ranked.remove(last)
             ranked.insert(0, last)

@@ -394,6 +394,30 @@ async def test_a_key_follows_its_prompt_to_where_its_last_request_ran() -> None:
     follow.release()
 
 
+async def test_each_conversation_under_one_key_goes_back_to_where_it_ran_last() -> None:
+    admission = fleet(1, 1, 1)
+    key = key_preferring(admission, 0)
+    # Two conversations over one system prompt (one affinity key): the first takes the key's
+    # first choice, the second spills.
+    first = admission.enter(affinity=key, conversation=1)
+    second = admission.enter(affinity=key, conversation=2)
+    assert first.pool is admission.pools[0]
+    assert second.pool is not admission.pools[0]
+    where = second.pool
+    first.release()
+    second.release()
+    # Their next turns: each where its own history is cached, not where the key ran last (the
+    # second conversation's upstream).
+    later_first = admission.enter(affinity=key, conversation=1)
+    later_second = admission.enter(affinity=key, conversation=2)
+    assert later_first.pool is admission.pools[0]
+    assert later_second.pool is where
+    # A new conversation under that key goes to its first choice, where the prompt start is.
+    later_first.release()
+    later_second.release()
+    assert admission.enter(affinity=key, conversation=3).pool is admission.pools[0]
+
+
 async def test_a_request_too_large_for_every_upstream_is_told_the_largest_ones_slots() -> None:
     admission = fleet(2, 2)
     with pytest.raises(TooLarge) as caught:

@@ -114,3 +114,32 @@ def test_the_affinity_key_is_the_prompt_cache_key_else_the_prompts_start() -> No
         {"messages": [{"role": None, "content": "hello"}]}
     )
     assert intake.affinity_of({"messages": []}) is None
+
+
+def test_a_chats_conversation_key_is_its_start_through_the_first_user_message() -> None:
+    system = {"role": "system", "content": "You are the support desk of Northwind. " * 20}
+    one = [system, {"role": "user", "content": "My order 1 is late"}]
+    two = [system, {"role": "user", "content": "My order 2 is late"}]
+    turn = [*one, {"role": "assistant", "content": "Sorry"}, {"role": "user", "content": "?"}]
+    key = intake.conversation_of({"messages": one})
+    assert key is not None
+    # Every turn of one conversation has one key; another conversation under the same system
+    # prompt (the same affinity key) has its own.
+    assert intake.conversation_of({"messages": turn}) == key
+    assert intake.conversation_of({"messages": two}) != key
+    assert intake.affinity_of({"messages": one}) == intake.affinity_of({"messages": two})
+    # The client's own prompt_cache_key says it all; a raw prompt has no conversation.
+    assert intake.conversation_of({"messages": one, "prompt_cache_key": "u1"}) is None
+    assert intake.conversation_of({"prompt": "hello"}) is None
+    assert intake.conversation_of({"messages": []}) is None
+
+
+def test_the_conversation_key_reads_a_bounded_part_of_any_chat() -> None:
+    endless = [{"role": "system", "content": ""}] * 100_000
+    assert intake.conversation_of({"messages": endless}) == intake.conversation_of(
+        {"messages": endless[: intake.CONVERSATION_CHARS]}
+    )
+    huge = [{"role": "user", "content": "x" * 10_000_000}]
+    assert intake.conversation_of({"messages": huge}) == intake.conversation_of(
+        {"messages": [{"role": "user", "content": "x" * intake.CONVERSATION_CHARS}]}
+    )
