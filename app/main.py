@@ -154,7 +154,7 @@ class Service:
                 for upstream in self.fleet
             ],
             "tenants": self.tenants(),
-            "replication": {"mode": "off"} if self.replica is None else self.replica.view(),
+            "replication": {"mode": "local"} if self.replica is None else self.replica.view(),
         }
 
     def tenants(self) -> list[dict[str, Any]]:

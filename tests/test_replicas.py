@@ -158,13 +158,13 @@ async def test_admission_metrics_and_readyz_show_the_shared_line_and_this_replic
     assert "slotgate_fleet_capacity 3.0" in metrics
 
 
-async def test_without_redis_url_admission_says_replication_is_off(
+async def test_without_redis_url_admission_says_this_process_admits_alone(
     standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await serve(Settings(_env_file=None, llama_server_url=standin.url, log_level="warning"))
     try:
         admission = (await client.get(gate.url + "/admission")).json()
-        assert admission["replication"] == {"mode": "off"}
+        assert admission["replication"] == {"mode": "local"}
         metrics = (await client.get(gate.url + "/metrics?source=slotgate")).text
         assert "slotgate_replication_mode" not in metrics
     finally:
