@@ -3,6 +3,7 @@ schema, hadolint, .env.example against Settings, and the image's install steps r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,11 +16,13 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 import yaml
 from slotgate.cli import uvicorn_config
@@ -448,35 +451,43 @@ def test_the_balancer_never_sends_a_post_that_reached_one_replica_to_the_other()
     conditions = [set(args) for args in balancer("proxy_next_upstream")]
     assert conditions, "say the default out loud: proxy_next_upstream error timeout"
     for given in conditions:
-        # non_idempotent would resend a generation; http_429/http_503 would hide slotgate's
-        # answers behind the other replica's.
+        # non_idempotent would resend a generation; http_429/http_503 would swap slotgate's
+        # answers to the requests nginx may retry for the other replica's.
         assert given <= {"error", "timeout", "off"}, given
     # Nowhere else either (server or http level), where it would apply all the same.
     everywhere = nginx_directives(BALANCER_CONF.read_text())
     assert len([d for d in everywhere if d.name == "proxy_next_upstream"]) == len(conditions)
 
 
-def nginx() -> str | None:
-    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-
-
-def nginx_check(tmp_path: Path, conf: str) -> subprocess.CompletedProcess[str]:
-    """`nginx -t` on `conf` included in an http block, as the image's nginx.conf includes
-    conf.d/*.conf, with the replicas' names as the loopback (nginx looks them up here)."""
-    found = nginx()
+def nginx() -> str:
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
     if found is None:
         pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
+    return found
+
+
+def nginx_main(tmp_path: Path, conf: str, ports: dict[str, int], listen: int = 8000) -> Path:
+    """A main nginx.conf that includes `conf` in its http block, as the image's nginx.conf
+    includes conf.d/*.conf, with each replica's name and port as a loopback port (nginx looks
+    the names up) and the balancer on `listen`."""
     for name in REPLICA_NAMES:
-        assert conf.count(f" {name}:") == 1, name
-        conf = conf.replace(f" {name}:", " 127.0.0.1:")
+        assert conf.count(f" {name}:8000 ") == 1, name
+        conf = conf.replace(f" {name}:8000 ", f" 127.0.0.1:{ports[name]} ")
+    assert conf.count("listen 8000;") == 1
+    conf = conf.replace("listen 8000;", f"listen 127.0.0.1:{listen};")
     included = tmp_path / "default.conf"
     included.write_text(conf)
     main = tmp_path / "nginx.conf"
     # access_log off: the default log file is root's; the image's nginx.conf names its own.
     main.write_text(f"events {{}}\nhttp {{\n    access_log off;\n    include {included};\n}}\n")
+    return main
+
+
+def nginx_check(tmp_path: Path, conf: str) -> subprocess.CompletedProcess[str]:
+    main = nginx_main(tmp_path, conf, dict.fromkeys(REPLICA_NAMES, 8000))
     pid = f"pid {tmp_path / 'nginx.pid'};"
     return subprocess.run(
-        [found, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(main), "-g", pid],
+        [nginx(), "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(main), "-g", pid],
         capture_output=True,
         text=True,
         timeout=30,
@@ -491,6 +502,242 @@ def test_nginx_accepts_the_balancer_conf_and_refuses_a_broken_one(tmp_path: Path
     broken = nginx_check(tmp_path, conf.replace("proxy_buffering off;", "proxy_bufering off;"))
     assert broken.returncode != 0
     assert "proxy_bufering" in broken.stderr
+
+
+class Replica:
+    """A stand-in for one slotgate replica behind the balancer: HTTP/1.1 with keep-alive on
+    a loopback port; the request's `x-scenario` header says how it answers."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[str] = []
+        self.more = asyncio.Event()  # lets a `stream` send its second event
+        self.gone = asyncio.Event()  # a `silent` or `endless` answer found its connection closed
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await self.server.wait_closed()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.add(writer)
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, path, _ = head[0].split(" ")
+                fields = (line.partition(":") for line in head[1:] if line)
+                headers = {name.lower(): value.strip() for name, _, value in fields}
+                await reader.readexactly(int(headers.get("content-length", "0")))
+                self.seen.append(f"{method} {path}")
+                if not await self.answer(headers.get("x-scenario", ""), reader, writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+    async def answer(
+        self, scenario: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answers one request; False when the connection is to be closed."""
+        if scenario == "drop":
+            return False  # read, then closed without a word: a replica that died under it
+        if scenario == "silent":
+            # Nothing to say yet, as for a request waiting in slotgate's line.
+            assert await reader.read(1) == b"", "nginx sends nothing more on this connection"
+            self.gone.set()
+            return False
+        if scenario == "busy":
+            body = b'{"error": {"message": "the line is full", "type": "queue_full"}}'
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 7\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+        elif scenario in {"stream", "endless"}:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            writer.write(chunk(b"data: 1\n\n"))
+            if scenario == "stream":
+                async with asyncio.timeout(30):
+                    await self.more.wait()
+                writer.write(chunk(b"data: 2\n\n") + chunk(b""))
+            else:
+                try:
+                    while not writer.is_closing():
+                        await writer.drain()
+                        await asyncio.sleep(0.02)
+                        writer.write(chunk(b": still here\n\n"))
+                except ConnectionError:
+                    pass
+                self.gone.set()
+                return False
+        else:
+            body = self.name.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        return True
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass
+class Balanced:
+    url: str
+    replicas: dict[str, Replica]
+
+    def seen(self) -> list[str]:
+        return [request for replica in self.replicas.values() for request in replica.seen]
+
+
+@pytest.fixture
+async def balanced(tmp_path: Path) -> AsyncIterator[Balanced]:
+    """nginx running the shipped balancer conf in front of two stand-in replicas."""
+    binary = nginx()
+    replicas = {name: Replica(name) for name in REPLICA_NAMES}
+    for replica in replicas.values():
+        await replica.start()
+    port = free_port()
+    main = nginx_main(
+        tmp_path,
+        BALANCER_CONF.read_text(),
+        {name: replica.port for name, replica in replicas.items()},
+        listen=port,
+    )
+    globals_ = f"pid {tmp_path / 'nginx.pid'}; daemon off; master_process off;"
+    with (tmp_path / "nginx.log").open("w") as log:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-e", "stderr", "-p", str(tmp_path), "-c", str(main), "-g", globals_,
+            stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                assert proc.returncode is None, (tmp_path / "nginx.log").read_text()
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    await asyncio.sleep(0.02)
+                    continue
+                writer.close()
+                break
+        yield Balanced(f"http://127.0.0.1:{port}", replicas)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+        for replica in replicas.values():
+            await replica.stop()
+
+
+async def test_through_the_balancer_each_event_reaches_the_client_as_the_replica_sends_it(
+    balanced: Balanced,
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "stream"}) as r,
+    ):
+        assert r.status == 200
+        # The replica holds its second event until the client has the first: a balancer that
+        # held events back until the stream ended would time out here.
+        async with asyncio.timeout(10):
+            assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
+        for replica in balanced.replicas.values():
+            replica.more.set()
+        assert await r.content.read() == b"data: 2\n\n"
+
+
+async def test_the_balancer_hands_a_429_and_its_retry_after_through_and_asks_no_other_replica(
+    balanced: Balanced,
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "busy"}) as r,
+    ):
+        assert r.status == 429
+        assert r.headers["Retry-After"] == "7"
+        assert r.headers["Content-Type"] == "application/json"
+        assert await r.json() == {"error": {"message": "the line is full", "type": "queue_full"}}
+    assert balanced.seen() == ["POST /v1/chat/completions"]
+
+
+async def test_a_post_whose_replica_drops_it_is_not_sent_to_the_other_replica(
+    balanced: Balanced,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # one for each replica in turn
+            async with session.post(
+                f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "drop"}
+            ) as r:
+                assert r.status == 502
+    # A generation runs at most once: each POST reached one replica and no other.
+    assert sorted(balanced.seen()) == ["POST /v1/chat/completions"] * 2
+    assert [len(replica.seen) for replica in balanced.replicas.values()] == [1, 1]
+
+
+async def test_requests_alternate_between_replicas_and_skip_one_that_refuses_connections(
+    balanced: Balanced,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        served = []
+        for _ in range(4):
+            async with session.get(f"{balanced.url}/v1/models") as r:
+                served.append(await r.text())
+        assert sorted(served) == ["slotgate-a", "slotgate-a", "slotgate-b", "slotgate-b"]
+        await balanced.replicas["slotgate-a"].stop()
+        # Nothing reached slotgate-a, so even a POST may go to slotgate-b instead.
+        for _ in range(4):
+            async with session.post(f"{balanced.url}/v1/chat/completions", json={}) as r:
+                assert r.status == 200
+                assert await r.text() == "slotgate-b"
+
+
+async def test_a_client_that_leaves_while_waiting_closes_the_balancer_s_connection_to_the_replica(
+    balanced: Balanced,
+) -> None:
+    port = urlsplit(balanced.url).port
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: slotgate\r\nx-scenario: silent\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+    async with asyncio.timeout(10):
+        while not balanced.seen():
+            await asyncio.sleep(0.01)
+    writer.close()  # the client leaves before any answer
+    (replica,) = [replica for replica in balanced.replicas.values() if replica.seen]
+    # proxy_ignore_client_abort on would keep this connection, and slotgate's place in the
+    # line with it, until an answer came.
+    async with asyncio.timeout(10):
+        await replica.gone.wait()
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_balancer_s_connection_to_the_replica(
+    balanced: Balanced,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        r = await session.post(
+            f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "endless"}
+        )
+        assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
+        r.close()  # the client's connection is dropped, not returned to a pool
+    (replica,) = [replica for replica in balanced.replicas.values() if replica.seen]
+    async with asyncio.timeout(10):
+        await replica.gone.wait()
 
 
 # --- .env.example -------------------------------------------------------------------------
