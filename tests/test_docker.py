@@ -3,6 +3,7 @@ schema, hadolint, .env.example against Settings, and the image's install steps r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,13 +16,16 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 import yaml
+from slotgate.cli import uvicorn_config
 from slotgate.settings import Settings
 
 from bench.procs import free_port
@@ -32,6 +36,9 @@ DOCKERFILE = DOCKER / "Dockerfile"
 COMPOSE = DOCKER / "compose.yaml"
 SIDECAR = DOCKER / "compose.sidecar.yaml"
 FLEET = DOCKER / "compose.fleet.yaml"
+REPLICAS = DOCKER / "compose.replicas.yaml"
+BALANCER_CONF = DOCKER / "nginx.replicas.conf"
+REPLICA_NAMES = ("slotgate-a", "slotgate-b")
 ENV_EXAMPLE = REPO / ".env.example"
 # check-jsonschema carries the Compose Specification's schema: nothing outside the clone is read.
 SCHEMA = ["--builtin-schema", "vendor.compose-spec"]
@@ -262,6 +269,10 @@ def test_compose_waits_longer_than_slotgates_drain_before_killing_it() -> None:
     for path in (COMPOSE, SIDECAR, FLEET):
         grace = service(path, "slotgate")["stop_grace_period"]
         assert seconds(default(grace)) > drain_s, path.name
+    # The balancer too: nginx lets running streams finish on SIGQUIT, and is stopped first.
+    for name in (*REPLICA_NAMES, "balancer"):
+        grace = service(REPLICAS, name)["stop_grace_period"]
+        assert seconds(default(grace)) > drain_s, name
 
 
 def test_the_cuda_variant_uses_the_cuda_image_and_reserves_the_gpus() -> None:
@@ -275,7 +286,7 @@ def test_every_compose_file_and_the_cuda_variant_match_the_compose_schema(tmp_pa
     cuda = tmp_path / "compose.cuda.yaml"
     cuda.write_text(cuda_variant(COMPOSE.read_text()))
     files = [*sorted(DOCKER.glob("compose*.yaml")), cuda]
-    assert {COMPOSE, SIDECAR, FLEET} <= set(files)
+    assert {COMPOSE, SIDECAR, FLEET, REPLICAS} <= set(files)
     result = subprocess.run(
         [sys.executable, "-m", "check_jsonschema", *SCHEMA, *map(str, files)],
         capture_output=True,
@@ -298,6 +309,435 @@ def test_a_document_that_breaks_the_compose_schema_is_refused(tmp_path: Path) ->
     )
     assert result.returncode != 0
     assert "restrt" in result.stdout
+
+
+# --- several replicas behind a balancer ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Directive:
+    """One nginx directive: the blocks it sits in (`("upstream", "location")`), its name and
+    its arguments with their quotes taken off."""
+
+    blocks: tuple[str, ...]
+    name: str
+    args: tuple[str, ...]
+
+
+def nginx_directives(text: str) -> list[Directive]:
+    pieces = re.findall(
+        r'"(?:[^"\\]|\\.)*"|\'[^\']*\'|[{};]|[^\s{};"\']+', re.sub(r"#.*", "", text)
+    )
+    found: list[Directive] = []
+    blocks: list[str] = []
+    words: list[str] = []
+    for piece in pieces:
+        if piece == ";":
+            found.append(Directive(tuple(blocks), words[0], tuple(words[1:])))
+            words = []
+        elif piece == "{":
+            blocks.append(words[0])
+            words = []
+        elif piece == "}":
+            blocks.pop()
+        else:
+            words.append(piece[1:-1] if piece[0] in "\"'" else piece)
+    assert not blocks, "unbalanced nginx configuration"
+    assert not words, "unbalanced nginx configuration"
+    return found
+
+
+def balancer(name: str, block: str = "location") -> list[tuple[str, ...]]:
+    """The arguments of every `name` directive of the balancer's conf inside `block`."""
+    found = nginx_directives(BALANCER_CONF.read_text())
+    return [d.args for d in found if d.name == name and d.blocks[-1:] == (block,)]
+
+
+def nginx_bytes(size: str) -> int:
+    match = re.fullmatch(r"(\d+)([kKmMgG]?)", size)
+    assert match, f"not an nginx size: {size!r}"
+    units = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+    return int(match.group(1)) * units[match.group(2).lower()]
+
+
+def test_the_replicas_share_one_valkey_and_one_fleet_name() -> None:
+    valkey = service(REPLICAS, "valkey")
+    assert valkey["image"] == "valkey/valkey:8.1"
+    assert valkey["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
+    # In memory only: the replicas write their state back into a Valkey that restarts empty.
+    assert valkey["command"] == ["valkey-server", "--save", "", "--appendonly", "no"]
+    replicas = [environment(service(REPLICAS, name)) for name in REPLICA_NAMES]
+    urls = {env["REDIS_URL"] for env in replicas}
+    assert len(urls) == 1, urls
+    url = urlsplit(urls.pop())
+    assert (url.scheme, url.hostname, url.port) == ("redis", "valkey", 6379)
+    # Fixed in compose, so that a REDIS_FLEET in .env cannot split the line in two.
+    fleets = {env.get("REDIS_FLEET") for env in replicas}
+    assert len(fleets) == 1
+    assert None not in fleets
+    for name in REPLICA_NAMES:
+        depends_on = service(REPLICAS, name)["depends_on"]
+        assert {other: on["condition"] for other, on in depends_on.items()} == {
+            "llama-server": "service_healthy",
+            "valkey": "service_healthy",
+        }, name
+
+
+def test_the_replicas_are_compose_yaml_s_slotgate_in_front_of_its_llama_server() -> None:
+    llama = service(REPLICAS, "llama-server")
+    assert llama == {"extends": {"file": "compose.yaml", "service": "llama-server"}}
+    theirs = service(COMPOSE, "slotgate")
+    for name in REPLICA_NAMES:
+        replica = service(REPLICAS, name)
+        env = environment(replica)
+        wiring = {key: env[key] for key in ("LLAMA_SERVER_URL", "HOST", "PORT")}
+        assert wiring == environment(theirs), name
+        # Image, .env, healthcheck, stop grace and hardening: compose.yaml's, less the port.
+        mine = {
+            key: value for key, value in replica.items() if key not in {"depends_on", "environment"}
+        }
+        assert mine == {key: value for key, value in theirs.items() if key in mine}, name
+        assert mine.keys() == theirs.keys() - {"depends_on", "environment", "ports"}, name
+
+
+def test_only_the_balancer_publishes_a_port_and_it_is_the_one_nginx_listens_on() -> None:
+    services = load(REPLICAS)["services"]
+    assert sorted(name for name, svc in services.items() if "ports" in svc) == ["balancer"]
+    listens = balancer("listen", "server")
+    assert [[port] for port in published_targets(services["balancer"])] == [list(listens[0])]
+    assert len(listens) == 1
+    host_port = default(services["balancer"]["ports"][0]).split(":")[0]
+    assert host_port == str(Settings.model_fields["port"].default)
+
+
+def test_the_balancer_spreads_requests_over_both_replicas_on_the_port_they_listen_on() -> None:
+    servers = [args[0] for args in balancer("server", "upstream")]
+    ports = [environment(service(REPLICAS, name))["PORT"] for name in REPLICA_NAMES]
+    assert servers == [f"{name}:{port}" for name, port in zip(REPLICA_NAMES, ports, strict=True)]
+    (target,) = balancer("proxy_pass")
+    blocks = re.findall(r"(?m)^upstream\s+(\S+)\s*\{", BALANCER_CONF.read_text())
+    assert target == (f"http://{blocks[0]}",)
+    svc = service(REPLICAS, "balancer")
+    assert svc["volumes"] == ["./nginx.replicas.conf:/etc/nginx/conf.d/default.conf:ro"]
+    # nginx looks the names up when it starts: after both exist, and again when either is
+    # recreated by compose (a new container may have a new address).
+    assert svc["depends_on"] == {
+        name: {"condition": "service_healthy", "restart": True} for name in REPLICA_NAMES
+    }
+
+
+def test_the_balancer_relays_streams_unbuffered_and_passes_slotgate_s_answers_through() -> None:
+    assert balancer("proxy_buffering") == [("off",)]
+    assert balancer("gzip") == [("off",)]
+    assert balancer("proxy_http_version") == [("1.1",)]
+    assert ("Connection", "") in balancer("proxy_set_header")
+    # 429s, 503s and their Retry-After reach the client as slotgate wrote them.
+    assert balancer("proxy_intercept_errors") in ([], [("off",)])
+    assert not balancer("proxy_hide_header")
+    assert not balancer("proxy_ignore_headers")
+    # A request waits in the line and generates with nothing sent: slotgate bounds that itself.
+    (read_timeout,) = balancer("proxy_read_timeout")
+    assert seconds(read_timeout[0]) > Settings.model_fields["upstream_stall_timeout"].default
+    # slotgate's body limit answers first, in the API's error shape.
+    (body,) = balancer("client_max_body_size", "server")
+    assert nginx_bytes(body[0]) == Settings.model_fields["max_body_bytes"].default
+    # nginx lets a kept connection go before uvicorn would close it under a request.
+    (idle,) = balancer("keepalive_timeout", "upstream")
+    keep_alive_s = uvicorn_config(object, Settings(_env_file=None)).timeout_keep_alive
+    assert seconds(idle[0]) < keep_alive_s
+
+
+def test_the_balancer_never_sends_a_post_that_reached_one_replica_to_the_other() -> None:
+    conditions = [set(args) for args in balancer("proxy_next_upstream")]
+    assert conditions, "say the default out loud: proxy_next_upstream error timeout"
+    for given in conditions:
+        # non_idempotent would resend a generation; http_429/http_503 would swap slotgate's
+        # answers to the requests nginx may retry for the other replica's.
+        assert given <= {"error", "timeout", "off"}, given
+    # Nowhere else either (server or http level), where it would apply all the same.
+    everywhere = nginx_directives(BALANCER_CONF.read_text())
+    assert len([d for d in everywhere if d.name == "proxy_next_upstream"]) == len(conditions)
+
+
+def nginx() -> str:
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    if found is None:
+        pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
+    return found
+
+
+def nginx_main(tmp_path: Path, conf: str, ports: dict[str, int], listen: int = 8000) -> Path:
+    """A main nginx.conf that includes `conf` in its http block, as the image's nginx.conf
+    includes conf.d/*.conf, with each replica's name and port as a loopback port (nginx looks
+    the names up) and the balancer on `listen`."""
+    for name in REPLICA_NAMES:
+        assert conf.count(f" {name}:8000 ") == 1, name
+        conf = conf.replace(f" {name}:8000 ", f" 127.0.0.1:{ports[name]} ")
+    assert conf.count("listen 8000;") == 1
+    conf = conf.replace("listen 8000;", f"listen 127.0.0.1:{listen};")
+    included = tmp_path / "default.conf"
+    included.write_text(conf)
+    main = tmp_path / "nginx.conf"
+    # access_log off: the default log file is root's; the image's nginx.conf names its own.
+    main.write_text(f"events {{}}\nhttp {{\n    access_log off;\n    include {included};\n}}\n")
+    return main
+
+
+def nginx_check(tmp_path: Path, conf: str) -> subprocess.CompletedProcess[str]:
+    main = nginx_main(tmp_path, conf, dict.fromkeys(REPLICA_NAMES, 8000))
+    pid = f"pid {tmp_path / 'nginx.pid'};"
+    return subprocess.run(
+        [nginx(), "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(main), "-g", pid],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_nginx_accepts_the_balancer_conf_and_refuses_a_broken_one(tmp_path: Path) -> None:
+    conf = BALANCER_CONF.read_text()
+    accepted = nginx_check(tmp_path, conf)
+    assert accepted.returncode == 0, accepted.stderr
+    broken = nginx_check(tmp_path, conf.replace("proxy_buffering off;", "proxy_bufering off;"))
+    assert broken.returncode != 0
+    assert "proxy_bufering" in broken.stderr
+
+
+class Replica:
+    """A stand-in for one slotgate replica behind the balancer: HTTP/1.1 with keep-alive on
+    a loopback port; the request's `x-scenario` header says how it answers."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[str] = []
+        self.more = asyncio.Event()  # lets a `stream` send its second event
+        self.gone = asyncio.Event()  # a `silent` or `endless` answer found its connection closed
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await self.server.wait_closed()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.add(writer)
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, path, _ = head[0].split(" ")
+                fields = (line.partition(":") for line in head[1:] if line)
+                headers = {name.lower(): value.strip() for name, _, value in fields}
+                await reader.readexactly(int(headers.get("content-length", "0")))
+                self.seen.append(f"{method} {path}")
+                if not await self.answer(headers.get("x-scenario", ""), reader, writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+    async def answer(
+        self, scenario: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answers one request; False when the connection is to be closed."""
+        if scenario == "drop":
+            return False  # read, then closed without a word: a replica that died under it
+        if scenario == "silent":
+            # Nothing to say yet, as for a request waiting in slotgate's line.
+            assert await reader.read(1) == b"", "nginx sends nothing more on this connection"
+            self.gone.set()
+            return False
+        if scenario == "busy":
+            body = b'{"error": {"message": "the line is full", "type": "queue_full"}}'
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 7\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+        elif scenario in {"stream", "endless"}:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            writer.write(chunk(b"data: 1\n\n"))
+            if scenario == "stream":
+                async with asyncio.timeout(30):
+                    await self.more.wait()
+                writer.write(chunk(b"data: 2\n\n") + chunk(b""))
+            else:
+                try:
+                    while not writer.is_closing():
+                        await writer.drain()
+                        await asyncio.sleep(0.02)
+                        writer.write(chunk(b": still here\n\n"))
+                except ConnectionError:
+                    pass
+                self.gone.set()
+                return False
+        else:
+            body = self.name.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        return True
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass
+class Balanced:
+    url: str
+    replicas: dict[str, Replica]
+
+    def seen(self) -> list[str]:
+        return [request for replica in self.replicas.values() for request in replica.seen]
+
+
+@pytest.fixture
+async def balanced(tmp_path: Path) -> AsyncIterator[Balanced]:
+    """nginx running the shipped balancer conf in front of two stand-in replicas."""
+    binary = nginx()
+    replicas = {name: Replica(name) for name in REPLICA_NAMES}
+    for replica in replicas.values():
+        await replica.start()
+    port = free_port()
+    main = nginx_main(
+        tmp_path,
+        BALANCER_CONF.read_text(),
+        {name: replica.port for name, replica in replicas.items()},
+        listen=port,
+    )
+    globals_ = f"pid {tmp_path / 'nginx.pid'}; daemon off; master_process off;"
+    with (tmp_path / "nginx.log").open("w") as log:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-e", "stderr", "-p", str(tmp_path), "-c", str(main), "-g", globals_,
+            stdout=log, stderr=log,
+        )  # fmt: skip
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                assert proc.returncode is None, (tmp_path / "nginx.log").read_text()
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except OSError:
+                    await asyncio.sleep(0.02)
+                    continue
+                writer.close()
+                break
+        yield Balanced(f"http://127.0.0.1:{port}", replicas)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+        for replica in replicas.values():
+            await replica.stop()
+
+
+async def test_through_the_balancer_each_event_reaches_the_client_as_the_replica_sends_it(
+    balanced: Balanced,
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "stream"}) as r,
+    ):
+        assert r.status == 200
+        # The replica holds its second event until the client has the first: a balancer that
+        # held events back until the stream ended would time out here.
+        async with asyncio.timeout(10):
+            assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
+        for replica in balanced.replicas.values():
+            replica.more.set()
+        assert await r.content.read() == b"data: 2\n\n"
+
+
+async def test_the_balancer_hands_a_429_and_its_retry_after_through_and_asks_no_other_replica(
+    balanced: Balanced,
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "busy"}) as r,
+    ):
+        assert r.status == 429
+        assert r.headers["Retry-After"] == "7"
+        assert r.headers["Content-Type"] == "application/json"
+        assert await r.json() == {"error": {"message": "the line is full", "type": "queue_full"}}
+    assert balanced.seen() == ["POST /v1/chat/completions"]
+
+
+async def test_a_post_whose_replica_drops_it_is_not_sent_to_the_other_replica(
+    balanced: Balanced,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # one for each replica in turn
+            async with session.post(
+                f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "drop"}
+            ) as r:
+                assert r.status == 502
+    # A generation runs at most once: each POST reached one replica and no other.
+    assert sorted(balanced.seen()) == ["POST /v1/chat/completions"] * 2
+    assert [len(replica.seen) for replica in balanced.replicas.values()] == [1, 1]
+
+
+async def test_requests_alternate_between_replicas_and_skip_one_that_refuses_connections(
+    balanced: Balanced,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        served = []
+        for _ in range(4):
+            async with session.get(f"{balanced.url}/v1/models") as r:
+                served.append(await r.text())
+        assert sorted(served) == ["slotgate-a", "slotgate-a", "slotgate-b", "slotgate-b"]
+        await balanced.replicas["slotgate-a"].stop()
+        # Nothing reached slotgate-a, so even a POST may go to slotgate-b instead.
+        for _ in range(4):
+            async with session.post(f"{balanced.url}/v1/chat/completions", json={}) as r:
+                assert r.status == 200
+                assert await r.text() == "slotgate-b"
+
+
+async def test_a_client_that_leaves_while_waiting_closes_the_balancer_s_connection_to_the_replica(
+    balanced: Balanced,
+) -> None:
+    port = urlsplit(balanced.url).port
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: slotgate\r\nx-scenario: silent\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+    async with asyncio.timeout(10):
+        while not balanced.seen():
+            await asyncio.sleep(0.01)
+    writer.close()  # the client leaves before any answer
+    (replica,) = [replica for replica in balanced.replicas.values() if replica.seen]
+    # proxy_ignore_client_abort on would keep this connection, and slotgate's place in the
+    # line with it, until an answer came.
+    async with asyncio.timeout(10):
+        await replica.gone.wait()
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_balancer_s_connection_to_the_replica(
+    balanced: Balanced,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        r = await session.post(
+            f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "endless"}
+        )
+        assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
+        r.close()  # the client's connection is dropped, not returned to a pool
+    (replica,) = [replica for replica in balanced.replicas.values() if replica.seen]
+    async with asyncio.timeout(10):
+        await replica.gone.wait()
 
 
 # --- .env.example -------------------------------------------------------------------------
