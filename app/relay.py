@@ -483,8 +483,9 @@ class Proxy:
         before the rest is relayed, and the next request does not wait for the client."""
         response.release()
         if request.ticket is not None and request.ticket.release():
-            # Let the waiter just handed the slot send its request before this answer is
-            # relayed: llama-server's slot should not sit idle while slotgate writes to a client.
+            # Let the waiter just handed the slot send its request (or, sharing the line
+            # through Redis, the release leave for Redis) before this answer is relayed:
+            # llama-server's slot should not sit idle while slotgate writes to a client.
             await asyncio.sleep(0)
 
     def _failed(self, request: Request, body: bytes) -> None:

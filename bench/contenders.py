@@ -89,7 +89,7 @@ def start_slotgate(
     upstream_url: str,
     logs: Path,
     env: dict[str, str] | None = None,
-    core: int = SERVER_CORE,
+    core: int | None = SERVER_CORE,
 ) -> Server:
     port = free_port()
     script = Path(sys.executable).with_name("slotgate")
@@ -161,7 +161,7 @@ def start_nginx(
     upstream: int | list[int],
     logs: Path,
     balance: str = "",
-    core: int = SERVER_CORE,
+    core: int | None = SERVER_CORE,
     name: str = "nginx",
 ) -> Server:
     """nginx in front of one upstream port, or several with a `balance` method (`least_conn`)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.contenders import configure_standin, standin_stats, start_slotgate, start_standin
 from bench.loadgen import chat_body, closed_loop, request_bytes
-from bench.procs import CLIENT_CORE, Server
+from bench.procs import CLIENT_CORE, SERVER_CORE, Server
 from tests.valkey import Valkey, server_binary
 
 CHAT = "/v1/chat/completions"
@@ -88,6 +88,10 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--cores", choices=("one", "apart", "free"), default="one",
+        help="the replicas both on the server core, the second on the client's, or unpinned",
+    )  # fmt: skip
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="slotgate-replicas-"))
     valkey = start_valkey()
@@ -97,8 +101,10 @@ async def main() -> None:
     fast = {"PROPS_REFRESH_INTERVAL": "0.2", "KEEPALIVE_INTERVAL": "0"}
     shared = {**fast, "REDIS_URL": valkey.url, "REDIS_FLEET": "bench"}
     alone = start_slotgate("slotgate-alone", url, logs, fast)
-    first = start_slotgate("slotgate-shared-a", url, logs, shared)
-    second = start_slotgate("slotgate-shared-b", url, logs, shared)
+    cores = {"one": (SERVER_CORE, SERVER_CORE), "apart": (SERVER_CORE, CLIENT_CORE),
+             "free": (None, None)}[args.cores]  # fmt: skip
+    first = start_slotgate("slotgate-shared-a", url, logs, shared, core=cores[0])
+    second = start_slotgate("slotgate-shared-b", url, logs, shared, core=cores[1])
     try:
         local_ns: list[int] = []
         redis_ns: list[int] = []
