@@ -20,10 +20,10 @@ with `failure_mode="local"` it gates alone on a static share of each upstream (i
 by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
 `NotReady` (503). It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
 holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
-order, its waiters. Alone, it gates FIFO on slots only: tenants' shares and limits and the
-token budgets hold in shared mode. The same happens when Redis says it gave this replica up (its heartbeat
+order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
 expired): Redis never counts what the replica no longer holds, and never loses what it still
-does.
+does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
+budgets hold in shared mode.
 
 Everything runs on one event loop; local bookkeeping changes only synchronously.
 """

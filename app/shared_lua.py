@@ -3,10 +3,11 @@
 Every script takes one key, the fleet's prefix `slotgate:{<fleet>}:`; the keys it touches are
 that prefix and a suffix, so they all hash to one cluster slot. The keys:
 
-- `pools`     hash upstream -> capacity (the slots its /props reports; absent: unknown)
+- `pools`     hash upstream -> capacity (the slots its /props reports; absent: unknown), then
+              TAB and its KV-cache budget in tokens when one binds
 - `active`    hash upstream -> slots granted on it
-- `budgets`   hash upstream -> its KV-cache budget in tokens (absent: it does not bind)
-- `tokens`    hash upstream -> tokens the requests granted on it hold of its budget
+- `tokens`    hash upstream -> tokens the requests granted on it hold of its budget (counted
+              only while a budget binds there)
 - `line`      sorted set of waiting tickets; score = tag - band * BAND_SPAN (a higher band
               first), members `<seq as 16 hex digits>|<ticket id>`, so that equal scores fall
               back to arrival
@@ -47,7 +48,7 @@ _COMMON = r"""
 local P = KEYS[1]
 local K_POOLS, K_ACTIVE, K_LINE, K_TICKETS = P..'pools', P..'active', P..'line', P..'tickets'
 local K_SEQ, K_GRANTED, K_HOLD, K_REPLICAS = P..'seq', P..'granted', P..'hold', P..'replicas'
-local K_BUDGETS, K_TOKENS, K_FAIR = P..'budgets', P..'tokens', P..'fair'
+local K_TOKENS, K_FAIR = P..'tokens', P..'fair'
 local K_TACTIVE, K_TQUEUED = P..'tactive', P..'tqueued'
 local BAND_SPAN = 17592186044416
 local SCAN = 32
@@ -98,33 +99,41 @@ local function pools()
   if PL then return PL end
   local pl = {cap = {}, act = {}, bud = {}, tok = {}, names = {}, fleet_cap = 0,
               fleet_active = 0, max_cap = 0}
+  local budgets = false
   local raw = redis.call('HGETALL', K_POOLS)
   for i = 1, #raw, 2 do
-    local c = tonumber(raw[i + 1])
+    local c, b = string.match(raw[i + 1], '^(%d+)\t?(%d*)$')
+    c = tonumber(c)
+    if b ~= '' then
+      pl.bud[raw[i]] = tonumber(b)
+      budgets = true
+    end
     pl.cap[raw[i]] = c
     pl.names[#pl.names + 1] = raw[i]
     pl.fleet_cap = pl.fleet_cap + c
     if c > pl.max_cap then pl.max_cap = c end
   end
-  table.sort(pl.names)
+  if #pl.names > 1 then table.sort(pl.names) end
   raw = redis.call('HGETALL', K_ACTIVE)
   for i = 1, #raw, 2 do
     local a = tonumber(raw[i + 1])
     pl.act[raw[i]] = a
     if pl.cap[raw[i]] then pl.fleet_active = pl.fleet_active + a end
   end
-  raw = redis.call('HGETALL', K_BUDGETS)
-  for i = 1, #raw, 2 do pl.bud[raw[i]] = tonumber(raw[i + 1]) end
-  raw = redis.call('HGETALL', K_TOKENS)
-  for i = 1, #raw, 2 do pl.tok[raw[i]] = tonumber(raw[i + 1]) end
+  if budgets then
+    raw = redis.call('HGETALL', K_TOKENS)
+    for i = 1, #raw, 2 do pl.tok[raw[i]] = tonumber(raw[i + 1]) end
+  end
   PL = pl
   return pl
 end
 
--- The tokens of `u`'s budget a request of `cost` takes: its cost, cut to the budget.
+-- The tokens of `u`'s budget a request of `cost` takes: its cost, cut to the budget (none
+-- where no budget binds).
 local function charge_tokens(pl, u, cost)
   local b = pl.bud[u]
-  if b and cost > b then return b end
+  if not b then return 0 end
+  if cost > b then return b end
   return cost
 end
 
@@ -193,33 +202,41 @@ local function bump(key, field, by)
 end
 
 local function take(u, w, tokens, tenant)
-  local pl = pools()
-  pl.act[u] = redis.call('HINCRBY', K_ACTIVE, u, w)
-  if pl.cap[u] then pl.fleet_active = pl.fleet_active + w end
-  if tokens > 0 then pl.tok[u] = redis.call('HINCRBY', K_TOKENS, u, tokens) end
+  local a = redis.call('HINCRBY', K_ACTIVE, u, w)
+  local t = 0
+  if tokens > 0 then t = redis.call('HINCRBY', K_TOKENS, u, tokens) end
   if tenant ~= '' then redis.call('HINCRBY', K_TACTIVE, tenant, w) end
+  local pl = PL
+  if pl then
+    pl.act[u] = a
+    if pl.cap[u] then pl.fleet_active = pl.fleet_active + w end
+    if tokens > 0 then pl.tok[u] = t end
+  end
 end
 
 -- Return `w` slots and `tokens` of `u`; never below zero (a replica given up and back
 -- re-registers first).
 local function give_back(u, w, tokens, tenant)
-  local pl = pools()
   local a = redis.call('HINCRBY', K_ACTIVE, u, -w)
   if a < 0 then
     redis.call('HSET', K_ACTIVE, u, 0)
     w, a = w + a, 0
   end
-  pl.act[u] = a
-  if pl.cap[u] then pl.fleet_active = pl.fleet_active - w end
+  local t = 0
   if tokens > 0 then
-    local t = redis.call('HINCRBY', K_TOKENS, u, -tokens)
+    t = redis.call('HINCRBY', K_TOKENS, u, -tokens)
     if t <= 0 then
       redis.call('HDEL', K_TOKENS, u)
       t = 0
     end
-    pl.tok[u] = t
   end
   if tenant ~= '' then bump(K_TACTIVE, tenant, -w) end
+  local pl = PL
+  if pl then
+    pl.act[u] = a
+    if pl.cap[u] then pl.fleet_active = pl.fleet_active - w end
+    if tokens > 0 then pl.tok[u] = t end
+  end
 end
 
 local function parse_ticket(f)
@@ -246,16 +263,23 @@ end
 
 local function fair_field(kind, t) return kind..'\t'..t.band..'\t'..t.tenant end
 
--- `t`'s tag in its band (see the module's docstring); charges its tenant provisionally.
-local function fair_tag(t, seq)
+-- `t`'s tag in its band (see the module's docstring); charges its tenant provisionally. A
+-- ticket `granted` at once moves the band's virtual time to its tag too.
+local function fair_tag(t, seq, granted)
   if t.tenant == '' then return seq end
   local fair = redis.call('HMGET', K_FAIR, 'v\t'..t.band, fair_field('f', t), fair_field('l', t))
-  local start = math.max(tonumber(fair[1] or '0'), tonumber(fair[2] or '0'),
-                         tonumber(fair[3] or '0'))
+  local v = tonumber(fair[1] or '0')
+  local start = math.max(v, tonumber(fair[2] or '0'), tonumber(fair[3] or '0'))
+  local tag = math.floor(start)
   t.charge = UNIT * t.w / t.share
-  redis.call('HSET', K_FAIR, fair_field('f', t), num(start + t.charge),
-             fair_field('l', t), num(start))
-  return math.floor(start)
+  if granted and tag > v then
+    redis.call('HSET', K_FAIR, fair_field('f', t), num(start + t.charge),
+               fair_field('l', t), num(start), 'v\t'..t.band, num(tag))
+  else
+    redis.call('HSET', K_FAIR, fair_field('f', t), num(start + t.charge),
+               fair_field('l', t), num(start))
+  end
+  return tag
 end
 
 -- A grant of tag `tag` starts: the band's virtual time follows it.
@@ -265,7 +289,7 @@ local function fair_granted(t, tag)
   if tag > v then redis.call('HSET', K_FAIR, 'v\t'..t.band, num(tag)) end
 end
 
--- Correct `t`'s tenant's finish tag by `by` ms (a release's real cost, a leaver's refund).
+-- Correct `t`'s tenant's finish tag by `by` (a release's real cost, a leaver's refund).
 local function fair_correct(t, by)
   if t.tenant == '' or t.charge < 0 or by == 0 then return end
   redis.call('HINCRBYFLOAT', K_FAIR, fair_field('f', t), num(by))
@@ -428,8 +452,7 @@ local eps = tonumber(ARGV[6])
 if queued == 0 and may_run(t) then
   local u, why = choose(t.ranking, w, cost, eps, seq)
   if u then
-    local tag = fair_tag(t, seq)
-    fair_granted(t, tag)
+    fair_tag(t, seq, true)
     local n = hold_grant(m, u, t)
     return {'grant', m, u, why, tostring(n)}
   end
@@ -517,11 +540,10 @@ redis.call('SET', hb_key(me), '1', 'PX', ttl)
 redis.call('ZADD', K_REPLICAS, now + ttl, me)
 local i = 7
 for _ = 1, n_pools do
-  redis.call('HSET', K_POOLS, ARGV[i], ARGV[i + 1])
   if ARGV[i + 2] == '' then
-    redis.call('HDEL', K_BUDGETS, ARGV[i])
+    redis.call('HSET', K_POOLS, ARGV[i], ARGV[i + 1])
   else
-    redis.call('HSET', K_BUDGETS, ARGV[i], ARGV[i + 2])
+    redis.call('HSET', K_POOLS, ARGV[i], ARGV[i + 1]..'\t'..ARGV[i + 2])
   end
   i = i + 3
 end
@@ -562,15 +584,13 @@ return out
 RESIZE = (
     _COMMON
     + r"""
-if ARGV[4] == '' then
-  redis.call('HDEL', K_BUDGETS, ARGV[1])
-else
-  redis.call('HSET', K_BUDGETS, ARGV[1], ARGV[4])
-end
 if ARGV[2] == '' then
   redis.call('HDEL', K_POOLS, ARGV[1])
-else
+elseif ARGV[4] == '' then
   redis.call('HSET', K_POOLS, ARGV[1], ARGV[2])
+  dispatch(tonumber(ARGV[3]))
+else
+  redis.call('HSET', K_POOLS, ARGV[1], ARGV[2]..'\t'..ARGV[4])
   dispatch(tonumber(ARGV[3]))
 end
 return 'ok'
