@@ -46,7 +46,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from . import shared_lua
 from .admission import (
@@ -262,11 +262,6 @@ class SharedAdmission:
         )
         # The pool has two more: the grants' subscription and the recovery ping.
         self._calls = asyncio.Semaphore(max_connections)
-        client = self._client
-        self._scripts = {
-            name: client.register_script(getattr(shared_lua, name))
-            for name in ("ENTER", "RELEASE", "HEARTBEAT", "REJOIN", "RESIZE", "RETIRE", "REROUTE")
-        }
         self.mode = Mode.DEGRADED
         self.fallbacks_total = 0
         #: Why Redis was last found unusable.
@@ -604,9 +599,18 @@ class SharedAdmission:
             return await self._script(name, args)
 
     async def _script(self, name: str, args: tuple[str | int | float, ...]) -> Any:
+        function = shared_lua.FUNCTIONS[name]
+        client = self._client
         try:
             async with asyncio.timeout(self._timeout_s):
-                return await self._scripts[name](keys=[self._prefix], args=args)
+                try:
+                    return await client.fcall(function, 1, self._prefix, *args)
+                except ResponseError as exc:
+                    # Not loaded yet, or Redis restarted empty: load the library, call again.
+                    if "function not found" not in str(exc).lower():
+                        raise
+                    await client.function_load(shared_lua.LIBRARY, replace=True)
+                    return await client.fcall(function, 1, self._prefix, *args)
         except (RedisError, OSError, TimeoutError) as exc:
             # A script error too (ResponseError): Redis is not usable as it is, so gate
             # locally rather than fail requests; `last_error` says why.

@@ -86,10 +86,10 @@ async def handoff(url: str, n: int, tenant: str = "") -> None:
 async def script_cost(url: str, phase: str) -> None:
     """Redis's own time per script call since the last reset (INFO commandstats), then reset."""
     client = aioredis.Redis.from_url(url)
-    stat = (await client.info("commandstats")).get("cmdstat_evalsha", {})
+    stat = (await client.info("commandstats")).get("cmdstat_fcall", {})
     print(
         f"Redis per script call, {phase}: {stat.get('usec_per_call', 0):.2f} us"
-        f" over {stat.get('calls', 0)} EVALSHA"
+        f" over {stat.get('calls', 0)} FCALL"
     )
     await client.config_resetstat()
     await client.aclose()
