@@ -111,9 +111,10 @@ class SharedTicket:
     """One request's claim; `async with ticket:` releases it on every way out."""
 
     __slots__ = (
-        "_admission", "_future", "_released", "admitted_at", "band", "cost", "entered_at",
-        "grant_no", "id", "max_active", "max_queued", "member", "order", "position", "ranking",
-        "reason", "share", "tag", "tenant", "upstream", "weight",
+        "_admission", "_future", "_known_by", "_released", "admitted_at", "band", "cost",
+        "entered_at", "grant_no", "id", "max_active", "max_queued", "member", "order",
+        "position", "ranking", "reason", "rerouted", "share", "tag", "tenant", "upstream",
+        "weight",
     )  # fmt: skip
 
     def __init__(
@@ -158,6 +159,9 @@ class SharedTicket:
         self.admitted_at: float | None = None
         self._future: asyncio.Future[None] | None = None
         self._released = False
+        #: Sent back by its upstream (`reroute`), and until when it may wait for one known.
+        self.rerouted = False
+        self._known_by: float | None = None
 
     @property
     def seq(self) -> int:
@@ -174,7 +178,9 @@ class SharedTicket:
             return
         admission = self._admission
         try:
-            if admission._queue_timeout_s is None:
+            if self.rerouted:
+                await self._wait_rerouted(self._future)
+            elif admission._queue_timeout_s is None:
                 await self._future
             else:
                 async with asyncio.timeout(
@@ -188,6 +194,16 @@ class SharedTicket:
             raise
         self.admitted_at = time.monotonic()
 
+    async def _wait_rerouted(self, future: asyncio.Future[None]) -> None:
+        # Sent back by its upstream: it waits at the head of the line, not under the queue
+        # timeout again, but only while some upstream is known (or until `known_by`).
+        known_by = self._known_by
+        if known_by is not None:
+            await asyncio.wait((future,), timeout=max(known_by - time.monotonic(), 0.0))
+            if not future.done() and not self._admission._known():
+                raise NotReady(self._admission._snapshot(), 1.0)
+        await future
+
     def release(self) -> None:
         """Give the slots (or the place in the line) back; a second call does nothing."""
         if self._released:
@@ -195,11 +211,15 @@ class SharedTicket:
         self._released = True
         self._admission._drop(self)
 
-    def reroute(self) -> None:
+    def reroute(self, known_by: float | None = None) -> None:
         """Its upstream did not take the request (refused, down, restarting): give the slots
-        back and wait again at the head of the line, for whichever upstream has room first."""
+        back and wait again at the head of the line, for whichever upstream has room first;
+        `wait` fails with NotReady if no upstream's capacity is known by `known_by`
+        (time.monotonic())."""
         if self._released or self.upstream is None:
             return
+        self.rerouted = True
+        self._known_by = known_by
         self._admission._reroute(self)
 
     async def aclose(self) -> None:
@@ -343,6 +363,10 @@ class SharedAdmission:
                 self._local_limit(),
             )
         return Snapshot(fleet.capacity or None, fleet.active, fleet.queued, self._limit())
+
+    def _known(self) -> bool:
+        """Is any upstream's capacity known (here, or to the fleet at the last heartbeat)?"""
+        return bool(self._capacities) or (self.mode is Mode.SHARED and self._fleet.capacity > 0)
 
     def _limit(self) -> int | None:
         return self._policy.limit(self._fleet.capacity) if self._fleet.capacity else None

@@ -867,3 +867,42 @@ async def test_the_scripts_draw_hashes_as_routing_s_splitmix64_bit_for_bit(
         halves = [text(v).split() for v in raw]
         got = [int(hi) << 32 | int(lo) for hi, lo in halves]
         assert got == [score(k, salt) for k in keys]
+
+
+async def test_a_rerouted_request_waits_past_the_queue_timeout_while_an_upstream_is_known(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1, queue_timeout_s=0.2))
+        await admission.resize("a", 1)
+        await admission.resize("b", 1)
+        refused = await admission.enter(ranking=["a", "b"])
+        busy = await admission.enter(ranking=["b", "a"])
+        assert (refused.upstream, busy.upstream) == ("a", "b")
+        await asyncio.sleep(0.3)  # past the queue timeout since it entered
+        await admission.resize("a", None)
+        refused.reroute(known_by=time.monotonic() + 0.3)
+        waiting = asyncio.create_task(refused.wait())
+        await asyncio.sleep(0.5)  # past both: "b" is known, so it still waits
+        assert not waiting.done()
+        busy.release()
+        await asyncio.wait_for(waiting, 2)
+        assert refused.upstream == "b"
+        await refused.aclose()
+        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
+
+
+async def test_a_rerouted_request_is_refused_when_no_upstream_is_known_by_its_deadline(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1))
+        await admission.resize("a", 1)
+        refused = await admission.enter()
+        await admission.resize("a", None)
+        await until(lambda: admission.snapshot().fleet.capacity == 0, 2)
+        refused.reroute(known_by=time.monotonic() + 0.2)
+        with pytest.raises(NotReady):
+            await asyncio.wait_for(refused.wait(), 2)
+        await admission.settle()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
