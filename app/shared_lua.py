@@ -335,8 +335,9 @@ end
 -- does. A grant to `quiet` (the ENTER running) is returned rather than published.
 local function dispatch(eps, quiet)
   local got = nil
+  local wide = false  -- the head alone, unless its tenant was found at its max_active
   while true do
-    local heads = redis.call('ZRANGE', K_LINE, 0, SCAN - 1, 'WITHSCORES')
+    local heads = redis.call('ZRANGE', K_LINE, 0, wide and SCAN - 1 or 0, 'WITHSCORES')
     if #heads == 0 then return got end
     local moved = false
     for i = 1, #heads, 2 do
@@ -371,7 +372,10 @@ local function dispatch(eps, quiet)
         break
       end
     end
-    if not moved then return got end
+    if not moved then
+      if wide then return got end
+      wide = true
+    end
   end
 end
 
