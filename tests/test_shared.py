@@ -906,3 +906,30 @@ async def test_a_rerouted_request_is_refused_when_no_upstream_is_known_by_its_de
             await asyncio.wait_for(refused.wait(), 2)
         await admission.settle()
         assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
+async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them_again(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        slow, fast = await started(stack, replicas(valkey, n=2))
+        await slow.resize("a", 2, budget=100)
+        held = await slow.enter(cost=70, tenant="t", max_active=1)
+        assert held.granted
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+        assert slow._keeper is not None
+        slow._keeper.cancel()
+        await until(lambda: _gone(redis_client, "r0"), 3)
+        # Given up: its slot, tokens and tenant's count are the fleet's again.
+        other = await fast.enter(cost=70, tenant="t", max_active=1)
+        assert other.granted
+        await other.aclose()
+        assert await redis_client.hlen(PREFIX + "tokens") == 0
+        slow._keeper = asyncio.create_task(slow._keep())
+        await until(lambda: _back(redis_client, "r0"), 3)
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+        assert await redis_client.hget(PREFIX + "tactive", "t") == b"1"
+        await held.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+        assert await redis_client.hlen(PREFIX + "tokens") == 0
+        assert await redis_client.hlen(PREFIX + "tactive") == 0
