@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import hashlib
 
-#: A band's span of the score: tags (arrival numbers or virtual start times in ms) stay below it
-#: and the score stays an exact integer in a double for bands up to 511.
+#: A band's span of the score: tags (arrival numbers, or virtual start times in thousandths of
+#: an average hold) stay below it, and the score stays an exact integer in a double for bands
+#: up to 511.
 BAND_SPAN = 2**44
 #: Tickets dispatch looks at past heads whose tenant is at its max_active.
 SCAN = 32
