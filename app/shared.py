@@ -8,9 +8,12 @@ release hands the slots to the head of the line inside the same script and publi
 on the waiter's replica's channel: one subscription per replica, no polling, no other waiter
 woken.
 
-The line is a sorted set ordered by a score the replica computes: band, then a tag (a virtual
-start time, for fair share between tenants), then the arrival number. Without a tag the tag is
-the arrival number itself, so with one tenant the order is exact FIFO.
+The line is a sorted set ordered by band (a higher band first), then a tag, then the arrival
+number. The script computes the tag: for a named tenant, its virtual start time under
+start-time fair queuing over slot-seconds (app/shared_lua.py says how), so that tenants share
+the slots by their shares across the replicas; without a tenant, the arrival number itself, so
+the order is exact FIFO. A tenant's `max_queued` is checked and its `max_active` kept inside
+the scripts too, and each upstream's KV-cache token budget as in app/admission.py's `Pool`.
 
 When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
 with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
@@ -19,7 +22,8 @@ by the replicas last seen, at least 1) and of the line; with "reject" it refuses
 holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
 order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
 expired): Redis never counts what the replica no longer holds, and never loses what it still
-does.
+does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
+budgets hold in shared mode.
 
 Everything runs on one event loop; local bookkeeping changes only synchronously.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import itertools
 import math
@@ -41,7 +46,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from . import shared_lua
 from .admission import (
@@ -54,8 +59,10 @@ from .admission import (
     QueueTimeout,
     ShuttingDown,
     Snapshot,
+    TenantQueueFull,
     TooLarge,
 )
+from .fairline import Share
 
 
 class Mode(enum.Enum):
@@ -104,8 +111,10 @@ class SharedTicket:
     """One request's claim; `async with ticket:` releases it on every way out."""
 
     __slots__ = (
-        "_admission", "_future", "_released", "admitted_at", "band", "cost", "entered_at",
-        "grant_no", "id", "member", "order", "ranking", "reason", "tag", "upstream", "weight",
+        "_admission", "_future", "_known_by", "_released", "admitted_at", "band", "cost",
+        "entered_at", "grant_no", "id", "max_active", "max_queued", "member", "order",
+        "position", "ranking", "reason", "rerouted", "share", "tag", "tenant", "upstream",
+        "weight",
     )  # fmt: skip
 
     def __init__(
@@ -118,6 +127,10 @@ class SharedTicket:
         ranking: Sequence[str],
         band: int,
         tag: float | None,
+        tenant: str = "",
+        share: float = 1.0,
+        max_active: int | None = None,
+        max_queued: int | None = None,
     ) -> None:
         self._admission = admission
         self.id = id
@@ -128,6 +141,14 @@ class SharedTicket:
         self.ranking = tuple(ranking)
         self.band = band
         self.tag = tag
+        # Tabs and newlines separate the fields of a ticket in Redis.
+        self.tenant = tenant.replace("\t", " ").replace("\n", " ")
+        self.share = share
+        self.max_active = max_active
+        self.max_queued = max_queued
+        #: Its 1-based place in the fleet's line as last known (the ENTER reply's); 0 once
+        #: granted.
+        self.position = 0
         #: `<seq>|<id>` while Redis knows the ticket; a new one each time it (re)joins.
         self.member: str | None = None
         self.upstream: str | None = None
@@ -138,6 +159,9 @@ class SharedTicket:
         self.admitted_at: float | None = None
         self._future: asyncio.Future[None] | None = None
         self._released = False
+        #: Sent back by its upstream (`reroute`), and until when it may wait for one known.
+        self.rerouted = False
+        self._known_by: float | None = None
 
     @property
     def seq(self) -> int:
@@ -154,7 +178,9 @@ class SharedTicket:
             return
         admission = self._admission
         try:
-            if admission._queue_timeout_s is None:
+            if self.rerouted:
+                await self._wait_rerouted(self._future)
+            elif admission._queue_timeout_s is None:
                 await self._future
             else:
                 async with asyncio.timeout(
@@ -168,6 +194,16 @@ class SharedTicket:
             raise
         self.admitted_at = time.monotonic()
 
+    async def _wait_rerouted(self, future: asyncio.Future[None]) -> None:
+        # Sent back by its upstream: it waits at the head of the line, not under the queue
+        # timeout again, but only while some upstream is known (or until `known_by`).
+        known_by = self._known_by
+        if known_by is not None:
+            await asyncio.wait((future,), timeout=max(known_by - time.monotonic(), 0.0))
+            if not future.done() and not self._admission._known():
+                raise NotReady(self._admission._snapshot(), 1.0)
+        await future
+
     def release(self) -> None:
         """Give the slots (or the place in the line) back; a second call does nothing."""
         if self._released:
@@ -175,11 +211,15 @@ class SharedTicket:
         self._released = True
         self._admission._drop(self)
 
-    def reroute(self) -> None:
+    def reroute(self, known_by: float | None = None) -> None:
         """Its upstream did not take the request (refused, down, restarting): give the slots
-        back and wait again at the head of the line, for whichever upstream has room first."""
+        back and wait again at the head of the line, for whichever upstream has room first;
+        `wait` fails with NotReady if no upstream's capacity is known by `known_by`
+        (time.monotonic())."""
         if self._released or self.upstream is None:
             return
+        self.rerouted = True
+        self._known_by = known_by
         self._admission._reroute(self)
 
     async def aclose(self) -> None:
@@ -242,17 +282,13 @@ class SharedAdmission:
         )
         # The pool has two more: the grants' subscription and the recovery ping.
         self._calls = asyncio.Semaphore(max_connections)
-        client = self._client
-        self._scripts = {
-            name: client.register_script(getattr(shared_lua, name))
-            for name in ("ENTER", "RELEASE", "HEARTBEAT", "REJOIN", "RESIZE", "RETIRE", "REROUTE")
-        }
         self.mode = Mode.DEGRADED
         self.fallbacks_total = 0
         #: Why Redis was last found unusable.
         self.last_error = ""
         self._fleet = Fleet()
         self._capacities: dict[str, int] = {}
+        self._budgets: dict[str, int] = {}
         self._ids = itertools.count(1)
         #: Every live ticket of this replica, by id; waiters in arrival order (dicts keep it).
         self._tickets: dict[str, SharedTicket] = {}
@@ -328,6 +364,10 @@ class SharedAdmission:
             )
         return Snapshot(fleet.capacity or None, fleet.active, fleet.queued, self._limit())
 
+    def _known(self) -> bool:
+        """Is any upstream's capacity known (here, or to the fleet at the last heartbeat)?"""
+        return bool(self._capacities) or (self.mode is Mode.SHARED and self._fleet.capacity > 0)
+
     def _limit(self) -> int | None:
         return self._policy.limit(self._fleet.capacity) if self._fleet.capacity else None
 
@@ -338,17 +378,26 @@ class SharedAdmission:
 
     # -- changing --------------------------------------------------------------------------
 
-    async def resize(self, upstream: str, capacity: int | None) -> None:
-        """Follow one upstream's slot count as this replica's follower sees it (None: unknown)."""
+    async def resize(
+        self, upstream: str, capacity: int | None, *, budget: int | None = None
+    ) -> None:
+        """Follow one upstream's slot count as this replica's follower sees it (None: unknown),
+        and its KV-cache budget in tokens (None, or not positive: it does not bind)."""
         if capacity is None:
             self._capacities.pop(upstream, None)
         else:
             self._capacities[upstream] = capacity
+        if budget is not None and budget > 0:
+            self._budgets[upstream] = budget
+        else:
+            self._budgets.pop(upstream, None)
+            budget = None
         if self.mode is Mode.SHARED:
             try:
                 await self._call(
-                    "RESIZE", upstream, "" if capacity is None else capacity, self._epsilon
-                )
+                    "RESIZE", upstream, "" if capacity is None else capacity, self._epsilon,
+                    "" if budget is None else budget,
+                )  # fmt: skip
             except Down as exc:
                 self._degrade(str(exc))
             return
@@ -361,18 +410,29 @@ class SharedAdmission:
         ranking: Sequence[str] = (),
         band: int = 0,
         tag: float | None = None,
+        *,
+        tenant: str = "",
+        share: float = 1.0,
+        max_active: int | None = None,
+        max_queued: int | None = None,
     ) -> SharedTicket:
         """Take `weight` slots on one upstream now, or a place in the line, or raise why not.
 
-        `ranking` is the request's upstreams by affinity, best first (empty: least loaded);
-        `band` and `tag` order the line (lower first; no tag: the arrival number).
+        `ranking` is the request's upstreams by affinity, best first (empty: a free slot
+        drawn evenly); `cost` its tokens of an upstream's KV-cache budget. The line serves a
+        higher `band` first; inside a band, `tenant`s ("": none, FIFO) by their `share` of
+        slot time, each FIFO; `tag` overrides the order inside the band (lower first).
+        `max_active` (slots) and `max_queued` (places) are the tenant's own limits.
         """
         if self._closed:
             raise ShuttingDown(self._snapshot(), 1.0)
+        if share <= 0:
+            raise ValueError(f"share must be positive, got {share}")
         order = next(self._ids)
         ticket = SharedTicket(
-            self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag
-        )
+            self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag,
+            tenant, share, max_active, max_queued,
+        )  # fmt: skip
         stale = 0
         while True:
             # Never into the local line while a rejoin runs: its list would miss the ticket.
@@ -395,6 +455,8 @@ class SharedAdmission:
             self.replica, ticket.id, ticket.weight, ticket.cost, "\n".join(ticket.ranking),
             self._epsilon, ticket.band, "" if ticket.tag is None else repr(ticket.tag),
             _unset(policy.max_queue), _unset(policy.queue_per_slot), _unset(policy.min_queue),
+            ticket.tenant, repr(ticket.share), _unset(ticket.max_active),
+            _unset(ticket.max_queued),
         )  # fmt: skip
         # The script runs as its own task: a caller cancelled while it runs must not strand
         # what it took in Redis, so whatever it took is handed back when it completes.
@@ -428,6 +490,7 @@ class SharedAdmission:
                 self._granted(ticket, reply[2].decode(), reply[3].decode(), int(reply[4]))
                 return ticket
             self._waiters[ticket.id] = ticket
+            ticket.position = int(reply[2])
             ticket._future = asyncio.get_running_loop().create_future()
             if early is not None:
                 self._granted(ticket, *early)
@@ -439,6 +502,14 @@ class SharedAdmission:
             self._fleet = Fleet.parse(reply[2:])
             queued = self._fleet.queued
             raise QueueFull(self._snapshot(), self._retry_after_s(queued + ticket.weight))
+        if kind == "tenant_full":
+            self._fleet = Fleet.parse(reply[3:])
+            queued, active = int(reply[1]), int(reply[2])
+            share = Share(ticket.tenant, ticket.share, active, queued, 0.0)
+            snapshot = dataclasses.replace(self._snapshot(), tenant=share)
+            # A place of its own frees when its first waiter is granted.
+            over = queued - (ticket.max_queued or 0) + 1
+            raise TenantQueueFull(snapshot, self._retry_after_s(over))
         if kind == "large":
             self._fleet = Fleet.parse(reply[2:])
             raise TooLarge(self._snapshot(), ticket.weight)
@@ -459,6 +530,7 @@ class SharedAdmission:
         ticket.upstream = upstream
         ticket.reason = reason
         ticket.grant_no = grant_no
+        ticket.position = 0
         ticket.admitted_at = time.monotonic()
         self._waiters.pop(ticket.id, None)
         future = ticket._future
@@ -516,10 +588,7 @@ class SharedAdmission:
 
     async def _reroute_shared(self, ticket: SharedTicket, member: str) -> None:
         try:
-            await self._call(
-                "REROUTE", self.replica, member, ticket.weight, ticket.cost,
-                "\n".join(ticket.ranking), self._epsilon,
-            )  # fmt: skip
+            await self._call("REROUTE", self.replica, member, self._epsilon)
         except Down as exc:
             # It waits in this replica's line now; the rejoin lists it as a waiter.
             self._degrade(str(exc))
@@ -554,9 +623,18 @@ class SharedAdmission:
             return await self._script(name, args)
 
     async def _script(self, name: str, args: tuple[str | int | float, ...]) -> Any:
+        function = shared_lua.FUNCTIONS[name]
+        client = self._client
         try:
             async with asyncio.timeout(self._timeout_s):
-                return await self._scripts[name](keys=[self._prefix], args=args)
+                try:
+                    return await client.fcall(function, 1, self._prefix, *args)
+                except ResponseError as exc:
+                    # Not loaded yet, or Redis restarted empty: load the library, call again.
+                    if "function not found" not in str(exc).lower():
+                        raise
+                    await client.function_load(shared_lua.LIBRARY, replace=True)
+                    return await client.fcall(function, 1, self._prefix, *args)
         except (RedisError, OSError, TimeoutError) as exc:
             # A script error too (ResponseError): Redis is not usable as it is, so gate
             # locally rather than fail requests; `last_error` says why.
@@ -679,12 +757,18 @@ class SharedAdmission:
                 len(self._capacities), len(grants), len(waiters),
             ]  # fmt: skip
             for upstream, capacity in self._capacities.items():
-                args += (upstream, capacity)
+                args += (upstream, capacity, self._budgets.get(upstream, ""))
             for t in grants:
-                args += (t.member or f"{0:016x}|{t.id}", t.upstream or "", t.weight)
+                args += (
+                    t.member or f"{0:016x}|{t.id}", t.upstream or "", t.weight, t.cost, t.band,
+                    t.tenant, repr(t.share), _unset(t.max_active), "\n".join(t.ranking),
+                )  # fmt: skip
             for t in waiters:
                 tag = "" if t.tag is None else repr(t.tag)
-                args += (t.id, t.weight, t.cost, "\n".join(t.ranking), t.band, tag)
+                args += (
+                    t.id, t.weight, t.cost, "\n".join(t.ranking), t.band, tag, t.tenant,
+                    repr(t.share), _unset(t.max_active),
+                )  # fmt: skip
             self._early.clear()
             try:
                 reply = await self._call("REJOIN", *args)
@@ -783,6 +867,7 @@ class SharedAdmission:
         ticket._future = asyncio.get_running_loop().create_future()
         self._tickets[ticket.id] = ticket
         self._waiters[ticket.id] = ticket
+        ticket.position = len(self._waiters)
         return ticket
 
     def _choose_local(self, ticket: SharedTicket, shares: dict[str, int]) -> tuple[str | None, str]:

@@ -17,8 +17,16 @@ from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
-from slotgate.admission import NotReady, QueueFull, QueuePolicy, ShuttingDown
-from slotgate.routing import choose, score, stable_hash
+from slotgate import shared_lua
+from slotgate.admission import (
+    NotReady,
+    QueueFull,
+    QueuePolicy,
+    QueueTimeout,
+    ShuttingDown,
+    TenantQueueFull,
+)
+from slotgate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.shared import Mode, SharedAdmission, SharedTicket
 
 from .valkey import Valkey
@@ -169,13 +177,13 @@ async def test_with_one_tenant_the_line_score_is_the_arrival_number(
         )
         assert [(text(m), int(s)) for m, s in line] == [(t.member, t.seq) for t in waiters]
         assert [t.seq for t in waiters] == list(range(2, 7))
-        # A lower band goes ahead of the whole line; a tag orders inside a band.
-        batch = await fleet[1].enter(band=1)
-        urgent = await fleet[2].enter(band=0, tag=0.5)
+        # A higher band goes ahead of the whole line; a tag orders inside a band.
+        urgent = await fleet[1].enter(band=1)
+        early = await fleet[2].enter(band=0, tag=0.5)
         members = [text(m) for m in await redis_client.zrange(PREFIX + "line", 0, -1)]
-        assert members[0] == urgent.member
-        assert members[-1] == batch.member
-        for ticket in [first, *waiters, batch, urgent]:
+        assert members[:2] == [urgent.member, early.member]
+        assert [t.position for t in waiters] == [1, 2, 3, 4, 5]
+        for ticket in [first, *waiters, urgent, early]:
             await ticket.aclose()
         assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
@@ -210,7 +218,7 @@ async def test_affinity_holds_within_bounded_load_else_least_loaded(valkey: Valk
         (admission,) = await started(stack, replicas(valkey, n=1, epsilon=0.0))
         await admission.resize("a", 4)
         await admission.resize("b", 4)
-        tickets = [await admission.enter(ranking=["a"]) for _ in range(4)]
+        tickets = [await admission.enter(ranking=["a", "b"]) for _ in range(4)]
         # With eps 0, "a" may take at most its share of the fleet's load: 1, 1, 2, 2.
         assert [t.upstream for t in tickets] == ["a", "b", "a", "b"]
         assert [t.reason for t in tickets] == ["affinity", "load", "affinity", "load"]
@@ -499,12 +507,13 @@ class FakePool:
     active: int
 
 
-async def test_the_scripts_upstream_is_the_key_s_choice_as_routing_makes_it_else_one_with_room(
+async def test_the_scripts_upstream_is_the_one_routing_chooses_keyed_or_drawn_evenly_without(
     valkey: Valkey, redis_client: aioredis.Redis
 ) -> None:
     rng = random.Random(20)
     async with AsyncExitStack() as stack:
         (admission,) = await started(stack, replicas(valkey, n=1))
+        drawn = 0
         for case in range(300):
             epsilon = rng.choice([0.0, 0.25, 1.0])
             admission._epsilon = epsilon
@@ -516,16 +525,22 @@ async def test_the_scripts_upstream_is_the_key_s_choice_as_routing_makes_it_else
                 assert pool.capacity is not None
                 pool.active = rng.randint(0, pool.capacity)
             weight = rng.randint(1, 2)
-            key = rng.getrandbits(64)
+            key = rng.getrandbits(64) if rng.random() < 0.7 else None
             await redis_client.delete(PREFIX + "pools", PREFIX + "active")
             await redis_client.hset(
                 PREFIX + "pools", mapping={p.name: p.capacity or 0 for p in pools}
             )
             await redis_client.hset(PREFIX + "active", mapping={p.name: p.active for p in pools})
-            ranking = [
-                p.name for p in sorted(pools, key=lambda p: score(key, p.salt), reverse=True)
-            ]
-            expected = choose(pools, weight, partial(fits, weight=weight), key, epsilon)
+            ranking = (
+                []
+                if key is None
+                else [p.name for p in sorted(pools, key=lambda p: score(key, p.salt), reverse=True)]
+            )
+            # The draw hashes the fleet-wide arrival number, the one this ENTER takes.
+            spread = int(await redis_client.get(PREFIX + "seq") or 0) + 1
+            expected = choose(
+                pools, weight, partial(fits, weight=weight), key, epsilon, spread=spread
+            )
             if weight > max(p.capacity or 0 for p in pools):
                 continue
             try:
@@ -534,18 +549,14 @@ async def test_the_scripts_upstream_is_the_key_s_choice_as_routing_makes_it_else
                 ticket = None
             if expected is None:
                 assert ticket is None or not ticket.granted, case
-            elif expected[1]:
-                assert ticket is not None, case
-                assert (ticket.upstream, ticket.reason) == (expected[0].name, "affinity"), case
             else:
-                # Past the key's first choice the script still takes the least loaded by share
-                # (ties to the most free), where app/routing.py now draws a free slot evenly:
-                # both grant a pool with room for it.
                 assert ticket is not None, case
-                assert ticket.granted, case
-                assert ticket.reason == "load", case
+                reason = "affinity" if expected[1] else "load"
+                assert (ticket.upstream, ticket.reason) == (expected[0].name, reason), case
+                drawn += key is None or not expected[1]
             if ticket is not None:
                 await ticket.aclose()
+        assert drawn > 50
 
 
 async def test_waiting_requests_cost_redis_nothing_while_they_wait(
@@ -563,7 +574,7 @@ async def test_waiting_requests_cost_redis_nothing_while_they_wait(
         await asyncio.sleep(1.0)
         stats = await redis_client.info("commandstats")
         # Heartbeats only (about five in a second), not one call per waiter.
-        assert stats["cmdstat_evalsha"]["calls"] <= 10
+        assert stats["cmdstat_fcall"]["calls"] <= 10
         assert "cmdstat_publish" not in stats
         held.release()
         for ticket, task in zip(waiters, waiting, strict=True):
@@ -618,3 +629,307 @@ async def test_a_rerouted_grant_waits_again_at_the_head_for_whichever_upstream_f
         for ticket in (refused, behind):
             await ticket.aclose()
         assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
+
+
+# -- fair order, budgets and tenant limits inside the shared line ------------------------------
+
+
+async def flood_by_tenant(
+    fleet: list[SharedAdmission],
+    tenants: dict[str, tuple[float, float]],
+    clients: int,
+    grants: int,
+) -> tuple[dict[str, int], dict[str, float]]:
+    """Each tenant (share, hold_s) keeps `clients` requests in the line through every replica;
+    returns the grants and the slot-seconds of each tenant over the first `grants` grants
+    (the line's drain after them is not counted: it serves whoever is left)."""
+    granted = dict.fromkeys(tenants, 0)
+    held = dict.fromkeys(tenants, 0.0)
+
+    async def client(name: str, i: int) -> None:
+        share, hold_s = tenants[name]
+        while sum(granted.values()) < grants:
+            async with await fleet[i % len(fleet)].enter(tenant=name, share=share) as ticket:
+                await ticket.wait()
+                if sum(granted.values()) >= grants:
+                    return
+                granted[name] += 1
+                await asyncio.sleep(hold_s)
+                assert ticket.admitted_at is not None
+                held[name] += time.monotonic() - ticket.admitted_at
+
+    await asyncio.gather(*(client(name, i) for name in tenants for i in range(clients)))
+    for admission in fleet:
+        await admission.settle()
+    return granted, held
+
+
+async def test_two_tenants_flooding_three_replicas_share_the_slots_three_to_one(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, policy=QueuePolicy(max_queue=0)))
+        await fleet[0].resize("a", 3)
+        granted, held = await flood_by_tenant(
+            fleet, {"big": (3.0, 0.01), "small": (1.0, 0.01)}, clients=9, grants=400
+        )
+        # Under FIFO, as many clients each would get as many grants (1:1).
+        assert 2.85 < granted["big"] / granted["small"] < 3.15, granted
+        assert 2.7 < held["big"] / held["small"] < 3.3, held
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
+async def test_a_tenant_pays_for_the_slot_time_it_held_not_for_the_grants(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, policy=QueuePolicy(max_queue=0)))
+        await fleet[0].resize("a", 2)
+        # Equal shares; "long" holds its slots three times as long as "short".
+        granted, held = await flood_by_tenant(
+            fleet, {"long": (1.0, 0.03), "short": (1.0, 0.01)}, clients=6, grants=300
+        )
+        assert 0.9 < held["long"] / held["short"] < 1.1, held
+        assert granted["short"] > 2 * granted["long"], granted
+
+
+async def test_an_interactive_tenant_behind_a_flood_of_another_is_served_at_the_next_release(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, policy=QueuePolicy(max_queue=0)))
+        await fleet[0].resize("a", 2)
+        holding = [await fleet[0].enter(tenant="flood") for _ in range(2)]
+        flood = [await fleet[i % 2].enter(tenant="flood") for i in range(200)]
+        assert not any(t.granted for t in flood)
+        chat = await fleet[2].enter(tenant="chat")
+        assert not chat.granted
+        assert chat.position == 1
+        holding[0].release()
+        await asyncio.wait_for(chat.wait(), 2)
+        assert not any(t.granted for t in flood)
+        # Inside the flooding tenant, first come first served.
+        for ticket in [holding[1], chat, *flood]:
+            await ticket.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
+async def test_without_tenants_a_late_request_waits_behind_the_whole_line(
+    valkey: Valkey,
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, n=2, policy=QueuePolicy(max_queue=0)))
+        await fleet[0].resize("a", 1)
+        holding = await fleet[0].enter()
+        line = [await fleet[0].enter() for _ in range(5)]
+        late = await fleet[1].enter()
+        assert late.position == 6
+        holding.release()
+        await asyncio.wait_for(line[0].wait(), 2)
+        assert not late.granted
+        for ticket in [*line, late]:
+            await ticket.aclose()
+
+
+async def test_a_lower_band_waits_while_a_higher_band_has_waiters(valkey: Valkey) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey))
+        await fleet[0].resize("a", 1)
+        holding = await fleet[0].enter(tenant="team", band=0)
+        batch = [await fleet[i % 3].enter(tenant="team", band=0) for i in range(3)]
+        chat = [await fleet[i % 3].enter(tenant="chat", band=1) for i in range(3)]
+        order: list[SharedTicket] = []
+        current = holding
+        for _ in range(6):
+            current.release()
+            waiting = [t for t in batch + chat if t not in order]
+            await until(lambda: any(t.granted for t in waiting), 2)  # noqa: B023
+            (current,) = [t for t in waiting if t.granted]
+            order.append(current)
+        assert order == chat + batch
+        await current.aclose()
+
+
+async def test_a_tenant_at_its_max_queued_is_refused_while_others_still_get_in(
+    valkey: Valkey,
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, n=2))
+        await fleet[0].resize("a", 1)
+        holding = await fleet[0].enter(tenant="other")
+        mine = [await fleet[i].enter(tenant="t", max_queued=2) for i in range(2)]
+        with pytest.raises(TenantQueueFull) as refused:
+            await fleet[1].enter(tenant="t", max_queued=2)
+        tenant = refused.value.snapshot.tenant
+        assert tenant is not None
+        assert (tenant.name, tenant.queued, tenant.active) == ("t", 2, 0)
+        assert refused.value.retry_after_s >= 1
+        other = await fleet[1].enter(tenant="other", max_queued=2)
+        assert not other.granted
+        mine[0].release()
+        await fleet[0].settle()
+        again = await fleet[1].enter(tenant="t", max_queued=2)
+        for ticket in [holding, mine[1], other, again]:
+            await ticket.aclose()
+
+
+async def test_a_tenant_at_its_max_active_is_passed_over_and_no_slot_stays_idle(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, n=2))
+        await fleet[0].resize("a", 3)
+        first = await fleet[0].enter(tenant="greedy", max_active=1)
+        second = await fleet[1].enter(tenant="greedy", max_active=1)
+        assert first.granted
+        assert not second.granted  # two slots free, but its tenant holds its one
+        others = [await fleet[i % 2].enter(tenant="other") for i in range(3)]
+        assert [t.granted for t in others] == [True, True, False]
+        first.release()
+        await asyncio.wait_for(second.wait(), 2)
+        assert not others[2].granted
+        others[0].release()
+        await asyncio.wait_for(others[2].wait(), 2)
+        for ticket in [second, *others[1:]]:
+            await ticket.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+        assert await redis_client.hlen(PREFIX + "tactive") == 0
+        assert await redis_client.hlen(PREFIX + "tqueued") == 0
+
+
+async def test_an_upstreams_token_budget_binds_and_its_tokens_come_back(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        first, second = await started(stack, replicas(valkey, n=2))
+        await first.resize("a", 4, budget=100)
+        big = await first.enter(cost=60)
+        over = await second.enter(cost=60)  # two slots free, but 60 + 60 > 100 tokens
+        small = await second.enter(cost=10)  # fits, but does not overtake the head
+        assert big.granted
+        assert not over.granted
+        assert not small.granted
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"60"
+        big.release()
+        await asyncio.wait_for(over.wait(), 2)
+        await asyncio.wait_for(small.wait(), 2)
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+        # A cost above the budget is cut to it: it runs once nothing else holds tokens.
+        huge = await first.enter(cost=500)
+        assert not huge.granted
+        for ticket in (over, small):
+            await ticket.aclose()
+        await asyncio.wait_for(huge.wait(), 2)
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"100"
+        await huge.aclose()
+        assert await redis_client.hlen(PREFIX + "tokens") == 0
+        # Without a budget the tokens do not bind.
+        await first.resize("a", 4)
+        both = [await first.enter(cost=500), await second.enter(cost=500)]
+        assert all(t.granted for t in both)
+        for ticket in both:
+            await ticket.aclose()
+
+
+async def test_a_waiter_past_the_queue_timeout_is_refused_and_its_place_given_back(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        first, second = await started(stack, replicas(valkey, n=2, queue_timeout_s=0.3))
+        await first.resize("a", 1)
+        holding = await first.enter()
+        waiter = await second.enter(tenant="t")
+        with pytest.raises(QueueTimeout):
+            await asyncio.wait_for(waiter.wait(), 2)
+        await second.settle()
+        assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
+        assert await redis_client.hlen(PREFIX + "tqueued") == 0
+        await holding.aclose()
+
+
+async def test_the_scripts_draw_hashes_as_routing_s_splitmix64_bit_for_bit(
+    redis_client: aioredis.Redis,
+) -> None:
+    rng = random.Random(64)
+    keys = [0, 1, 2, 2**32 - 1, 2**32, 2**53 - 1, *(rng.getrandbits(53) for _ in range(300))]
+    salts = [_SPREAD, stable_hash("u1"), rng.getrandbits(64)]
+    script = shared_lua.script(
+        "local out = {}\n"
+        "for i = 3, #ARGV do\n"
+        "  local hi, lo = score64(tonumber(ARGV[i]), tonumber(ARGV[1]), tonumber(ARGV[2]))\n"
+        "  out[#out + 1] = string.format('%.0f %.0f', hi, lo)\n"
+        "end\n"
+        "return out\n"
+    )
+    for salt in salts:
+        # Both halves of the hash are exact in a double; so is every key below 2^53.
+        raw = await redis_client.eval(script, 1, PREFIX, salt >> 32, salt & 0xFFFFFFFF, *keys)
+        halves = [text(v).split() for v in raw]
+        got = [int(hi) << 32 | int(lo) for hi, lo in halves]
+        assert got == [score(k, salt) for k in keys]
+
+
+async def test_a_rerouted_request_waits_past_the_queue_timeout_while_an_upstream_is_known(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1, queue_timeout_s=0.2))
+        await admission.resize("a", 1)
+        await admission.resize("b", 1)
+        refused = await admission.enter(ranking=["a", "b"])
+        busy = await admission.enter(ranking=["b", "a"])
+        assert (refused.upstream, busy.upstream) == ("a", "b")
+        await asyncio.sleep(0.3)  # past the queue timeout since it entered
+        await admission.resize("a", None)
+        refused.reroute(known_by=time.monotonic() + 0.3)
+        waiting = asyncio.create_task(refused.wait())
+        await asyncio.sleep(0.5)  # past both: "b" is known, so it still waits
+        assert not waiting.done()
+        busy.release()
+        await asyncio.wait_for(waiting, 2)
+        assert refused.upstream == "b"
+        await refused.aclose()
+        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
+
+
+async def test_a_rerouted_request_is_refused_when_no_upstream_is_known_by_its_deadline(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1))
+        await admission.resize("a", 1)
+        refused = await admission.enter()
+        await admission.resize("a", None)
+        await until(lambda: admission.snapshot().fleet.capacity == 0, 2)
+        refused.reroute(known_by=time.monotonic() + 0.2)
+        with pytest.raises(NotReady):
+            await asyncio.wait_for(refused.wait(), 2)
+        await admission.settle()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
+async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them_again(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        slow, fast = await started(stack, replicas(valkey, n=2))
+        await slow.resize("a", 2, budget=100)
+        held = await slow.enter(cost=70, tenant="t", max_active=1)
+        assert held.granted
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+        assert slow._keeper is not None
+        slow._keeper.cancel()
+        await until(lambda: _gone(redis_client, "r0"), 3)
+        # Given up: its slot, tokens and tenant's count are the fleet's again.
+        other = await fast.enter(cost=70, tenant="t", max_active=1)
+        assert other.granted
+        await other.aclose()
+        assert await redis_client.hlen(PREFIX + "tokens") == 0
+        slow._keeper = asyncio.create_task(slow._keep())
+        await until(lambda: _back(redis_client, "r0"), 3)
+        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+        assert await redis_client.hget(PREFIX + "tactive", "t") == b"1"
+        await held.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+        assert await redis_client.hlen(PREFIX + "tokens") == 0
+        assert await redis_client.hlen(PREFIX + "tactive") == 0

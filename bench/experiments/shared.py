@@ -27,7 +27,7 @@ def quantiles_ms(samples: list[float]) -> tuple[float, float]:
     return cuts[49] * 1e3, cuts[98] * 1e3
 
 
-async def free_path(url: str, n: int) -> None:
+async def free_path(url: str, n: int, tenant: str = "") -> None:
     local = Admission(capacity=4, policy=QueuePolicy())
     local_s: list[float] = []
     for _ in range(n):
@@ -42,7 +42,7 @@ async def free_path(url: str, n: int) -> None:
     try:
         for _ in range(n):
             start = time.perf_counter()
-            ticket = await shared.enter(ranking=["a"])
+            ticket = await shared.enter(ranking=["a"], tenant=tenant)
             shared_s.append(time.perf_counter() - start)
             await ticket.aclose()
     finally:
@@ -50,11 +50,12 @@ async def free_path(url: str, n: int) -> None:
     lp50, lp99 = quantiles_ms(local_s)
     sp50, sp99 = quantiles_ms(shared_s)
     print(f"free-path grant, local core: p50 {lp50:.4f} ms  p99 {lp99:.4f} ms  (n={n})")
-    print(f"free-path grant, shared:     p50 {sp50:.4f} ms  p99 {sp99:.4f} ms  (n={n})")
+    who = f", tenant {tenant!r}" if tenant else ""
+    print(f"free-path grant, shared{who}: p50 {sp50:.4f} ms  p99 {sp99:.4f} ms  (n={n})")
     print(f"added by the shared path:    p50 {sp50 - lp50:.4f} ms  p99 {sp99 - lp99:.4f} ms")
 
 
-async def handoff(url: str, n: int) -> None:
+async def handoff(url: str, n: int, tenant: str = "") -> None:
     holder = SharedAdmission(url, "bench", replica="holder")
     waiter = SharedAdmission(url, "bench", replica="waiter")
     await holder.start()
@@ -63,8 +64,8 @@ async def handoff(url: str, n: int) -> None:
     samples: list[float] = []
     try:
         for _ in range(n):
-            held = await holder.enter()
-            queued = await waiter.enter()
+            held = await holder.enter(tenant=tenant)
+            queued = await waiter.enter(tenant=tenant)
             assert not queued.granted
             wait = asyncio.ensure_future(queued.wait())
             await asyncio.sleep(0)  # the waiter is parked on its future
@@ -78,16 +79,17 @@ async def handoff(url: str, n: int) -> None:
         await holder.close()
         await waiter.close()
     p50, p99 = quantiles_ms(samples)
-    print(f"hand-off release -> waiter on another replica: p50 {p50:.3f} ms  p99 {p99:.3f} ms")
+    who = f" (tenant {tenant!r})" if tenant else ""
+    print(f"hand-off release -> waiter on another replica{who}: p50 {p50:.3f} ms  p99 {p99:.3f} ms")
 
 
 async def script_cost(url: str, phase: str) -> None:
     """Redis's own time per script call since the last reset (INFO commandstats), then reset."""
     client = aioredis.Redis.from_url(url)
-    stat = (await client.info("commandstats")).get("cmdstat_evalsha", {})
+    stat = (await client.info("commandstats")).get("cmdstat_fcall", {})
     print(
         f"Redis per script call, {phase}: {stat.get('usec_per_call', 0):.2f} us"
-        f" over {stat.get('calls', 0)} EVALSHA"
+        f" over {stat.get('calls', 0)} FCALL"
     )
     await client.config_resetstat()
     await client.aclose()
@@ -129,6 +131,11 @@ async def main() -> None:
         await script_cost(valkey.url, "free path (ENTER + RELEASE, one upstream)")
         await handoff(valkey.url, args.handoffs)
         await script_cost(valkey.url, "hand-off (ENTER granted + queued, RELEASE + dispatch)")
+        # The same with a named tenant: the fair tag's reads and writes in ENTER and RELEASE.
+        await free_path(valkey.url, args.n, tenant="team")
+        await script_cost(valkey.url, "free path, tenant 'team'")
+        await handoff(valkey.url, args.handoffs, tenant="team")
+        await script_cost(valkey.url, "hand-off, tenant 'team'")
         await redis_figures(valkey.url, args.waiters, 3.0)
     finally:
         valkey.kill()
