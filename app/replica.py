@@ -31,7 +31,7 @@ class ReplicaTicket:
     """One request's claim on the fleet's shared slots (see `Claim` in app/admission.py)."""
 
     __slots__ = (
-        "_gate", "_known_by", "_local", "_released", "_shared", "affinity", "conversation", "cost",
+        "_gate", "_local", "_released", "_shared", "affinity", "conversation", "cost",
         "entered_at", "rerouted", "tenant", "weight",
     )  # fmt: skip
 
@@ -55,7 +55,6 @@ class ReplicaTicket:
         self.entered_at = shared.entered_at
         #: The core's ticket on the granted upstream's pool, once granted.
         self._local: Ticket | None = None
-        self._known_by: float | None = None
         self.rerouted = False
         self._released = False
 
@@ -80,7 +79,7 @@ class ReplicaTicket:
         """1-based place in the fleet's line when it entered (0 once admitted)."""
         if self.admitted:
             return 0
-        return max(getattr(self._shared, "position", 1), 1)
+        return max(self._shared.position, 1)
 
     async def wait(self) -> None:
         """Wait for the shared line's grant, then hold it on this replica's pool; on any exit
@@ -89,16 +88,7 @@ class ReplicaTicket:
             return
         gate = self._gate
         try:
-            if self._shared.granted:
-                pass
-            elif self._known_by is not None:
-                # Sent back by its upstream: for at most STARTUP_WAIT from the first refusal.
-                try:
-                    async with asyncio.timeout(max(self._known_by - time.monotonic(), 0)):
-                        await gate._until_granted(self._shared)
-                except TimeoutError:
-                    raise NotReady(gate.admission.snapshot(), 1.0) from None
-            else:
+            if not self._shared.granted:
                 await gate._until_granted(self._shared)
         except BaseException:
             self.release()
@@ -128,9 +118,10 @@ class ReplicaTicket:
             return
         self._local = None
         local.release()
-        self._known_by = known_by
         self.rerouted = True
-        self._shared.reroute()
+        # Sent back by its upstream: it waits at the head of the shared line, and is refused
+        # (NotReady) if no upstream is known by `known_by` (STARTUP_WAIT after the refusal).
+        self._shared.reroute(known_by)
 
     def recost(self, cost: int) -> None:
         self.cost = cost
@@ -178,8 +169,8 @@ class ReplicaAdmission:
         )
         self.failure_mode = settings.redis_failure_mode
         self._affinity = settings.routing == "affinity"
-        #: The key and capacity each pool is known by in Redis, as last told.
-        self._told: dict[Pool, tuple[str, int | None]] = {}
+        #: The key, capacity and budget each pool is known by in Redis, as last told.
+        self._told: dict[Pool, tuple[str, int | None, int | None]] = {}
         # Changes reach Redis one at a time, in the order they happened.
         self._order = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -266,6 +257,11 @@ class ReplicaAdmission:
             cost=cost,
             ranking=self._ranking(affinity, conversation),
             band=tenant.band if band is None else band,
+            # Everyone (no keys) is ordered by arrival alone, as in one process.
+            tenant="" if tenant is EVERYONE else tenant.name,
+            share=tenant.weight,
+            max_active=tenant.max_active,
+            max_queued=tenant.max_queued,
         )
         ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:
@@ -313,19 +309,20 @@ class ReplicaAdmission:
         raise error
 
     def _changed(self, pool: Pool) -> None:
-        """A pool's capacity or name changed: tell Redis, in order."""
-        task = asyncio.get_running_loop().create_task(self._tell(pool, pool.key, pool.capacity))
+        """A pool's capacity, budget or name changed: tell Redis, in order."""
+        capacity = None if pool.retired else pool.capacity
+        told = (pool.key, capacity, pool.budget)
+        task = asyncio.get_running_loop().create_task(self._tell(pool, told))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _tell(self, pool: Pool, key: str, capacity: int | None) -> None:
-        if pool.retired:
-            capacity = None
+    async def _tell(self, pool: Pool, told: tuple[str, int | None, int | None]) -> None:
         async with self._order:
-            told = self._told.get(pool)
-            if told == (key, capacity):
+            before = self._told.get(pool)
+            if before == told:
                 return  # a props refresh that changed nothing
-            if told is not None and told[0] != key:
-                await self.shared.resize(told[0], None)
-            self._told[pool] = (key, capacity)
-            await self.shared.resize(key, capacity)
+            key, capacity, budget = told
+            if before is not None and before[0] != key:
+                await self.shared.resize(before[0], None)
+            self._told[pool] = told
+            await self.shared.resize(key, capacity, budget=budget)

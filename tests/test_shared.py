@@ -9,7 +9,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -33,17 +33,6 @@ from .valkey import Valkey
 
 FLEET = "test"
 PREFIX = "slotgate:{test}:"
-
-
-@pytest.fixture
-def valkey() -> Iterator[Valkey]:
-    server = Valkey()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.resume_if_paused()
-        server.kill()
 
 
 @pytest.fixture
