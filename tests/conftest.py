@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -130,6 +131,28 @@ async def standin() -> AsyncIterator[StandIn]:
     await upstream.start()
     yield upstream
     await upstream.stop()
+
+
+#: Three tenants by key: two without limits, one with two places of its own in the line.
+TENANTS = """
+[tenants.flood]
+key = "sk-flood"
+
+[tenants.chat]
+key = "sk-chat"
+
+[tenants.jobs]
+key = "sk-jobs"
+max_queued = 2
+"""
+
+
+@pytest.fixture
+def keys_file(tmp_path: Path) -> Path:
+    """An API_KEYS_FILE of TENANTS."""
+    path = tmp_path / "keys.toml"
+    path.write_text(TENANTS)
+    return path
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ came to, the hand-off across replicas, the fallback when Redis is away, and what
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -259,3 +261,62 @@ async def test_a_replica_that_stops_hands_back_what_it_held_and_leaves_the_count
     await second.stop()
     await first.until(lambda: fleet(first)["replicas"] == 1)
     assert (await client.post(first.url + CHAT, json=chat())).status_code == 200
+
+
+def said(text: str, key: str) -> dict[str, Any]:
+    """Keyword arguments of a chat request whose prompt names it, sent with `key`."""
+    return {
+        "json": {"messages": [{"role": "user", "content": text}], "stream": False},
+        "headers": {"authorization": f"Bearer {key}"},
+    }
+
+
+async def test_a_tenants_chat_on_one_replica_goes_ahead_of_anothers_flood_on_the_other(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient, keys_file: Path
+) -> None:
+    standin.total_slots = 1
+    standin.tokens, standin.token_delay_s = 10, 0.02
+    first, second = await replicas(2, api_keys_file=keys_file, max_queue=0)
+    flood = [
+        asyncio.create_task(client.post(first.url + CHAT, **said(f"flood {n}", "sk-flood")))
+        for n in range(60)
+    ]
+    try:
+        await first.until(lambda: fleet(first)["queued"] >= 50)
+        for n in range(3):
+            before = len(standin.seen)
+            answer = await client.post(second.url + CHAT, **said(f"chat {n}", "sk-chat"))
+            assert answer.status_code == 200
+            seen = [json.loads(s.body)["messages"][0]["content"] for s in standin.seen[before:]]
+            # Behind about 50 of the flood in the fleet's line, yet the next slot is its own.
+            assert seen.index(f"chat {n}") <= standin.total_slots, seen
+    finally:
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+
+
+async def test_a_tenants_max_queued_holds_across_replicas(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient, keys_file: Path
+) -> None:
+    standin.total_slots = 1
+    standin.tokens, standin.token_delay_s = 40, 0.02
+    first, second = await replicas(2, api_keys_file=keys_file)
+    held = [
+        asyncio.create_task(client.post(gate.url + CHAT, **said(f"job {n}", "sk-jobs")))
+        for n, gate in enumerate((first, second, first))
+    ]
+    try:
+        # One runs, two wait (one on each replica): the tenant's two places, fleet-wide.
+        await first.until(lambda: fleet(first)["queued"] == 2)
+        refused = await client.post(second.url + CHAT, **said("job 3", "sk-jobs"))
+        assert refused.status_code == 429
+        error = refused.json()["error"]
+        assert error["code"] == "tenant_queue_full"
+        assert error["admission"]["tenant"]["name"] == "jobs"
+        other = await client.post(second.url + CHAT, **said("chat", "sk-chat"))
+        assert other.status_code == 200
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)

@@ -15,21 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GateFactory, RunningGate, chat
+from tests.conftest import TENANTS, GateFactory, RunningGate, chat
 from tests.standin import StandIn
 
 CHAT = "/v1/chat/completions"
-TENANTS = """
-[tenants.flood]
-key = "sk-flood"
-
-[tenants.chat]
-key = "sk-chat"
-
-[tenants.jobs]
-key = "sk-jobs"
-max_queued = 2
-"""
 
 
 NEW = '\n[tenants.new]\nkey = "sk-new"\n'
@@ -50,13 +39,6 @@ def said(text: str) -> dict[str, Any]:
 
 def order_seen(standin: StandIn) -> list[str]:
     return [json.loads(seen.body)["messages"][0]["content"] for seen in standin.seen]
-
-
-@pytest.fixture
-def keys_file(tmp_path: Path) -> Path:
-    path = tmp_path / "keys.toml"
-    path.write_text(TENANTS)
-    return path
 
 
 async def queued(client: httpx.AsyncClient, gate: RunningGate, name: str) -> int:
