@@ -37,7 +37,7 @@ PREFIX = "slotgate:{test}:"
 
 @pytest.fixture
 async def redis_client(valkey: Valkey) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(valkey.url)
+    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5, socket_connect_timeout=5)
     try:
         yield client
     finally:
@@ -133,9 +133,11 @@ async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arr
                 held[ticket.upstream] -= 1
 
         watcher = asyncio.create_task(watch())
-        await asyncio.gather(*(request(i) for i in range(1000)))
-        done.set()
-        await watcher
+        try:
+            await asyncio.gather(*(request(i) for i in range(1000)))
+        finally:
+            done.set()
+            await watcher
         for admission in fleet:
             await admission.settle()
         assert all(a.mode is Mode.SHARED for a in fleet)

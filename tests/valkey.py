@@ -46,15 +46,35 @@ class Valkey:
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"valkey-server exited ({code}): is port {self.port} taken?")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    # Its own process answering, not another server that took the port.
+                    if self._server_pid(sock) == self.process.pid:
                         return
             except OSError:
                 pass
             time.sleep(0.02)
+        self.kill()
         raise RuntimeError(f"valkey-server did not answer on port {self.port}")
+
+    @staticmethod
+    def _server_pid(sock: socket.socket) -> int | None:
+        sock.sendall(b"INFO server\r\n")
+        reply = b""
+        while b"\r\n" not in reply or len(reply) < int(reply[1 : reply.index(b"\r\n")] or 0):
+            if not reply.startswith(b"$") and reply:
+                return None  # not a bulk string: not Valkey, or not ready
+            chunk = sock.recv(65536)
+            if not chunk:
+                return None
+            reply += chunk
+        for line in reply.split(b"\r\n"):
+            if line.startswith(b"process_id:"):
+                return int(line.split(b":", 1)[1])
+        return None
 
     def kill(self) -> None:
         """kill -9: whatever it held is gone."""
