@@ -134,9 +134,9 @@ class Workload:
 
     systems: int = 4
     conversations: int = 12
-    turns: int = 4
-    max_tokens: int = 16
-    clients: int = 12
+    turns: int = 5
+    max_tokens: int = 64
+    clients: int = 6
     system_words: int = 260
     think_s: float = 3.0
     stagger_s: float = 0.5

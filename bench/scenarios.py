@@ -77,9 +77,13 @@ class Sizes:
     fleet_systems: int = 4
     fleet_system_words: int = 260
     fleet_conversations: int = 12
-    fleet_turns: int = 4
-    fleet_max_tokens: int = 16
-    fleet_clients: int = 12
+    # Answers of 64 tokens over 5 turns, so that a conversation's history counts beside its
+    # system prompt; at most one conversation per slot, so that time to first token measures
+    # routing rather than a saturated line (the saturated run: --fleet-clients 12
+    # --fleet-turns 4 --fleet-max-tokens 16, the reference until 2026-12-01 05:40).
+    fleet_turns: int = 5
+    fleet_max_tokens: int = 64
+    fleet_clients: int = 6
     fleet_think_s: float = 3.0
     fleet_stagger_s: float = 0.5
     fleet_cost_upstreams: int = 8
