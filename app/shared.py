@@ -199,9 +199,15 @@ class SharedTicket:
         # timeout again, but only while some upstream is known (or until `known_by`).
         known_by = self._known_by
         if known_by is not None:
+            admission = self._admission
             await asyncio.wait((future,), timeout=max(known_by - time.monotonic(), 0.0))
-            if not future.done() and not self._admission._known():
-                raise NotReady(self._admission._snapshot(), 1.0)
+            # The fleet's capacity it goes by is the last heartbeat's, which may predate the
+            # refusal: look again at each heartbeat, so that a line no upstream serves any more
+            # refuses it rather than keep it forever.
+            while not future.done():
+                if not admission._known():
+                    raise NotReady(admission._snapshot(), 1.0)
+                await asyncio.wait((future,), timeout=admission._heartbeat_s)
         await future
 
     def release(self) -> None:

@@ -1,0 +1,173 @@
+"""The shared line (REDIS_URL) pushed where a fleet pushes it: upstreams that refuse, every
+upstream down, clients that leave, Redis paused or slow; over real sockets, a real valkey-server
+and stand-in llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+import pytest
+from slotgate.settings import Settings
+
+from tests.conftest import RunningGate, chat, serve
+from tests.standin import StandIn
+from tests.valkey import Valkey
+
+CHAT = "/v1/chat/completions"
+Start = Callable[..., Any]
+
+
+@pytest.fixture
+async def sharing(valkey: Valkey) -> AsyncIterator[Start]:
+    """Start one slotgate sharing `valkey` in front of the given stand-ins; waits until Redis
+    knows every upstream's slots."""
+    running: list[RunningGate] = []
+
+    async def start(upstreams: Sequence[StandIn], **overrides: Any) -> RunningGate:
+        values: dict[str, Any] = {
+            "llama_server_url": ",".join(u.url for u in upstreams),
+            "props_refresh_interval": 0.2, "keepalive_interval": 0, "log_level": "warning",
+            "redis_url": valkey.url, "redis_fleet": "edges", "redis_ttl": 0.6,
+            "redis_timeout": 0.3,
+        }  # fmt: skip
+        values.update(overrides)
+        gate = await serve(Settings(_env_file=None, **values))
+        running.append(gate)
+        slots = sum(u.total_slots for u in upstreams)
+        await gate.until(lambda: view(gate)["fleet"]["capacity"] == slots)
+        return gate
+
+    yield start
+    for gate in running:
+        await gate.stop()
+
+
+def view(gate: RunningGate) -> dict[str, Any]:
+    replica = gate.service.replica
+    assert replica is not None
+    heard: dict[str, Any] = replica.view()
+    return heard
+
+
+async def redis_idle(gate: RunningGate) -> None:
+    """Wait until Redis holds nothing of the fleet's and this replica holds nothing."""
+    replica = gate.service.replica
+    assert replica is not None
+
+    def idle() -> bool:
+        heard = view(gate)
+        return bool(
+            heard["fleet"]["active"] == 0
+            and heard["fleet"]["queued"] == 0
+            and heard["this_replica"] == {"active": 0, "queued": 0}
+        )
+
+    await gate.until(idle)
+
+
+async def test_a_request_refused_by_its_upstream_runs_on_the_other_and_leaves_nothing_in_redis(
+    sharing: Start, client: httpx.AsyncClient
+) -> None:
+    alive, dead = StandIn(total_slots=2, tokens=3), StandIn(total_slots=2, tokens=3)
+    for upstream in (alive, dead):
+        await upstream.start()
+    try:
+        gate = await sharing([alive, dead], props_refresh_interval=30, startup_wait=0)
+        await dead.stop()
+        bodies = [chat(messages=[{"role": "user", "content": str(n)}]) for n in range(12)]
+        answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=b) for b in bodies))
+        assert [a.status_code for a in answers] == [200] * 12
+        assert alive.started == 12
+        await redis_idle(gate)
+    finally:
+        await alive.stop()
+
+
+async def test_a_request_sent_back_while_every_upstream_is_down_is_refused_not_left_waiting(
+    sharing: Start, client: httpx.AsyncClient
+) -> None:
+    dead = StandIn(total_slots=1, tokens=3)
+    await dead.start()
+    # Heartbeats a second apart: the fleet's figures the replica holds are older than the wait.
+    gate = await sharing([dead], props_refresh_interval=30, startup_wait=0.2, redis_ttl=3)
+    await dead.stop()
+    async with asyncio.timeout(5):
+        answer = await client.post(gate.url + CHAT, json=chat())
+    assert answer.status_code == 503
+    assert "retry-after" in answer.headers
+    await redis_idle(gate)
+
+
+def fallbacks(gate: RunningGate) -> int:
+    count: int = view(gate)["fallbacks"]
+    return count
+
+
+async def test_redis_paused_while_a_request_runs_and_one_waits_answers_both_and_falls_back_once(
+    sharing: Start, valkey: Valkey, client: httpx.AsyncClient
+) -> None:
+    standin = StandIn(total_slots=1, tokens=20)
+    standin.token_delay_s = 0.02
+    await standin.start()
+    try:
+        first = await sharing([standin])
+        second = await sharing([standin])
+        running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
+        await first.until(lambda: standin.running == 1)
+        waiting = asyncio.create_task(client.post(second.url + CHAT, json=chat()))
+        await second.until(lambda: view(second)["this_replica"]["queued"] == 1)
+        valkey.pause()
+        await asyncio.sleep(1.0)
+        valkey.resume()
+        async with asyncio.timeout(5):
+            answers = await asyncio.gather(running, waiting)
+        assert [a.status_code for a in answers] == [200, 200]
+        for gate in (first, second):
+            await gate.until(lambda g=gate: view(g)["mode"] == "shared")
+        # Shared again, and it stays so: one fallback per replica for the one pause.
+        more = await asyncio.gather(
+            *(client.post(g.url + CHAT, json=chat()) for g in (first, second) for _ in range(3))
+        )
+        assert [a.status_code for a in more] == [200] * 6
+        for gate in (first, second):
+            assert view(gate)["mode"] == "shared"
+            assert fallbacks(gate) == 1
+            await redis_idle(gate)
+    finally:
+        await standin.stop()
+
+
+async def test_redis_restarted_empty_brings_shared_mode_back_with_one_fallback(
+    sharing: Start, valkey: Valkey, client: httpx.AsyncClient
+) -> None:
+    standin = StandIn(total_slots=2, tokens=20)
+    standin.token_delay_s = 0.02
+    await standin.start()
+    try:
+        first = await sharing([standin])
+        second = await sharing([standin])
+        running = [
+            asyncio.create_task(client.post(g.url + CHAT, json=chat())) for g in (first, second)
+        ]
+        await first.until(lambda: standin.running == 2)
+        valkey.kill()
+        valkey.start()
+        async with asyncio.timeout(5):
+            answers = await asyncio.gather(*running)
+        assert [a.status_code for a in answers] == [200, 200]
+        for gate in (first, second):
+            await gate.until(lambda g=gate: view(g)["mode"] == "shared")
+            await gate.until(lambda g=gate: view(g)["fleet"]["capacity"] == 2)
+        more = await asyncio.gather(
+            *(client.post(g.url + CHAT, json=chat()) for g in (first, second) for _ in range(3))
+        )
+        assert [a.status_code for a in more] == [200] * 6
+        for gate in (first, second):
+            assert view(gate)["mode"] == "shared"
+            assert fallbacks(gate) == 1
+            await redis_idle(gate)
+    finally:
+        await standin.stop()
