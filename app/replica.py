@@ -76,10 +76,10 @@ class ReplicaTicket:
 
     @property
     def position(self) -> int:
-        """1-based place in the fleet's line when it entered (0 once admitted)."""
+        """1-based place in the fleet's line (0 once admitted), as this replica last heard."""
         if self.admitted:
             return 0
-        return max(self._shared.position, 1)
+        return max(self._shared.place, 1)
 
     async def wait(self) -> None:
         """Wait for the shared line's grant, then hold it on this replica's pool; on any exit

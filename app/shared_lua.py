@@ -437,17 +437,20 @@ local function hold_s()
   return redis.call('GET', K_HOLD) or '-1'
 end
 
+-- The fleet's capacity, active, queued, hold, replicas, and grants so far (the `granted`
+-- counter: a waiter's place moves up by the grants made since it entered).
 local function figures()
   local pl = pools()
   return {tostring(pl.fleet_cap), tostring(pl.fleet_active), tostring(redis.call('ZCARD', K_LINE)),
-          hold_s(), tostring(redis.call('ZCARD', K_REPLICAS))}
+          hold_s(), tostring(redis.call('ZCARD', K_REPLICAS)), redis.call('GET', K_GRANTED) or '0'}
 end
 """
 
 #: ARGV: replica, ticket id, weight, cost, ranking, eps, band, tag ('' = computed: the fair
 #: start tag for a tenant, else the arrival number), max_queue, queue_per_slot, min_queue (-1:
 #: not set), tenant ('' = none), share, max_active, max_queued (-1: none).
-#: -> {'grant', member, upstream, reason, grant number} | {'queued', member, position, limit}
+#: -> {'grant', member, upstream, reason, grant number}
+#:    | {'queued', member, position, limit, grants so far}
 #:    | {'full', limit, figures...} | {'tenant_full', tenant queued, tenant active, figures...}
 #:    | {'unknown' | 'large', figures...} | {'fenced'}
 ENTER = r"""
@@ -493,7 +496,8 @@ if queued > 0 and pl.fleet_active < pl.fleet_cap then
   local got = dispatch(eps, m)
   if got then return {'grant', m, got[1], got[2], tostring(got[3])} end
 end
-return {'queued', m, tostring(redis.call('ZRANK', K_LINE, m) + 1), tostring(limit)}
+return {'queued', m, tostring(redis.call('ZRANK', K_LINE, m) + 1), tostring(limit),
+        redis.call('GET', K_GRANTED) or '0'}
 """
 
 #: ARGV: replica, member, hold_s ('' = not observed), eps, ewma alpha

@@ -101,6 +101,31 @@ async def test_a_request_sent_back_while_every_upstream_is_down_is_refused_not_l
     await redis_idle(gate)
 
 
+async def test_a_waiting_streams_position_falls_as_the_fleets_line_ahead_of_it_is_served(
+    sharing: Start, client: httpx.AsyncClient
+) -> None:
+    standin = StandIn(total_slots=1, tokens=10)
+    standin.token_delay_s = 0.03
+    await standin.start()
+    try:
+        gate = await sharing([standin], keepalive_interval=0.05, stream_head_after=0)
+        ahead = [asyncio.create_task(client.post(gate.url + CHAT, json=chat())) for _ in range(2)]
+        await gate.until(lambda: view(gate)["this_replica"] == {"active": 1, "queued": 1})
+        async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as answer:
+            positions = [
+                int(line.split("=")[1].split()[0])
+                async for line in answer.aiter_lines()
+                if line.startswith(": queued position=")
+            ]
+        assert [a.status_code for a in await asyncio.gather(*ahead)] == [200, 200]
+        # Second in the line when it came, first once the request that ran before it ended.
+        assert positions[0] == 2
+        assert positions[-1] == 1
+        await redis_idle(gate)
+    finally:
+        await standin.stop()
+
+
 def fallbacks(gate: RunningGate) -> int:
     count: int = view(gate)["fallbacks"]
     return count
