@@ -323,6 +323,7 @@ class ReplicaAdmission:
                 return  # a props refresh that changed nothing
             key, capacity, budget = told
             if before is not None and before[0] != key:
-                await self.shared.resize(before[0], None)
+                # Renamed: its running requests go on counting against its slots.
+                await self.shared.rekey(before[0], key)
             self._told[pool] = told
             await self.shared.resize(key, capacity, budget=budget)

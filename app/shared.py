@@ -433,6 +433,23 @@ class SharedAdmission:
             return
         self._dispatch_local()
 
+    async def rekey(self, old: str, new: str) -> None:
+        """An upstream is known by another name now: what this replica holds there is held
+        under `new`, here and in Redis, and `old` is unknown (`resize` `new` after this)."""
+        self._capacities.pop(old, None)
+        self._budgets.pop(old, None)
+        for ticket in self._tickets.values():
+            if ticket.upstream == old:
+                ticket.upstream = new
+        if old in self._local_active:
+            self._local_active[new] = self._local_active.get(new, 0) + self._local_active.pop(old)
+        if self.mode is Mode.SHARED:
+            try:
+                await self._call("REKEY", self.replica, old, new)
+            except Down as exc:
+                # The rejoin registers the grants under their new name.
+                self._degrade(str(exc))
+
     async def enter(
         self,
         weight: int = 1,

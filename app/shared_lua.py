@@ -625,6 +625,26 @@ dispatch(tonumber(ARGV[3]))
 return 'queued'
 """
 
+#: ARGV: replica, old upstream, new upstream -> 'ok'
+#: An upstream known by another name now (an address of its name, app/fleet.py): the old name
+#: leaves the pools, and the replica's grants there move to the new one, their slots and tokens
+#: with them, so that its running requests still count against its slots.
+REKEY = r"""
+local me, old, new = ARGV[1], ARGV[2], ARGV[3]
+redis.call('HDEL', K_POOLS, old)
+local held = redis.call('HGETALL', held_key(me))
+for i = 1, #held, 2 do
+  local u, tokens, rec = string.match(held[i + 1], '^g\t([^\t]*)\t([^\t]*)\t(.*)$')
+  if u == old then
+    local w = parse_ticket(rec).w
+    give_back(old, w, tonumber(tokens), '')
+    take(new, w, tonumber(tokens), '')
+    redis.call('HSET', held_key(me), held[i], 'g\t'..new..'\t'..tokens..'\t'..rec)
+  end
+end
+return 'ok'
+"""
+
 #: ARGV: replica, eps -> 'ok' (a replica leaving for good: what it holds goes back at once)
 RETIRE = r"""
 forget(ARGV[1])
@@ -643,6 +663,7 @@ _SCRIPTS = {
     "RESIZE": RESIZE,
     "RETIRE": RETIRE,
     "REROUTE": REROUTE,
+    "REKEY": REKEY,
 }
 
 

@@ -10,7 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
+from slotgate.main import create_app
 from slotgate.settings import Settings
+from slotgate.shared import SharedAdmission
 
 from tests.conftest import RunningGate, chat, serve
 from tests.standin import StandIn
@@ -196,3 +199,75 @@ async def test_redis_restarted_empty_brings_shared_mode_back_with_one_fallback(
             await redis_idle(gate)
     finally:
         await standin.stop()
+
+
+async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keeps_its_grants(
+    valkey: Valkey, client: httpx.AsyncClient
+) -> None:
+    first = StandIn(total_slots=1, host="127.0.0.1", tokens=40)
+    first.token_delay_s = 0.02
+    await first.start()
+    second = StandIn(total_slots=1, host="127.0.0.2", port=first.port, tokens=3)
+    addresses = ["127.0.0.1"]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(addresses)
+
+    settings = Settings(
+        _env_file=None,
+        llama_server_url=f"http://localhost:{first.port}",
+        props_refresh_interval=0.1, keepalive_interval=0, log_level="warning",
+        redis_url=valkey.url, redis_fleet="edges", redis_ttl=0.6, redis_timeout=0.3,
+    )  # fmt: skip
+    gate = None
+    try:
+        await second.start()
+        gate = await serve(settings, create_app(settings, resolver))
+        await gate.until(lambda: view(gate)["fleet"]["capacity"] == 1)
+        running = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+        await gate.until(lambda: first.running == 1)
+        addresses.append("127.0.0.2")  # the name's one server is one of two now
+        await gate.until(lambda: view(gate)["fleet"]["capacity"] == 2)
+        more = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(3)))
+        assert [a.status_code for a in more] == [200] * 3
+        assert (await running).status_code == 200
+        # The running request still held the first server's one slot in the fleet's count.
+        assert first.max_running == 1
+        assert second.max_running == 1
+        await redis_idle(gate)
+    finally:
+        if gate is not None:
+            await gate.stop()
+        for upstream in (first, second):
+            await upstream.stop()
+
+
+async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_back_in_full(
+    valkey: Valkey,
+) -> None:
+    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    renaming = SharedAdmission(valkey.url, "rekey", replica="r0", heartbeat_s=0.2, ttl_s=1.0)
+    other = SharedAdmission(valkey.url, "rekey", replica="r1", heartbeat_s=0.2, ttl_s=1.0)
+    prefix = "slotgate:{rekey}:"
+    try:
+        for admission in (renaming, other):
+            await admission.start()
+        await renaming.resize("name", 2, budget=100)
+        mine = await renaming.enter(cost=30)
+        theirs = await other.enter(cost=40)
+        assert (mine.upstream, theirs.upstream) == ("name", "name")
+        await renaming.rekey("name", "address")
+        await renaming.resize("address", 2, budget=100)
+        assert mine.upstream == "address"
+        active = await client.hgetall(prefix + "active")
+        assert (active[b"name"], active[b"address"]) == (b"1", b"1")
+        assert await client.hget(prefix + "tokens", "address") == b"30"
+        # The new name has one slot left, not two.
+        assert (await renaming.enter()).granted
+        assert not (await renaming.enter()).granted
+        for ticket in (mine, theirs):
+            await ticket.aclose()
+    finally:
+        for admission in (renaming, other):
+            await admission.close()
+        await client.aclose()
