@@ -322,6 +322,11 @@ class ReplicaAdmission:
             if before == told:
                 return  # a props refresh that changed nothing
             key, capacity, budget = told
+            if capacity is None and (before is None or before[:2] == (key, None)):
+                # Never known here (a replica starting reads the budget before the slots):
+                # nothing of this replica's to take back, and the others may know the upstream.
+                self._told[pool] = told
+                return
             if before is not None and before[0] != key:
                 # Renamed: its running requests go on counting against its slots.
                 await self.shared.rekey(before[0], key)

@@ -271,3 +271,28 @@ async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_
         for admission in (renaming, other):
             await admission.close()
         await client.aclose()
+
+
+async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fleets_pools(
+    sharing: Start, valkey: Valkey
+) -> None:
+    standin = StandIn(total_slots=2)
+    await standin.start()
+    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    pubsub = client.pubsub()
+    try:
+        await sharing([standin])
+        # Every change to the fleet's pools, as Valkey's keyspace events tell it.
+        await client.config_set("notify-keyspace-events", "Kh")
+        await pubsub.subscribe("__keyspace@0__:slotgate:{edges}:pools")
+        await sharing([standin])
+        events = []
+        while (message := await pubsub.get_message(timeout=0.2)) is not None:
+            events.append(message["data"])
+        # The second replica's first look at its upstream (its budget, before its slots) told
+        # the fleet the upstream was unknown: every other replica answered 503 meanwhile.
+        assert b"hdel" not in events, events
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await client.aclose()
+        await standin.stop()
