@@ -234,6 +234,10 @@ local function give_back(u, w, tokens, tenant)
     redis.call('HSET', K_ACTIVE, u, 0)
     w, a = w + a, 0
   end
+  if a == 0 and redis.call('HEXISTS', K_POOLS, u) == 0 then
+    -- Gone from the pools (its address left DNS): nothing of it stays for every call to read.
+    redis.call('HDEL', K_ACTIVE, u)
+  end
   local t = 0
   if tokens > 0 then
     t = redis.call('HINCRBY', K_TOKENS, u, -tokens)
@@ -592,6 +596,9 @@ return out
 RESIZE = r"""
 if ARGV[2] == '' then
   redis.call('HDEL', K_POOLS, ARGV[1])
+  if tonumber(redis.call('HGET', K_ACTIVE, ARGV[1]) or '0') <= 0 then
+    redis.call('HDEL', K_ACTIVE, ARGV[1])
+  end
 elseif ARGV[4] == '' then
   redis.call('HSET', K_POOLS, ARGV[1], ARGV[2])
   dispatch(tonumber(ARGV[3]))

@@ -296,3 +296,24 @@ async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fle
         await pubsub.aclose()  # type: ignore[no-untyped-call]
         await client.aclose()
         await standin.stop()
+
+
+async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_last_grant_ends(
+    valkey: Valkey,
+) -> None:
+    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    admission = SharedAdmission(valkey.url, "gone", replica="r0", heartbeat_s=0.2, ttl_s=1.0)
+    try:
+        await admission.start()
+        # A fleet behind a DNS name whose addresses come and go (pods rolled): each one seen
+        # once would stay a field read by every script call for good.
+        for n in range(3):
+            await admission.resize(f"http://10.0.0.{n}:8080", 1)
+            ticket = await admission.enter()
+            await admission.resize(f"http://10.0.0.{n}:8080", None)
+            await ticket.aclose()
+        await admission.resize("http://10.0.0.9:8080", 1)
+        assert await client.hgetall("slotgate:{gone}:active") == {}
+    finally:
+        await admission.close()
+        await client.aclose()
