@@ -325,10 +325,19 @@ class ReplicaAdmission:
             if capacity is None and (before is None or before[:2] == (key, None)):
                 # Never known here (a replica starting reads the budget before the slots):
                 # nothing of this replica's to take back, and the others may know the upstream.
-                self._told[pool] = told
+                self._forget_or_keep(pool, told)
                 return
             if before is not None and before[0] != key:
                 # Renamed: its running requests go on counting against its slots.
                 await self.shared.rekey(before[0], key)
             self._told[pool] = told
             await self.shared.resize(key, capacity, budget=budget)
+            self._forget_or_keep(pool, told)
+
+    def _forget_or_keep(self, pool: Pool, told: tuple[str, int | None, int | None]) -> None:
+        # A retired pool is not told again (its address left DNS): not remembered either, or
+        # a fleet whose addresses come and go would be remembered whole.
+        if pool.retired:
+            self._told.pop(pool, None)
+        else:
+            self._told[pool] = told

@@ -11,7 +11,9 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
+from slotgate.admission import Admission
 from slotgate.main import create_app
+from slotgate.replica import ReplicaAdmission
 from slotgate.settings import Settings
 from slotgate.shared import SharedAdmission
 
@@ -317,3 +319,23 @@ async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_l
     finally:
         await admission.close()
         await client.aclose()
+
+
+async def test_upstreams_that_leave_dns_one_after_another_are_not_remembered_by_the_replica(
+    valkey: Valkey,
+) -> None:
+    settings = Settings(_env_file=None, redis_url=valkey.url, redis_fleet="churn")
+    admission = Admission(settings.queue_policy)
+    replica = ReplicaAdmission(settings, admission, valkey.url)
+    await replica.start()
+    try:
+        for n in range(20):
+            pool = admission.add_pool(f"http://10.0.0.{n}:8080")
+            pool.resize(1)
+            pool.retire()
+            pool.resize(None)  # its follower's last look before it closes
+            while replica._tasks:
+                await asyncio.wait(list(replica._tasks))
+        assert len(replica._told) == 0
+    finally:
+        await replica.close()
