@@ -339,3 +339,49 @@ async def test_upstreams_that_leave_dns_one_after_another_are_not_remembered_by_
         assert len(replica._told) == 0
     finally:
         await replica.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: a replica keys a name that resolves to one address by the name, one "
+    "that knew it by address keeps the address, so Redis counts the one server twice",
+)
+async def test_two_replicas_behind_one_name_count_its_one_server_once(
+    valkey: Valkey,
+) -> None:
+    first = StandIn(total_slots=1, host="127.0.0.1")
+    await first.start()
+    second = StandIn(total_slots=1, host="127.0.0.2", port=first.port)
+    await second.start()
+    addresses = ["127.0.0.1", "127.0.0.2"]
+
+    async def scaled(host: str, port: int) -> list[str]:
+        return list(addresses)
+
+    async def one(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    settings = Settings(
+        _env_file=None,
+        llama_server_url=f"http://localhost:{first.port}",
+        props_refresh_interval=0.1, keepalive_interval=0, log_level="warning",
+        redis_url=valkey.url, redis_fleet="edges", redis_ttl=0.6, redis_timeout=0.3,
+    )  # fmt: skip
+    gates: list[RunningGate] = []
+    try:
+        early = await serve(settings, create_app(settings, scaled))
+        gates.append(early)
+        await early.until(lambda: view(early)["fleet"]["capacity"] == 2)
+        addresses.remove("127.0.0.2")  # scaled down to one server
+        await second.stop()
+        await early.until(lambda: view(early)["fleet"]["capacity"] == 1)
+        late = await serve(settings, create_app(settings, one))  # started after the scale-down
+        gates.append(late)
+        await late.until(lambda: late.service.admission.capacity == 1)
+        await asyncio.sleep(0.5)  # a few heartbeats
+        assert view(late)["fleet"]["capacity"] == 1
+    finally:
+        for gate in gates:
+            await gate.stop()
+        for upstream in (first, second):
+            await upstream.stop()
