@@ -76,10 +76,10 @@ class ReplicaTicket:
 
     @property
     def position(self) -> int:
-        """1-based place in the fleet's line when it entered (0 once admitted)."""
+        """1-based place in the fleet's line (0 once admitted), as this replica last heard."""
         if self.admitted:
             return 0
-        return max(self._shared.position, 1)
+        return max(self._shared.place, 1)
 
     async def wait(self) -> None:
         """Wait for the shared line's grant, then hold it on this replica's pool; on any exit
@@ -322,7 +322,22 @@ class ReplicaAdmission:
             if before == told:
                 return  # a props refresh that changed nothing
             key, capacity, budget = told
+            if capacity is None and (before is None or before[:2] == (key, None)):
+                # Never known here (a replica starting reads the budget before the slots):
+                # nothing of this replica's to take back, and the others may know the upstream.
+                self._forget_or_keep(pool, told)
+                return
             if before is not None and before[0] != key:
-                await self.shared.resize(before[0], None)
+                # Renamed: its running requests go on counting against its slots.
+                await self.shared.rekey(before[0], key)
             self._told[pool] = told
             await self.shared.resize(key, capacity, budget=budget)
+            self._forget_or_keep(pool, told)
+
+    def _forget_or_keep(self, pool: Pool, told: tuple[str, int | None, int | None]) -> None:
+        # A retired pool is not told again (its address left DNS): not remembered either, or
+        # a fleet whose addresses come and go would be remembered whole.
+        if pool.retired:
+            self._told.pop(pool, None)
+        else:
+            self._told[pool] = told

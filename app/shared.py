@@ -88,11 +88,16 @@ class Fleet:
     queued: int = 0
     hold_s: float | None = None
     replicas: int = 1
+    #: Grants made so far, fleet-wide.
+    granted: int = 0
 
     @classmethod
     def parse(cls, raw: Sequence[bytes]) -> Fleet:
         hold = float(raw[3])
-        return cls(int(raw[0]), int(raw[1]), int(raw[2]), hold if hold >= 0 else None, int(raw[4]))
+        return cls(
+            int(raw[0]), int(raw[1]), int(raw[2]), hold if hold >= 0 else None, int(raw[4]),
+            int(raw[5]),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +118,8 @@ class SharedTicket:
     __slots__ = (
         "_admission", "_future", "_known_by", "_released", "admitted_at", "band", "cost",
         "entered_at", "grant_no", "id", "max_active", "max_queued", "member", "order",
-        "position", "ranking", "reason", "rerouted", "share", "tag", "tenant", "upstream",
-        "weight",
+        "position", "ranking", "reason", "rerouted", "share", "since", "tag", "tenant",
+        "upstream", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -149,6 +154,8 @@ class SharedTicket:
         #: Its 1-based place in the fleet's line as last known (the ENTER reply's); 0 once
         #: granted.
         self.position = 0
+        #: The fleet's grants so far when `position` was read: each grant since moves it up.
+        self.since = 0
         #: `<seq>|<id>` while Redis knows the ticket; a new one each time it (re)joins.
         self.member: str | None = None
         self.upstream: str | None = None
@@ -171,6 +178,17 @@ class SharedTicket:
     @property
     def granted(self) -> bool:
         return self.upstream is not None
+
+    @property
+    def place(self) -> int:
+        """Its 1-based place in the fleet's line now (0 once granted or never placed): its
+        place when it entered, less the fleet's grants since, as this replica last heard of
+        them (its own grants at once, the others' at each heartbeat). Exact for one FIFO line
+        but for leavers ahead of it; an estimate under fair share."""
+        if self.granted or not self.position:
+            return 0
+        served = self._admission._grants() - self.since
+        return max(self.position - max(served, 0), 1)
 
     async def wait(self) -> None:
         """Wait for the slots; on any exit without them, leave the line at once."""
@@ -199,9 +217,15 @@ class SharedTicket:
         # timeout again, but only while some upstream is known (or until `known_by`).
         known_by = self._known_by
         if known_by is not None:
+            admission = self._admission
             await asyncio.wait((future,), timeout=max(known_by - time.monotonic(), 0.0))
-            if not future.done() and not self._admission._known():
-                raise NotReady(self._admission._snapshot(), 1.0)
+            # The fleet's capacity it goes by is the last heartbeat's, which may predate the
+            # refusal: look again at each heartbeat, so that a line no upstream serves any more
+            # refuses it rather than keep it forever.
+            while not future.done():
+                if not admission._known():
+                    raise NotReady(admission._snapshot(), 1.0)
+                await asyncio.wait((future,), timeout=admission._heartbeat_s)
         await future
 
     def release(self) -> None:
@@ -298,6 +322,8 @@ class SharedAdmission:
         #: Degraded mode: this replica's own slots in use per upstream.
         self._local_active: dict[str, int] = {}
         self._hold_ewma_s = INITIAL_HOLD_S
+        #: The last grant number this replica was given (the fleet's count, see `_grants`).
+        self._last_grant = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending: set[asyncio.Task[Any]] = set()
         self._shared = asyncio.Event()  # set while in shared mode
@@ -368,6 +394,10 @@ class SharedAdmission:
         """Is any upstream's capacity known (here, or to the fleet at the last heartbeat)?"""
         return bool(self._capacities) or (self.mode is Mode.SHARED and self._fleet.capacity > 0)
 
+    def _grants(self) -> int:
+        """The fleet's grants so far, as last heard."""
+        return max(self._fleet.granted, self._last_grant)
+
     def _limit(self) -> int | None:
         return self._policy.limit(self._fleet.capacity) if self._fleet.capacity else None
 
@@ -402,6 +432,23 @@ class SharedAdmission:
                 self._degrade(str(exc))
             return
         self._dispatch_local()
+
+    async def rekey(self, old: str, new: str) -> None:
+        """An upstream is known by another name now: what this replica holds there is held
+        under `new`, here and in Redis, and `old` is unknown (`resize` `new` after this)."""
+        self._capacities.pop(old, None)
+        self._budgets.pop(old, None)
+        for ticket in self._tickets.values():
+            if ticket.upstream == old:
+                ticket.upstream = new
+        if old in self._local_active:
+            self._local_active[new] = self._local_active.get(new, 0) + self._local_active.pop(old)
+        if self.mode is Mode.SHARED:
+            try:
+                await self._call("REKEY", self.replica, old, new)
+            except Down as exc:
+                # The rejoin registers the grants under their new name.
+                self._degrade(str(exc))
 
     async def enter(
         self,
@@ -491,6 +538,7 @@ class SharedAdmission:
                 return ticket
             self._waiters[ticket.id] = ticket
             ticket.position = int(reply[2])
+            ticket.since = int(reply[4])
             ticket._future = asyncio.get_running_loop().create_future()
             if early is not None:
                 self._granted(ticket, *early)
@@ -531,6 +579,7 @@ class SharedAdmission:
         ticket.reason = reason
         ticket.grant_no = grant_no
         ticket.position = 0
+        self._last_grant = max(self._last_grant, grant_no)
         ticket.admitted_at = time.monotonic()
         self._waiters.pop(ticket.id, None)
         future = ticket._future
@@ -777,14 +826,19 @@ class SharedAdmission:
                 # Whatever was released while it ran is free on this replica's share now.
                 self._dispatch_local()
                 return
-            self._fleet = Fleet.parse(reply[:5])
-            for t, member in zip(waiters, reply[5:], strict=True):
+            fleet = self._fleet = Fleet.parse(reply[:6])
+            # Redis may have restarted empty: its count starts again.
+            self._last_grant = fleet.granted
+            for place, (t, member) in enumerate(zip(waiters, reply[6:], strict=True)):
                 # A waiter that left (or was granted locally) while the rejoin ran: Redis holds
                 # a place for it that nobody will claim, so give it back.
                 if t._released or t.granted:
                     self._spawn(self._release_shared(member.decode(), None))
                     continue
                 t.member = member.decode()
+                # At the back of the line, in their order.
+                t.position = max(fleet.queued - len(waiters) + place + 1, 1)
+                t.since = fleet.granted
                 early = self._early.pop(t.member, None)
                 if early is not None:
                     self._granted(t, *early)
@@ -868,6 +922,7 @@ class SharedAdmission:
         self._tickets[ticket.id] = ticket
         self._waiters[ticket.id] = ticket
         ticket.position = len(self._waiters)
+        ticket.since = self._grants()
         return ticket
 
     def _choose_local(self, ticket: SharedTicket, shares: dict[str, int]) -> tuple[str | None, str]:

@@ -234,6 +234,10 @@ local function give_back(u, w, tokens, tenant)
     redis.call('HSET', K_ACTIVE, u, 0)
     w, a = w + a, 0
   end
+  if a == 0 and redis.call('HEXISTS', K_POOLS, u) == 0 then
+    -- Gone from the pools (its address left DNS): nothing of it stays for every call to read.
+    redis.call('HDEL', K_ACTIVE, u)
+  end
   local t = 0
   if tokens > 0 then
     t = redis.call('HINCRBY', K_TOKENS, u, -tokens)
@@ -437,17 +441,20 @@ local function hold_s()
   return redis.call('GET', K_HOLD) or '-1'
 end
 
+-- The fleet's capacity, active, queued, hold, replicas, and grants so far (the `granted`
+-- counter: a waiter's place moves up by the grants made since it entered).
 local function figures()
   local pl = pools()
   return {tostring(pl.fleet_cap), tostring(pl.fleet_active), tostring(redis.call('ZCARD', K_LINE)),
-          hold_s(), tostring(redis.call('ZCARD', K_REPLICAS))}
+          hold_s(), tostring(redis.call('ZCARD', K_REPLICAS)), redis.call('GET', K_GRANTED) or '0'}
 end
 """
 
 #: ARGV: replica, ticket id, weight, cost, ranking, eps, band, tag ('' = computed: the fair
 #: start tag for a tenant, else the arrival number), max_queue, queue_per_slot, min_queue (-1:
 #: not set), tenant ('' = none), share, max_active, max_queued (-1: none).
-#: -> {'grant', member, upstream, reason, grant number} | {'queued', member, position, limit}
+#: -> {'grant', member, upstream, reason, grant number}
+#:    | {'queued', member, position, limit, grants so far}
 #:    | {'full', limit, figures...} | {'tenant_full', tenant queued, tenant active, figures...}
 #:    | {'unknown' | 'large', figures...} | {'fenced'}
 ENTER = r"""
@@ -493,7 +500,8 @@ if queued > 0 and pl.fleet_active < pl.fleet_cap then
   local got = dispatch(eps, m)
   if got then return {'grant', m, got[1], got[2], tostring(got[3])} end
 end
-return {'queued', m, tostring(redis.call('ZRANK', K_LINE, m) + 1), tostring(limit)}
+return {'queued', m, tostring(redis.call('ZRANK', K_LINE, m) + 1), tostring(limit),
+        redis.call('GET', K_GRANTED) or '0'}
 """
 
 #: ARGV: replica, member, hold_s ('' = not observed), eps, ewma alpha
@@ -588,6 +596,9 @@ return out
 RESIZE = r"""
 if ARGV[2] == '' then
   redis.call('HDEL', K_POOLS, ARGV[1])
+  if tonumber(redis.call('HGET', K_ACTIVE, ARGV[1]) or '0') <= 0 then
+    redis.call('HDEL', K_ACTIVE, ARGV[1])
+  end
 elseif ARGV[4] == '' then
   redis.call('HSET', K_POOLS, ARGV[1], ARGV[2])
   dispatch(tonumber(ARGV[3]))
@@ -621,6 +632,26 @@ dispatch(tonumber(ARGV[3]))
 return 'queued'
 """
 
+#: ARGV: replica, old upstream, new upstream -> 'ok'
+#: An upstream known by another name now (an address of its name, app/fleet.py): the old name
+#: leaves the pools, and the replica's grants there move to the new one, their slots and tokens
+#: with them, so that its running requests still count against its slots.
+REKEY = r"""
+local me, old, new = ARGV[1], ARGV[2], ARGV[3]
+redis.call('HDEL', K_POOLS, old)
+local held = redis.call('HGETALL', held_key(me))
+for i = 1, #held, 2 do
+  local u, tokens, rec = string.match(held[i + 1], '^g\t([^\t]*)\t([^\t]*)\t(.*)$')
+  if u == old then
+    local w = parse_ticket(rec).w
+    give_back(old, w, tonumber(tokens), '')
+    take(new, w, tonumber(tokens), '')
+    redis.call('HSET', held_key(me), held[i], 'g\t'..new..'\t'..tokens..'\t'..rec)
+  end
+end
+return 'ok'
+"""
+
 #: ARGV: replica, eps -> 'ok' (a replica leaving for good: what it holds goes back at once)
 RETIRE = r"""
 forget(ARGV[1])
@@ -639,6 +670,7 @@ _SCRIPTS = {
     "RESIZE": RESIZE,
     "RETIRE": RETIRE,
     "REROUTE": REROUTE,
+    "REKEY": REKEY,
 }
 
 
