@@ -453,9 +453,9 @@ class Client:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._host}:{self._port} idle={len(self._idle)}>"
 
-    def connect_to(self, address: str) -> None:
-        """Open new connections to `address` (one of those `host` resolves to)."""
-        self._address = address
+    def connect_to(self, address: str | None) -> None:
+        """Open new connections to `address` (one of those `host` resolves to; None: `host`)."""
+        self._address = address or self._host
 
     async def request(
         self, method: str, target: str, headers: Iterable[Header], body: bytes

@@ -223,12 +223,16 @@ class Fleet:
                 # cannot be encoded (an empty or long label) is a UnicodeError, a ValueError.
                 log.warning("cannot resolve %s: %s", source.host, exc)
                 continue
-            # Once known by address, a server stays so while its name resolves to it: a
-            # fleet scaled down to one keeps that one, its running requests counted on it.
-            by_address = len(addresses) > 1 or (
-                len(addresses) == 1 and None not in source.upstreams
-            )
+            by_address = len(addresses) > 1
             wanted: set[str | None] = set(addresses) if by_address else {None}
+            if len(addresses) == 1 and addresses[0] in source.upstreams:
+                # A fleet scaled down to one server: the upstream that runs its requests is
+                # known by the name again (as a replica started now knows it, so that Redis
+                # counts its slots once), its running requests counted on it.
+                upstream = source.upstreams.pop(addresses[0])
+                upstream.readdress(None)
+                source.upstreams[None] = upstream
+                self._list()
             single = source.single
             if single is not None and by_address and None in source.upstreams and single in wanted:
                 # The name's one server is one of several now: the upstream that runs its

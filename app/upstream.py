@@ -185,9 +185,12 @@ class Upstream:
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
-    def readdress(self, address: str) -> None:
-        """Known by its name so far, it is now one of the name's several addresses: this one."""
-        self.url = address_url(urlsplit(self.configured), address)
+    def readdress(self, address: str | None) -> None:
+        """Known by its name so far, it is now one of the name's several addresses: this one;
+        or, None, the other way round: its name resolves to it alone again."""
+        self.url = (
+            self.configured if address is None else address_url(urlsplit(self.configured), address)
+        )
         self._client.connect_to(address)
         self.pool.rename(self.url)
 

@@ -341,11 +341,6 @@ async def test_upstreams_that_leave_dns_one_after_another_are_not_remembered_by_
         await replica.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a replica keys a name that resolves to one address by the name, one "
-    "that knew it by address keeps the address, so Redis counts the one server twice",
-)
 async def test_two_replicas_behind_one_name_count_its_one_server_once(
     valkey: Valkey,
 ) -> None:
