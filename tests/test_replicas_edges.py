@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import httpx
@@ -155,19 +156,33 @@ async def test_redis_paused_while_a_request_runs_and_one_waits_answers_both_and_
         async with asyncio.timeout(5):
             answers = await asyncio.gather(running, waiting)
         assert [a.status_code for a in answers] == [200, 200]
-        for gate in (first, second):
-            await gate.until(lambda g=gate: view(g)["mode"] == "shared")
         # Shared again, and it stays so: one fallback per replica for the one pause.
-        more = await asyncio.gather(
-            *(client.post(g.url + CHAT, json=chat()) for g in (first, second) for _ in range(3))
-        )
-        assert [a.status_code for a in more] == [200] * 6
-        for gate in (first, second):
-            assert view(gate)["mode"] == "shared"
-            assert fallbacks(gate) == 1
-            await redis_idle(gate)
+        await shared_again_after_one_fallback(client, (first, second))
     finally:
         await standin.stop()
+
+
+def heard(gate: RunningGate, mode: str, capacity: int | None) -> bool:
+    """`gate` is in `mode`, and Redis told it the fleet's `capacity` (if given)."""
+    seen = view(gate)
+    return bool(seen["mode"] == mode and capacity in (None, seen["fleet"]["capacity"]))
+
+
+async def shared_again_after_one_fallback(
+    client: httpx.AsyncClient, gates: Sequence[RunningGate], capacity: int | None = None
+) -> None:
+    """Each replica is shared again (and told the fleet's `capacity`, if given), serves three
+    requests and stays shared, with one fallback counted, and nothing left held in Redis."""
+    for gate in gates:
+        await gate.until(partial(heard, gate, "shared", capacity))
+    more = await asyncio.gather(
+        *(client.post(g.url + CHAT, json=chat()) for g in gates for _ in range(3))
+    )
+    assert [a.status_code for a in more] == [200] * 3 * len(gates)
+    for gate in gates:
+        assert view(gate)["mode"] == "shared"
+        assert fallbacks(gate) == 1
+        await redis_idle(gate)
 
 
 async def test_redis_restarted_empty_brings_shared_mode_back_with_one_fallback(
@@ -188,17 +203,7 @@ async def test_redis_restarted_empty_brings_shared_mode_back_with_one_fallback(
         async with asyncio.timeout(5):
             answers = await asyncio.gather(*running)
         assert [a.status_code for a in answers] == [200, 200]
-        for gate in (first, second):
-            await gate.until(lambda g=gate: view(g)["mode"] == "shared")
-            await gate.until(lambda g=gate: view(g)["fleet"]["capacity"] == 2)
-        more = await asyncio.gather(
-            *(client.post(g.url + CHAT, json=chat()) for g in (first, second) for _ in range(3))
-        )
-        assert [a.status_code for a in more] == [200] * 6
-        for gate in (first, second):
-            assert view(gate)["mode"] == "shared"
-            assert fallbacks(gate) == 1
-            await redis_idle(gate)
+        await shared_again_after_one_fallback(client, (first, second), capacity=2)
     finally:
         await standin.stop()
 
