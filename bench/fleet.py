@@ -9,9 +9,10 @@
   token, the workload's wall time, `llamacpp:requests_deferred` on every engine (scraped every
   2 s) and how soon every slot of every engine is idle after the last answer.
 - `fleet-cost`: slotgate's CPU per request in front of 1 and of 8 stand-in upstreams (one
-  stand-in process, one port per upstream, the same total slots), at the same load, without an
-  affinity key (`ROUTING=least-loaded`) and with one (`ROUTING=affinity`, a `prompt_cache_key`
-  per client).
+  stand-in process, one port per upstream, the same total slots), without an affinity key
+  (`ROUTING=least-loaded`) and with one (`ROUTING=affinity`, a `prompt_cache_key` per
+  connection): at one offered rate (an open loop at 0.7 of the slower gate's saturated rate in
+  that round), and saturated (a closed loop of 16 clients).
 - `fleet-balance`: upstreams of 1, 2 and 4 slots, no affinity key, uniform load (an open loop
   at a share of the fleet's capacity): each upstream's share of the busy time, read from the
   stand-ins' own counters, against its share of the capacity.
@@ -507,8 +508,9 @@ def cost(
     logs: Path, upstreams: int, slots: int, clients: int, duration_s: float, rounds: int
 ) -> dict[str, Any]:
     """fleet-cost: slotgate's CPU per non-streamed request in front of 1 upstream of `slots`
-    slots and of `upstreams` upstreams of `slots / upstreams` each, `clients` at once; the two
-    gates run side by side and take turns, `rounds` times (median reported)."""
+    slots and of `upstreams` upstreams of `slots / upstreams` each, saturated by `clients` at
+    once and then at one offered rate; the two gates run side by side and take turns, `rounds`
+    times (medians reported)."""
     per = max(1, slots // upstreams)
     result: dict[str, Any] = {
         "upstreams": upstreams,
@@ -537,47 +539,91 @@ def cost(
     return result
 
 
+#: fleet-cost compares the two gates at one offered rate, this share of the slower gate's
+#: saturated rate in the same round: both then do the same work per second. Saturated (the
+#: closed loop, also reported), the gate over 8 upstreams completes 5-15% fewer requests per
+#: second, so fewer per wake-up of its event loop, and its CPU per request then measures less
+#: batching as much as routing (2026-12-01: at 3,000 req/s both cost the same per request).
+COST_OFFERED_SHARE = 0.7
+#: Connections the open loop spreads its requests over (none was ever short at this rate).
+COST_CONNECTIONS = 128
+
+
 def _cost_rounds(
     gates: dict[int, Server], keyed: bool, clients: int, duration_s: float, rounds: int
 ) -> dict[str, Any]:
-    per_request: dict[int, list[float]] = {count: [] for count in gates}
+    saturated: dict[int, list[float]] = {count: [] for count in gates}
+    offered: dict[int, list[float]] = {count: [] for count in gates}
     requests: dict[int, int] = dict.fromkeys(gates, 0)
     failures: dict[int, int] = dict.fromkeys(gates, 0)
+    starved: dict[int, int] = dict.fromkeys(gates, 0)
+    rates: list[float] = []
+    plain = chat_body(stream=False)
+    loads: dict[int, tuple[bytes, list[bytes]]] = {}
+    for count, gate in gates.items():
+        # A key per connection: the closed loop's clients and the open loop's connections.
+        keys = max(clients, COST_CONNECTIONS) if keyed else 0
+        bodies = [
+            request_bytes(gate.port, CHAT, {**plain, "prompt_cache_key": f"client-{i}"})
+            for i in range(keys)
+        ]
+        loads[count] = (request_bytes(gate.port, CHAT, plain), bodies)
+
+    def measured(gate: Server, run: Any) -> tuple[float, int, int]:
+        return gate.cpu_s(), run.statuses[200], run.errors + run.completed - run.statuses[200]
+
     for round_ in range(rounds):
         order = list(gates) if round_ % 2 == 0 else list(reversed(gates))
+        throughput: dict[int, float] = {}
         for count in order:
             gate = gates[count]
-            plain = chat_body(stream=False)
-            raw = request_bytes(gate.port, CHAT, plain)
-            bodies = (
-                [
-                    request_bytes(gate.port, CHAT, {**plain, "prompt_cache_key": f"client-{i}"})
-                    for i in range(clients)
-                ]
-                if keyed
-                else []
-            )
+            raw, bodies = loads[count]
             run_loop(closed_loop(gate.port, raw, clients, 1.0, bodies=bodies))
             before = gate.cpu_s()
             run = run_loop(closed_loop(gate.port, raw, clients, duration_s, bodies=bodies))
-            used = gate.cpu_s() - before
-            ok = run.statuses[200]
+            after, ok, failed = measured(gate, run)
             requests[count] += ok
-            failures[count] += run.errors + run.completed - ok
+            failures[count] += failed
+            throughput[count] = ok / duration_s
             if ok:
-                per_request[count].append(used / ok * 1000)
+                saturated[count].append((after - before) / ok * 1000)
+        rate = COST_OFFERED_SHARE * min(throughput.values())
+        rates.append(round(rate))
+        for count in order:
+            gate = gates[count]
+            raw, bodies = loads[count]
+            before = gate.cpu_s()
+            run, short = run_loop(
+                loadgen.open_loop(gate.port, raw, COST_CONNECTIONS, rate, duration_s, bodies)
+            )
+            after, ok, failed = measured(gate, run)
+            requests[count] += ok
+            failures[count] += failed
+            starved[count] += short
+            if ok:
+                offered[count].append((after - before) / ok * 1000)
     one, many = sorted(gates)
-    medians = {count: statistics.median(values) if values else None
-               for count, values in per_request.items()}  # fmt: skip
+
+    def summary(per_request: dict[int, list[float]]) -> dict[str, Any]:
+        medians = {count: statistics.median(values) if values else None
+                   for count, values in per_request.items()}  # fmt: skip
+        return {
+            "cpu_ms_per_request": {str(count): _round4(value) for count, value in medians.items()},
+            "cpu_ms_per_request_by_round": {
+                str(count): [round(value, 4) for value in values]
+                for count, values in per_request.items()
+            },
+            "ratio": ratio(medians[many], medians[one]),
+        }
+
     return {
-        "cpu_ms_per_request": {str(count): _round4(value) for count, value in medians.items()},
-        "cpu_ms_per_request_by_round": {
-            str(count): [round(value, 4) for value in values]
-            for count, values in per_request.items()
-        },
+        # The target's figures: both gates at one offered rate.
+        **summary(offered),
+        "offered_rate_per_s": rates,
+        "starved": {str(count): value for count, value in starved.items()},
+        "saturated": summary(saturated),
         "requests": {str(count): value for count, value in requests.items()},
         "failures": {str(count): value for count, value in failures.items()},
-        "ratio": ratio(medians[many], medians[one]),
     }
 
 

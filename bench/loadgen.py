@@ -314,14 +314,22 @@ async def closed_loop(
 
 
 async def open_loop(
-    port: int, raw: bytes, connections: int, rate_per_s: float, duration_s: float
+    port: int,
+    raw: bytes,
+    connections: int,
+    rate_per_s: float,
+    duration_s: float,
+    bodies: Sequence[bytes] = (),
 ) -> tuple[LoopResult, int]:
-    """Requests at a fixed rate spread over idle connections; also how many found none idle."""
+    """Requests at a fixed rate spread over idle connections; also how many found none idle.
+    Connection i sends `bodies[i % len(bodies)]` when bodies are given, else `raw`."""
     exchanges = await connect(port, connections)
     idle = collections.deque(exchanges)
     start = time.monotonic_ns()
     end = start + int(duration_s * 1e9)
     driver = _Driver(port, raw, start, end)
+    for index, exchange in enumerate(exchanges if bodies else ()):
+        driver.assigned[exchange] = bodies[index % len(bodies)]
     starved = 0
 
     def done(exchange: Exchange, status: int) -> None:

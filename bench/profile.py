@@ -1,10 +1,13 @@
 """Profile slotgate with py-spy under one bench scenario and summarise where its time goes.
 
-    python -m bench.profile nonstream|stream|storm|handoff [--seconds 10] [--env KEY=VALUE]
+    python -m bench.profile nonstream|stream|storm|handoff|fleet [--seconds 10] [--env KEY=VALUE]
+        [--upstreams 8]
 
 Starts the stand-in (core 1) and slotgate (core 0) as the bench does, drives the scenario's
 load from core 1, samples slotgate with `py-spy record --nonblocking` and writes the raw
 stacks and a self/inclusive table per function to bench/results/profile-SCENARIO.txt.
+`fleet` is fleet-cost's load (16 clients, non-streamed, 64 slots split over `--upstreams`
+stand-in ports of one stand-in process), to compare one upstream with several.
 Needs py-spy (`pip install py-spy`); it is not installed by the bench.
 """
 
@@ -31,23 +34,28 @@ CHAT = "/v1/chat/completions"
 _LINE = re.compile(r":\d+\)")
 
 
-def _load(scenario: str, gate: Server, standin: Server, seconds: float) -> None:
+def _load(scenario: str, gate: Server, standin: Server, seconds: float) -> int | None:
+    """Drives the scenario; the requests answered 200 where the load generator counts them."""
     if scenario == "nonstream":
         body = chat_body(stream=False)
         if loadgen.wrk_available():
             loadgen.wrk(gate.port, CHAT, body, 32, seconds)
-            return
+            return None
         run_loop(closed_loop(gate.port, request_bytes(gate.port, CHAT, body), 32, seconds))
     elif scenario == "stream":
         configure_standin(standin, tokens=64, token_delay_s=0.001)
         raw = request_bytes(gate.port, CHAT, chat_body(stream=True, max_tokens=64))
         run_loop(closed_loop(gate.port, raw, 64, seconds, streaming=True))
+    elif scenario == "fleet":
+        raw = request_bytes(gate.port, CHAT, chat_body(stream=False))
+        return run_loop(closed_loop(gate.port, raw, 16, seconds)).statuses[200]
     elif scenario == "handoff":
         configure_standin(standin, hold_s=0.002)
         raw = request_bytes(gate.port, CHAT, chat_body(stream=False))
         run_loop(closed_loop(gate.port, raw, 16, seconds))
     else:
         run_loop(_storm(gate, seconds))
+    return None
 
 
 async def _storm(gate: Server, seconds: float) -> None:
@@ -60,6 +68,13 @@ async def _storm(gate: Server, seconds: float) -> None:
     await closed_loop(gate.port, raw, 1000, seconds)
     for holder in holders:
         holder.close()
+
+
+def summarise_total(raw: str) -> int:
+    """How many samples py-spy's collapsed stacks hold."""
+    return sum(
+        int(count) for line in raw.splitlines() if (count := line.rpartition(" ")[2]).isdigit()
+    )
 
 
 def summarise(raw: str, top: int = 30) -> str:
@@ -88,7 +103,8 @@ def summarise(raw: str, top: int = 30) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=("nonstream", "stream", "storm", "handoff"))
+    parser.add_argument("scenario", choices=("nonstream", "stream", "storm", "handoff", "fleet"))
+    parser.add_argument("--upstreams", type=int, default=8, help="fleet: stand-in upstreams")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
@@ -104,12 +120,21 @@ def main() -> None:
     slots = {"storm": 2, "handoff": 2}.get(args.scenario, 1024)
     if args.scenario == "storm":
         env.setdefault("MAX_QUEUE", "64")
-    standin = start_standin(logs)
+    fleet = args.scenario == "fleet"
+    upstreams = args.upstreams if fleet else 1
+    standin = start_standin(logs, extra_ports=upstreams - 1)
     try:
-        configure_standin(standin, slots=slots, tokens=16, token_delay_s=0, hold_s=0)
-        gate = start_slotgate("slotgate-profile", f"http://127.0.0.1:{standin.port}", logs, env)
+        ports = [standin.port, *standin.extra_ports]
+        for port in ports:
+            loadgen.http_json(port, "/_bench/config", {
+                "slots": 64 // upstreams if fleet else slots, "tokens": 16, "token_delay_s": 0,
+                "hold_s": 0, "record_gaps": False,
+            })  # fmt: skip
+        urls = ",".join(f"http://127.0.0.1:{port}" for port in ports)
+        gate = start_slotgate("slotgate-profile", urls, logs, env)
         try:
-            raw_path = args.out / f"profile-{args.scenario}.raw"
+            name = f"{args.scenario}-{upstreams}" if fleet else args.scenario
+            raw_path = args.out / f"profile-{name}.raw"
             record = subprocess.Popen(
                 [spy, "record", "--nonblocking", "--function", "--format", "raw",
                  "--rate", "250", "--duration", str(int(args.seconds)), "--output",
@@ -117,15 +142,24 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             time.sleep(0.5)
-            _load(args.scenario, gate, standin, args.seconds + 1.0)
+            cpu_before = gate.cpu_s()
+            served = _load(args.scenario, gate, standin, args.seconds + 1.0)
+            cpu_used = gate.cpu_s() - cpu_before
             record.wait(timeout=60)
         finally:
             gate.stop()
     finally:
         standin.stop()
     summary = summarise(raw_path.read_text())
-    header = f"py-spy profile of slotgate, scenario {args.scenario}, env {env or 'defaults'}\n\n"
-    (args.out / f"profile-{args.scenario}.txt").write_text(header + summary)
+    header = f"py-spy profile of slotgate, scenario {name}, env {env or 'defaults'}\n"
+    if served:
+        samples = summarise_total(raw_path.read_text())
+        header += (
+            f"{served} requests answered 200, {cpu_used / served * 1e3:.4f} ms CPU each, "
+            f"{samples / served * 1e3:.1f} samples per 1,000\n"
+        )
+    header += "\n"
+    (args.out / f"profile-{name}.txt").write_text(header + summary)
     print(header + summary)
 
 

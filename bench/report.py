@@ -279,7 +279,7 @@ def fleet_targets(s: dict[str, Any]) -> list[dict[str, Any]]:
     cost = s.get("fleet_cost", {})
     found.extend(
         _target(
-            f"fleet: CPU per request, {cost['upstreams']} upstreams / 1 ({mode})",
+            f"fleet: CPU per request, {cost['upstreams']} upstreams / 1 ({mode}, one offered rate)",
             cost[mode].get("ratio"),
             1.1,
             "x",
@@ -516,18 +516,32 @@ def _fleet_markdown(s: dict[str, Any]) -> list[str]:
             row = cost.get(mode)
             if isinstance(row, dict):
                 per = row["cpu_ms_per_request"]
+                full = row.get("saturated", {})
+                full_per = full.get("cpu_ms_per_request", {})
+                rates = row.get("offered_rate_per_s") or []
                 rows.append(
-                    [mode, row["routing"], per.get("1"), per.get(many), row["ratio"],
+                    [mode, row["routing"], ", ".join(f"{rate:,}" for rate in rates),
+                     per.get("1"), per.get(many), row["ratio"],
+                     f"{full_per.get('1')} / {full_per.get(many)}", full.get("ratio"),
                      row["requests"].get("1"), row["requests"].get(many)]
                 )  # fmt: skip
         if rows:
+            out += [
+                "CPU per request at one offered rate (an open loop at 0.7 of the slower gate's "
+                "saturated rate, per round; the target's figure), and saturated (a closed loop "
+                f"of {cost.get('clients')} clients).",
+                "",
+            ]
             out += _table(
                 [
                     "affinity key",
                     "ROUTING",
+                    "offered req/s",
                     "CPU ms / request, 1 upstream",
                     f"CPU ms / request, {many} upstreams",
                     "ratio",
+                    f"saturated: CPU ms / request, 1 / {many}",
+                    "saturated ratio",
                     "requests (1)",
                     f"requests ({many})",
                 ],

@@ -89,7 +89,7 @@ class Sizes:
     fleet_cost_upstreams: int = 8
     fleet_cost_slots: int = 64
     fleet_cost_clients: int = 16
-    fleet_cost_rounds: int = 2
+    fleet_cost_rounds: int = 3
     fleet_balance_slots: tuple[int, ...] = (1, 2, 4)
     fleet_balance_hold_s: float = 0.02
     fleet_balance_load: float = 0.5
