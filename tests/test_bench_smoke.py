@@ -165,6 +165,10 @@ def test_fleet_smoke_run_measures_cache_reuse_routing_cost_and_balance(tmp_path:
         assert cost[mode]["requests"]["8"] > 0
         assert cost[mode]["failures"] == {"1": 0, "8": 0}
         assert cost[mode]["ratio"] is not None
+        # Both gates at one offered rate per round, and saturated beside it.
+        assert len(cost[mode]["offered_rate_per_s"]) == cost["rounds"]
+        assert all(rate > 0 for rate in cost[mode]["offered_rate_per_s"])
+        assert cost[mode]["saturated"]["ratio"] is not None
 
     balance = scenarios["fleet_balance"]
     assert [row["slots"] for row in balance["upstreams"]] == [1, 2, 4]
