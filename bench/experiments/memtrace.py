@@ -1,6 +1,6 @@
 """Where a waiting request's memory goes, line by line: slotgate's own share and uvicorn's.
 
-    python -m bench.experiments.memtrace [--held 1000] [--app slotgate|floor] [--top 15]
+    python -m bench.experiments.memtrace [--held 1000] [--app slotgate|floor] [--top 15] [--inner]
 
 Scenario 4 reads RSS, which says how much but not what. This runs uvicorn in this process,
 configured as `slotgate` runs it (app/cli.py), with slotgate's app (one slot, held, and an
@@ -8,7 +8,9 @@ unbounded line) or bench/floor.py's holding app, under tracemalloc. A client in 
 process (so that its own allocations stay out of the trace) opens `--held` requests that
 wait; the allocations still alive after they all wait, over those before, are charged to the
 innermost frame in slotgate's app/ when there is one, else to the innermost frame at all.
-Printed per held request.
+Printed per held request. `--inner` splits each line of slotgate's by the innermost frame
+that allocated (a task's weak reference in asyncio's set of tasks, say, under the line that
+made the task).
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held", type=int, default=1000)
     parser.add_argument("--app", choices=("slotgate", "floor"), default="slotgate")
     parser.add_argument("--top", type=int, default=15, help="lines shown per owner")
+    parser.add_argument(
+        "--inner", action="store_true", help="split slotgate's lines by the innermost frame"
+    )
     parser.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = _run(args.app, standin.port, args.held)
     finally:
         standin.stop()
-    _print(stats, args.held, args.top)
+    _print(stats, args.held, args.top, inner=args.inner)
     return 0
 
 
@@ -172,13 +177,20 @@ def _run(app_name: str, upstream: int, held: int) -> Any:
     return run_loop(both())
 
 
-def _print(stats: list[tracemalloc.StatisticDiff], held: int, top: int) -> None:
+def _print(
+    stats: list[tracemalloc.StatisticDiff], held: int, top: int, *, inner: bool = False
+) -> None:
     size: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
+    within: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
+        collections.Counter
+    )
     for stat in stats:
         owner = _owner(stat.traceback)
         size[owner] += stat.size_diff
         count[owner] += stat.count_diff
+        frame = stat.traceback[-1]  # the innermost
+        within[owner][f"{Path(frame.filename).name}:{frame.lineno}"] += stat.size_diff
     own = sum(v for k, v in size.items() if k.startswith("slotgate "))
     total = sum(size.values())
     print(f"per held request ({held}): {total / held:,.0f} B traced in all, "
@@ -190,6 +202,10 @@ def _print(stats: list[tracemalloc.StatisticDiff], held: int, top: int) -> None:
         for key, value in rows[:top]:
             print(f"  {value / held:7,.0f} B  {count[key] / held:5.2f} objects  {key}  "
                   f"{_source(key)}")  # fmt: skip
+            if inner and mine:
+                for site, part in within[key].most_common():
+                    if round(part / held):
+                        print(f"  {'':9}{part / held:7,.0f} B  in {site}")
 
 
 def _source(owner: str) -> str:
