@@ -324,24 +324,24 @@ def watch_disconnect(receive: Receive, gone: Callable[[], None]) -> DisconnectWa
     its answer is complete: when uvicorn's `receive()` would answer `http.disconnect`.
 
     None when `receive` is not a request of this protocol's (another server, or a test
-    driving the app with its own), or when another request's watch on the connection is
-    still on: then only a pending `receive()` can tell.
+    driving the app with its own), when its client is gone already, or when another
+    request's watch on the connection is still on: then a pending `receive()` tells.
     """
     # uvicorn hands the app its cycle's bound `receive`, and the cycle its connection's
     # transport: the connection (this protocol) is the transport's.
     cycle = getattr(receive, "__self__", None)
     if not isinstance(cycle, RequestResponseCycle):
         return None
+    if cycle.disconnected:
+        return None  # gone before the watch began: receive() says so at once
     connection = cycle.transport.get_protocol()
     if not isinstance(connection, BoundedHeadProtocol):
         return None
     current = connection._watch
     if current is not None and not current.cycle.response_complete:
         return None
-    watch = connection._watch = DisconnectWatch(connection, cycle, gone)
-    if cycle.disconnected:  # gone already, before the watch began
-        connection._watch = None
-        connection.loop.call_soon(gone)
+    watch = DisconnectWatch(connection, cycle, gone)
+    connection._watch = watch
     return watch
 
 

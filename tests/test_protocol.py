@@ -226,6 +226,26 @@ async def test_a_request_waiting_in_line_learns_of_its_client_leaving_from_the_c
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
+async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_out_of_line(
+    start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The connection ended while nothing watched it: the watch, once it starts, finds it so.
+    monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.5)
+    standin.total_slots = 1
+    gate = await start_gate()
+    holder = await hold_the_only_slot(gate, standin)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+        writer.write(generation(stream=False))
+        await gate.until(lambda: gate.service.admission.queued == 1)
+        hang_up(writer, "fin")
+        await gate.until(lambda: gate.service.admission.queued == 0)
+        assert request_ids(standin) == ["holder"]
+    finally:
+        holder.close()
+    await gate.until(lambda: gate.service.admission.active == 0)
+
+
 # -- heads that take too long, and upgrades ----------------------------------------------------
 
 
