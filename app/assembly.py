@@ -28,12 +28,6 @@ class Assembly:
         self._native = kind is Kind.COMPLETION and path != "/v1/completions"
         self._chat = kind is Kind.CHAT
         self._received: list[bytes] = []
-        self._head: dict[str, Any] = {}
-        self._choices: dict[int, dict[str, Any]] = {}
-        self._last: dict[str, Any] = {}
-        # Native answers, one per prompt: a `prompt` array makes llama-server interleave the
-        # prompts' events in one stream, each tagged with its prompt's `index`.
-        self._native_answers: dict[int, _NativeAnswer] = {}
         self._return_tokens = return_tokens
         self.error: dict[str, Any] | None = None
         #: The stream carried `__verbose` (llama-server runs with --verbose).
@@ -47,6 +41,14 @@ class Assembly:
         self.size += len(data)
 
     def _parse(self) -> None:
+        # What the events build up is made here, not with the Assembly: a request that waits
+        # for its slot holds its Assembly, and should not hold these yet.
+        self._head: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+        self._last: dict[str, Any] = {}
+        # Native answers, one per prompt: a `prompt` array makes llama-server interleave the
+        # prompts' events in one stream, each tagged with its prompt's `index`.
+        self._native_answers: dict[int, _NativeAnswer] = {}
         stream = b"".join(self._received)
         if b"\r" in stream:
             stream = stream.replace(b"\r\n", b"\n")

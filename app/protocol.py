@@ -30,6 +30,12 @@ ran later for nobody. Here every request still in flight sees the disconnect, an
 queued behind another makes the connection hold what arrives (up to HOLD_LIMIT_BYTES) rather
 than stop reading, so a FIN or a reset is seen at once. Past the hold the socket is paused; the
 sweep then asks the kernel (poll, POLLRDHUP) whether the peer has gone.
+
+A connection's end, told. The relay cancels a request whose client left (app/relay.py's
+`_Watch`). Through ASGI alone that takes a pending `receive()` wrapped in a task, for every
+request that waits: about 1 KB each. `watch_disconnect` has the connection call back instead
+when it ends before the request's answer does, at the moment uvicorn would mark that request
+disconnected; a request holds a small handle, and no task.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from .asgi import Receive
 from .errors import BadRequest, GateError, HeadersTooLarge, refusal, render
 from .request import id_headers, request_id
 
@@ -81,7 +88,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     # Slots: uvicorn's own attributes fill the instance dict to the brim, and a few more
     # would double it (1.5 KB a connection).
     __slots__ = (
-        "_earlier", "_fresh", "_head_left", "_head_since", "_held", "_releasing",
+        "_earlier", "_fresh", "_head_left", "_head_since", "_held", "_releasing", "_watch",
         "socket_paused",
     )  # fmt: skip
 
@@ -103,6 +110,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._held = b""
         self._releasing = False
         self.socket_paused = False
+        # The running request's disconnect watch, if any: uvicorn runs one request of a
+        # connection at a time (a pipelined one starts once the one before it has answered).
+        self._watch: DisconnectWatch | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -124,6 +134,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 cycle.message_event.set()
         self._held = b""
         super().connection_lost(exc)
+        watch, self._watch = self._watch, None
+        if watch is not None and watch.cycle.disconnected:
+            watch.gone()
 
     def data_received(self, data: bytes) -> None:
         if self._head_left is None:
@@ -283,6 +296,53 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.socket_paused = False
             self.transport.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class DisconnectWatch:
+    """One request's watch for its connection ending before its answer does (see
+    `watch_disconnect`); `cancel()` ends it."""
+
+    __slots__ = ("connection", "cycle", "gone")
+
+    def __init__(
+        self,
+        connection: BoundedHeadProtocol,
+        cycle: RequestResponseCycle,
+        gone: Callable[[], None],
+    ) -> None:
+        self.connection = connection
+        self.cycle = cycle
+        self.gone = gone
+
+    def cancel(self) -> None:
+        if self.connection._watch is self:
+            self.connection._watch = None
+
+
+def watch_disconnect(receive: Receive, gone: Callable[[], None]) -> DisconnectWatch | None:
+    """Call `gone` once if the client of the request `receive` belongs to disconnects before
+    its answer is complete: when uvicorn's `receive()` would answer `http.disconnect`.
+
+    None when `receive` is not a request of this protocol's (another server, or a test
+    driving the app with its own), when its client is gone already, or when another
+    request's watch on the connection is still on: then a pending `receive()` tells.
+    """
+    # uvicorn hands the app its cycle's bound `receive`, and the cycle its connection's
+    # transport: the connection (this protocol) is the transport's.
+    cycle = getattr(receive, "__self__", None)
+    if not isinstance(cycle, RequestResponseCycle):
+        return None
+    if cycle.disconnected:
+        return None  # gone before the watch began: receive() says so at once
+    connection = cycle.transport.get_protocol()
+    if not isinstance(connection, BoundedHeadProtocol):
+        return None
+    current = connection._watch
+    if current is not None and not current.cycle.response_complete:
+        return None
+    watch = DisconnectWatch(connection, cycle, gone)
+    connection._watch = watch
+    return watch
 
 
 class _HoldingFlow(FlowControl):

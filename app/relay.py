@@ -9,7 +9,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -26,6 +26,7 @@ from .fleet import Fleet
 from .intake import Wants, take_off_loop
 from .logs import access as access_log
 from .metrics import Metrics
+from .protocol import DisconnectWatch, watch_disconnect
 from .request import (
     ClientGone,
     Head,
@@ -80,21 +81,24 @@ ERROR_BODY_BYTES = 64 * 1024
 class _Watch:
     """Cancels the request's task the moment its client disconnects.
 
-    uvicorn answers `receive()` with `http.disconnect` once the client is gone, so one
-    pending `receive()` is the cheapest way to learn of it while the task is busy waiting
-    for a slot or for llama-server. The task is cancelled rather than polled, so every
-    `finally` on the way out (upstream close, slot release) runs at once. The pending
-    `receive()` starts only after WATCH_AFTER_S: a request answered sooner never pays for
-    it, and a client leaving in that time is noticed at most that much later.
+    Under slotgate's own uvicorn protocol the connection says so when it ends
+    (app/protocol.py's `watch_disconnect`). Elsewhere uvicorn, like any ASGI server, answers
+    `receive()` with `http.disconnect` once the client is gone, so one pending `receive()`,
+    as a task, learns of it while the request's own task is busy waiting for a slot or for
+    llama-server. The task is cancelled rather than polled, so every `finally` on the way out
+    (upstream close, slot release) runs at once. The watch starts only after WATCH_AFTER_S:
+    a request answered sooner never pays for it, and a client leaving in that time is
+    noticed at most that much later.
     """
 
-    __slots__ = ("_pending", "_receive", "_task", "_timer", "done", "gone")
+    __slots__ = ("_connection", "_pending", "_receive", "_task", "_timer", "done", "gone")
 
     def __init__(self, receive: Receive) -> None:
         self._task = asyncio.current_task()
         self._receive = receive
         self.gone = False
         self.done = False
+        self._connection: DisconnectWatch | None = None
         self._pending: asyncio.Future[Message] | None = None
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
             WATCH_AFTER_S, self._start
@@ -102,13 +106,19 @@ class _Watch:
 
     def _start(self) -> None:
         self._timer = None
-        self._pending = asyncio.ensure_future(self._receive())
-        self._pending.add_done_callback(self._on_message)
+        self._connection = watch_disconnect(self._receive, self._disconnected)
+        if self._connection is None:
+            self._pending = asyncio.ensure_future(self._receive())
+            self._pending.add_done_callback(self._on_message)
 
     def _on_message(self, pending: asyncio.Future[Message]) -> None:
-        if self.done or pending.cancelled() or pending.exception() is not None:
+        if pending.cancelled() or pending.exception() is not None:
             return
-        if pending.result().get("type") == "http.disconnect" and self._task is not None:
+        if pending.result().get("type") == "http.disconnect":
+            self._disconnected()
+
+    def _disconnected(self) -> None:
+        if not self.done and self._task is not None:
             self.gone = True
             self._task.cancel(msg="client disconnected")
 
@@ -116,6 +126,8 @@ class _Watch:
         self.done = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._connection is not None:
+            self._connection.cancel()
         if self._pending is not None:
             self._pending.cancel()
 
@@ -170,37 +182,37 @@ class Proxy:
             self._drop |= _CREDENTIALS
         self._auth = fleet.primary.auth
 
+    # -- one request, top to bottom ------------------------------------------------------------
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # One coroutine, not one that makes the request and one that serves it: every frame a
+        # waiting request is suspended in costs it about 270 bytes.
         if scope["type"] != "http":
             return
         request = Request(scope)
         answer = Answer(send)
         try:
-            await self._serve(request, receive, answer)
+            try:
+                await self._take_in(request, receive)
+                if not request.gated:
+                    await self._pass(request, receive, answer)
+                    return
+                ticket = await self._enter(request)
+            except (GateError, AdmissionError) as exc:
+                self._let_go(request)
+                await self._refuse(request, answer, refusal(exc))
+                return
+            except ClientGone:
+                self._let_go(request)
+                request.outcome = "client_gone"
+                return
+            # The one place its slot (or its place in the queue) is given back, whatever
+            # happens.
+            async with ticket:
+                await self._gated_exchange(request, receive, answer, ticket)
         finally:
             self._let_go(request)  # cancelled mid-read or mid-parse (shutdown) too
             self._account(request, answer)
-
-    # -- one request, top to bottom ------------------------------------------------------------
-
-    async def _serve(self, request: Request, receive: Receive, answer: Answer) -> None:
-        try:
-            await self._take_in(request, receive)
-            if not request.gated:
-                await self._pass(request, receive, answer)
-                return
-            ticket = await self._enter(request)
-        except (GateError, AdmissionError) as exc:
-            self._let_go(request)
-            await self._refuse(request, answer, refusal(exc))
-            return
-        except ClientGone:
-            self._let_go(request)
-            request.outcome = "client_gone"
-            return
-        # The one place its slot (or its place in the queue) is given back, whatever happens.
-        async with ticket:
-            await self._gated_exchange(request, receive, answer, ticket)
 
     async def _take_in(self, request: Request, receive: Receive) -> None:
         """Check the path and the head, and read the body."""
@@ -393,12 +405,12 @@ class Proxy:
         self._held_bytes -= request.held_bytes
         request.held_bytes = 0
 
-    async def _wait(self, request: Request, answer: Answer, ticket: Claim) -> None:
-        """Wait for the slot."""
+    def _wait(self, request: Request, answer: Answer, ticket: Claim) -> Awaitable[None]:
+        """Wait for the slot. A plain function handing back what to await: a coroutine frame
+        less in every waiter."""
         if request.stream and self._keepalive_s:
-            await self._wait_streaming(request, answer, ticket)
-        else:
-            await ticket.wait()
+            return self._wait_streaming(request, answer, ticket)
+        return ticket.wait()
 
     async def _wait_streaming(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Wait; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from slotgate import relay as relay_module
 from slotgate.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
 
 from tests.conftest import GateFactory, RunningGate, chat
@@ -192,6 +193,57 @@ async def test_a_pipelined_client_that_hangs_up_takes_its_queued_generation_out_
         holder.close()
     await gate.until(lambda: gate.service.admission.active == 0)
     assert request_ids(standin) == ["holder"]
+
+
+@pytest.mark.parametrize("how", ["fin", "reset"])
+async def test_a_request_waiting_in_line_learns_of_its_client_leaving_from_the_connection_alone(
+    start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # No pending receive() as a task of its own: a waiting request is the one task uvicorn
+    # runs it in, and its connection's end still takes it out of line at once.
+    monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.0)
+    standin.total_slots = 1
+    gate = await start_gate()
+    holder = await hold_the_only_slot(gate, standin)
+    try:
+        before = asyncio.all_tasks()
+        writers = []
+        for _ in range(3):
+            _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+            writer.write(generation(stream=False))
+            writers.append(writer)
+        await gate.until(lambda: gate.service.admission.queued == 3)
+        await asyncio.sleep(0.1)  # every one of them watches for its client by now
+        assert len(asyncio.all_tasks() - before) == 3
+        hang_up(writers[0], how)
+        await gate.until(lambda: gate.service.admission.queued == 2)
+        for writer in writers[1:]:
+            hang_up(writer, how)
+        await gate.until(lambda: gate.service.admission.queued == 0)
+        assert request_ids(standin) == ["holder"]
+    finally:
+        holder.close()
+    await gate.until(lambda: gate.service.admission.active == 0)
+
+
+async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_out_of_line(
+    start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The connection ended while nothing watched it: the watch, once it starts, finds it so.
+    monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.5)
+    standin.total_slots = 1
+    gate = await start_gate()
+    holder = await hold_the_only_slot(gate, standin)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+        writer.write(generation(stream=False))
+        await gate.until(lambda: gate.service.admission.queued == 1)
+        hang_up(writer, "fin")
+        await gate.until(lambda: gate.service.admission.queued == 0)
+        assert request_ids(standin) == ["holder"]
+    finally:
+        holder.close()
+    await gate.until(lambda: gate.service.admission.active == 0)
 
 
 # -- heads that take too long, and upgrades ----------------------------------------------------

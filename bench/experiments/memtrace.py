@@ -1,14 +1,17 @@
 """Where a waiting request's memory goes, line by line: slotgate's own share and uvicorn's.
 
-    python -m bench.experiments.memtrace [--held 1000] [--app slotgate|floor] [--top 15]
+    python -m bench.experiments.memtrace [--held 1000] [--app slotgate|floor] [--top 15] [--inner]
+                                         [--stream]
 
 Scenario 4 reads RSS, which says how much but not what. This runs uvicorn in this process,
 configured as `slotgate` runs it (app/cli.py), with slotgate's app (one slot, held, and an
 unbounded line) or bench/floor.py's holding app, under tracemalloc. A client in another
 process (so that its own allocations stay out of the trace) opens `--held` requests that
-wait; the allocations still alive after they all wait, over those before, are charged to the
-innermost frame in slotgate's app/ when there is one, else to the innermost frame at all.
-Printed per held request.
+wait (non-streamed, or streams with `--stream`); the allocations still alive after they all
+wait, over those before, are charged to the innermost frame in slotgate's app/ when there is
+one, else to the innermost frame at all. Printed per held request. `--inner` splits each line
+of slotgate's by the innermost frame that allocated (a task's weak reference in asyncio's set
+of tasks, say, under the line that made the task).
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from bench.scenarios import CHAT
 APP_DIR = str(REPO / "app") + os.sep
 
 
-async def _client(port: int, count: int, path: str) -> None:
+async def _client(port: int, count: int, path: str, stream: bool) -> None:
     """Open `count` requests to `path` and keep them open until stdin closes."""
-    raw = request_bytes(port, path, chat_body(stream=False))
+    raw = request_bytes(port, path, chat_body(stream=stream))
     writers = []
     for _ in range(count):
         _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -50,10 +53,12 @@ async def _client(port: int, count: int, path: str) -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-async def _open(port: int, count: int, path: str) -> asyncio.subprocess.Process:
+async def _open(
+    port: int, count: int, path: str, stream: bool = False
+) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.experiments.memtrace", "--client", str(port), str(count), path,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
+        "stream" if stream else "plain", stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
     )  # fmt: skip
     assert process.stdout is not None
     await process.stdout.readline()
@@ -87,7 +92,7 @@ def _owner(trace: tracemalloc.Traceback) -> str:
 
 
 async def _trace(
-    server: uvicorn.Server, held: int, waiting: Callable[[], int], *, hold_slot: bool
+    server: uvicorn.Server, held: int, waiting: Callable[[], int], *, hold_slot: bool, stream: bool
 ) -> Any:
     port = server.config.port
     await asyncio.to_thread(wait_until, lambda: server.started, 30, "uvicorn started")
@@ -95,14 +100,14 @@ async def _trace(
     holder = await _open(port, 1, CHAT + "?hang=1") if hold_slot else None
     await asyncio.sleep(0.5)
     # Every code path a waiter takes, warmed once: first-use caches are not a waiter's cost.
-    warm = await _open(port, 100, CHAT)
+    warm = await _open(port, 100, CHAT, stream)
     await asyncio.to_thread(wait_until, lambda: waiting() == 100, 30, "100 waiting", 0.1)
     await _close(warm)
     await asyncio.to_thread(wait_until, lambda: waiting() == 0, 30, "none waiting", 0.1)
     gc.collect()
     tracemalloc.start(12)
     before = tracemalloc.take_snapshot()
-    line = await _open(port, held, CHAT)
+    line = await _open(port, held, CHAT, stream)
     await asyncio.to_thread(wait_until, lambda: waiting() == held, 120, "all waiting", 0.1)
     await asyncio.sleep(0.3)
     gc.collect()
@@ -124,11 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held", type=int, default=1000)
     parser.add_argument("--app", choices=("slotgate", "floor"), default="slotgate")
     parser.add_argument("--top", type=int, default=15, help="lines shown per owner")
-    parser.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--inner", action="store_true", help="split slotgate's lines by the innermost frame"
+    )
+    parser.add_argument("--stream", action="store_true", help="the waiters ask for streams")
+    parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
-        port, count, path = args.client
-        run_loop(_client(int(port), int(count), path))
+        port, count, path, kind = args.client
+        run_loop(_client(int(port), int(count), path, kind == "stream"))
         return 0
     raise_fd_limit()
     logs = REPO / "bench" / "results" / "logs"
@@ -136,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     standin = start_standin(logs)
     try:
         configure_standin(standin, slots=1)
-        stats = _run(args.app, standin.port, args.held)
+        stats = _run(args.app, standin.port, args.held, args.stream)
     finally:
         standin.stop()
-    _print(stats, args.held, args.top)
+    _print(stats, args.held, args.top, inner=args.inner)
     return 0
 
 
-def _run(app_name: str, upstream: int, held: int) -> Any:
+def _run(app_name: str, upstream: int, held: int, stream: bool) -> Any:
     from slotgate.cli import uvicorn_config
     from slotgate.main import create_app
     from slotgate.settings import Settings
@@ -164,7 +173,9 @@ def _run(app_name: str, upstream: int, held: int) -> Any:
     async def both() -> Any:
         serving = asyncio.ensure_future(server.serve())
         try:
-            return await _trace(server, held, waiting, hold_slot=app_name == "slotgate")
+            return await _trace(
+                server, held, waiting, hold_slot=app_name == "slotgate", stream=stream
+            )
         finally:
             server.should_exit = True
             await serving
@@ -172,13 +183,20 @@ def _run(app_name: str, upstream: int, held: int) -> Any:
     return run_loop(both())
 
 
-def _print(stats: list[tracemalloc.StatisticDiff], held: int, top: int) -> None:
+def _print(
+    stats: list[tracemalloc.StatisticDiff], held: int, top: int, *, inner: bool = False
+) -> None:
     size: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
+    within: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
+        collections.Counter
+    )
     for stat in stats:
         owner = _owner(stat.traceback)
         size[owner] += stat.size_diff
         count[owner] += stat.count_diff
+        frame = stat.traceback[-1]  # the innermost
+        within[owner][f"{Path(frame.filename).name}:{frame.lineno}"] += stat.size_diff
     own = sum(v for k, v in size.items() if k.startswith("slotgate "))
     total = sum(size.values())
     print(f"per held request ({held}): {total / held:,.0f} B traced in all, "
@@ -190,6 +208,10 @@ def _print(stats: list[tracemalloc.StatisticDiff], held: int, top: int) -> None:
         for key, value in rows[:top]:
             print(f"  {value / held:7,.0f} B  {count[key] / held:5.2f} objects  {key}  "
                   f"{_source(key)}")  # fmt: skip
+            if inner and mine:
+                for site, part in within[key].most_common():
+                    if round(part / held):
+                        print(f"  {'':9}{part / held:7,.0f} B  in {site}")
 
 
 def _source(owner: str) -> str:
