@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from .admission import Admission, NotReady, Pool, ShuttingDown, Ticket
 from .routing import score
@@ -25,6 +26,22 @@ from .shared import Mode, SharedAdmission, SharedTicket
 from .tenants import EVERYONE, Tenant
 
 log = logging.getLogger("slotgate.replica")
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def fleet_name(url: str) -> str:
+    """An upstream's name in Redis: its URL as every replica spells it (scheme and host in
+    lower case, no default port, no trailing slash), or two replicas configured with two
+    spellings of one llama-server would each count its slots."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    netloc = host if port is None or port == _DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
+    return urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
 class ReplicaTicket:
@@ -213,7 +230,7 @@ class ReplicaAdmission:
 
     def pool_of(self, key: str | None) -> Pool | None:
         for pool in self.admission.pools:
-            if pool.key == key and not pool.retired:
+            if fleet_name(pool.key) == key and not pool.retired:
                 return pool
         return None
 
@@ -286,7 +303,7 @@ class ReplicaAdmission:
         if last is not None and last in ranked:
             ranked.remove(last)
             ranked.insert(0, last)
-        return [pool.key for pool in ranked]
+        return [fleet_name(pool.key) for pool in ranked]
 
     async def _until_granted(self, shared: SharedTicket) -> None:
         """The shared ticket's wait, cut short by shutdown."""
@@ -311,7 +328,7 @@ class ReplicaAdmission:
     def _changed(self, pool: Pool) -> None:
         """A pool's capacity, budget or name changed: tell Redis, in order."""
         capacity = None if pool.retired else pool.capacity
-        told = (pool.key, capacity, pool.budget)
+        told = (fleet_name(pool.key), capacity, pool.budget)
         task = asyncio.get_running_loop().create_task(self._tell(pool, told))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
