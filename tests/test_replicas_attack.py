@@ -201,3 +201,52 @@ async def test_an_upstream_with_its_default_port_written_out_is_one_pool_with_it
     finally:
         for replica in replicas:
             await replica.close()
+
+
+# -- 6. Valkey busy in a DEBUG SLEEP -----------------------------------------------------------
+
+
+async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_shares_again(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    upstream = StandIn(total_slots=2, tokens=5)
+    upstream.token_delay_s = 0.01
+    await upstream.start()
+    try:
+        # The default TTL: a second's sleep gives no replica up.
+        first = await sharing(gates, [upstream.url], valkey, 2, max_queue=4, redis_ttl=3)
+        second = await sharing(gates, [upstream.url], valkey, 2, max_queue=4, redis_ttl=3)
+        answers: list[httpx.Response] = []
+        stop = asyncio.Event()
+
+        async def flow(gate: RunningGate) -> None:
+            while not stop.is_set():
+                # A request that hangs past the Redis timeouts and its own few tokens fails.
+                async with asyncio.timeout(5):
+                    answers.append(await client.post(gate.url + CHAT, json=chat()))
+
+        flows = [asyncio.create_task(flow(g)) for g in (first, second) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        # Its own connection: DEBUG SLEEP holds the whole server, this client's answer too.
+        await redis.execute_command("DEBUG", "SLEEP", "1")  # type: ignore[no-untyped-call]
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.gather(*flows)
+        statuses = {a.status_code for a in answers}
+        assert statuses <= {200, 429, 503}, statuses
+        for answer in answers:
+            if answer.status_code != 200:
+                error = answer.json()["error"]
+                assert {"message", "type", "code"} <= error.keys()
+                assert float(answer.headers["retry-after"]) >= 1
+        for gate in (first, second):
+            assert view(gate)["fallbacks"] >= 1
+            await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
+        more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in gates))
+        assert [a.status_code for a in more] == [200, 200]
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
