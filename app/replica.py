@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -193,6 +194,9 @@ class ReplicaAdmission:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
         admission.on_change = self._changed
+        #: Told of a pool whose KV budget another replica learned (its upstream learns it).
+        self.learn: Callable[[Pool], None] | None = None
+        self.shared.on_budget = self._heard_budget
 
     # -- life ------------------------------------------------------------------------------
 
@@ -325,6 +329,11 @@ class ReplicaAdmission:
         assert error is not None  # noqa: S101 - not cancelled and not a result
         raise error
 
+    def _heard_budget(self, name: str, budget: int) -> None:
+        pool = self.pool_of(name)
+        if pool is not None and pool.budget is None and self.learn is not None:
+            self.learn(pool)
+
     def _changed(self, pool: Pool) -> None:
         """A pool's capacity, budget or name changed: tell Redis, in order."""
         capacity = None if pool.retired else pool.capacity
@@ -348,7 +357,10 @@ class ReplicaAdmission:
                 # Renamed: its running requests go on counting against its slots.
                 await self.shared.rekey(before[0], key)
             self._told[pool] = told
-            await self.shared.resize(key, capacity, budget=budget)
+            # No budget here, and none told from here before: one another replica learned for
+            # it stays in Redis (and is heard at the next heartbeat).
+            learned = before is not None and before[2] is not None
+            await self.shared.resize(key, capacity, budget=budget, learned=learned)
             self._forget_or_keep(pool, told)
 
     def _forget_or_keep(self, pool: Pool, told: tuple[str, int | None, int | None]) -> None:

@@ -39,7 +39,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,6 +311,8 @@ class SharedAdmission:
         #: Why Redis was last found unusable.
         self.last_error = ""
         self._fleet = Fleet()
+        #: Told of a KV budget another replica learned for an upstream (upstream, tokens).
+        self.on_budget: Callable[[str, int], None] | None = None
         self._capacities: dict[str, int] = {}
         self._budgets: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -409,10 +411,16 @@ class SharedAdmission:
     # -- changing --------------------------------------------------------------------------
 
     async def resize(
-        self, upstream: str, capacity: int | None, *, budget: int | None = None
+        self,
+        upstream: str,
+        capacity: int | None,
+        *,
+        budget: int | None = None,
+        learned: bool = True,
     ) -> None:
         """Follow one upstream's slot count as this replica's follower sees it (None: unknown),
-        and its KV-cache budget in tokens (None, or not positive: it does not bind)."""
+        and its KV-cache budget in tokens (None, or not positive: it does not bind; unless
+        not `learned`: this replica knows none yet, and one another replica told stays)."""
         if capacity is None:
             self._capacities.pop(upstream, None)
         else:
@@ -424,9 +432,10 @@ class SharedAdmission:
             budget = None
         if self.mode is Mode.SHARED:
             try:
+                unbudgeted = "" if learned else "?"
                 await self._call(
                     "RESIZE", upstream, "" if capacity is None else capacity, self._epsilon,
-                    "" if budget is None else budget,
+                    unbudgeted if budget is None else budget,
                 )  # fmt: skip
             except Down as exc:
                 self._degrade(str(exc))
@@ -758,6 +767,7 @@ class SharedAdmission:
                     await self._rejoin()
                 else:
                     self._fleet = Fleet.parse(reply[1:])
+                    self._hear_budgets(reply[7:])
             else:
                 if self._stale_pool:
                     # Connections to a Redis that restarted fail one by one when next used:
@@ -771,6 +781,15 @@ class SharedAdmission:
                 # once Redis answers.
                 if await self._answers():
                     await self._rejoin()
+
+    def _hear_budgets(self, raw: Sequence[bytes]) -> None:
+        """Budgets Redis holds that this replica has not learned: tell `on_budget`."""
+        if self.on_budget is None:
+            return
+        for upstream, budget in zip(raw[::2], raw[1::2], strict=True):
+            name = upstream.decode()
+            if name in self._capacities and name not in self._budgets:
+                self.on_budget(name, int(budget))
 
     async def _answers(self) -> bool:
         try:
