@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -287,6 +288,54 @@ async def test_a_kv_budget_learned_from_a_500_on_one_replica_binds_the_others_to
             )
             assert [a.status_code for a in answers] == [200, 200]
             assert upstream.max_running == 1
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
+# -- 3. tenants reloaded -------------------------------------------------------------------------
+
+JOBS = """
+[tenants.jobs]
+key = "sk-jobs"
+max_active = {max_active}
+
+[tenants.chat]
+key = "sk-chat"
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="waiters in Redis keep the max_active they entered with")
+async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_free_slots(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(JOBS.format(max_active=1))
+    upstream = StandIn(total_slots=3, tokens=60)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 3, api_keys_file=keys)
+        second = await sharing(gates, [upstream.url], valkey, 3, api_keys_file=keys)
+        jobs = {"authorization": "Bearer sk-jobs"}
+        held = [
+            asyncio.create_task(client.post(g.url + CHAT, json=chat(), headers=jobs))
+            for g in (first, second, first)
+        ]
+        # One runs; two wait beside two free slots, for the tenant's one.
+        await first.until(lambda: view(first)["fleet"]["queued"] == 2)
+        assert upstream.running == 1
+        keys.write_text(JOBS.format(max_active=3))
+        for gate in (first, second):  # SIGHUP, as each replica's process takes it
+            assert gate.service.access.tenants.reload()
+        answers = await asyncio.gather(*held)
+        assert [a.status_code for a in answers] == [200] * 3
+        # The waiters ran at once on the free slots, beside the first.
+        assert upstream.max_running == 3
         await nothing_held(redis)
     finally:
         await upstream.stop()
