@@ -95,6 +95,9 @@ class Service:
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.admission.retune(roster.tenants))
+        if self.replica is not None:
+            replica = self.replica
+            self.access.tenants.listeners.append(lambda roster: replica.retune(roster.tenants))
         self.proxy = Proxy(
             settings, self.admission, self.fleet, self.metrics, self.access, self.replica
         )

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -328,6 +328,16 @@ class ReplicaAdmission:
         error = waiting.exception()
         assert error is not None  # noqa: S101 - not cancelled and not a result
         raise error
+
+    def retune(self, tenants: Iterable[Tenant]) -> None:
+        """Reloaded tenants (API_KEYS_FILE on SIGHUP): their waiters in the shared line take
+        their weights and max_active from now on, as in one process."""
+        for tenant in tenants:
+            task = asyncio.get_running_loop().create_task(
+                self.shared.retune(tenant.name, tenant.weight, tenant.max_active)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _heard_budget(self, name: str, budget: int) -> None:
         pool = self.pool_of(name)

@@ -459,6 +459,21 @@ class SharedAdmission:
                 # The rejoin registers the grants under their new name.
                 self._degrade(str(exc))
 
+    async def retune(self, tenant: str, share: float, max_active: int | None) -> None:
+        """A tenant's share and max_active reloaded: its waiters, here and in Redis, take
+        them (a raised max_active lets them run on free slots at once)."""
+        if share <= 0:
+            raise ValueError(f"share must be positive, got {share}")
+        tenant = tenant.replace("\t", " ").replace("\n", " ")
+        for ticket in self._waiters.values():
+            if ticket.tenant == tenant:
+                ticket.share, ticket.max_active = share, max_active
+        if self.mode is Mode.SHARED:
+            try:
+                await self._call("RETUNE", tenant, repr(share), _unset(max_active), self._epsilon)
+            except Down as exc:
+                self._degrade(str(exc))
+
     async def enter(
         self,
         weight: int = 1,

@@ -668,6 +668,24 @@ end
 return 'ok'
 """
 
+#: ARGV: tenant, share, max_active (-1: none), eps -> 'ok' (its limits reloaded: its waiters
+#: take them, so that a raised max_active lets them run on free slots at once)
+RETUNE = r"""
+local heads = redis.call('ZRANGE', K_LINE, 0, -1)
+for _, m in ipairs(heads) do
+  local f = redis.call('HGET', K_TICKETS, m)
+  if f then
+    local t = parse_ticket(f)
+    if t.tenant == ARGV[1] then
+      t.share, t.maxa = tonumber(ARGV[2]), tonumber(ARGV[3])
+      redis.call('HSET', K_TICKETS, m, record(t))
+    end
+  end
+end
+dispatch(tonumber(ARGV[4]))
+return 'ok'
+"""
+
 #: ARGV: replica, eps -> 'ok' (a replica leaving for good: what it holds goes back at once)
 RETIRE = r"""
 forget(ARGV[1])
@@ -687,6 +705,7 @@ _SCRIPTS = {
     "RETIRE": RETIRE,
     "REROUTE": REROUTE,
     "REKEY": REKEY,
+    "RETUNE": RETUNE,
 }
 
 

@@ -305,7 +305,6 @@ key = "sk-chat"
 """
 
 
-@pytest.mark.xfail(strict=True, reason="waiters in Redis keep the max_active they entered with")
 async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_free_slots(
     valkey: Valkey,
     redis: aioredis.Redis,
