@@ -6,6 +6,10 @@ valkey-server and stand-in llama-servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,12 +21,14 @@ from slotgate.admission import Admission
 from slotgate.replica import ReplicaAdmission
 from slotgate.settings import Settings
 
+from bench.procs import free_port
 from tests.conftest import RunningGate, chat, serve
 from tests.standin import StandIn
 from tests.valkey import Valkey
 
 CHAT = "/v1/chat/completions"
 FLEET = "attack"
+Process = asyncio.subprocess.Process
 PREFIX = f"slotgate:{{{FLEET}}}:"
 
 
@@ -337,4 +343,73 @@ async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_f
         assert upstream.max_running == 3
         await nothing_held(redis)
     finally:
+        await upstream.stop()
+
+
+# -- 2. a replica process drained or killed ----------------------------------------------------
+
+
+async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, str]:
+    """`python -m slotgate` sharing `valkey` (TTL 1 s) in front of `upstream`, once ready."""
+    port = free_port()
+    env = {
+        **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": upstream.url,
+        "PROPS_REFRESH_INTERVAL": "0.2", "KEEPALIVE_INTERVAL": "0", "DRAIN_TIMEOUT": "5",
+        "LOG_LEVEL": "warning", "REDIS_URL": valkey.url, "REDIS_FLEET": FLEET,
+        "REDIS_TTL": "1", "REDIS_TIMEOUT": "0.3",
+    }  # fmt: skip
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "slotgate", env=env)
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient() as probe, asyncio.timeout(20):
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if (await probe.get(url + "/readyz")).status_code == 200:
+                    return process, url
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["drained", "killed"])
+async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_others_waiter(
+    how: signal.Signals,
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    upstream = StandIn(total_slots=1, tokens=40)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    process = None
+    try:
+        other = await sharing(gates, [upstream.url], valkey, 1, redis_ttl=1)
+        process, url = await replica_process(upstream, valkey)
+        await other.until(lambda: view(other)["fleet"]["replicas"] == 2)
+        running = asyncio.create_task(client.post(url + CHAT, json=chat()))
+        await other.until(lambda: upstream.running == 1)
+        theirs = asyncio.create_task(client.post(url + CHAT, json=chat()))
+        await other.until(lambda: view(other)["fleet"]["queued"] == 1)
+        mine = asyncio.create_task(client.post(other.url + CHAT, json=chat()))
+        await other.until(lambda: view(other)["this_replica"]["queued"] == 1)
+        process.send_signal(how)
+        async with asyncio.timeout(10):
+            answer = await mine
+            assert answer.status_code == 200
+            outcomes = await asyncio.gather(running, theirs, return_exceptions=True)
+            exit_code = await process.wait()
+        if how is signal.SIGTERM:
+            # Drained: its waiter turned away at once, its running request let finish.
+            assert [getattr(o, "status_code", o) for o in outcomes] == [200, 503]
+            assert exit_code == 0
+        assert upstream.max_running == 1
+        await nothing_held(redis)
+        # Nothing of the stopped replica is left in Redis (once its heartbeat is reaped).
+        await other.until(lambda: view(other)["fleet"]["replicas"] == 1)
+        me = view(other)["replica"]
+        held = set(await redis.keys(PREFIX + "r:*")) | set(await redis.keys(PREFIX + "hb:*"))
+        assert held <= {f"{PREFIX}hb:{me}".encode(), f"{PREFIX}r:{me}".encode()}
+        assert await redis.zrange(PREFIX + "replicas", 0, -1) == [me.encode()]
+    finally:
+        if process is not None and process.returncode is None:
+            process.kill()
+            await process.wait()
         await upstream.stop()
