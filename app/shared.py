@@ -939,8 +939,12 @@ class SharedAdmission:
         shares = self._shares()
         if not shares:
             raise NotReady(self._snapshot(), 1.0)
+        if ticket.weight > max(self._capacities.values()):
+            raise TooLarge(self._snapshot(), ticket.weight, max(self._capacities.values()))
         if ticket.weight > max(shares.values()):
-            raise TooLarge(self._snapshot(), ticket.weight)
+            # It fits an upstream, not this replica's share of one: it may run once Redis is
+            # back, so it is refused as for now (503), not as a request to change (400).
+            raise NotReady(self._snapshot(), 1.0)
         if not self._waiters:
             upstream, reason = self._choose_local(ticket, shares)
             if upstream is not None:
@@ -983,7 +987,12 @@ class SharedAdmission:
         shares = self._shares()
         if not shares:
             return
+        largest = max(shares.values())
         for ticket in sorted(self._waiters.values(), key=lambda t: t.order):
+            if ticket.weight > largest:
+                # Entered while shared: it can never run on a share, and would stop the line.
+                self._fail(ticket, NotReady(self._snapshot(), 1.0))
+                continue
             upstream, reason = self._choose_local(ticket, shares)
             if upstream is None:
                 return  # the head only: nobody overtakes it

@@ -415,9 +415,6 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
         await upstream.stop()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="refused 400 too_many_slots: its share is taken for the slots"
-)
 async def test_a_request_of_all_an_upstreams_slots_while_redis_is_away_is_a_503_not_a_400(
     valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
 ) -> None:
@@ -437,5 +434,32 @@ async def test_a_request_of_all_an_upstreams_slots_while_redis_is_away_is_a_503_
         assert answer.status_code == 503
         assert answer.json()["error"]["type"] == "unavailable_error"
         assert float(answer.headers["retry-after"]) >= 1
+    finally:
+        await upstream.stop()
+
+
+async def test_a_waiter_of_all_the_slots_when_redis_goes_away_is_turned_away_not_left_waiting(
+    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+) -> None:
+    upstream = StandIn(total_slots=2, tokens=150)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 2)
+        second = await sharing(gates, [upstream.url], valkey, 2)
+        for gate in (first, second):
+            await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+        running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
+        await first.until(lambda: upstream.running == 1)
+        waiting = asyncio.create_task(client.post(first.url + CHAT, json=chat(n=2)))
+        await first.until(lambda: view(first)["this_replica"]["queued"] == 1)
+        valkey.kill()
+        # Gating alone on one slot, it could never run, and everyone behind it would wait.
+        async with asyncio.timeout(2):
+            answer = await waiting
+        assert answer.status_code == 503
+        assert not running.done()
+        upstream.hurry()
+        assert (await running).status_code == 200
     finally:
         await upstream.stop()
