@@ -83,6 +83,10 @@ class Service:
             from .replica import ReplicaAdmission  # only with REDIS_URL: no Redis code else
 
             self.replica = ReplicaAdmission(settings, self.admission, settings.redis_url)
+            # A KV budget another replica learned: this one's upstream learns it too.
+            self.replica.learn = lambda pool: self.fleet.of(pool).learn_shared_cache(
+                f"another replica saw llama-server at {pool.key} run out of KV cache"
+            )
         self.metrics = Metrics(
             self.admission,
             lambda: self.fleet.ready,
@@ -91,6 +95,9 @@ class Service:
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.admission.retune(roster.tenants))
+        if self.replica is not None:
+            replica = self.replica
+            self.access.tenants.listeners.append(lambda roster: replica.retune(roster.tenants))
         self.proxy = Proxy(
             settings, self.admission, self.fleet, self.metrics, self.access, self.replica
         )

@@ -16,7 +16,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from .admission import Admission, NotReady, Pool, ShuttingDown, Ticket
 from .routing import score
@@ -25,6 +27,22 @@ from .shared import Mode, SharedAdmission, SharedTicket
 from .tenants import EVERYONE, Tenant
 
 log = logging.getLogger("slotgate.replica")
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def fleet_name(url: str) -> str:
+    """An upstream's name in Redis: its URL as every replica spells it (scheme and host in
+    lower case, no default port, no trailing slash), or two replicas configured with two
+    spellings of one llama-server would each count its slots."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    netloc = host if port is None or port == _DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
+    return urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
 class ReplicaTicket:
@@ -176,6 +194,9 @@ class ReplicaAdmission:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
         admission.on_change = self._changed
+        #: Told of a pool whose KV budget another replica learned (its upstream learns it).
+        self.learn: Callable[[Pool], None] | None = None
+        self.shared.on_budget = self._heard_budget
 
     # -- life ------------------------------------------------------------------------------
 
@@ -213,7 +234,7 @@ class ReplicaAdmission:
 
     def pool_of(self, key: str | None) -> Pool | None:
         for pool in self.admission.pools:
-            if pool.key == key and not pool.retired:
+            if fleet_name(pool.key) == key and not pool.retired:
                 return pool
         return None
 
@@ -286,7 +307,7 @@ class ReplicaAdmission:
         if last is not None and last in ranked:
             ranked.remove(last)
             ranked.insert(0, last)
-        return [pool.key for pool in ranked]
+        return [fleet_name(pool.key) for pool in ranked]
 
     async def _until_granted(self, shared: SharedTicket) -> None:
         """The shared ticket's wait, cut short by shutdown."""
@@ -308,10 +329,25 @@ class ReplicaAdmission:
         assert error is not None  # noqa: S101 - not cancelled and not a result
         raise error
 
+    def retune(self, tenants: Iterable[Tenant]) -> None:
+        """Reloaded tenants (API_KEYS_FILE on SIGHUP): their waiters in the shared line take
+        their weights and max_active from now on, as in one process."""
+        for tenant in tenants:
+            task = asyncio.get_running_loop().create_task(
+                self.shared.retune(tenant.name, tenant.weight, tenant.max_active)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _heard_budget(self, name: str, budget: int) -> None:
+        pool = self.pool_of(name)
+        if pool is not None and pool.budget is None and self.learn is not None:
+            self.learn(pool)
+
     def _changed(self, pool: Pool) -> None:
         """A pool's capacity, budget or name changed: tell Redis, in order."""
         capacity = None if pool.retired else pool.capacity
-        told = (pool.key, capacity, pool.budget)
+        told = (fleet_name(pool.key), capacity, pool.budget)
         task = asyncio.get_running_loop().create_task(self._tell(pool, told))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -331,7 +367,10 @@ class ReplicaAdmission:
                 # Renamed: its running requests go on counting against its slots.
                 await self.shared.rekey(before[0], key)
             self._told[pool] = told
-            await self.shared.resize(key, capacity, budget=budget)
+            # No budget here, and none told from here before: one another replica learned for
+            # it stays in Redis (and is heard at the next heartbeat).
+            learned = before is not None and before[2] is not None
+            await self.shared.resize(key, capacity, budget=budget, learned=learned)
             self._forget_or_keep(pool, told)
 
     def _forget_or_keep(self, pool: Pool, told: tuple[str, int | None, int | None]) -> None:

@@ -39,7 +39,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,6 +311,8 @@ class SharedAdmission:
         #: Why Redis was last found unusable.
         self.last_error = ""
         self._fleet = Fleet()
+        #: Told of a KV budget another replica learned for an upstream (upstream, tokens).
+        self.on_budget: Callable[[str, int], None] | None = None
         self._capacities: dict[str, int] = {}
         self._budgets: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -409,10 +411,16 @@ class SharedAdmission:
     # -- changing --------------------------------------------------------------------------
 
     async def resize(
-        self, upstream: str, capacity: int | None, *, budget: int | None = None
+        self,
+        upstream: str,
+        capacity: int | None,
+        *,
+        budget: int | None = None,
+        learned: bool = True,
     ) -> None:
         """Follow one upstream's slot count as this replica's follower sees it (None: unknown),
-        and its KV-cache budget in tokens (None, or not positive: it does not bind)."""
+        and its KV-cache budget in tokens (None, or not positive: it does not bind; unless
+        not `learned`: this replica knows none yet, and one another replica told stays)."""
         if capacity is None:
             self._capacities.pop(upstream, None)
         else:
@@ -424,9 +432,10 @@ class SharedAdmission:
             budget = None
         if self.mode is Mode.SHARED:
             try:
+                unbudgeted = "" if learned else "?"
                 await self._call(
                     "RESIZE", upstream, "" if capacity is None else capacity, self._epsilon,
-                    "" if budget is None else budget,
+                    unbudgeted if budget is None else budget,
                 )  # fmt: skip
             except Down as exc:
                 self._degrade(str(exc))
@@ -448,6 +457,21 @@ class SharedAdmission:
                 await self._call("REKEY", self.replica, old, new)
             except Down as exc:
                 # The rejoin registers the grants under their new name.
+                self._degrade(str(exc))
+
+    async def retune(self, tenant: str, share: float, max_active: int | None) -> None:
+        """A tenant's share and max_active reloaded: its waiters, here and in Redis, take
+        them (a raised max_active lets them run on free slots at once)."""
+        if share <= 0:
+            raise ValueError(f"share must be positive, got {share}")
+        tenant = tenant.replace("\t", " ").replace("\n", " ")
+        for ticket in self._waiters.values():
+            if ticket.tenant == tenant:
+                ticket.share, ticket.max_active = share, max_active
+        if self.mode is Mode.SHARED:
+            try:
+                await self._call("RETUNE", tenant, repr(share), _unset(max_active), self._epsilon)
+            except Down as exc:
                 self._degrade(str(exc))
 
     async def enter(
@@ -758,6 +782,7 @@ class SharedAdmission:
                     await self._rejoin()
                 else:
                     self._fleet = Fleet.parse(reply[1:])
+                    self._hear_budgets(reply[7:])
             else:
                 if self._stale_pool:
                     # Connections to a Redis that restarted fail one by one when next used:
@@ -771,6 +796,15 @@ class SharedAdmission:
                 # once Redis answers.
                 if await self._answers():
                     await self._rejoin()
+
+    def _hear_budgets(self, raw: Sequence[bytes]) -> None:
+        """Budgets Redis holds that this replica has not learned: tell `on_budget`."""
+        if self.on_budget is None:
+            return
+        for upstream, budget in zip(raw[::2], raw[1::2], strict=True):
+            name = upstream.decode()
+            if name in self._capacities and name not in self._budgets:
+                self.on_budget(name, int(budget))
 
     async def _answers(self) -> bool:
         try:
@@ -905,8 +939,12 @@ class SharedAdmission:
         shares = self._shares()
         if not shares:
             raise NotReady(self._snapshot(), 1.0)
+        if ticket.weight > max(self._capacities.values()):
+            raise TooLarge(self._snapshot(), ticket.weight, max(self._capacities.values()))
         if ticket.weight > max(shares.values()):
-            raise TooLarge(self._snapshot(), ticket.weight)
+            # It fits an upstream, not this replica's share of one: it may run once Redis is
+            # back, so it is refused as for now (503), not as a request to change (400).
+            raise NotReady(self._snapshot(), 1.0)
         if not self._waiters:
             upstream, reason = self._choose_local(ticket, shares)
             if upstream is not None:
@@ -949,7 +987,12 @@ class SharedAdmission:
         shares = self._shares()
         if not shares:
             return
+        largest = max(shares.values())
         for ticket in sorted(self._waiters.values(), key=lambda t: t.order):
+            if ticket.weight > largest:
+                # Entered while shared: it can never run on a share, and would stop the line.
+                self._fail(ticket, NotReady(self._snapshot(), 1.0))
+                continue
             upstream, reason = self._choose_local(ticket, shares)
             if upstream is None:
                 return  # the head only: nobody overtakes it

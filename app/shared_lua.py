@@ -443,6 +443,14 @@ end
 
 -- The fleet's capacity, active, queued, hold, replicas, and grants so far (the `granted`
 -- counter: a waiter's place moves up by the grants made since it entered).
+-- A replica that knows no budget for an upstream has not learned it (yet): a budget another
+-- replica told for the same slot count stays; a new slot count (a restarted server) drops it.
+local function set_unbudgeted(u, c)
+  local was = redis.call('HGET', K_POOLS, u)
+  if was and string.match(was, '^(%d+)') == c then return end
+  redis.call('HSET', K_POOLS, u, c)
+end
+
 local function figures()
   local pl = pools()
   return {tostring(pl.fleet_cap), tostring(pl.fleet_active), tostring(redis.call('ZCARD', K_LINE)),
@@ -523,7 +531,8 @@ if what ~= 'none' then dispatch(tonumber(ARGV[4])) end
 return what
 """
 
-#: ARGV: replica, ttl_ms, eps -> {'ok', figures...} | {'fenced'}
+#: ARGV: replica, ttl_ms, eps -> {'ok', figures..., then upstream, budget of each budgeted one}
+#: | {'fenced'}
 HEARTBEAT = r"""
 local me, ttl = ARGV[1], tonumber(ARGV[2])
 if redis.call('EXISTS', hb_key(me)) == 0 then return {'fenced'} end
@@ -531,11 +540,15 @@ local now = now_ms()
 redis.call('SET', hb_key(me), '1', 'PX', ttl)
 redis.call('ZADD', K_REPLICAS, now + ttl, me)
 if reap(now) > 0 then dispatch(tonumber(ARGV[3])) end
-return {'ok', unpack(figures())}
+local out = {'ok', unpack(figures())}
+-- The budgets one replica learned (a 500 from a shared cache), for the others to learn too.
+for u, b in pairs(pools().bud) do out[#out + 1] = u; out[#out + 1] = tostring(b) end
+return out
 """
 
 #: ARGV: replica, ttl_ms, eps, n_pools, n_grants, n_waiters, then the pools
-#: (upstream, capacity, budget or ''), the grants (member, upstream, weight, cost, band, tenant,
+#: (upstream, capacity, budget or '': none learned here, another's stays), the grants
+#: (member, upstream, weight, cost, band, tenant,
 #: share, max_active, ranking) and the waiters in order (id, weight, cost, ranking, band, tag,
 #: tenant, share, max_active).
 #: -> {figures..., new member of each waiter in order...}
@@ -554,7 +567,7 @@ redis.call('ZADD', K_REPLICAS, now + ttl, me)
 local i = 7
 for _ = 1, n_pools do
   if ARGV[i + 2] == '' then
-    redis.call('HSET', K_POOLS, ARGV[i], ARGV[i + 1])
+    set_unbudgeted(ARGV[i], ARGV[i + 1])
   else
     redis.call('HSET', K_POOLS, ARGV[i], ARGV[i + 1]..'\t'..ARGV[i + 2])
   end
@@ -591,14 +604,17 @@ for _, m in ipairs(members) do out[#out + 1] = m end
 return out
 """
 
-#: ARGV: upstream, capacity ('' = unknown), eps, budget in tokens ('' = it does not bind)
-#: -> 'ok'
+#: ARGV: upstream, capacity ('' = unknown), eps, budget in tokens ('' = it does not bind; '?' =
+#: none learned here, another replica's for the same slot count stays) -> 'ok'
 RESIZE = r"""
 if ARGV[2] == '' then
   redis.call('HDEL', K_POOLS, ARGV[1])
   if tonumber(redis.call('HGET', K_ACTIVE, ARGV[1]) or '0') <= 0 then
     redis.call('HDEL', K_ACTIVE, ARGV[1])
   end
+elseif ARGV[4] == '?' then
+  set_unbudgeted(ARGV[1], ARGV[2])
+  dispatch(tonumber(ARGV[3]))
 elseif ARGV[4] == '' then
   redis.call('HSET', K_POOLS, ARGV[1], ARGV[2])
   dispatch(tonumber(ARGV[3]))
@@ -652,6 +668,24 @@ end
 return 'ok'
 """
 
+#: ARGV: tenant, share, max_active (-1: none), eps -> 'ok' (its limits reloaded: its waiters
+#: take them, so that a raised max_active lets them run on free slots at once)
+RETUNE = r"""
+local heads = redis.call('ZRANGE', K_LINE, 0, -1)
+for _, m in ipairs(heads) do
+  local f = redis.call('HGET', K_TICKETS, m)
+  if f then
+    local t = parse_ticket(f)
+    if t.tenant == ARGV[1] then
+      t.share, t.maxa = tonumber(ARGV[2]), tonumber(ARGV[3])
+      redis.call('HSET', K_TICKETS, m, record(t))
+    end
+  end
+end
+dispatch(tonumber(ARGV[4]))
+return 'ok'
+"""
+
 #: ARGV: replica, eps -> 'ok' (a replica leaving for good: what it holds goes back at once)
 RETIRE = r"""
 forget(ARGV[1])
@@ -671,6 +705,7 @@ _SCRIPTS = {
     "RETIRE": RETIRE,
     "REROUTE": REROUTE,
     "REKEY": REKEY,
+    "RETUNE": RETUNE,
 }
 
 

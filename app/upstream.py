@@ -353,13 +353,21 @@ class Upstream:
         so from then on admission counts tokens, when KV_BUDGET_TOKENS left it to slotgate."""
         if self.shared_cache_seen or _CONTEXT_EXHAUSTED not in body:
             return
+        self.learn_shared_cache()
+
+    def learn_shared_cache(
+        self, seen: str = "llama-server ran out of KV cache for the requests in flight"
+    ) -> None:
+        """Its slots share one KV cache: `seen` here, or by another replica sharing the line."""
+        if self.shared_cache_seen:
+            return
         self.shared_cache_seen = True
         if self._kv_budget_tokens is None and self.props is not None:
             budget = self.kv_budget(self.props)
             log.warning(
-                "llama-server ran out of KV cache for the requests in flight: its slots share "
-                "one cache; admitting by a budget of %s tokens from now on (set "
-                "KV_BUDGET_TOKENS to say so from the start)",
+                "%s: its slots share one cache; admitting by a budget of %s tokens from now on "
+                "(set KV_BUDGET_TOKENS to say so from the start)",
+                seen,
                 budget,
             )
             self.pool.resize_budget(budget)

@@ -1,0 +1,465 @@
+"""The shared line (REDIS_URL) on the paths a fleet meets less often: requests that take several
+slots, upstreams spelt two ways, replicas drained or killed as processes, tenants reloaded, a
+KV budget learned on one replica, Valkey busy with `DEBUG SLEEP`; over real sockets, a real
+valkey-server and stand-in llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from slotgate.admission import Admission
+from slotgate.replica import ReplicaAdmission
+from slotgate.settings import Settings
+
+from bench.procs import free_port
+from tests.conftest import RunningGate, chat, serve
+from tests.standin import StandIn
+from tests.valkey import Valkey
+
+CHAT = "/v1/chat/completions"
+FLEET = "attack"
+Process = asyncio.subprocess.Process
+PREFIX = f"slotgate:{{{FLEET}}}:"
+
+
+def settings_for(urls: Sequence[str], valkey: Valkey | None, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "llama_server_url": ",".join(urls), "props_refresh_interval": 0.2,
+        "keepalive_interval": 0, "log_level": "warning", "redis_fleet": FLEET,
+        "redis_ttl": 0.6, "redis_timeout": 0.3,
+    }  # fmt: skip
+    if valkey is not None:
+        values["redis_url"] = valkey.url
+    values.update(overrides)
+    return Settings(_env_file=None, **values)
+
+
+def view(gate: RunningGate) -> dict[str, Any]:
+    replica = gate.service.replica
+    assert replica is not None
+    heard: dict[str, Any] = replica.view()
+    return heard
+
+
+@pytest.fixture
+async def gates() -> AsyncIterator[list[RunningGate]]:
+    """The slotgates a test serves; stopped at its end."""
+    running: list[RunningGate] = []
+    yield running
+    for gate in running:
+        await gate.stop()
+
+
+@pytest.fixture
+async def redis(valkey: Valkey) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    yield client
+    await client.aclose()
+
+
+async def sharing(
+    gates: list[RunningGate], urls: Sequence[str], valkey: Valkey, slots: int, **overrides: Any
+) -> RunningGate:
+    """One more slotgate sharing `valkey`, once Redis has told it the fleet's `slots`."""
+    gate = await serve(settings_for(urls, valkey, **overrides))
+    gates.append(gate)
+    await gate.until(lambda: view(gate)["mode"] == "shared")
+    await gate.until(lambda: view(gate)["fleet"]["capacity"] == slots)
+    return gate
+
+
+async def counted(redis: aioredis.Redis) -> int:
+    """The slots Redis counts as granted, over every upstream."""
+    return sum(int(n) for n in await redis.hvals(PREFIX + "active"))
+
+
+async def nothing_held(redis: aioredis.Redis) -> None:
+    """Until Redis holds no grant, no place in the line and no ticket."""
+    async with asyncio.timeout(5):
+        while (
+            await counted(redis)
+            or await redis.zcard(PREFIX + "line")
+            or await redis.hlen(PREFIX + "tickets")
+        ):
+            await asyncio.sleep(0.02)
+
+
+# -- 1. requests that take several slots --------------------------------------------------------
+
+
+async def test_requests_of_several_slots_run_on_the_one_upstream_with_room_for_all_of_them(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    small, large = StandIn(total_slots=2, tokens=8), StandIn(total_slots=3, tokens=8)
+    for upstream in (small, large):
+        upstream.token_delay_s = 0.01
+        await upstream.start()
+    try:
+        urls = (small.url, large.url)
+        first = await sharing(gates, urls, valkey, 5)
+        second = await sharing(gates, urls, valkey, 5)
+        # Three choices; three prompts; five prompts (llama-server works through them in the
+        # slots it fills, so the weight is capped at the largest upstream's three).
+        bodies: list[tuple[str, dict[str, Any]]] = [
+            (CHAT, chat(n=3)),
+            ("/v1/completions", {"prompt": ["a", "b", "c"]}),
+            ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"]}),
+        ]
+        sent = [(first, second)[i % 2].url + bodies[i % 3][0] for i in range(8)]
+        answers = await asyncio.gather(
+            *(client.post(url, json=bodies[i % 3][1]) for i, url in enumerate(sent))
+        )
+        assert [a.status_code for a in answers] == [200] * 8
+        assert small.started == 0  # two slots never hold a request of three
+        assert large.started == 8
+        assert large.max_running == 1  # each one fills all three
+        await nothing_held(redis)
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
+async def test_more_choices_than_the_largest_upstream_has_slots_is_the_same_400_as_alone(
+    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+) -> None:
+    small, large = StandIn(total_slots=2), StandIn(total_slots=3)
+    for upstream in (small, large):
+        await upstream.start()
+    try:
+        urls = (small.url, large.url)
+        shared = await sharing(gates, urls, valkey, 5)
+        alone = await serve(settings_for(urls, None))
+        gates.append(alone)
+        await alone.until(lambda: alone.service.admission.largest == 3)
+        answers = [await client.post(g.url + CHAT, json=chat(n=4)) for g in (shared, alone)]
+        assert [a.status_code for a in answers] == [400, 400]
+        assert answers[0].json() == answers[1].json()
+        assert answers[0].json()["error"]["param"] == "n"
+        assert small.started == large.started == 0
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
+# -- 5. one upstream spelt two ways ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    ["http://LOCALHOST:{port}", "HTTP://localhost:{port}/"],
+    ids=["host-case", "scheme-case-and-slash"],
+)
+async def test_one_upstream_spelt_two_ways_by_two_replicas_is_one_pool_in_redis(
+    spelling: str,
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    upstream = StandIn(total_slots=1, tokens=20)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        plain = f"http://localhost:{upstream.port}"
+        first = await sharing(gates, [plain], valkey, 1)
+        second = await sharing(gates, [spelling.format(port=upstream.port)], valkey, 1)
+        assert len(await redis.hgetall(PREFIX + "pools")) == 1
+        answers = await asyncio.gather(
+            *(client.post(g.url + CHAT, json=chat()) for g in (first, second) * 2)
+        )
+        assert [a.status_code for a in answers] == [200] * 4
+        assert upstream.max_running == 1
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
+async def test_an_upstream_with_its_default_port_written_out_is_one_pool_with_it_omitted(
+    valkey: Valkey, redis: aioredis.Redis
+) -> None:
+    # Nothing listens on port 80 here: the pools' names in Redis are the question, so each
+    # replica's pool is told the one upstream's slots as its follower would tell it.
+    replicas = []
+    for url in ("http://localhost", "http://Localhost:80/"):
+        settings = settings_for([url], valkey)
+        admission = Admission(settings.queue_policy)
+        replica = ReplicaAdmission(settings, admission, valkey.url)
+        await replica.start()
+        replicas.append(replica)
+        admission.add_pool(settings.llama_server_urls[0]).resize(2)
+    try:
+        for replica in replicas:
+            while replica._tasks:
+                await asyncio.wait(list(replica._tasks))
+        assert len(await redis.hgetall(PREFIX + "pools")) == 1
+    finally:
+        for replica in replicas:
+            await replica.close()
+
+
+# -- 6. Valkey busy in a DEBUG SLEEP -----------------------------------------------------------
+
+
+async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_shares_again(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    upstream = StandIn(total_slots=2, tokens=5)
+    upstream.token_delay_s = 0.01
+    await upstream.start()
+    try:
+        # The default TTL: a second's sleep gives no replica up.
+        first = await sharing(gates, [upstream.url], valkey, 2, max_queue=4, redis_ttl=3)
+        second = await sharing(gates, [upstream.url], valkey, 2, max_queue=4, redis_ttl=3)
+        answers: list[httpx.Response] = []
+        stop = asyncio.Event()
+
+        async def flow(gate: RunningGate) -> None:
+            while not stop.is_set():
+                # A request that hangs past the Redis timeouts and its own few tokens fails.
+                async with asyncio.timeout(5):
+                    answers.append(await client.post(gate.url + CHAT, json=chat()))
+
+        flows = [asyncio.create_task(flow(g)) for g in (first, second) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        # Its own connection: DEBUG SLEEP holds the whole server, this client's answer too.
+        await redis.execute_command("DEBUG", "SLEEP", "1")  # type: ignore[no-untyped-call]
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.gather(*flows)
+        statuses = {a.status_code for a in answers}
+        assert statuses <= {200, 429, 503}, statuses
+        for answer in answers:
+            if answer.status_code != 200:
+                error = answer.json()["error"]
+                assert {"message", "type", "code"} <= error.keys()
+                assert float(answer.headers["retry-after"]) >= 1
+        for gate in (first, second):
+            assert view(gate)["fallbacks"] >= 1
+            await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
+        more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in gates))
+        assert [a.status_code for a in more] == [200, 200]
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
+# -- 4. a KV budget learned on one replica ------------------------------------------------------
+
+
+def words(n: int) -> dict[str, Any]:
+    return chat(messages=[{"role": "user", "content": "w " * n}], max_tokens=100)
+
+
+async def test_a_kv_budget_learned_from_a_500_on_one_replica_binds_the_others_too(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    upstream = StandIn(total_slots=2, tokens=10)  # its slots' n_ctx: 1024 tokens
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        learner = await sharing(gates, [upstream.url], valkey, 2)
+        other = await sharing(gates, [upstream.url], valkey, 2)
+        upstream.fault = "out_of_cache"
+        failed = await client.post(learner.url + CHAT, json=words(10))
+        assert failed.status_code == 500
+        assert learner.service.admission.budget_tokens == 1024
+        upstream.fault = None
+        # One started since, whose first word on the upstream knows no budget yet.
+        late = await sharing(gates, [upstream.url], valkey, 2)
+        await asyncio.sleep(0.5)  # a few heartbeats and /props refreshes
+        for gate in (other, late):
+            assert gate.service.admission.budget_tokens == 1024
+            # Two prompts of 600 tokens do not fit one cache of 1024 together.
+            answers = await asyncio.gather(
+                *(client.post(gate.url + CHAT, json=words(600)) for _ in range(2))
+            )
+            assert [a.status_code for a in answers] == [200, 200]
+            assert upstream.max_running == 1
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
+# -- 3. tenants reloaded -------------------------------------------------------------------------
+
+JOBS = """
+[tenants.jobs]
+key = "sk-jobs"
+max_active = {max_active}
+
+[tenants.chat]
+key = "sk-chat"
+"""
+
+
+async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_free_slots(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(JOBS.format(max_active=1))
+    upstream = StandIn(total_slots=3, tokens=60)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 3, api_keys_file=keys)
+        second = await sharing(gates, [upstream.url], valkey, 3, api_keys_file=keys)
+        jobs = {"authorization": "Bearer sk-jobs"}
+        held = [
+            asyncio.create_task(client.post(g.url + CHAT, json=chat(), headers=jobs))
+            for g in (first, second, first)
+        ]
+        # One runs; two wait beside two free slots, for the tenant's one.
+        await first.until(lambda: view(first)["fleet"]["queued"] == 2)
+        assert upstream.running == 1
+        keys.write_text(JOBS.format(max_active=3))
+        for gate in (first, second):  # SIGHUP, as each replica's process takes it
+            assert gate.service.access.tenants.reload()
+        answers = await asyncio.gather(*held)
+        assert [a.status_code for a in answers] == [200] * 3
+        # The waiters ran at once on the free slots, beside the first.
+        assert upstream.max_running == 3
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
+# -- 2. a replica process drained or killed ----------------------------------------------------
+
+
+async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, str]:
+    """`python -m slotgate` sharing `valkey` (TTL 1 s) in front of `upstream`, once ready."""
+    port = free_port()
+    env = {
+        **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": upstream.url,
+        "PROPS_REFRESH_INTERVAL": "0.2", "KEEPALIVE_INTERVAL": "0", "DRAIN_TIMEOUT": "5",
+        "LOG_LEVEL": "warning", "REDIS_URL": valkey.url, "REDIS_FLEET": FLEET,
+        "REDIS_TTL": "1", "REDIS_TIMEOUT": "0.3",
+    }  # fmt: skip
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "slotgate", env=env)
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient() as probe, asyncio.timeout(20):
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if (await probe.get(url + "/readyz")).status_code == 200:
+                    return process, url
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["drained", "killed"])
+async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_others_waiter(
+    how: signal.Signals,
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    upstream = StandIn(total_slots=1, tokens=40)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    process = None
+    try:
+        other = await sharing(gates, [upstream.url], valkey, 1, redis_ttl=1)
+        process, url = await replica_process(upstream, valkey)
+        await other.until(lambda: view(other)["fleet"]["replicas"] == 2)
+        running = asyncio.create_task(client.post(url + CHAT, json=chat()))
+        await other.until(lambda: upstream.running == 1)
+        theirs = asyncio.create_task(client.post(url + CHAT, json=chat()))
+        await other.until(lambda: view(other)["fleet"]["queued"] == 1)
+        mine = asyncio.create_task(client.post(other.url + CHAT, json=chat()))
+        await other.until(lambda: view(other)["this_replica"]["queued"] == 1)
+        process.send_signal(how)
+        async with asyncio.timeout(10):
+            answer = await mine
+            assert answer.status_code == 200
+            outcomes = await asyncio.gather(running, theirs, return_exceptions=True)
+            exit_code = await process.wait()
+        if how is signal.SIGTERM:
+            # Drained: its waiter turned away at once, its running request let finish.
+            assert [getattr(o, "status_code", o) for o in outcomes] == [200, 503]
+            assert exit_code == 0
+        assert upstream.max_running == 1
+        await nothing_held(redis)
+        # Nothing of the stopped replica is left in Redis (once its heartbeat is reaped).
+        await other.until(lambda: view(other)["fleet"]["replicas"] == 1)
+        me = view(other)["replica"]
+        held = set(await redis.keys(PREFIX + "r:*")) | set(await redis.keys(PREFIX + "hb:*"))
+        assert held <= {f"{PREFIX}hb:{me}".encode(), f"{PREFIX}r:{me}".encode()}
+        assert await redis.zrange(PREFIX + "replicas", 0, -1) == [me.encode()]
+    finally:
+        if process is not None and process.returncode is None:
+            process.kill()
+            await process.wait()
+        await upstream.stop()
+
+
+async def test_a_request_of_all_an_upstreams_slots_while_redis_is_away_is_a_503_not_a_400(
+    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+) -> None:
+    upstream = StandIn(total_slots=2)
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 2)
+        second = await sharing(gates, [upstream.url], valkey, 2)
+        for gate in (first, second):
+            await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+        valkey.kill()
+        for gate in (first, second):
+            await gate.until(lambda g=gate: view(g)["mode"] == "degraded")  # type: ignore[misc]
+        # Valid in one process and in shared mode; gating alone on one slot of two, this
+        # replica cannot run it now: the client should retry it as it is, not change it.
+        answer = await client.post(first.url + CHAT, json=chat(n=2))
+        assert answer.status_code == 503
+        assert answer.json()["error"]["type"] == "unavailable_error"
+        assert float(answer.headers["retry-after"]) >= 1
+    finally:
+        await upstream.stop()
+
+
+async def test_a_waiter_of_all_the_slots_when_redis_goes_away_is_turned_away_not_left_waiting(
+    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+) -> None:
+    upstream = StandIn(total_slots=2, tokens=150)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 2)
+        second = await sharing(gates, [upstream.url], valkey, 2)
+        for gate in (first, second):
+            await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+        running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
+        await first.until(lambda: upstream.running == 1)
+        waiting = asyncio.create_task(client.post(first.url + CHAT, json=chat(n=2)))
+        await first.until(lambda: view(first)["this_replica"]["queued"] == 1)
+        valkey.kill()
+        # Gating alone on one slot, it could never run, and everyone behind it would wait.
+        async with asyncio.timeout(2):
+            answer = await waiting
+        assert answer.status_code == 503
+        assert not running.done()
+        upstream.hurry()
+        assert (await running).status_code == 200
+    finally:
+        await upstream.stop()
