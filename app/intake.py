@@ -74,7 +74,9 @@ def take(
         estimate = local(endpoint, payload, wants.budget, wants.default_output)
     expected = None
     if wants.expect:
-        expected = expected_hold_of(endpoint.kind, payload, wants.tokens_per_s)
+        expected = expected_hold_of(
+            endpoint.kind, payload, wants.tokens_per_s, wants.default_output
+        )
     key = affinity_of(payload) if wants.affinity else None
     talk = conversation_of(payload) if key is not None else None
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:

@@ -57,7 +57,8 @@ class Props:
     n_ctx: int | None
     model: str | None
     build_info: str | None
-    #: llama-server's own output limit for a request that sets none (-n); None = unbounded.
+    #: llama-server's own output limit for a request that sets none or -1 (its -n); None =
+    #: unbounded (-1, its default).
     n_predict: int | None = None
 
     @classmethod
@@ -78,7 +79,7 @@ class Props:
             n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None,
             model if isinstance(model, str) else None,
             build if isinstance(build, str) else None,
-            n_predict if isinstance(n_predict, int) and n_predict > 0 else None,
+            n_predict if isinstance(n_predict, int) and n_predict >= 0 else None,
         )
 
 

@@ -148,9 +148,6 @@ def test_the_local_estimate_counts_every_prompt_byte_and_the_output_times_the_ch
     assert estimate(CHAT, {"messages": []}).output is None
 
 
-@pytest.mark.xfail(
-    strict=True, reason="n_predict=-1 is read as absent and aliases in the wrong order"
-)
 def test_a_request_is_charged_the_output_llama_server_will_let_it_generate() -> None:
     budget = 100_000
     wrong = []

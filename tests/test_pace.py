@@ -49,7 +49,6 @@ def test_a_generation_is_expected_to_hold_its_slot_for_a_prompt_and_its_tokens(
     assert expected_hold_s(kind, body, speed) == pytest.approx(COLD_PROMPT_S + hold_s)
 
 
-@pytest.mark.xfail(strict=True, reason="pace reads max_tokens first and n_predict=-1 as absent")
 def test_a_generation_is_paced_by_the_output_llama_server_will_let_it_generate() -> None:
     wrong = []
     for path, body, default, tokens in OUTPUT_LIMITS:
@@ -57,7 +56,7 @@ def test_a_generation_is_paced_by_the_output_llama_server_will_let_it_generate()
         hold_s = (
             expected_hold_of(kind, body, 10.0)
             if default is None
-            else expected_hold_of(kind, body, 10.0, default_output=default)  # type: ignore[call-arg]
+            else expected_hold_of(kind, body, 10.0, default_output=default)
         )
         # With no limit the length is the model's to choose: a long answer is assumed.
         expected = COLD_PROMPT_S + (COLD_TOKENS if tokens is None else tokens) / 10.0

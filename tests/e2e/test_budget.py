@@ -83,7 +83,6 @@ async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_th
             await gate.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="n_predict=-1 is read as absent: max_tokens 3 is charged")
 async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed_the_cache(
     unified: LocalEngine,
 ) -> None:
