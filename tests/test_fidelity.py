@@ -27,6 +27,7 @@ async def test_an_assembled_answer_keeps_llama_servers_own_headers(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate()
+    await client.post(gate.url + CHAT, json=chat())  # shows llama-server adds no __verbose
     origin = {"Origin": "http://app.example"}
     response = await client.post(gate.url + CHAT, json=chat(), headers=origin)
     assert response.status_code == 200
@@ -54,15 +55,45 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
-async def test_once_llama_server_shows_verbose_non_streamed_requests_go_as_sent(
+@pytest.mark.xfail(strict=True, reason="verbosity is learned from the first assembled answer")
+async def test_a_verbose_llama_servers_first_non_streamed_answer_carries_its_verbose_object(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.verbose = True
+    standin.verbose = True  # llama-server --verbose
+    gate = await start_gate()
+    for _ in range(2):
+        answer = await client.post(gate.url + CHAT, json=chat())
+        assert answer.status_code == 200
+        assert b'"stream":true' not in standin.seen[-1].body  # as sent
+        assert answer.json()["__verbose"] == {"stream": False}  # llama-server's own object
+
+
+@pytest.mark.xfail(strict=True, reason="the first non-streamed answer is assembled unlearned")
+async def test_non_streamed_answers_are_assembled_once_one_showed_llama_server_adds_no_verbose(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
     gate = await start_gate()
     first = await client.post(gate.url + CHAT, json=chat())
     assert first.status_code == 200
-    assert b'"stream":true' in standin.seen[-1].body  # assembled: the stream showed __verbose
+    assert b'"stream":true' not in standin.seen[-1].body  # as sent: it teaches
+    assert "__verbose" not in first.json()
     second = await client.post(gate.url + CHAT, json=chat())
     assert second.status_code == 200
-    assert b'"stream":true' not in standin.seen[-1].body  # as sent
-    assert second.json()["__verbose"] == {"stream": False}  # llama-server's own answer
+    assert b'"stream":true' in standin.seen[-1].body  # assembled
+    assert "__verbose" not in second.json()
+
+
+@pytest.mark.xfail(strict=True, reason="a body's own verbose field is not read")
+async def test_a_body_that_sets_verbose_decides_whether_its_answer_is_assembled(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200  # it teaches
+    await client.post(gate.url + CHAT, json=chat(verbose=True))
+    # llama-server adds __verbose for a body asking for it, whatever its own setting.
+    assert b'"stream":true' not in standin.seen[-1].body
+    standin.verbose = True
+    await client.post(gate.url + CHAT, json=chat())  # the stream shows it: now verbose
+    await client.post(gate.url + CHAT, json=chat(verbose=False))
+    # ... and leaves it out for a body that declines it.
+    assert b'"stream":true' in standin.seen[-1].body
