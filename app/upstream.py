@@ -181,8 +181,9 @@ class Upstream:
         self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
-        #: It adds `__verbose` to its answers (--verbose): assembly cannot rebuild that.
-        self.verbose = False
+        #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
+        #: rebuild; None until an answer has shown it (app/relay.py, `_learn_verbose`).
+        self.verbose: bool | None = None
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
@@ -446,7 +447,7 @@ class Upstream:
             log.warning("llama-server not ready: %s url=%s", reason, self.url)
         self._client.relearn()  # what comes back may be another build
         self.cors.forget()
-        self.verbose = False
+        self.verbose = None  # it may come back with another --verbose
         self.ready = False
         self.reason = reason
         self.pool.resize(None)

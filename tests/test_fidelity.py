@@ -45,8 +45,9 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(slotgate.relay, "MAX_ASSEMBLED_BYTES", 64 * 1024)
-    standin.tokens, standin.token_delay_s, standin.padding = 500, 0.0, 1024
     gate = await start_gate()
+    await client.post(gate.url + CHAT, json=chat())  # shows llama-server adds no __verbose
+    standin.tokens, standin.token_delay_s, standin.padding = 500, 0.0, 1024
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
     error = response.json()["error"]
@@ -55,7 +56,6 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
-@pytest.mark.xfail(strict=True, reason="verbosity is learned from the first assembled answer")
 async def test_a_verbose_llama_servers_first_non_streamed_answer_carries_its_verbose_object(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -68,7 +68,6 @@ async def test_a_verbose_llama_servers_first_non_streamed_answer_carries_its_ver
         assert answer.json()["__verbose"] == {"stream": False}  # llama-server's own object
 
 
-@pytest.mark.xfail(strict=True, reason="the first non-streamed answer is assembled unlearned")
 async def test_non_streamed_answers_are_assembled_once_one_showed_llama_server_adds_no_verbose(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -83,7 +82,6 @@ async def test_non_streamed_answers_are_assembled_once_one_showed_llama_server_a
     assert "__verbose" not in second.json()
 
 
-@pytest.mark.xfail(strict=True, reason="a body's own verbose field is not read")
 async def test_a_body_that_sets_verbose_decides_whether_its_answer_is_assembled(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:

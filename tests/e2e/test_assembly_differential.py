@@ -216,7 +216,6 @@ def _healthy(probe: httpx.Client, url: str) -> bool:
         return False
 
 
-@pytest.mark.xfail(strict=True, reason="the first answer is assembled before verbosity is known")
 async def test_a_verbose_llama_servers_first_non_streamed_chat_through_slotgate_has_verbose(
     verbose_url: str, client: httpx.AsyncClient
 ) -> None:
@@ -235,7 +234,6 @@ async def test_a_verbose_llama_servers_first_non_streamed_chat_through_slotgate_
         await gate.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="a body's verbose is not read; the first answer teaches")
 async def test_a_quiet_llama_server_honours_a_bodys_verbose_and_still_gets_assembled_answers(
     start_gate: GateFactory, llama: Llama, client: httpx.AsyncClient
 ) -> None:
