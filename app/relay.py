@@ -607,7 +607,7 @@ class Proxy:
         assert upstream is not None  # noqa: S101 - set by _forward
         if assembly.verbose and upstream.verbose is not True:
             # Restarted with --verbose unseen: its __verbose object cannot be rebuilt from a
-            # stream, so from now on such requests go as sent (this one's is lost).
+            # stream, so from now on such requests go as sent (this one's is missing).
             log.info("llama-server runs with --verbose: non-streamed requests now go as sent")
             upstream.verbose = True
         if status != 200:
