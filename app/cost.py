@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoints import Endpoint, Kind
+from .endpoints import Endpoint, Kind, output_limit
 from .errors import ContextExceeded
 
 #: Tokens a chat template adds around each message (role markers, turn delimiters); gemma's
@@ -38,8 +38,6 @@ _PROMPT_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.EMBEDDING: ("input", "content"),
     Kind.RERANK: ("query", "documents", "texts"),
 }
-#: Fields that bound what a request generates, in the order llama-server reads them.
-_LIMITS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +76,7 @@ def estimate(endpoint: Endpoint, payload: dict[str, Any]) -> Cost:
         if kind is Kind.RERANK and isinstance(documents, list) and documents:
             prompt += _bytes(payload.get("query", "")) * (len(documents) - 1)
         return Cost(prompt, 0)
-    limit = _limit(payload)
+    limit = output_limit(kind, payload)
     tasks = _prompts(payload) if kind is Kind.COMPLETION else 1
     return Cost(prompt * copies, None if limit is None else limit * copies * tasks)
 
@@ -98,14 +96,6 @@ def _bytes(value: object) -> int:
     if isinstance(value, int | float):
         return len(repr(value))
     return 0
-
-
-def _limit(payload: dict[str, Any]) -> int | None:
-    for name in _LIMITS:
-        value = payload.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
 
 
 def _completions(payload: dict[str, Any]) -> int:

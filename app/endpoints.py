@@ -97,8 +97,15 @@ _JSON_TYPES = ("application/json", "application/x-www-form-urlencoded", "text/pl
 #: The deepest JSON nesting accepted: orjson writes no deeper (it reads up to 1024 levels).
 MAX_JSON_DEPTH = 254
 
-# Fields that count tokens to generate; llama-server's native n_predict takes -1 for "no limit".
-_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Where llama-server takes a request's output limit from, route by route (tools/server):
+# server-schema.cpp's field n_predict reads the first present, non-null one of n_predict,
+# max_completion_tokens, max_tokens (its aliases, in that order) and refuses a value below -1.
+# The Responses converter (server-chat.cpp) first turns max_output_tokens into max_tokens,
+# replacing any max_tokens (with null too); the Anthropic converter keeps max_tokens alone, and
+# puts MESSAGES_OUTPUT in when it is missing.
+_OUTPUT_FIELDS = ("n_predict", "max_completion_tokens", "max_tokens")
+#: The output limit llama-server gives a /v1/messages request without max_tokens.
+MESSAGES_OUTPUT = 4096
 
 
 def route_of(method: str, path: str) -> Endpoint | None:
@@ -161,11 +168,36 @@ def demand_of(endpoint: Endpoint, payload: dict[str, Any], capacity: int) -> Dem
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", param="stream")
-    for name in _TOKEN_LIMITS:
-        _check_int(payload, name, minimum=0)
-    _check_int(payload, "n_predict", minimum=-1)
+    read = _output_field(endpoint.kind, payload)
+    if read is not None:
+        _check_int(payload, read, minimum=-1)
     field, choices = _choices(payload) if endpoint.choices else ("n", 1)
     return Demand(0, stream, choices, _task_count(payload, endpoint), field).at(capacity)
+
+
+def output_limit(kind: Kind, payload: dict[str, Any]) -> int | None:
+    """The tokens a request lets itself generate, read as llama-server reads them; None when
+    it leaves that to the server's own -n (no field, null, or -1), which is no limit unless
+    the server was started with -n. One reading for the KV charge and the pace."""
+    if kind is Kind.MESSAGES and "max_tokens" not in payload:
+        return MESSAGES_OUTPUT
+    name = _output_field(kind, payload)
+    value = payload.get(name) if name is not None else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _output_field(kind: Kind, payload: dict[str, Any]) -> str | None:
+    """The field llama-server reads the output limit from, when it reads one."""
+    if kind is Kind.MESSAGES:
+        return "max_tokens" if payload.get("max_tokens") is not None else None
+    if kind not in (Kind.CHAT, Kind.COMPLETION, Kind.RESPONSES):
+        return None
+    names = _OUTPUT_FIELDS
+    if kind is Kind.RESPONSES and "max_output_tokens" in payload:
+        names = (*_OUTPUT_FIELDS[:-1], "max_output_tokens")
+    return next((name for name in names if payload.get(name) is not None), None)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:

@@ -123,10 +123,11 @@ class Fleet:
         return upstreams[0]
 
     @property
-    def verbose(self) -> bool:
-        """Some upstream adds `__verbose` to its answers (--verbose): a request is routed only
-        once admitted, so none is assembled from a stream while any might go there."""
-        return any(upstream.verbose for upstream in self._all)
+    def quiet(self) -> bool:
+        """Every upstream has shown that it adds no `__verbose` unasked (no --verbose): a
+        request is routed only once admitted, so it is assembled only when wherever it may
+        go is known not to."""
+        return all(upstream.verbose is False for upstream in self._all)
 
     def of(self, pool: Pool) -> Upstream:
         return self._by_pool[pool]

@@ -29,6 +29,11 @@ OFF_LOOP_BYTES = 1024 * 1024
 WORKERS = 1
 #: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
 ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
+#: Routes whose non-streamed answer carries llama-server's `__verbose` object when it runs with
+#: --verbose, or when the body sets `verbose` (server-task.cpp: OpenAI chat and text completions
+#: only). A stream carries another one (the final result of a stream, without its text), so
+#: such an answer cannot be assembled.
+VERBOSE_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 
 log = logging.getLogger("slotgate.intake")
 
@@ -42,6 +47,8 @@ class Intake:
     demand: Demand
     body: bytes  # what goes upstream
     assembled: bool  # the body asks llama-server for a stream; the answer is assembled
+    #: Sent as it is while llama-server's verbosity is unknown: its answer shows it.
+    teaches: bool = False
     return_tokens: bool = False  # an assembled native answer carries its tokens (asked for)
     estimate: Estimate | None = None  # its reservation of the KV budget, when one binds
     expected_hold_s: float | None = None  # how long it should hold its slots (a cold gate)
@@ -61,10 +68,18 @@ class Wants:
 
 
 def take(
-    endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool, wants: Wants = Wants()
+    endpoint: Endpoint,
+    body: bytes,
+    capacity: int,
+    *,
+    assemble: bool,
+    quiet: bool = True,
+    wants: Wants = Wants(),
 ) -> Intake:
     """Check the body and work out its demand (and what `wants` asks for); with `assemble`,
-    ask for a stream if the client did not (app/assembly.py)."""
+    ask for a stream if the client did not (app/assembly.py), unless its answer may carry
+    `__verbose`: when the body asks for it, or it leaves that to llama-server and not every
+    upstream is known to be `quiet` (adds none unasked)."""
     if endpoint.kind is Kind.AUDIO:
         return Intake(demand(endpoint, body, capacity), body, False)
     payload = parse_json(body)
@@ -74,16 +89,24 @@ def take(
         estimate = local(endpoint, payload, wants.budget, wants.default_output)
     expected = None
     if wants.expect:
-        expected = expected_hold_of(endpoint.kind, payload, wants.tokens_per_s)
+        expected = expected_hold_of(
+            endpoint.kind, payload, wants.tokens_per_s, wants.default_output
+        )
     key = affinity_of(payload) if wants.affinity else None
     talk = conversation_of(payload) if key is not None else None
+    teaches = False
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:
-        streaming, _ = streaming_request(body)
-        return Intake(
-            want, streaming, True, payload.get("return_tokens") is True, estimate, expected, key,
-            talk,
-        )  # fmt: skip
-    return Intake(want, body, False, False, estimate, expected, key, talk)
+        # llama-server reads `verbose` as a boolean, null as absent (server-schema.cpp); its
+        # default is its own --verbose. Anything else it refuses, as sent.
+        verbose = payload.get("verbose") if endpoint.route in VERBOSE_ROUTES else False
+        if verbose is False or (verbose is None and quiet):
+            streaming, _ = streaming_request(body)
+            return Intake(
+                want, streaming, True, False, payload.get("return_tokens") is True, estimate,
+                expected, key, talk,
+            )  # fmt: skip
+        teaches = verbose is None
+    return Intake(want, body, False, teaches, False, estimate, expected, key, talk)
 
 
 def affinity_of(payload: dict[str, object]) -> int | None:
@@ -184,16 +207,22 @@ def _texts(parts: list[object]) -> Iterator[str]:
 
 
 async def take_off_loop(
-    endpoint: Endpoint, body: bytes, capacity: int, *, assemble: bool, wants: Wants = Wants()
+    endpoint: Endpoint,
+    body: bytes,
+    capacity: int,
+    *,
+    assemble: bool,
+    quiet: bool = True,
+    wants: Wants = Wants(),
 ) -> Intake:
     """`take`, in a worker process when the body is big."""
     global _broken
     if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO or _broken:
-        return take(endpoint, body, capacity, assemble=assemble, wants=wants)
+        return take(endpoint, body, capacity, assemble=assemble, quiet=quiet, wants=wants)
     loop = asyncio.get_running_loop()
     try:
         result = await loop.run_in_executor(
-            _pool(), _take_in_worker, endpoint.route, body, capacity, assemble, wants
+            _pool(), _take_in_worker, endpoint.route, body, capacity, assemble, quiet, wants
         )
     except (BrokenProcessPool, OSError, RuntimeError) as exc:
         # No worker could start (no /dev/shm, an entry point without its __main__ guard) or
@@ -201,7 +230,7 @@ async def take_off_loop(
         log.warning("cannot parse big bodies in a worker process, so on the loop: %r", exc)
         _broken = True
         _reset()
-        return take(endpoint, body, capacity, assemble=assemble, wants=wants)
+        return take(endpoint, body, capacity, assemble=assemble, quiet=quiet, wants=wants)
     if isinstance(result, Intake):
         return result
     message, param = result
@@ -209,11 +238,11 @@ async def take_off_loop(
 
 
 def _take_in_worker(
-    route: str, body: bytes, capacity: int, assemble: bool, wants: Wants
+    route: str, body: bytes, capacity: int, assemble: bool, quiet: bool, wants: Wants
 ) -> Intake | tuple[str, str | None]:
     # A refusal travels back as plain data: a pickled exception keeps only its first argument.
     try:
-        taken = take(ENDPOINTS[route], body, capacity, assemble=assemble, wants=wants)
+        taken = take(ENDPOINTS[route], body, capacity, assemble=assemble, quiet=quiet, wants=wants)
     except BadRequest as exc:
         return exc.message, exc.param
     if taken.estimate is not None:

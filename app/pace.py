@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from .endpoints import Kind
+from .endpoints import Kind, output_limit
 
 #: Tokens per second of one generation, assumed while llama-server has measured none: a 7-8B
 #: model on a CPU. A faster engine only makes the first Retry-After late, never early, and a
@@ -25,8 +25,6 @@ COLD_TOKENS = 256
 #: Seconds assumed for what comes before the first token: the prompt's processing, which a
 #: body's size tells too poorly to count (chat templates, images, a cached prefix).
 COLD_PROMPT_S = 1.0
-#: The fields that bound the tokens generated, in the order llama-server reads them.
-_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n_predict")
 #: Embeddings, rerank and transcriptions generate nothing; their holds are not guessed.
 _GENERATING = frozenset({Kind.CHAT, Kind.COMPLETION, Kind.RESPONSES, Kind.MESSAGES})
 
@@ -46,17 +44,17 @@ def expected_hold_s(kind: Kind, body: bytes, tokens_per_s: float | None) -> floa
     return expected_hold_of(kind, payload, tokens_per_s)
 
 
-def expected_hold_of(kind: Kind, payload: Any, tokens_per_s: float | None) -> float | None:
-    """`expected_hold_s` of a body already parsed."""
+def expected_hold_of(
+    kind: Kind, payload: Any, tokens_per_s: float | None, default_output: int | None = None
+) -> float | None:
+    """`expected_hold_s` of a body already parsed; `default_output` is llama-server's own -n,
+    the limit of a request that leaves it to the server."""
     if kind not in _GENERATING:
         return None
-    tokens = COLD_TOKENS
-    if isinstance(payload, dict):
-        for name in _LIMITS:
-            value = payload.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                tokens = value
-                break
+    limit = output_limit(kind, payload) if isinstance(payload, dict) else None
+    if limit is None:
+        limit = default_output
+    tokens = COLD_TOKENS if limit is None else limit
     return COLD_PROMPT_S + tokens / (tokens_per_s or COLD_TOKENS_PER_S)
 
 

@@ -14,6 +14,8 @@ from functools import partial
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
+import orjson
+
 from .access import OPEN_PATHS, Access
 from .admission import Admission, AdmissionError, Claim, NotReady
 from .answer import Answer
@@ -266,7 +268,6 @@ class Proxy:
             self._fleet.poke()
         # Read for the request's shape only: which upstream runs it is known once admitted.
         upstream = self._fleet.primary
-        assemble = self._assemble and not self._fleet.verbose
         cold = self._admission.cold
         wants = Wants(
             budget=self._admission.budget_tokens,
@@ -279,12 +280,14 @@ class Proxy:
             endpoint,
             request.body,
             _UNSIZED if capacity is None else capacity,
-            assemble=assemble,
+            assemble=self._assemble,
+            quiet=self._fleet.quiet,
             wants=wants,
         )
         want, body = taken.demand, taken.body
         request.body = body
         request.stream = want.stream
+        request.teaches = taken.teaches
         if taken.assembled:
             # The body was rewritten to ask for a stream already (app/intake.py).
             request.assembly = Assembly(
@@ -505,6 +508,27 @@ class Proxy:
         if request.upstream is not None:
             request.upstream.check_failure(body)
 
+    def _learn_verbose(self, request: Request, body: bytes) -> None:
+        """A non-streamed answer to a body that left `verbose` to llama-server shows whether it
+        adds `__verbose` unasked (--verbose): nothing else does (not /props, not /slots).
+
+        Learning it from the first such answer, per upstream and again after each restart,
+        costs those few requests their assembly (their cancellation is less prompt) and no
+        round trip of its own; a probe would take a slot outside the gate. Parsed, not
+        searched: a completion's text may hold the word. Only while unknown."""
+        upstream = request.upstream
+        if upstream is None or upstream.verbose is not None:
+            return
+        try:
+            answer = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(answer, dict):
+            return
+        upstream.verbose = "__verbose" in answer
+        if upstream.verbose:
+            log.info("llama-server runs with --verbose: non-streamed requests go as sent")
+
     # -- relay modes ---------------------------------------------------------------------------
 
     async def _relay(self, request: Request, answer: Answer, response: Response) -> None:
@@ -517,6 +541,8 @@ class Proxy:
             first = await response.read() if whole else await response.readany()
             if whole:
                 await self._upstream_done(request, response)
+                if request.teaches and response.status == 200:
+                    self._learn_verbose(request, first)
             if response.status == 500:
                 self._failed(request, first)
         except ExchangeFailed as exc:
@@ -579,9 +605,9 @@ class Proxy:
             return
         upstream = request.upstream
         assert upstream is not None  # noqa: S101 - set by _forward
-        if assembly.verbose and not upstream.verbose:
-            # Its __verbose object cannot be rebuilt from a stream: from now on such requests
-            # go as sent (this one's is the stream's last).
+        if assembly.verbose and upstream.verbose is not True:
+            # Restarted with --verbose unseen: its __verbose object cannot be rebuilt from a
+            # stream, so from now on such requests go as sent (this one's is missing).
             log.info("llama-server runs with --verbose: non-streamed requests now go as sent")
             upstream.verbose = True
         if status != 200:

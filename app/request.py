@@ -47,8 +47,8 @@ class Request:
 
     __slots__ = (
         "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held_bytes", "id",
-        "method", "origin", "outcome", "path", "query", "started", "stream", "tenant", "ticket",
-        "upstream", "upstream_status", "weight",
+        "method", "origin", "outcome", "path", "query", "started", "stream", "teaches", "tenant",
+        "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, scope: Scope) -> None:
@@ -68,6 +68,8 @@ class Request:
         self.stream = False
         #: Non-streamed, sent upstream as a stream, and answered from it (app/assembly.py).
         self.assembly: Assembly | None = None
+        #: Sent as it is so that its answer shows whether llama-server adds `__verbose`.
+        self.teaches = False
         self.origin: bytes | None = None  # its Origin, for answers slotgate makes itself
         self.ticket: Claim | None = None
         #: Whom it is for: its key's tenant (app/tenants.py); EVERYONE without keys.

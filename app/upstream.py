@@ -57,7 +57,8 @@ class Props:
     n_ctx: int | None
     model: str | None
     build_info: str | None
-    #: llama-server's own output limit for a request that sets none (-n); None = unbounded.
+    #: llama-server's own output limit for a request that sets none or -1 (its -n); None =
+    #: unbounded (-1, its default).
     n_predict: int | None = None
 
     @classmethod
@@ -78,7 +79,7 @@ class Props:
             n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None,
             model if isinstance(model, str) else None,
             build if isinstance(build, str) else None,
-            n_predict if isinstance(n_predict, int) and n_predict > 0 else None,
+            n_predict if isinstance(n_predict, int) and n_predict >= 0 else None,
         )
 
 
@@ -180,8 +181,9 @@ class Upstream:
         self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
-        #: It adds `__verbose` to its answers (--verbose): assembly cannot rebuild that.
-        self.verbose = False
+        #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
+        #: rebuild; None until an answer has shown it (app/relay.py, `_learn_verbose`).
+        self.verbose: bool | None = None
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
 
@@ -445,7 +447,7 @@ class Upstream:
             log.warning("llama-server not ready: %s url=%s", reason, self.url)
         self._client.relearn()  # what comes back may be another build
         self.cors.forget()
-        self.verbose = False
+        self.verbose = None  # it may come back with another --verbose
         self.ready = False
         self.reason = reason
         self.pool.resize(None)

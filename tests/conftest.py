@@ -13,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 from hypothesis import settings as hypothesis_settings
+from slotgate import fleet as fleet_module
 from slotgate import protocol as protocol_module
 from slotgate import upstream as upstream_module
 from slotgate.cli import uvicorn_config
@@ -131,6 +132,13 @@ async def standin() -> AsyncIterator[StandIn]:
     await upstream.start()
     yield upstream
     await upstream.stop()
+
+
+@pytest.fixture
+def quiet_upstreams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every llama-server is known to add no `__verbose` unasked, so a non-streamed request is
+    assembled from the first (without it, the first answer of each upstream goes as sent)."""
+    monkeypatch.setattr(fleet_module.Fleet, "quiet", property(lambda self: True))
 
 
 #: Three tenants by key: two without limits, one with two places of its own in the line.

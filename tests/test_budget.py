@@ -20,6 +20,7 @@ from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
+from tests.test_endpoints import OUTPUT_LIMITS
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
 
@@ -145,6 +146,19 @@ def test_the_local_estimate_counts_every_prompt_byte_and_the_output_times_the_ch
     assert cost.prompt >= 2 * 300
     assert cost.output == 160
     assert estimate(CHAT, {"messages": []}).output is None
+
+
+def test_a_request_is_charged_the_output_llama_server_will_let_it_generate() -> None:
+    budget = 100_000
+    wrong = []
+    for path, body, default, tokens in OUTPUT_LIMITS:
+        endpoint = ENDPOINTS[path]
+        # No limit: it may run to the end of its slot's context, so it is charged the budget.
+        expected = budget if tokens is None else estimate(endpoint, body).prompt + tokens
+        reserve = local(endpoint, body, budget, default).reserve
+        if reserve != expected:
+            wrong.append((path, body, default, reserve, expected))
+    assert wrong == []
 
 
 async def test_a_counted_prompt_that_fills_the_context_is_refused_in_llama_servers_words() -> None:

@@ -162,6 +162,7 @@ async def test_shutdown_while_llama_server_loads_answers_waiters_and_gives_back_
     assert settled(gate)
 
 
+@pytest.mark.usefixtures("quiet_upstreams")
 async def test_a_big_non_streamed_chat_that_waited_for_llama_server_is_assembled_whole(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -290,6 +291,7 @@ def answered(status: int, body: bytes, streamed: bool) -> str:
     return str(json.loads(last[len(b"data: ") :])["error"]["code"])
 
 
+@pytest.mark.usefixtures("quiet_upstreams")
 @pytest.mark.parametrize("streamed", [False, True], ids=["assembled", "waiting-stream"])
 @pytest.mark.parametrize("misbehaviour", sorted(MISBEHAVIOURS))
 async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_clear_answer(

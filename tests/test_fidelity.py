@@ -27,6 +27,7 @@ async def test_an_assembled_answer_keeps_llama_servers_own_headers(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate()
+    await client.post(gate.url + CHAT, json=chat())  # shows llama-server adds no __verbose
     origin = {"Origin": "http://app.example"}
     response = await client.post(gate.url + CHAT, json=chat(), headers=origin)
     assert response.status_code == 200
@@ -44,8 +45,9 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(slotgate.relay, "MAX_ASSEMBLED_BYTES", 64 * 1024)
-    standin.tokens, standin.token_delay_s, standin.padding = 500, 0.0, 1024
     gate = await start_gate()
+    await client.post(gate.url + CHAT, json=chat())  # shows llama-server adds no __verbose
+    standin.tokens, standin.token_delay_s, standin.padding = 500, 0.0, 1024
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
     error = response.json()["error"]
@@ -54,15 +56,62 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
-async def test_once_llama_server_shows_verbose_non_streamed_requests_go_as_sent(
+async def test_a_verbose_llama_servers_first_non_streamed_answer_carries_its_verbose_object(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.verbose = True
+    standin.verbose = True  # llama-server --verbose
+    gate = await start_gate()
+    for _ in range(2):
+        answer = await client.post(gate.url + CHAT, json=chat())
+        assert answer.status_code == 200
+        assert b'"stream":true' not in standin.seen[-1].body  # as sent
+        assert answer.json()["__verbose"] == {"stream": False}  # llama-server's own object
+
+
+async def test_non_streamed_answers_are_assembled_once_one_showed_llama_server_adds_no_verbose(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
     gate = await start_gate()
     first = await client.post(gate.url + CHAT, json=chat())
     assert first.status_code == 200
-    assert b'"stream":true' in standin.seen[-1].body  # assembled: the stream showed __verbose
+    assert b'"stream":true' not in standin.seen[-1].body  # as sent: it teaches
+    assert "__verbose" not in first.json()
     second = await client.post(gate.url + CHAT, json=chat())
     assert second.status_code == 200
-    assert b'"stream":true' not in standin.seen[-1].body  # as sent
-    assert second.json()["__verbose"] == {"stream": False}  # llama-server's own answer
+    assert b'"stream":true' in standin.seen[-1].body  # assembled
+    assert "__verbose" not in second.json()
+
+
+async def test_a_body_that_sets_verbose_decides_whether_its_answer_is_assembled(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200  # it teaches
+    await client.post(gate.url + CHAT, json=chat(verbose=True))
+    # llama-server adds __verbose for a body asking for it, whatever its own setting.
+    assert b'"stream":true' not in standin.seen[-1].body
+    standin.verbose = True
+    await client.post(gate.url + CHAT, json=chat())  # the stream shows it: now verbose
+    await client.post(gate.url + CHAT, json=chat(verbose=False))
+    # ... and leaves it out for a body that declines it.
+    assert b'"stream":true' in standin.seen[-1].body
+
+
+async def test_a_llama_server_restarted_with_verbose_has_its_first_answer_carry_it(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(startup_wait=0)
+    for _ in range(2):  # the first shows it adds no __verbose; the second is assembled
+        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    assert b'"stream":true' in standin.seen[-1].body
+    await standin.stop()
+    await gate.until(lambda: not gate.service.upstream.ready)
+    restarted = StandIn(port=standin.port, verbose=True)
+    await restarted.start()
+    try:
+        await gate.until(lambda: gate.service.upstream.ready)
+        answer = await client.post(gate.url + CHAT, json=chat())
+        assert answer.status_code == 200
+        assert answer.json()["__verbose"] == {"stream": False}
+    finally:
+        await restarted.stop()

@@ -29,6 +29,32 @@ def test_a_non_streamed_completion_is_rewritten_to_ask_for_a_stream() -> None:
     assert (as_sent.assembled, as_sent.body) == (False, b'{"messages": []}')
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "quiet", "assembled", "teaches"),
+    [
+        ("/v1/chat/completions", {"messages": []}, True, True, False),
+        # Unknown whether llama-server adds __verbose unasked: as sent, and the answer tells.
+        ("/v1/chat/completions", {"messages": []}, False, False, True),
+        ("/chat/completions", {"messages": [], "verbose": None}, False, False, True),
+        ("/v1/completions", {"prompt": "a"}, False, False, True),
+        # The body decides for itself, whatever llama-server's own setting.
+        ("/v1/chat/completions", {"messages": [], "verbose": True}, True, False, False),
+        ("/v1/chat/completions", {"messages": [], "verbose": False}, False, True, False),
+        # Not a boolean: llama-server refuses it, as sent.
+        ("/v1/completions", {"prompt": "a", "verbose": "yes"}, True, False, False),
+        # Native answers carry no __verbose, asked or not.
+        ("/completion", {"prompt": "a", "verbose": True}, False, True, False),
+        ("/completions", {"prompt": "a"}, False, True, False),
+        ("/infill", {"input_prefix": "a"}, False, True, False),
+    ],
+)
+def test_an_answer_that_may_carry_verbose_is_not_assembled(
+    path: str, body: dict[str, Any], quiet: bool, assembled: bool, teaches: bool
+) -> None:
+    taken = take(ENDPOINTS[path], orjson.dumps(body), 2, assemble=True, quiet=quiet)
+    assert (taken.assembled, taken.teaches) == (assembled, teaches)
+
+
 async def test_a_big_body_is_read_in_a_worker_process_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

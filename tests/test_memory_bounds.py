@@ -86,6 +86,7 @@ async def test_a_waiting_stream_holds_under_a_mebibyte_whatever_llama_server_sen
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
+@pytest.mark.usefixtures("quiet_upstreams")
 async def test_an_assembled_answer_holds_at_most_its_bound_of_a_200_mib_stream(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from slotgate.endpoints import Kind
+from slotgate.endpoints import ENDPOINTS, Kind
 from slotgate.pace import (
     COLD_PROMPT_S,
     COLD_TOKENS,
     COLD_TOKENS_PER_S,
+    expected_hold_of,
     expected_hold_s,
     generation_speed,
 )
+
+from tests.test_endpoints import OUTPUT_LIMITS
 
 #: llama-server's /metrics after one 64-token answer (xllamacpp build, 2026-11).
 LLAMA_METRICS = b"""# HELP llamacpp:prompt_seconds_total Total time spent processing prompts
@@ -44,6 +47,22 @@ def test_a_generation_is_expected_to_hold_its_slot_for_a_prompt_and_its_tokens(
     kind: Kind, body: bytes, speed: float | None, hold_s: float
 ) -> None:
     assert expected_hold_s(kind, body, speed) == pytest.approx(COLD_PROMPT_S + hold_s)
+
+
+def test_a_generation_is_paced_by_the_output_llama_server_will_let_it_generate() -> None:
+    wrong = []
+    for path, body, default, tokens in OUTPUT_LIMITS:
+        kind = ENDPOINTS[path].kind
+        hold_s = (
+            expected_hold_of(kind, body, 10.0)
+            if default is None
+            else expected_hold_of(kind, body, 10.0, default_output=default)
+        )
+        # With no limit the length is the model's to choose: a long answer is assumed.
+        expected = COLD_PROMPT_S + (COLD_TOKENS if tokens is None else tokens) / 10.0
+        if hold_s != pytest.approx(expected):
+            wrong.append((path, body, default, hold_s, expected))
+    assert wrong == []
 
 
 @pytest.mark.parametrize("kind", [Kind.EMBEDDING, Kind.RERANK, Kind.AUDIO])

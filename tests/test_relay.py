@@ -49,6 +49,7 @@ async def occupy(client: httpx.AsyncClient, gate: RunningGate) -> asyncio.Task[l
     return holder
 
 
+@pytest.mark.usefixtures("quiet_upstreams")
 async def test_non_streamed_reply_is_assembled_from_a_stream_into_llama_servers_own_answer(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:

@@ -4,13 +4,19 @@ JSON compared key by key, values too, but for those that differ between any two 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine import LocalEngine
+from slotgate.engine import LocalEngine, demo_model, free_port
+from slotgate.settings import Settings
 
-from tests.e2e.conftest import GateFactory
+from tests.conftest import serve
+from tests.e2e.conftest import GateFactory, Llama, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -27,8 +33,8 @@ HEADERS_LOOSE = frozenset(
 )  # fmt: skip
 #: Options whose non-streamed answer a stream cannot reproduce: slotgate forwards requests
 #: carrying them as sent (README, "Non-streamed completions travel upstream as streams").
-#: `__verbose` comes from a llama-server started with --verbose, not from a request: once
-#: slotgate sees one it forwards every non-streamed request as sent (tests/test_assembly.py).
+#: `__verbose` comes from a llama-server started with --verbose or a body's `verbose`: such
+#: answers go as sent (tests/test_fidelity.py, and the verbose tests at the end of this file).
 FORWARDED_AS_SENT: frozenset[str] = frozenset()
 
 TOOL = {
@@ -136,6 +142,9 @@ async def test_an_assembled_answer_equals_llama_servers_own(
     name: str,
 ) -> None:
     gate = await start_gate(max_queue=4)
+    # The first non-streamed chat goes as sent: it shows llama-server adds no __verbose.
+    warm = await client.post(gate.url + CHAT, json=request(CHAT, "plain"))
+    assert warm.status_code == 200
     body = request(route, name)
     direct = await client.post(engine.url + route, json=body)
     gated = await client.post(gate.url + route, json=body)
@@ -146,3 +155,103 @@ async def test_an_assembled_answer_equals_llama_servers_own(
     assert names == {k for k in gated.headers if k not in HEADERS_LOOSE}
     for header in names:
         assert gated.headers[header] == direct.headers[header], header
+
+
+# -- __verbose: llama.cpp's own suite reads it from a server started with --verbose -------------
+
+#: llama.cpp started as `llama-server --verbose` starts it: xllamacpp's verbosity above 9 (the
+#: server's `params_base.verbosity > 9`). It ends when its stdin closes, as slotgate's engines do.
+_VERBOSE_HOST = """
+import os, sys, threading, xllamacpp
+p = xllamacpp.CommonParams()
+p.model.path = sys.argv[1]
+p.port = int(sys.argv[2])
+p.hostnames = ["127.0.0.1"]
+p.n_parallel, p.n_ctx = 1, 512
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = 1
+p.verbosity = 100
+server = xllamacpp.Server(p)
+sys.stdin.buffer.read()
+os._exit(0)
+"""
+BOOK = {
+    "max_tokens": 2,
+    "messages": [
+        {"role": "system", "content": "Book"},
+        {"role": "user", "content": "What is the best book"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def verbose_url() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _VERBOSE_HOST, str(demo_model()), str(port)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=5) as probe:
+            deadline = time.monotonic() + 120
+            while not _healthy(probe, url):
+                assert process.poll() is None, "the verbose engine exited"
+                assert time.monotonic() < deadline, "the verbose engine did not start"
+                time.sleep(0.2)
+        yield url
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _healthy(probe: httpx.Client, url: str) -> bool:
+    try:
+        return probe.get(url + "/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+async def test_a_verbose_llama_servers_first_non_streamed_chat_through_slotgate_has_verbose(
+    verbose_url: str, client: httpx.AsyncClient
+) -> None:
+    settings = Settings(
+        _env_file=None, llama_server_url=verbose_url, keepalive_interval=0, log_level="warning"
+    )
+    gate = await serve(settings)
+    try:
+        await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
+        # As llama.cpp's test_chat_template and test_chat_template_assistant_prefill read it.
+        for _ in range(2):
+            answer = await client.post(gate.url + "/chat/completions", json=BOOK)
+            assert answer.status_code == 200
+            assert "Book" in answer.json()["__verbose"]["prompt"]
+    finally:
+        await gate.stop()
+
+
+async def test_a_quiet_llama_server_honours_a_bodys_verbose_and_still_gets_assembled_answers(
+    start_gate: GateFactory, llama: Llama, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    # As llama.cpp's test_verbose_debug reads it, from the first answer on.
+    for verbose in (True, False):
+        answer = await client.post(
+            gate.url + "/chat/completions", json={**BOOK, "verbose": verbose}
+        )
+        assert answer.status_code == 200
+        assert ("__verbose" in answer.json()) is verbose
+        if verbose:
+            assert "Book" in answer.json()["__verbose"]["prompt"]
+    # The first that leaves it to llama-server goes as sent and shows it adds no __verbose;
+    # from then on non-streamed chats are assembled: llama.cpp ran the last one as a stream.
+    for _ in range(2):
+        plain = await client.post(gate.url + "/chat/completions", json=BOOK)
+        assert plain.status_code == 200
+        assert "__verbose" not in plain.json()
+    latest = max(await llama.slots(), key=lambda slot: slot.get("id_task", -1))
+    assert latest["params"]["stream"] is True

@@ -81,3 +81,34 @@ async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_th
             assert error["n_prompt_tokens"] > CTX
         finally:
             await gate.stop()
+
+
+async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed_the_cache(
+    unified: LocalEngine,
+) -> None:
+    # llama.cpp reads n_predict before its aliases, and -1 there is no limit: each of these
+    # generates until its slot's context (the whole cache) is full, whatever max_tokens says.
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "n_predict": -1,
+        "max_tokens": 3,
+        "ignore_eos": True,
+    }
+    settings = Settings(
+        _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
+        keepalive_interval=0, log_level="warning",
+    )  # fmt: skip
+    gate = await serve(settings)
+    try:
+        await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
+        async with httpx.AsyncClient(timeout=900) as client:
+            answers = await asyncio.gather(
+                *(client.post(gate.url + "/v1/chat/completions", json=body) for _ in range(SLOTS))
+            )
+        exceeded = [r for r in answers if "Context size has been exceeded" in r.text]
+        assert exceeded == []
+        assert [r.status_code for r in answers] == [200] * SLOTS
+        assert all(r.json()["usage"]["completion_tokens"] > 3 for r in answers)
+        assert gate.service.admission.committed_tokens == 0
+    finally:
+        await gate.stop()

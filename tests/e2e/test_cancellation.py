@@ -20,6 +20,10 @@ async def test_an_assembled_answer_has_the_fields_of_llama_cpps_own(
     start_gate: GateFactory, client: httpx.AsyncClient, llama: Llama
 ) -> None:
     gate = await start_gate()
+    # The first non-streamed chat goes as sent: it shows llama-server adds no __verbose.
+    assert (
+        await client.post(gate.url + "/v1/chat/completions", json=chat(1, stream=False))
+    ).status_code == 200
     body = chat(12, stream=False, content="Say hello.")
     assembled = (await client.post(gate.url + "/v1/chat/completions", json=body)).json()
     direct = (await client.post(llama.url + "/v1/chat/completions", json=body)).json()
@@ -75,6 +79,10 @@ async def test_a_non_streamed_client_that_leaves_while_another_streams(
     """With STREAM_UPSTREAM on, llama.cpp frees the abandoned slot at once; off, it cannot
     tell (its 1-second poll never fires while another request streams) and runs on."""
     gate = await start_gate(stream_upstream=stream_upstream)
+    # The first non-streamed chat goes as sent: it shows llama-server adds no __verbose.
+    assert (
+        await client.post(gate.url + "/v1/chat/completions", json=chat(1, stream=False))
+    ).status_code == 200
     other = asyncio.create_task(
         client.post(gate.url + "/v1/chat/completions", json=chat(400, stream=True))
     )
