@@ -443,3 +443,57 @@ async def test_a_heavy_waiter_is_told_to_retry_not_to_ask_less_while_its_upstrea
         await gone.wait()
     holder.release()
     assert (admission.active, admission.queued) == (0, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="an array's weight is the largest pool's on every pool")
+async def test_a_prompt_array_holds_as_many_slots_as_the_upstream_that_grants_it_has() -> None:
+    admission = fleet(1, 3)
+    arrays = [
+        admission.enter(1, tasks=4)  # type: ignore[call-arg]
+        for _ in range(2)
+    ]
+    assert all(t.granted for t in arrays)
+    for ticket in arrays:
+        assert ticket.pool is not None
+        assert ticket.weight == min(4, ticket.pool.capacity or 0)
+    assert held(admission) == [1, 3]
+    for ticket in arrays:
+        ticket.release()
+    assert held(admission) == [0, 0]
+
+
+@pytest.mark.xfail(strict=True, reason="the head of the line holds every upstream's slots back")
+async def test_light_requests_behind_a_heavy_head_run_at_once_where_the_head_can_never_run() -> (
+    None
+):
+    admission = fleet(3, 1)
+    big, small = admission.pools
+    running = admission.enter(weight=2)
+    assert running.pool is big  # one slot of the big upstream left
+    head = admission.enter(weight=3)  # only the big upstream can ever run it
+    lights = [admission.enter() for _ in range(3)]
+    await settle()
+    assert not head.granted
+    # The small upstream is of no use to the head: the first light request runs there at once.
+    assert lights[0].granted
+    assert lights[0].pool is small
+    # The big upstream's free slot is the head's: nobody behind it takes it.
+    assert not lights[1].granted
+    assert not lights[2].granted
+    assert held(admission) == [2, 1]
+    # The head runs as soon as its upstream has room, as without the light requests.
+    running.release()
+    assert head.granted
+    assert head.pool is big
+    # Among those that could use the same slots, first come first served.
+    lights[0].release()
+    assert lights[1].granted
+    assert not lights[2].granted
+    assert lights[1].pool is small
+    for ticket in (head, lights[1]):
+        ticket.release()
+    await settle()
+    assert lights[2].granted
+    lights[2].release()
+    assert held(admission) == [0, 0]
+    assert admission.queued == 0
