@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import heapq
+import itertools
 import math
 import random
 import time
@@ -42,6 +43,9 @@ INITIAL_HOLD_S = 1.0
 HOLD_EWMA_ALPHA = 0.2
 #: Affinity keys whose last upstream is remembered (about 100 bytes each).
 AFFINITY_MEMORY = 65536
+#: How far behind the head the line is searched for requests that can run where the head
+#: cannot (`Admission._backfill`).
+BACKFILL_SCAN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,15 @@ class TooLarge(AdmissionError):
         self.weight = weight
         #: The most slots one upstream has (a request runs in one): the fleet's, when one.
         self.largest = snapshot.capacity if largest is None else largest
+
+
+class TenantTooLarge(TooLarge):
+    """The request needs more slots than its tenant may hold at once (its max_active)."""
+
+    def __init__(self, snapshot: Snapshot, weight: int, tenant: Tenant) -> None:
+        super().__init__(snapshot, weight)
+        self.tenant = tenant.name
+        self.limit = tenant.max_active
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +305,8 @@ class Ticket:
 
     __slots__ = (
         "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "charged",
-        "cost", "costed", "entered_at", "memo", "pool", "rerouted", "seq", "tenant", "weight",
+        "cost", "costed", "entered_at", "least", "memo", "pool", "rerouted", "seq", "tasks",
+        "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -304,9 +318,15 @@ class Ticket:
         affinity: int | None = None,
         tenant: Tenant = EVERYONE,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> None:
         self._admission = admission
         self.weight = weight
+        #: The fewest slots it runs in (its choices); and for a prompt array, the tasks
+        #: llama-server makes of it (else 0): it runs as many at once as its upstream has slots,
+        #: so what it holds is known only where it is granted (`weighs`).
+        self.least = weight
+        self.tasks = tasks if tasks > weight else 0
         #: Whom it is for (app/tenants.py); its band is the band it waits in.
         self.tenant = tenant
         largest = admission._largest_budget
@@ -344,6 +364,11 @@ class Ticket:
     @property
     def wait_s(self) -> float:
         return (self.admitted_at or time.monotonic()) - self.entered_at
+
+    def weighs(self, capacity: int) -> int:
+        """The slots it holds on a pool of `capacity` (more than that if it cannot run there)."""
+        tasks = self.tasks
+        return self.weight if not tasks else max(self.least, min(tasks, capacity))
 
     @property
     def position(self) -> int:
@@ -398,15 +423,25 @@ class Ticket:
         self._known_by = known_by
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._future = future
-        # Admitted before everybody still waiting, so its place is the head (of its band).
+        weight = self.weight
         fair = admission._fair
+        if fair is not None:
+            fair.released(self, hold_s)
+        if self.tasks:
+            # Its next upstream may have more slots than this one: llama-server fills them.
+            self.weight = self.weighs(admission._largest)
+            limit = self.tenant.max_active
+            if limit is not None and self.weight > limit:
+                future.set_exception(TenantTooLarge(admission.snapshot(), self.weight, self.tenant))
+                admission._release(self, pool, weight, hold_s)
+                return
+        # Admitted before everybody still waiting, so its place is the head (of its band).
         if fair is None:
             admission._line.appendleft(self)
         else:
-            fair.released(self, hold_s)
             fair.push_front(self)
         admission._waiting += 1
-        admission._release(self, pool, self.weight, hold_s)
+        admission._release(self, pool, weight, hold_s)
 
     def recost(self, cost: int) -> None:
         """Reserve `cost` tokens of the budget instead (a better count came in), in line or
@@ -674,6 +709,7 @@ class Admission:
         tenant: Tenant = EVERYONE,
         band: int | None = None,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> Ticket:
         """Take `weight` slots of one pool and `cost` tokens of its budget now, or a place in
         the line, or raise why neither is possible.
@@ -683,7 +719,9 @@ class Admission:
         request was read while no capacity was known) gives the weight once one is; it may
         raise to refuse the request (here, or from the waiter's `wait`). `affinity` is the
         request's routing key (app/routing.py). `tenant` is whom it is for, `band` the band it
-        waits in (its tenant's unless lower, app/tenants.py).
+        waits in (its tenant's unless lower, app/tenants.py). `tasks`, when more than
+        `weight`, is the tasks llama-server makes of a prompt array: it holds as many slots as
+        it has tasks, up to the slots of the pool that grants it (`weight` at least).
         """
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
@@ -693,22 +731,28 @@ class Admission:
         if tenant is not self._solo and fair is None:
             fair = self._share(tenant)
         if self._capacity is None:
-            return self._enter_unknown(weight, cost, weigh, affinity, tenant, conversation)
+            return self._enter_unknown(weight, cost, weigh, affinity, tenant, conversation, tasks)
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
-            weight = weigh(self._largest)
+            weighed = weigh(self._largest)
+            if not tasks:
+                weight = weighed
         if weight > self._largest:
             raise TooLarge(self.snapshot(), weight, self._largest)
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
+        if tasks > weight:
+            weight = ticket.weight = ticket.weighs(self._largest)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits
         # (nobody who may run, with tenants: one at its max_active may not).
         if fair is None:
             if not waiting and self._grant(ticket):
                 ticket.admitted_at = ticket.entered_at
                 return ticket
+        elif (limit := tenant.max_active) is not None and weight > limit:
+            raise TenantTooLarge(self.snapshot(), weight, tenant)
         elif (
             self._active + weight <= self._capacity  # cheap, and enough to rule most out
             and fair.head() is None
@@ -723,9 +767,12 @@ class Admission:
         ticket._future = asyncio.get_running_loop().create_future()
         if fair is None:
             self._line.append(ticket)
-        else:
-            self._check_tenant(fair, ticket)
-            fair.push(ticket)
+            self._waiting = waiting + 1
+            if waiting and len(self._pools) > 1:
+                self._dispatch()  # it may run at once where the head never can
+            return ticket
+        self._check_tenant(fair, ticket)
+        fair.push(ticket)
         self._waiting = waiting + 1
         return ticket
 
@@ -782,8 +829,21 @@ class Admission:
                     limited = tenant.max_active is not None or tenant.max_queued is not None
                     # None: the next request of anyone moves the line to a fair one.
                     self._solo = None if limited else tenant
-        if self._fair is not None:
-            self._fair.retune(tenants)
+        fair = self._fair
+        if fair is not None:
+            fair.retune(tenants)
+            limits = {tenant.name: tenant for tenant in tenants if tenant.max_active is not None}
+            for ticket in self._in_line():
+                future = ticket._future
+                reloaded = limits.get(ticket.tenant.name)
+                if reloaded is None or future is None or future.done():
+                    continue
+                limit = reloaded.max_active
+                if limit is not None and ticket.weight > limit:
+                    # Lowered below what it asks: it could never run.
+                    self._waiting -= 1
+                    future.set_exception(TenantTooLarge(self.snapshot(), ticket.weight, reloaded))
+                    fair.leave(ticket)
             self._dispatch()
 
     def close(self) -> None:
@@ -811,6 +871,7 @@ class Admission:
         affinity: int | None,
         tenant: Tenant,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> Ticket:
         if self._startup_wait_s is None:
             raise NotReady(self.snapshot(), 1.0)
@@ -819,7 +880,7 @@ class Admission:
             raise QueueFull(self.snapshot(), self._promise_s())
         seq = self._next_seq
         self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         fair = self._fair
@@ -847,6 +908,8 @@ class Admission:
                 continue
             try:
                 ticket.weight = weigh(largest)
+                if not ticket.tasks:
+                    ticket.least = ticket.weight
             except Exception as exc:  # the caller's refusal, handed to its waiter
                 self._waiting -= 1
                 future.set_exception(exc)
@@ -906,14 +969,26 @@ class Admission:
         likely = max([pool.seen for pool in self._pools if not pool.retired], default=0)
         for ticket in self._in_line():
             future = ticket._future
-            if ticket.weight > largest and future is not None and not future.done():
-                self._waiting -= 1
-                if ticket.weight <= likely:
-                    future.set_exception(NotReady(self.snapshot(), self.retry_after_s(1)))
+            if future is None or future.done():
+                continue
+            if ticket.tasks:
+                # A prompt array fills as many slots as its upstream has, now more or fewer.
+                ticket.weight = ticket.weighs(largest)
+            limit = ticket.tenant.max_active
+            error: AdmissionError
+            if ticket.least > largest:
+                if ticket.least <= likely:
+                    error = NotReady(self.snapshot(), self.retry_after_s(1))
                 else:
-                    future.set_exception(TooLarge(self.snapshot(), ticket.weight, largest))
-                if self._fair is not None:
-                    self._fair.leave(ticket)
+                    error = TooLarge(self.snapshot(), ticket.least, largest)
+            elif limit is not None and ticket.weight > limit:
+                error = TenantTooLarge(self.snapshot(), ticket.weight, ticket.tenant)
+            else:
+                continue
+            self._waiting -= 1
+            future.set_exception(error)
+            if self._fair is not None:
+                self._fair.leave(ticket)
         self._dispatch()
 
     def _forget(self, pool: Pool) -> None:
@@ -957,16 +1032,20 @@ class Admission:
             self._hold_ewma_s = hold_s
         self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
 
-    def _grant(self, ticket: Ticket) -> bool:
-        """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
+    def _grant(self, ticket: Ticket, among: list[Pool] | None = None) -> bool:
+        """Give `ticket` its slots on the pool routing picks (of `among`, when given), if any
+        has room for it now."""
         pools = self._pools
-        if len(pools) == 1:
-            # One upstream: nothing to choose, and the hot path stays as short as it was.
+        if len(pools) == 1 and among is None:
+            # One upstream: nothing to choose, and the hot path stays as short as it was (an
+            # array's weight is this pool's already: `_resized` weighs every waiter again).
             pool = pools[0]
             if not pool.fits(ticket.weight, pool.charge(ticket)):
                 return False
             first = ticket.affinity is not None
         else:
+            if among is not None:
+                pools = among
             weight = ticket.weight
             # Its conversation's last upstream first (else its key's): its history is cached
             # there; its key's rendezvous order next, where the shared prompt start is.
@@ -974,7 +1053,7 @@ class Admission:
             chosen = choose(
                 pools,
                 weight,
-                lambda pool: pool.fits(weight, pool.charge(ticket)),
+                lambda pool: pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket)),
                 ticket.affinity,
                 self._epsilon,
                 None if memo is None else self._last.get(memo),
@@ -990,6 +1069,8 @@ class Admission:
 
     def _take(self, ticket: Ticket, pool: Pool, reason: str) -> None:
         """`ticket` holds its slots and tokens of `pool` from now on."""
+        if ticket.tasks:
+            ticket.weight = ticket.weighs(pool.capacity or 0)
         charge = pool.charge(ticket)
         pool.active += ticket.weight
         pool.committed += charge
@@ -1012,6 +1093,8 @@ class Admission:
             self.on_change(pool)
 
     def _dispatch(self) -> None:
+        """Grant the line's head while it fits, then (in a fleet) those behind it that can run
+        where it never can (`_backfill`)."""
         capacity = self._capacity
         if capacity is None:
             return
@@ -1037,10 +1120,42 @@ class Admission:
                 line.popleft()
                 continue
             if not self._grant(ticket):
+                if len(self._pools) > 1:
+                    self._backfill(ticket)
                 return
             line.popleft()
             self._waiting -= 1
             future.set_result(None)
+
+    def _backfill(self, head: Ticket) -> None:
+        """The head waits: grant waiters behind it on the upstreams it can never run on.
+
+        The rule: a waiter may take slots only of an upstream with fewer slots than every
+        waiter ahead of it needs at least (its `least`, the choices it asks for). None of those
+        could ever run there, so none is granted a moment later than without this (while the
+        capacities stay as they are): the head gets its upstream as soon as that has room.
+        Among waiters that could use the same upstream, first come first served: one that
+        does not fit yet keeps the upstreams it could use for itself, from everyone behind it.
+        A pool of one slot (or of as many as the smallest request asks) therefore never idles
+        behind a request that only a larger upstream can run.
+        """
+        floor = head.least
+        open_ = [p for p in self._pools if p.capacity is not None and p.active < p.capacity < floor]
+        # Bounded, so that a release behind a long line of heavy waiters stays cheap; those
+        # further back wait for the next release.
+        for ticket in itertools.islice(self._line, 1, BACKFILL_SCAN):
+            if not open_:
+                return
+            future = ticket._future
+            assert future is not None  # noqa: S101 - every ticket in line has one
+            if future.done() or ticket.least >= floor:
+                continue
+            if self._grant(ticket, open_):
+                self._waiting -= 1
+                future.set_result(None)  # left in the deque: dropped when it reaches the head
+            else:
+                floor = ticket.least
+            open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
 
     def _share(self, tenant: Tenant) -> FairLine[Ticket] | None:
         """The first request: its tenant may have the line to itself. Any other: the line
@@ -1066,12 +1181,11 @@ class Admission:
         return self._line if self._fair is None else list(self._fair.tickets())
 
     def _may_run(self, fair: FairLine[Ticket], ticket: Ticket) -> bool:
-        """Is `ticket`'s tenant under its max_active (or holding nothing)?"""
+        """Would `ticket`'s tenant stay within its max_active?"""
         limit = ticket.tenant.max_active
         if limit is None:
             return True
-        active = fair.counts(ticket.tenant.name)[0]
-        return not active or active + ticket.weight <= limit
+        return fair.counts(ticket.tenant.name)[0] + ticket.weight <= limit
 
     def _check_tenant(self, fair: FairLine[Ticket], ticket: Ticket) -> None:
         """TenantQueueFull when `ticket`'s tenant has its max_queued waiters already."""

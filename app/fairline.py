@@ -244,7 +244,7 @@ class FairLine(Generic[W]):
                     continue
                 account = flow.account
                 limit = account.max_active
-                if limit is not None and account.active and account.active + head.weight > limit:
+                if limit is not None and account.active + head.weight > limit:
                     # Passed over until one of its slots comes back (`released`).
                     flow.entry = None
                     flow.blocked = True

@@ -314,9 +314,12 @@ class Proxy:
                 tenant=tenant, band=band, conversation=taken.conversation,
             )  # fmt: skip
         else:
+            # At least its choices in one upstream; a prompt array as many slots as it has
+            # tasks, up to those of the upstream that grants it.
             ticket = self._admission.enter(
-                want.weight, cost.reserve if cost else 0, weigh, taken.affinity,
+                want.choices, cost.reserve if cost else 0, weigh, taken.affinity,
                 tenant=tenant, band=band, conversation=taken.conversation,
+                tasks=want.choices * want.tasks,
             )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)

@@ -613,12 +613,11 @@ async def test_a_cold_gate_tells_nobody_more_than_two_guessed_holds() -> None:
 # -- a prompt array: one task per prompt, as many slots as the granting pool gives it ----------
 
 
-@pytest.mark.xfail(strict=True, reason="an array's weight is fixed at the pool's size on entry")
 async def test_a_prompt_array_waiting_while_its_upstream_restarts_larger_holds_its_tasks() -> None:
     admission = Admission(capacity=1)
     holder = admission.enter()
     # Four prompts, read while llama-server had one slot: it fills one slot then.
-    array = admission.enter(1, tasks=4)  # type: ignore[call-arg]
+    array = admission.enter(1, tasks=4)
     assert array.weight == 1
     admission.resize(None)  # restarting...
     admission.resize(4)  # ...with four slots: llama-server runs the four prompts at once
@@ -631,10 +630,9 @@ async def test_a_prompt_array_waiting_while_its_upstream_restarts_larger_holds_i
     assert admission.active == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a rerouted array keeps the weight it was granted")
 async def test_a_prompt_array_sent_back_by_its_upstream_is_weighed_again_where_it_runs() -> None:
     admission = Admission(capacity=1)
-    array = admission.enter(1, tasks=3)  # type: ignore[call-arg]
+    array = admission.enter(1, tasks=3)
     assert (array.weight, admission.active) == (1, 1)
     admission.resize(None)
     array.reroute(time.monotonic() + 5)

@@ -280,7 +280,6 @@ async def test_random_work_of_many_tenants_keeps_every_count_and_limit(seed: int
     assert (admission.active, admission.queued) == (0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="a tenant holding nothing passes max_active in one request")
 async def test_a_request_counts_its_weight_against_its_tenants_max_active() -> None:
     capped = Tenant("capped", max_active=2)
     admission = pool(4)
@@ -296,3 +295,19 @@ async def test_a_request_counts_its_weight_against_its_tenants_max_active() -> N
     assert two.granted
     assert admission.tenant_counts("capped") == (2, 0)
     two.release()
+
+
+async def test_a_reload_lowering_max_active_below_a_waiters_weight_refuses_it() -> None:
+    admission = pool(4)
+    holder = admission.enter(tenant=Tenant("capped", max_active=2))
+    pair = admission.enter(2, tenant=Tenant("capped", max_active=2))
+    task = asyncio.create_task(pair.wait())
+    await settle()
+    assert not pair.granted
+    admission.retune([Tenant("capped", max_active=1)])
+    with pytest.raises(TooLarge) as refused:
+        await task
+    assert "max_active=1" in refusal(refused.value).message
+    assert admission.tenant_counts("capped") == (1, 0)
+    holder.release()
+    assert (admission.active, admission.queued) == (0, 0)

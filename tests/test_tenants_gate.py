@@ -198,7 +198,6 @@ async def test_admission_shows_each_tenants_share_of_the_slot_seconds_over_the_l
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.001)
 
 
-@pytest.mark.xfail(strict=True, reason="a tenant holding nothing passes max_active in one request")
 async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refused_400(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
