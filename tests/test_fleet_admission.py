@@ -23,6 +23,7 @@ from slotgate.admission import (
 )
 from slotgate.errors import refusal
 from slotgate.routing import choose, score, stable_hash
+from slotgate.tenants import BATCH, Tenant
 
 
 def fleet(*capacities: int | None, epsilon: float = 0.25, **policy: int) -> Admission:
@@ -496,3 +497,38 @@ async def test_light_requests_behind_a_heavy_head_run_at_once_where_the_head_can
     lights[2].release()
     assert held(admission) == [0, 0]
     assert admission.queued == 0
+
+
+@pytest.mark.xfail(strict=True, reason="the fair line's head holds every upstream's slots back")
+async def test_with_tenants_requests_behind_a_heavy_head_run_where_it_cannot_in_fair_order() -> (
+    None
+):
+    admission = fleet(3, 1)
+    small = admission.pools[1]
+    # The heavy tenant's band is served first: its request is the head of the fair line.
+    heavy, b, c = Tenant("heavy"), Tenant("b", band=BATCH), Tenant("c", band=BATCH)
+    running = admission.enter(2, tenant=heavy)
+    head = admission.enter(3, tenant=heavy)
+    b_lights = [admission.enter(tenant=b) for _ in range(2)]
+    c_light = admission.enter(tenant=c)
+    assert admission._fair is not None
+    assert not head.granted
+    assert b_lights[0].granted
+    assert b_lights[0].pool is small
+    assert held(admission) == [2, 1]  # the big upstream's free slot stays the head's
+    # The small upstream's next turn is c's: b held the last one for a while.
+    await b_lights[0].wait()
+    await asyncio.sleep(0.05)
+    b_lights[0].release()
+    assert c_light.granted
+    assert not b_lights[1].granted
+    running.release()
+    assert head.granted
+    for ticket in (head, c_light):
+        ticket.release()
+    await settle()
+    assert b_lights[1].granted
+    b_lights[1].release()
+    assert held(admission) == [0, 0]
+    assert admission.queued == 0
+    assert admission.tenant_counts("b") == (0, 0)
