@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -774,6 +775,8 @@ class Admission:
         self._check_tenant(fair, ticket)
         fair.push(ticket)
         self._waiting = waiting + 1
+        if len(self._pools) > 1:
+            self._dispatch()  # it may run at once where the head never can
         return ticket
 
     def hold(
@@ -1102,6 +1105,8 @@ class Admission:
         if fair is not None:
             while (head := fair.head()) is not None:
                 if not self._grant(head):
+                    if len(self._pools) > 1:
+                        self._backfill_fair(fair, head)
                     return
                 fair.pop_head()
                 fair.granted(head)
@@ -1153,6 +1158,24 @@ class Admission:
             if self._grant(ticket, open_):
                 self._waiting -= 1
                 future.set_result(None)  # left in the deque: dropped when it reaches the head
+            else:
+                floor = ticket.least
+            open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
+
+    def _backfill_fair(self, fair: FairLine[Ticket], head: Ticket) -> None:
+        """`_backfill` in a fair line: the rule is the same, with "ahead" meaning "served
+        first": among those that may run where the head cannot, the fair order decides."""
+        floor = head.least
+        open_ = [p for p in self._pools if p.active < (p.capacity or 0) < floor]
+        while open_:
+            ticket = fair.first(functools.partial(_lighter, floor), BACKFILL_SCAN)
+            if ticket is None:
+                return
+            if self._grant(ticket, open_):
+                fair.take(ticket)
+                self._waiting -= 1
+                assert ticket._future is not None  # noqa: S101 - every ticket in line has one
+                ticket._future.set_result(None)
             else:
                 floor = ticket.least
             open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
@@ -1215,6 +1238,11 @@ class Admission:
         assert self._queue_timeout_s is not None  # noqa: S101 - only called when set
         loop_now = asyncio.get_running_loop().time()
         return loop_now + self._queue_timeout_s - (time.monotonic() - entered_at)
+
+
+def _lighter(floor: int, ticket: Ticket) -> bool:
+    """Can `ticket` run on an upstream of fewer than `floor` slots?"""
+    return ticket.least < floor
 
 
 def _gone(ticket: Ticket) -> bool:
