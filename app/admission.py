@@ -6,7 +6,8 @@ method runs on that loop, and the methods that change the pools (`enter`, `Ticke
 
 Each upstream is a `Pool` of slots (and of KV-cache tokens, when a budget binds); the fleet's
 capacity is the sum of the known ones. The line is one for the fleet: its head is granted on
-the pool that `routing.choose` picks among those with room, and nobody overtakes it.
+the pool that `routing.choose` picks among those with room, and nobody overtakes it on an
+upstream it could run on (`_dispatch`).
 
 While the capacity is unknown (llama-server starting or restarting) the pool admits nobody,
 but with a startup wait set it still takes requests into the line, up to the last known line
@@ -1096,8 +1097,17 @@ class Admission:
             self.on_change(pool)
 
     def _dispatch(self) -> None:
-        """Grant the line's head while it fits, then (in a fleet) those behind it that can run
-        where it never can (`_backfill`)."""
+        """Grant the line's head while it fits; then, in a fleet, those behind it that can run
+        where it never can.
+
+        The rule: a waiter behind the head may take slots only of an upstream with fewer slots
+        than the head asks at least (its choices), and than every other waiter ahead of it
+        that could use that upstream: slots none of them can use. The head is therefore
+        granted exactly when it would be without this, as soon as an upstream it fits has room
+        (while the capacities stay as they are: an upstream that grows to fit the head finds
+        its slots held by those it ran meanwhile). Among the waiters that could use the same
+        upstream, first come first served, or, with tenants, the fair order and bands.
+        """
         capacity = self._capacity
         if capacity is None:
             return
@@ -1133,17 +1143,9 @@ class Admission:
             future.set_result(None)
 
     def _backfill(self, head: Ticket) -> None:
-        """The head waits: grant waiters behind it on the upstreams it can never run on.
-
-        The rule: a waiter may take slots only of an upstream with fewer slots than every
-        waiter ahead of it needs at least (its `least`, the choices it asks for). None of those
-        could ever run there, so none is granted a moment later than without this (while the
-        capacities stay as they are): the head gets its upstream as soon as that has room.
-        Among waiters that could use the same upstream, first come first served: one that
-        does not fit yet keeps the upstreams it could use for itself, from everyone behind it.
-        A pool of one slot (or of as many as the smallest request asks) therefore never idles
-        behind a request that only a larger upstream can run.
-        """
+        """The head waits: grant waiters behind it on the upstreams it can never run on
+        (`_dispatch` states the rule). A waiter that does not fit yet keeps the upstreams it
+        could use for itself, from everyone behind it: `floor` falls to what it asks."""
         floor = head.least
         open_ = [p for p in self._pools if p.capacity is not None and p.active < p.capacity < floor]
         # Bounded, so that a release behind a long line of heavy waiters stays cheap; those
