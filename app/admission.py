@@ -770,13 +770,13 @@ class Admission:
         if fair is None:
             self._line.append(ticket)
             self._waiting = waiting + 1
-            if waiting and len(self._pools) > 1:
+            if waiting and len(self._pools) > 1 and self._active < self._capacity:
                 self._dispatch()  # it may run at once where the head never can
             return ticket
         self._check_tenant(fair, ticket)
         fair.push(ticket)
         self._waiting = waiting + 1
-        if len(self._pools) > 1:
+        if len(self._pools) > 1 and self._active < self._capacity:
             self._dispatch()  # it may run at once where the head never can
         return ticket
 

@@ -322,7 +322,6 @@ async def test_a_tenants_max_queued_holds_across_replicas(
         await asyncio.gather(*held, return_exceptions=True)
 
 
-@pytest.mark.xfail(strict=True, reason="a replica lets one request pass its tenant's max_active")
 async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refused_by_a_replica(
     standin: StandIn, replicas: Gates, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
