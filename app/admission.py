@@ -1147,22 +1147,28 @@ class Admission:
         (`_dispatch` states the rule). A waiter that does not fit yet keeps the upstreams it
         could use for itself, from everyone behind it: `floor` falls to what it asks."""
         floor = head.least
-        open_ = [p for p in self._pools if p.capacity is not None and p.active < p.capacity < floor]
+        open_ = [p for p in self._pools if p.active < (p.capacity or 0) < floor]
+        granted: list[Ticket] = []
         # Bounded, so that a release behind a long line of heavy waiters stays cheap; those
         # further back wait for the next release.
         for ticket in itertools.islice(self._line, 1, BACKFILL_SCAN):
             if not open_:
-                return
+                break
             future = ticket._future
             assert future is not None  # noqa: S101 - every ticket in line has one
             if future.done() or ticket.least >= floor:
                 continue
             if self._grant(ticket, open_):
                 self._waiting -= 1
-                future.set_result(None)  # left in the deque: dropped when it reaches the head
+                future.set_result(None)
+                granted.append(ticket)
             else:
                 floor = ticket.least
             open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
+        for ticket in granted:
+            # Out of the line at once: a reroute puts it back at the head, and it must not
+            # be in it twice.
+            self._line.remove(ticket)
 
     def _backfill_fair(self, fair: FairLine[Ticket], head: Ticket) -> None:
         """`_backfill` in a fair line: the rule is the same, with "ahead" meaning "served

@@ -285,9 +285,15 @@ class FairLine(Generic[W]):
     # -- changing ----------------------------------------------------------------------------
 
     def take(self, ticket: W) -> None:
-        """Grant `ticket` out of turn (`first` found it); its future is settled by the caller,
-        and it is dropped from its flow once it reaches the head."""
+        """Grant `ticket` out of turn (`first` found it, among the first waiters of its flow);
+        its future is settled by the caller."""
         flow = self._flows[(ticket.band, ticket.tenant.name)]
+        # Out of its flow at once: a failover puts it back at the front, and it must not be in
+        # the line twice. Its flow's heap entry may now name it: `head` keys the flow again.
+        if ticket in flow.front:
+            flow.front.remove(ticket)
+        else:
+            flow.line.remove(ticket)
         self._count(flow, -1)
         if not flow.live:
             flow.entry = None
