@@ -325,10 +325,10 @@ class Ticket:
         self._admission = admission
         self.weight = weight
         #: The fewest slots it runs in (its choices); and for a prompt array, the tasks
-        #: llama-server makes of it (else 0): it runs as many at once as its upstream has slots,
-        #: so what it holds is known only where it is granted (`weighs`).
+        #: llama-server makes of it (0 for any other): it runs as many at once as its upstream
+        #: has slots, so what it holds is known only where it is granted (`weighs`).
         self.least = weight
-        self.tasks = tasks if tasks > weight else 0
+        self.tasks = tasks
         #: Whom it is for (app/tenants.py); its band is the band it waits in.
         self.tenant = tenant
         largest = admission._largest_budget
@@ -745,7 +745,7 @@ class Admission:
         self._next_seq = seq + 1
         waiting = self._waiting
         ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
-        if tasks > weight:
+        if tasks:
             weight = ticket.weight = ticket.weighs(self._largest)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits
         # (nobody who may run, with tenants: one at its max_active may not).
@@ -1036,45 +1036,49 @@ class Admission:
             self._hold_ewma_s = hold_s
         self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
 
-    def _grant(self, ticket: Ticket, among: list[Pool] | None = None) -> bool:
-        """Give `ticket` its slots on the pool routing picks (of `among`, when given), if any
-        has room for it now."""
+    def _grant(self, ticket: Ticket) -> bool:
+        """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
         pools = self._pools
-        if len(pools) == 1 and among is None:
+        if len(pools) == 1:
             # One upstream: nothing to choose, and the hot path stays as short as it was (an
             # array's weight is this pool's already: `_resized` weighs every waiter again).
             pool = pools[0]
             if not pool.fits(ticket.weight, pool.charge(ticket)):
                 return False
             first = ticket.affinity is not None
-        else:
-            if among is not None:
-                pools = among
-            weight = ticket.weight
-            # Its conversation's last upstream first (else its key's): its history is cached
-            # there; its key's rendezvous order next, where the shared prompt start is.
-            memo = ticket.memo
-            chosen = choose(
-                pools,
-                weight,
-                lambda pool: pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket)),
-                ticket.affinity,
-                self._epsilon,
-                None if memo is None else self._last.get(memo),
-                ticket.seq,
+            self._take(
+                ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load"
             )
-            if chosen is None:
-                return False
-            pool, first = chosen
-            if memo is not None:
-                self._remember(memo, pool)
+            return True
+        return self._route(ticket, pools)
+
+    def _route(self, ticket: Ticket, pools: list[Pool]) -> bool:
+        """`_grant` among `pools`: the one routing picks of those with room for it now."""
+        # Its conversation's last upstream first (else its key's): its history is cached
+        # there; its key's rendezvous order next, where the shared prompt start is.
+        memo = ticket.memo
+        chosen = choose(
+            pools,
+            ticket.weight,
+            # A prompt array takes as many slots as it has tasks, up to each upstream's.
+            lambda pool: pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket)),
+            ticket.affinity,
+            self._epsilon,
+            None if memo is None else self._last.get(memo),
+            ticket.seq,
+        )
+        if chosen is None:
+            return False
+        pool, first = chosen
+        if memo is not None:
+            self._remember(memo, pool)
+        if ticket.tasks:
+            ticket.weight = ticket.weighs(pool.capacity or 0)
         self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
         return True
 
     def _take(self, ticket: Ticket, pool: Pool, reason: str) -> None:
         """`ticket` holds its slots and tokens of `pool` from now on."""
-        if ticket.tasks:
-            ticket.weight = ticket.weighs(pool.capacity or 0)
         charge = pool.charge(ticket)
         pool.active += ticket.weight
         pool.committed += charge
@@ -1158,7 +1162,7 @@ class Admission:
             assert future is not None  # noqa: S101 - every ticket in line has one
             if future.done() or ticket.least >= floor:
                 continue
-            if self._grant(ticket, open_):
+            if self._route(ticket, open_):
                 self._waiting -= 1
                 future.set_result(None)
                 granted.append(ticket)
@@ -1179,7 +1183,7 @@ class Admission:
             ticket = fair.first(functools.partial(_lighter, floor), BACKFILL_SCAN)
             if ticket is None:
                 return
-            if self._grant(ticket, open_):
+            if self._route(ticket, open_):
                 fair.take(ticket)
                 self._waiting -= 1
                 assert ticket._future is not None  # noqa: S101 - every ticket in line has one

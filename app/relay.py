@@ -323,7 +323,7 @@ class Proxy:
             ticket = self._admission.enter(
                 want.choices, cost.reserve if cost else 0, weigh, taken.affinity,
                 tenant=tenant, band=band, conversation=taken.conversation,
-                tasks=want.choices * want.tasks,
+                tasks=want.choices * want.tasks if want.tasks > 1 else 0,
             )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)

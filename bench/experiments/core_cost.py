@@ -3,9 +3,9 @@ side: an enter and a release with nothing waiting, and an enter into the line fo
 hand-off of the slot to it. Rounds are interleaved in one process, so a loaded machine slows
 both alike; compare the best of each.
 
-Measured at fix/weights against its base (0884058), 2 cores under a load of about 5: best of
-80 rounds, enter+release 1.48-1.52 us in both trees, line+hand-off 2.35-2.44 us against
-2.35-2.47 us.
+Measured on fix/weights against its base (0884058), 2 cores under a load of about 5, best of
+250 rounds of 3000 (`--rounds 250 --n 3000`): enter+release 1.48-1.50 us in the base, 1.41-1.42
+us on the branch; line+hand-off 2.35-2.37 us against 2.24-2.29 us.
 
     git archive BASE app | tar -x -C /tmp/base
     python -m bench.experiments.core_cost /tmp/base/app app [--rounds 80] [--n 5000]
