@@ -1057,11 +1057,21 @@ class Admission:
         # Its conversation's last upstream first (else its key's): its history is cached
         # there; its key's rendezvous order next, where the shared prompt start is.
         memo = ticket.memo
+        weight = ticket.weight
+        fits: Callable[[Pool], bool]
+        if ticket.tasks:
+            # A prompt array takes as many slots as it has tasks, up to each upstream's.
+            def fits(pool: Pool) -> bool:
+                return pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket))
+        else:
+
+            def fits(pool: Pool) -> bool:
+                return pool.fits(weight, pool.charge(ticket))
+
         chosen = choose(
             pools,
-            ticket.weight,
-            # A prompt array takes as many slots as it has tasks, up to each upstream's.
-            lambda pool: pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket)),
+            weight,
+            fits,
             ticket.affinity,
             self._epsilon,
             None if memo is None else self._last.get(memo),
