@@ -6,7 +6,8 @@ method runs on that loop, and the methods that change the pools (`enter`, `Ticke
 
 Each upstream is a `Pool` of slots (and of KV-cache tokens, when a budget binds); the fleet's
 capacity is the sum of the known ones. The line is one for the fleet: its head is granted on
-the pool that `routing.choose` picks among those with room, and nobody overtakes it.
+the pool that `routing.choose` picks among those with room, and nobody overtakes it on an
+upstream it could run on (`_dispatch`).
 
 While the capacity is unknown (llama-server starting or restarting) the pool admits nobody,
 but with a startup wait set it still takes requests into the line, up to the last known line
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import heapq
+import itertools
 import math
 import random
 import time
@@ -42,6 +45,9 @@ INITIAL_HOLD_S = 1.0
 HOLD_EWMA_ALPHA = 0.2
 #: Affinity keys whose last upstream is remembered (about 100 bytes each).
 AFFINITY_MEMORY = 65536
+#: How far behind the head the line is searched for requests that can run where the head
+#: cannot (`Admission._backfill`).
+BACKFILL_SCAN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,15 @@ class TooLarge(AdmissionError):
         self.weight = weight
         #: The most slots one upstream has (a request runs in one): the fleet's, when one.
         self.largest = snapshot.capacity if largest is None else largest
+
+
+class TenantTooLarge(TooLarge):
+    """The request needs more slots than its tenant may hold at once (its max_active)."""
+
+    def __init__(self, snapshot: Snapshot, weight: int, tenant: Tenant) -> None:
+        super().__init__(snapshot, weight)
+        self.tenant = tenant.name
+        self.limit = tenant.max_active
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +307,8 @@ class Ticket:
 
     __slots__ = (
         "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "charged",
-        "cost", "costed", "entered_at", "memo", "pool", "rerouted", "seq", "tenant", "weight",
+        "cost", "costed", "entered_at", "least", "memo", "pool", "rerouted", "seq", "tasks",
+        "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -304,9 +320,15 @@ class Ticket:
         affinity: int | None = None,
         tenant: Tenant = EVERYONE,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> None:
         self._admission = admission
         self.weight = weight
+        #: The fewest slots it runs in (its choices); and for a prompt array, the tasks
+        #: llama-server makes of it (0 for any other): it runs as many at once as its upstream
+        #: has slots, so what it holds is known only where it is granted (`weighs`).
+        self.least = weight
+        self.tasks = tasks
         #: Whom it is for (app/tenants.py); its band is the band it waits in.
         self.tenant = tenant
         largest = admission._largest_budget
@@ -344,6 +366,11 @@ class Ticket:
     @property
     def wait_s(self) -> float:
         return (self.admitted_at or time.monotonic()) - self.entered_at
+
+    def weighs(self, capacity: int) -> int:
+        """The slots it holds on a pool of `capacity` (more than that if it cannot run there)."""
+        tasks = self.tasks
+        return self.weight if not tasks else max(self.least, min(tasks, capacity))
 
     @property
     def position(self) -> int:
@@ -398,15 +425,25 @@ class Ticket:
         self._known_by = known_by
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._future = future
-        # Admitted before everybody still waiting, so its place is the head (of its band).
+        weight = self.weight
         fair = admission._fair
+        if fair is not None:
+            fair.released(self, hold_s)
+        if self.tasks:
+            # Its next upstream may have more slots than this one: llama-server fills them.
+            self.weight = self.weighs(admission._largest)
+            limit = self.tenant.max_active
+            if limit is not None and self.weight > limit:
+                future.set_exception(TenantTooLarge(admission.snapshot(), self.weight, self.tenant))
+                admission._release(self, pool, weight, hold_s)
+                return
+        # Admitted before everybody still waiting, so its place is the head (of its band).
         if fair is None:
             admission._line.appendleft(self)
         else:
-            fair.released(self, hold_s)
             fair.push_front(self)
         admission._waiting += 1
-        admission._release(self, pool, self.weight, hold_s)
+        admission._release(self, pool, weight, hold_s)
 
     def recost(self, cost: int) -> None:
         """Reserve `cost` tokens of the budget instead (a better count came in), in line or
@@ -674,6 +711,7 @@ class Admission:
         tenant: Tenant = EVERYONE,
         band: int | None = None,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> Ticket:
         """Take `weight` slots of one pool and `cost` tokens of its budget now, or a place in
         the line, or raise why neither is possible.
@@ -683,7 +721,9 @@ class Admission:
         request was read while no capacity was known) gives the weight once one is; it may
         raise to refuse the request (here, or from the waiter's `wait`). `affinity` is the
         request's routing key (app/routing.py). `tenant` is whom it is for, `band` the band it
-        waits in (its tenant's unless lower, app/tenants.py).
+        waits in (its tenant's unless lower, app/tenants.py). `tasks`, when more than
+        `weight`, is the tasks llama-server makes of a prompt array: it holds as many slots as
+        it has tasks, up to the slots of the pool that grants it (`weight` at least).
         """
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
@@ -693,22 +733,28 @@ class Admission:
         if tenant is not self._solo and fair is None:
             fair = self._share(tenant)
         if self._capacity is None:
-            return self._enter_unknown(weight, cost, weigh, affinity, tenant, conversation)
+            return self._enter_unknown(weight, cost, weigh, affinity, tenant, conversation, tasks)
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
-            weight = weigh(self._largest)
+            weighed = weigh(self._largest)
+            if not tasks:
+                weight = weighed
         if weight > self._largest:
             raise TooLarge(self.snapshot(), weight, self._largest)
         seq = self._next_seq
         self._next_seq = seq + 1
         waiting = self._waiting
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
+        if tasks:
+            weight = ticket.weight = ticket.weighs(self._largest)
         # Nobody overtakes the line: a free slot goes to a newcomer only when nobody waits
         # (nobody who may run, with tenants: one at its max_active may not).
         if fair is None:
             if not waiting and self._grant(ticket):
                 ticket.admitted_at = ticket.entered_at
                 return ticket
+        elif (limit := tenant.max_active) is not None and weight > limit:
+            raise TenantTooLarge(self.snapshot(), weight, tenant)
         elif (
             self._active + weight <= self._capacity  # cheap, and enough to rule most out
             and fair.head() is None
@@ -723,10 +769,15 @@ class Admission:
         ticket._future = asyncio.get_running_loop().create_future()
         if fair is None:
             self._line.append(ticket)
-        else:
-            self._check_tenant(fair, ticket)
-            fair.push(ticket)
+            self._waiting = waiting + 1
+            if waiting and len(self._pools) > 1 and self._active < self._capacity:
+                self._dispatch()  # it may run at once where the head never can
+            return ticket
+        self._check_tenant(fair, ticket)
+        fair.push(ticket)
         self._waiting = waiting + 1
+        if len(self._pools) > 1 and self._active < self._capacity:
+            self._dispatch()  # it may run at once where the head never can
         return ticket
 
     def hold(
@@ -782,8 +833,21 @@ class Admission:
                     limited = tenant.max_active is not None or tenant.max_queued is not None
                     # None: the next request of anyone moves the line to a fair one.
                     self._solo = None if limited else tenant
-        if self._fair is not None:
-            self._fair.retune(tenants)
+        fair = self._fair
+        if fair is not None:
+            fair.retune(tenants)
+            limits = {tenant.name: tenant for tenant in tenants if tenant.max_active is not None}
+            for ticket in self._in_line():
+                future = ticket._future
+                reloaded = limits.get(ticket.tenant.name)
+                if reloaded is None or future is None or future.done():
+                    continue
+                limit = reloaded.max_active
+                if limit is not None and ticket.weight > limit:
+                    # Lowered below what it asks: it could never run.
+                    self._waiting -= 1
+                    future.set_exception(TenantTooLarge(self.snapshot(), ticket.weight, reloaded))
+                    fair.leave(ticket)
             self._dispatch()
 
     def close(self) -> None:
@@ -811,6 +875,7 @@ class Admission:
         affinity: int | None,
         tenant: Tenant,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> Ticket:
         if self._startup_wait_s is None:
             raise NotReady(self.snapshot(), 1.0)
@@ -819,7 +884,7 @@ class Admission:
             raise QueueFull(self.snapshot(), self._promise_s())
         seq = self._next_seq
         self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket._future = future
         fair = self._fair
@@ -847,6 +912,8 @@ class Admission:
                 continue
             try:
                 ticket.weight = weigh(largest)
+                if not ticket.tasks:
+                    ticket.least = ticket.weight
             except Exception as exc:  # the caller's refusal, handed to its waiter
                 self._waiting -= 1
                 future.set_exception(exc)
@@ -906,14 +973,26 @@ class Admission:
         likely = max([pool.seen for pool in self._pools if not pool.retired], default=0)
         for ticket in self._in_line():
             future = ticket._future
-            if ticket.weight > largest and future is not None and not future.done():
-                self._waiting -= 1
-                if ticket.weight <= likely:
-                    future.set_exception(NotReady(self.snapshot(), self.retry_after_s(1)))
+            if future is None or future.done():
+                continue
+            if ticket.tasks:
+                # A prompt array fills as many slots as its upstream has, now more or fewer.
+                ticket.weight = ticket.weighs(largest)
+            limit = ticket.tenant.max_active
+            error: AdmissionError
+            if ticket.least > largest:
+                if ticket.least <= likely:
+                    error = NotReady(self.snapshot(), self.retry_after_s(1))
                 else:
-                    future.set_exception(TooLarge(self.snapshot(), ticket.weight, largest))
-                if self._fair is not None:
-                    self._fair.leave(ticket)
+                    error = TooLarge(self.snapshot(), ticket.least, largest)
+            elif limit is not None and ticket.weight > limit:
+                error = TenantTooLarge(self.snapshot(), ticket.weight, ticket.tenant)
+            else:
+                continue
+            self._waiting -= 1
+            future.set_exception(error)
+            if self._fair is not None:
+                self._fair.leave(ticket)
         self._dispatch()
 
     def _forget(self, pool: Pool) -> None:
@@ -961,30 +1040,50 @@ class Admission:
         """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
         pools = self._pools
         if len(pools) == 1:
-            # One upstream: nothing to choose, and the hot path stays as short as it was.
+            # One upstream: nothing to choose, and the hot path stays as short as it was (an
+            # array's weight is this pool's already: `_resized` weighs every waiter again).
             pool = pools[0]
             if not pool.fits(ticket.weight, pool.charge(ticket)):
                 return False
             first = ticket.affinity is not None
-        else:
-            weight = ticket.weight
-            # Its conversation's last upstream first (else its key's): its history is cached
-            # there; its key's rendezvous order next, where the shared prompt start is.
-            memo = ticket.memo
-            chosen = choose(
-                pools,
-                weight,
-                lambda pool: pool.fits(weight, pool.charge(ticket)),
-                ticket.affinity,
-                self._epsilon,
-                None if memo is None else self._last.get(memo),
-                ticket.seq,
+            self._take(
+                ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load"
             )
-            if chosen is None:
-                return False
-            pool, first = chosen
-            if memo is not None:
-                self._remember(memo, pool)
+            return True
+        return self._route(ticket, pools)
+
+    def _route(self, ticket: Ticket, pools: list[Pool]) -> bool:
+        """`_grant` among `pools`: the one routing picks of those with room for it now."""
+        # Its conversation's last upstream first (else its key's): its history is cached
+        # there; its key's rendezvous order next, where the shared prompt start is.
+        memo = ticket.memo
+        weight = ticket.weight
+        fits: Callable[[Pool], bool]
+        if ticket.tasks:
+            # A prompt array takes as many slots as it has tasks, up to each upstream's.
+            def fits(pool: Pool) -> bool:
+                return pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket))
+        else:
+
+            def fits(pool: Pool) -> bool:
+                return pool.fits(weight, pool.charge(ticket))
+
+        chosen = choose(
+            pools,
+            weight,
+            fits,
+            ticket.affinity,
+            self._epsilon,
+            None if memo is None else self._last.get(memo),
+            ticket.seq,
+        )
+        if chosen is None:
+            return False
+        pool, first = chosen
+        if memo is not None:
+            self._remember(memo, pool)
+        if ticket.tasks:
+            ticket.weight = ticket.weighs(pool.capacity or 0)
         self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
         return True
 
@@ -1012,6 +1111,17 @@ class Admission:
             self.on_change(pool)
 
     def _dispatch(self) -> None:
+        """Grant the line's head while it fits; then, in a fleet, those behind it that can run
+        where it never can.
+
+        The rule: a waiter behind the head may take slots only of an upstream with fewer slots
+        than the head asks at least (its choices), and than every other waiter ahead of it
+        that could use that upstream: slots none of them can use. The head is therefore
+        granted exactly when it would be without this, as soon as an upstream it fits has room
+        (while the capacities stay as they are: an upstream that grows to fit the head finds
+        its slots held by those it ran meanwhile). Among the waiters that could use the same
+        upstream, first come first served, or, with tenants, the fair order and bands.
+        """
         capacity = self._capacity
         if capacity is None:
             return
@@ -1019,6 +1129,8 @@ class Admission:
         if fair is not None:
             while (head := fair.head()) is not None:
                 if not self._grant(head):
+                    if len(self._pools) > 1:
+                        self._backfill_fair(fair, head)
                     return
                 fair.pop_head()
                 fair.granted(head)
@@ -1037,10 +1149,58 @@ class Admission:
                 line.popleft()
                 continue
             if not self._grant(ticket):
+                if len(self._pools) > 1:
+                    self._backfill(ticket)
                 return
             line.popleft()
             self._waiting -= 1
             future.set_result(None)
+
+    def _backfill(self, head: Ticket) -> None:
+        """The head waits: grant waiters behind it on the upstreams it can never run on
+        (`_dispatch` states the rule). A waiter that does not fit yet keeps the upstreams it
+        could use for itself, from everyone behind it: `floor` falls to what it asks."""
+        floor = head.least
+        open_ = [p for p in self._pools if p.active < (p.capacity or 0) < floor]
+        granted: list[Ticket] = []
+        # Bounded, so that a release behind a long line of heavy waiters stays cheap; those
+        # further back wait for the next release.
+        for ticket in itertools.islice(self._line, 1, BACKFILL_SCAN):
+            if not open_:
+                break
+            future = ticket._future
+            assert future is not None  # noqa: S101 - every ticket in line has one
+            if future.done() or ticket.least >= floor:
+                continue
+            if self._route(ticket, open_):
+                self._waiting -= 1
+                future.set_result(None)
+                granted.append(ticket)
+            else:
+                floor = ticket.least
+            open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
+        for ticket in granted:
+            # Out of the line at once: a reroute puts it back at the head, and it must not
+            # be in it twice.
+            self._line.remove(ticket)
+
+    def _backfill_fair(self, fair: FairLine[Ticket], head: Ticket) -> None:
+        """`_backfill` in a fair line: the rule is the same, with "ahead" meaning "served
+        first": among those that may run where the head cannot, the fair order decides."""
+        floor = head.least
+        open_ = [p for p in self._pools if p.active < (p.capacity or 0) < floor]
+        while open_:
+            ticket = fair.first(functools.partial(_lighter, floor), BACKFILL_SCAN)
+            if ticket is None:
+                return
+            if self._route(ticket, open_):
+                fair.take(ticket)
+                self._waiting -= 1
+                assert ticket._future is not None  # noqa: S101 - every ticket in line has one
+                ticket._future.set_result(None)
+            else:
+                floor = ticket.least
+            open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
 
     def _share(self, tenant: Tenant) -> FairLine[Ticket] | None:
         """The first request: its tenant may have the line to itself. Any other: the line
@@ -1066,12 +1226,11 @@ class Admission:
         return self._line if self._fair is None else list(self._fair.tickets())
 
     def _may_run(self, fair: FairLine[Ticket], ticket: Ticket) -> bool:
-        """Is `ticket`'s tenant under its max_active (or holding nothing)?"""
+        """Would `ticket`'s tenant stay within its max_active?"""
         limit = ticket.tenant.max_active
         if limit is None:
             return True
-        active = fair.counts(ticket.tenant.name)[0]
-        return not active or active + ticket.weight <= limit
+        return fair.counts(ticket.tenant.name)[0] + ticket.weight <= limit
 
     def _check_tenant(self, fair: FairLine[Ticket], ticket: Ticket) -> None:
         """TenantQueueFull when `ticket`'s tenant has its max_queued waiters already."""
@@ -1101,6 +1260,11 @@ class Admission:
         assert self._queue_timeout_s is not None  # noqa: S101 - only called when set
         loop_now = asyncio.get_running_loop().time()
         return loop_now + self._queue_timeout_s - (time.monotonic() - entered_at)
+
+
+def _lighter(floor: int, ticket: Ticket) -> bool:
+    """Can `ticket` run on an upstream of fewer than `floor` slots?"""
+    return ticket.least < floor
 
 
 def _gone(ticket: Ticket) -> bool:

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -144,6 +145,11 @@ class _Flow:
     def __lt__(self, other: _Flow) -> bool:
         return False  # heap entries of equal (vt, seq): either will do
 
+    def seq_hint(self) -> int:
+        """The arrival number of its first waiter (a leaver's, possibly): ties between flows."""
+        head = self.front[0] if self.front else self.line[0] if self.line else None
+        return head.seq if head is not None else 0
+
 
 class FairLine(Generic[W]):
     """Waiters in bands, tenants and arrival order; see the module's docstring."""
@@ -244,7 +250,7 @@ class FairLine(Generic[W]):
                     continue
                 account = flow.account
                 limit = account.max_active
-                if limit is not None and account.active and account.active + head.weight > limit:
+                if limit is not None and account.active + head.weight > limit:
                     # Passed over until one of its slots comes back (`released`).
                     flow.entry = None
                     flow.blocked = True
@@ -255,7 +261,43 @@ class FairLine(Generic[W]):
                 return head  # type: ignore[return-value]
         return None
 
+    def first(self, usable: Callable[[W], bool], scan: int) -> W | None:
+        """The waiter a free slot would go to among those `usable` (one passed over by the
+        head), or None: bands from the highest, flows by their turn, each flow's first usable
+        waiter within its first `scan`; a tenant at its max_active is passed over."""
+        for level in self._levels:
+            band = self._bands[level]
+            if not band.queued:
+                continue
+            flows = [f for f in self._flows.values() if f.band is band and f.live and not f.blocked]
+            flows.sort(key=lambda f: (_FRONT if f.front else f.vt, f.seq_hint()))
+            for flow in flows:
+                account = flow.account
+                limit = account.max_active
+                for waiter in itertools.islice(itertools.chain(flow.front, flow.line), scan):
+                    if _done(waiter) or not usable(waiter):  # type: ignore[arg-type]
+                        continue
+                    if limit is None or account.active + waiter.weight <= limit:
+                        return waiter  # type: ignore[return-value]
+                    break  # its tenant's first usable one waits for its own slots: all do
+        return None
+
     # -- changing ----------------------------------------------------------------------------
+
+    def take(self, ticket: W) -> None:
+        """Grant `ticket` out of turn (`first` found it, among the first waiters of its flow);
+        its future is settled by the caller."""
+        flow = self._flows[(ticket.band, ticket.tenant.name)]
+        # Out of its flow at once: a failover puts it back at the front, and it must not be in
+        # the line twice. Its flow's heap entry may now name it: `head` keys the flow again.
+        if ticket in flow.front:
+            flow.front.remove(ticket)
+        else:
+            flow.line.remove(ticket)
+        self._count(flow, -1)
+        if not flow.live:
+            flow.entry = None
+        self.granted(ticket)
 
     def push(self, ticket: W) -> None:
         """A new waiter, at the back of its tenant's flow in its band."""

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import orjson
 
 from .access import OPEN_PATHS, Access
-from .admission import Admission, AdmissionError, Claim, NotReady
+from .admission import Admission, AdmissionError, Claim, NotReady, TenantTooLarge
 from .answer import Answer
 from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
@@ -312,14 +312,21 @@ class Proxy:
             if weigh is not None:
                 # No upstream known to this replica yet: the shared line has no startup wait.
                 raise NotReady(self._admission.snapshot(), 1.0)
+            limit = tenant.max_active
+            if limit is not None and want.weight > limit:
+                # It could never run within its tenant's limit: refused before Redis is asked.
+                raise TenantTooLarge(self._admission.snapshot(), want.weight, tenant)
             ticket = await self._replica.enter(
                 want.weight, cost.reserve if cost else 0, taken.affinity,
                 tenant=tenant, band=band, conversation=taken.conversation,
             )  # fmt: skip
         else:
+            # At least its choices in one upstream; a prompt array as many slots as it has
+            # tasks, up to those of the upstream that grants it.
             ticket = self._admission.enter(
-                want.weight, cost.reserve if cost else 0, weigh, taken.affinity,
+                want.choices, cost.reserve if cost else 0, weigh, taken.affinity,
                 tenant=tenant, band=band, conversation=taken.conversation,
+                tasks=want.choices * want.tasks if want.tasks > 1 else 0,
             )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)

@@ -608,3 +608,37 @@ async def test_a_cold_gate_tells_nobody_more_than_two_guessed_holds() -> None:
     assert admission._promise_s() > 6.0  # warm: the moments are spaced as they will come
     for ticket in tickets:
         ticket.release()
+
+
+# -- a prompt array: one task per prompt, as many slots as the granting pool gives it ----------
+
+
+async def test_a_prompt_array_waiting_while_its_upstream_restarts_larger_holds_its_tasks() -> None:
+    admission = Admission(capacity=1)
+    holder = admission.enter()
+    # Four prompts, read while llama-server had one slot: it fills one slot then.
+    array = admission.enter(1, tasks=4)
+    assert array.weight == 1
+    admission.resize(None)  # restarting...
+    admission.resize(4)  # ...with four slots: llama-server runs the four prompts at once
+    assert not array.granted  # three free slots are not four
+    holder.release()
+    await settle()
+    assert array.granted
+    assert (array.weight, admission.active) == (4, 4)
+    array.release()
+    assert admission.active == 0
+
+
+async def test_a_prompt_array_sent_back_by_its_upstream_is_weighed_again_where_it_runs() -> None:
+    admission = Admission(capacity=1)
+    array = admission.enter(1, tasks=3)
+    assert (array.weight, admission.active) == (1, 1)
+    admission.resize(None)
+    array.reroute(time.monotonic() + 5)
+    admission.resize(4)
+    await settle()
+    assert array.granted
+    assert (array.weight, admission.active) == (3, 3)
+    array.release()
+    assert admission.active == 0

@@ -15,7 +15,9 @@ from slotgate.admission import (
     ShuttingDown,
     TenantQueueFull,
     Ticket,
+    TooLarge,
 )
+from slotgate.errors import refusal
 from slotgate.tenants import BATCH, Tenant
 
 FLOOD = Tenant("flood")
@@ -275,4 +277,37 @@ async def test_random_work_of_many_tenants_keeps_every_count_and_limit(seed: int
     assert admission._fair is not None
     for ticket in tickets:
         ticket.release()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_a_request_counts_its_weight_against_its_tenants_max_active() -> None:
+    capped = Tenant("capped", max_active=2)
+    admission = pool(4)
+    with pytest.raises(TooLarge) as refused:
+        admission.enter(3, tenant=capped)
+    assert "max_active" in refusal(refused.value).message
+    one = admission.enter(1, tenant=capped)
+    two = admission.enter(2, tenant=capped)
+    assert one.admitted
+    assert not two.granted  # 1 + 2 is over 2, although two slots are free
+    one.release()
+    await settle()
+    assert two.granted
+    assert admission.tenant_counts("capped") == (2, 0)
+    two.release()
+
+
+async def test_a_reload_lowering_max_active_below_a_waiters_weight_refuses_it() -> None:
+    admission = pool(4)
+    holder = admission.enter(tenant=Tenant("capped", max_active=2))
+    pair = admission.enter(2, tenant=Tenant("capped", max_active=2))
+    task = asyncio.create_task(pair.wait())
+    await settle()
+    assert not pair.granted
+    admission.retune([Tenant("capped", max_active=1)])
+    with pytest.raises(TooLarge) as refused:
+        await task
+    assert "max_active=1" in refusal(refused.value).message
+    assert admission.tenant_counts("capped") == (1, 0)
+    holder.release()
     assert (admission.active, admission.queued) == (0, 0)

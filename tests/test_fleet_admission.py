@@ -23,6 +23,7 @@ from slotgate.admission import (
 )
 from slotgate.errors import refusal
 from slotgate.routing import choose, score, stable_hash
+from slotgate.tenants import BATCH, Tenant
 
 
 def fleet(*capacities: int | None, epsilon: float = 0.25, **policy: int) -> Admission:
@@ -367,7 +368,11 @@ async def _replay(ops: list[tuple[str, int, Any]]) -> None:
         ]
         for t in live:
             if id(t) not in before:
-                assert all(w.seq > t.seq for w in waiting if not w.rerouted), "overtaken"
+                # Passed only where the one passed could never run.
+                assert t.pool is not None
+                capacity = t.pool.capacity or 0
+                passed = [w for w in waiting if not w.rerouted and w.seq < t.seq]
+                assert all(w.least > capacity for w in passed), "overtaken"
         assert admission.active == sum(t.weight for t in live)
         assert admission.queued == len(waiting)
     for ticket in tickets:
@@ -442,4 +447,140 @@ async def test_a_heavy_waiter_is_told_to_retry_not_to_ask_less_while_its_upstrea
     with pytest.raises(TooLarge):
         await gone.wait()
     holder.release()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_a_prompt_array_holds_as_many_slots_as_the_upstream_that_grants_it_has() -> None:
+    admission = fleet(1, 3)
+    arrays = [admission.enter(1, tasks=4) for _ in range(2)]
+    assert all(t.granted for t in arrays)
+    for ticket in arrays:
+        assert ticket.pool is not None
+        assert ticket.weight == min(4, ticket.pool.capacity or 0)
+    assert held(admission) == [1, 3]
+    for ticket in arrays:
+        ticket.release()
+    assert held(admission) == [0, 0]
+
+
+async def test_light_requests_behind_a_heavy_head_run_at_once_where_the_head_can_never_run() -> (
+    None
+):
+    admission = fleet(3, 1)
+    big, small = admission.pools
+    running = admission.enter(weight=2)
+    assert running.pool is big  # one slot of the big upstream left
+    head = admission.enter(weight=3)  # only the big upstream can ever run it
+    lights = [admission.enter() for _ in range(3)]
+    await settle()
+    assert not head.granted
+    # The small upstream is of no use to the head: the first light request runs there at once.
+    assert lights[0].granted
+    assert lights[0].pool is small
+    # The big upstream's free slot is the head's: nobody behind it takes it.
+    assert not lights[1].granted
+    assert not lights[2].granted
+    assert held(admission) == [2, 1]
+    # The head runs as soon as its upstream has room, as without the light requests.
+    running.release()
+    assert head.granted
+    assert head.pool is big
+    # Among those that could use the same slots, first come first served.
+    lights[0].release()
+    assert lights[1].granted
+    assert not lights[2].granted
+    assert lights[1].pool is small
+    for ticket in (head, lights[1]):
+        ticket.release()
+    await settle()
+    assert lights[2].granted
+    lights[2].release()
+    assert held(admission) == [0, 0]
+    assert admission.queued == 0
+
+
+async def test_with_tenants_requests_behind_a_heavy_head_run_where_it_cannot_in_fair_order() -> (
+    None
+):
+    admission = fleet(3, 1)
+    small = admission.pools[1]
+    # The heavy tenant's band is served first: its request is the head of the fair line.
+    heavy, b, c = Tenant("heavy"), Tenant("b", band=BATCH), Tenant("c", band=BATCH)
+    running = admission.enter(2, tenant=heavy)
+    head = admission.enter(3, tenant=heavy)
+    b_lights = [admission.enter(tenant=b) for _ in range(2)]
+    c_light = admission.enter(tenant=c)
+    assert admission._fair is not None
+    assert not head.granted
+    assert b_lights[0].granted
+    assert b_lights[0].pool is small
+    assert held(admission) == [2, 1]  # the big upstream's free slot stays the head's
+    # The small upstream's next turn is c's: b held the last one for a while.
+    await b_lights[0].wait()
+    await asyncio.sleep(0.05)
+    b_lights[0].release()
+    assert c_light.granted
+    assert not b_lights[1].granted
+    running.release()
+    assert head.granted
+    for ticket in (head, c_light):
+        ticket.release()
+    await settle()
+    assert b_lights[1].granted
+    b_lights[1].release()
+    assert held(admission) == [0, 0]
+    assert admission.queued == 0
+    assert admission.tenant_counts("b") == (0, 0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_random_work_of_tenants_over_a_mixed_fleet_keeps_every_count_and_limit(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    tenants = [
+        Tenant(f"t{n}", band=rng.choice([BATCH, 1]), max_active=rng.choice([None, 2, 3]))
+        for n in range(4)
+    ]
+    admission = fleet(3, 1, 2, max_queue=60)
+    pools = admission.pools
+    tickets: list[Ticket] = []
+    for _ in range(1_500):
+        action = rng.random()
+        if action < 0.45:
+            tenant = rng.choice(tenants)
+            with contextlib.suppress(AdmissionError):
+                weight = rng.choice([1, 1, 2, 3])
+                tickets.append(admission.enter(weight, tenant=tenant, tasks=rng.choice([0, 4])))
+        elif action < 0.9 and tickets:
+            tickets.pop(rng.randrange(len(tickets))).release()
+        elif action < 0.95:
+            held_now = [t for t in tickets if t.granted and not t._released]
+            if held_now:
+                rng.choice(held_now).reroute(time.monotonic() + 5)
+        else:
+            rng.choice(pools).resize(rng.choice([1, 2, 3]))
+        await settle()
+        live = [t for t in tickets if not t._released and not (t._future and t._future.done()
+                and not t.granted)]  # fmt: skip
+        granted = [t for t in live if t.granted]
+        waiting = [t for t in live if not t.granted]
+        for pool in pools:
+            assert pool.active == sum(t.weight for t in granted if t.pool is pool)
+        assert admission.active == sum(t.weight for t in granted)
+        assert admission.queued == len(waiting)
+        fair = admission._fair
+        if fair is None:
+            continue
+        assert fair.queued == len(waiting)
+        for tenant in tenants:
+            active, queued = admission.tenant_counts(tenant.name)
+            assert queued == sum(1 for t in waiting if t.tenant.name == tenant.name)
+            if tenant.max_active is not None:
+                assert active <= tenant.max_active
+    admission.close()  # every waiter turned away once, those granted out of turn included
+    assert admission.queued == 0
+    for ticket in tickets:
+        ticket.release()
+    await settle()
     assert (admission.active, admission.queued) == (0, 0)

@@ -320,3 +320,20 @@ async def test_a_tenants_max_queued_holds_across_replicas(
         for task in held:
             task.cancel()
         await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refused_by_a_replica(
+    standin: StandIn, replicas: Gates, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    standin.total_slots = 4
+    path = tmp_path / "keys.toml"
+    path.write_text('[tenants.capped]\nkey = "sk-capped"\nmax_active = 2\n')
+    first, _ = await replicas(2, api_keys_file=path)
+    asked = {"messages": [{"role": "user", "content": "hi"}], "n": 3}
+    refused = await client.post(
+        first.url + CHAT, json=asked, headers={"authorization": "Bearer sk-capped"}
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "too_many_slots"
+    assert "max_active=2" in refused.json()["error"]["message"]
+    assert standin.max_running == 0

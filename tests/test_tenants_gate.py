@@ -196,3 +196,22 @@ async def test_admission_shows_each_tenants_share_of_the_slot_seconds_over_the_l
     assert shares["flood"] == pytest.approx(0.75, abs=0.15)
     assert shares["chat"] == pytest.approx(0.25, abs=0.15)
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.001)
+
+
+async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refused_400(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    standin.total_slots = 4
+    path = tmp_path / "keys.toml"
+    path.write_text('[tenants.capped]\nkey = "sk-capped"\nmax_active = 1\n')
+    gate = await start_gate(api_keys_file=path)
+    asked = {**chat(), "n": 2}
+    refused = await client.post(gate.url + CHAT, json=asked, headers=bearer("sk-capped"))
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "too_many_slots"
+    assert error["type"] == "invalid_request_error"
+    assert "max_active=1" in error["message"]
+    assert standin.max_running == 0  # never sent
+    one = await client.post(gate.url + CHAT, json=chat(), headers=bearer("sk-capped"))
+    assert one.status_code == 200

@@ -24,7 +24,7 @@ from slotgate.engine import LocalEngine, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import serve
-from tests.e2e.conftest import chat
+from tests.e2e.conftest import POLL_S, PROMPT, Llama, Watch, chat, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -179,3 +179,62 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
     for seen, status, text in health_then_generate:
         assert seen - {200}, seen  # it saw llama.cpp away, through slotgate
         assert status == 200, text
+
+
+async def test_a_prompt_array_waiting_while_llama_cpp_restarts_larger_holds_all_its_slots(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt array read while llama.cpp had one slot is counted at four once it runs on a
+    restarted llama.cpp of four: nobody else is sent beside it, so llama.cpp defers nothing."""
+    port = free_port()
+    monkeypatch.setattr(slotgate.engine, "free_port", lambda: port)
+    local = LocalEngine.from_args(model=None, demo=True, parallel=1, ctx_size=2048, threads=1)
+    await asyncio.to_thread(local.start)
+    gate = await serve(
+        Settings(
+            _env_file=None,
+            llama_server_url=local.url,
+            startup_wait=120,
+            max_queue=50,
+            log_level="warning",
+        )
+    )
+    admission = gate.service.admission
+    native = {"n_predict": 48, "ignore_eos": True}
+    tasks: list[asyncio.Task[httpx.Response]] = []
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await eventually(lambda: admission.capacity == 1, timeout_s=60)
+        # Holds the one slot until its engine is stopped.
+        long = {"prompt": PROMPT, "n_predict": 1500, "ignore_eos": True}
+        tasks.append(asyncio.create_task(client.post(gate.url + "/completion", json=long)))
+        await eventually(lambda: admission.active == 1, timeout_s=30)
+        array = {"prompt": ["One,", "Two,", "Three,", "Four,"], **native}
+        tasks.append(asyncio.create_task(client.post(gate.url + "/completion", json=array)))
+        await eventually(lambda: admission.queued == 1, timeout_s=30)
+        await asyncio.to_thread(local.stop)
+        local = LocalEngine.from_args(model=None, demo=True, parallel=4, ctx_size=2048, threads=1)
+        await asyncio.to_thread(local.start)
+        await eventually(lambda: admission.capacity == 4 and admission.active > 0, timeout_s=60)
+        held_by_array = admission.active
+        watch = Watch(Llama(local.url, client))
+        watcher = asyncio.create_task(watch.run())
+        singles = [
+            asyncio.create_task(client.post(gate.url + CHAT, json=chat(48, stream=False)))
+            for _ in range(3)
+        ]
+        answers = await asyncio.gather(tasks[1], *singles)
+        await asyncio.sleep(POLL_S)  # one more look at llama.cpp after the last answer
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(local.stop)
+        await gate.stop()
+    assert [a.status_code for a in answers] == [200] * 4, [a.text[:200] for a in answers]
+    assert watch.samples >= 2
+    assert watch.max_deferred == 0  # today's llama.cpp ran 7 tasks on 4 slots here, deferring 3
+    assert held_by_array == 4
