@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slotgate")
 
+#: How long a stop forced by a second Ctrl-C may take to cut requests and close the app.
+FORCED_STOP_S = 5.0
+
 
 def _env_help() -> str:
     lines = ["environment variables (also read from ./.env):"]
@@ -208,9 +211,49 @@ class Server(uvicorn.Server):
         # Unlike uvicorn's own, do not re-raise the signal after shutdown: a drained stop
         # is a clean exit (status 0), which is what container runtimes expect.
         if self.should_exit and sig == signal.SIGINT:
+            if not self.force_exit and self._loop is not None:
+                self._loop.call_soon_threadsafe(
+                    log.warning, "second Ctrl-C: slotgate stops now, cutting running requests"
+                )
             self.force_exit = True
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if not self.force_exit:
+            return
+        # uvicorn stops waiting at a second Ctrl-C but then skips the app's shutdown, and the
+        # loop's end cancels the app's lifespan, which logs that as a failed shutdown with a
+        # traceback. Cut the running requests as at the end of DRAIN_TIMEOUT instead, then shut
+        # the app down as usual (a replica gives back what Redis counts for it).
+        tasks = list(self.server_state.tasks)
+        for task in tasks:
+            task.cancel(msg="slotgate stopped at a second Ctrl-C")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FORCED_STOP_S):
+                if tasks:
+                    await asyncio.wait(tasks)
+                await self.lifespan.shutdown()
+
+
+def _hangup(keyed: bool) -> Callable[[int, FrameType | None], None]:
+    if keyed:
+        said = "SIGHUP: API_KEYS_FILE is read again only while slotgate serves; nothing reloaded"
+    else:
+        said = "SIGHUP: nothing to reload (API_KEYS_FILE is unset); slotgate carries on"
+
+    def handle(sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs between any two bytecodes, perhaps inside a log call: on a
+        # running loop the line is written from the loop instead.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            log.warning("%s", said)
+        else:
+            loop.call_soon_threadsafe(log.warning, "%s", said)
+
+    return handle
 
 
 def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Config:
@@ -326,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("slotgate.engine").setLevel(logging.DEBUG)
     for warning in misspelt():
         log.warning("%s", warning)
+    # SIGHUP's default ends the process. With API_KEYS_FILE the app reloads it while it
+    # serves (app/tenants.py); at any other moment, or without the file, it is only told.
+    signal.signal(signal.SIGHUP, _hangup(settings.api_keys_file is not None))
     try:
         sockets = listen(settings.host, settings.port)
     except OSError as exc:
