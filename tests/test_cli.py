@@ -706,7 +706,6 @@ def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_
     assert "Traceback" not in logged
 
 
-@pytest.mark.xfail(strict=True, reason="SIGHUP without API_KEYS_FILE kills the process")
 async def test_sighup_without_api_keys_file_is_logged_and_leaves_slotgate_serving(
     slotgate: Process, standin: StandIn
 ) -> None:
@@ -728,7 +727,6 @@ async def test_sighup_without_api_keys_file_is_logged_and_leaves_slotgate_servin
     assert "API_KEYS_FILE" in logged
 
 
-@pytest.mark.xfail(strict=True, reason="a forced stop leaves the lifespan to be cancelled")
 async def test_a_second_ctrl_c_during_the_drain_exits_at_once_with_one_line(
     slotgate: Process, standin: StandIn
 ) -> None:
