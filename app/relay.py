@@ -24,6 +24,7 @@ from .endpoints import check_content_type, route_of
 from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
 from .fleet import Fleet
 from .intake import Wants, take_off_loop
+from .logs import Client
 from .logs import access as access_log
 from .metrics import Metrics
 from .protocol import DisconnectWatch, watch_disconnect
@@ -682,7 +683,7 @@ class Proxy:
             return
         access_log.info(
             "%s %s %d %s",
-            request.method, request.path, answer.status, request.outcome,
+            Client(request.method), Client(request.path), answer.status, request.outcome,
             extra={
                 "request_id": request.id,
                 "tenant": request.tenant.name,
