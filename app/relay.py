@@ -20,6 +20,7 @@ from .answer import Answer
 from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import BodyTooLarge, ExchangeFailed, Response
+from .cors import CorsPolicy
 from .endpoints import check_content_type, route_of
 from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
 from .fleet import Fleet
@@ -527,6 +528,8 @@ class Proxy:
             (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
         headers += id_headers(request.id)
+        if request.origin is not None:
+            CorsPolicy.expose(headers)
         stream = response.content_type == _SSE
         if stream:
             present = {name for name, _ in headers}
@@ -598,6 +601,8 @@ class Proxy:
             (b"content-length", str(len(body)).encode()),
             *id_headers(request.id),
         ]
+        if request.origin is not None:
+            CorsPolicy.expose(headers)
         await answer.whole(status, headers, body)
 
     async def _relay_into_stream(
