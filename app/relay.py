@@ -22,7 +22,15 @@ from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import BodyTooLarge, ExchangeFailed, Response
 from .cors import CorsPolicy
 from .endpoints import check_content_type, route_of
-from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
+from .errors import (
+    GateError,
+    QueueBytesFull,
+    Refusal,
+    UpstreamFailed,
+    UpstreamUnavailable,
+    refusal,
+    stream_event,
+)
 from .fleet import Fleet
 from .intake import Wants, take_off_loop
 from .logs import Client
@@ -263,6 +271,8 @@ class Proxy:
         capacity = self._admission.largest
         unknown = capacity is None
         if unknown:
+            if (unreached := self._fleet.unreached) is not None:
+                raise UpstreamUnavailable(unreached)
             # llama-server is (re)starting: wait in the queue, weighed once its slot count is
             # known (app/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()

@@ -7,7 +7,6 @@ import random
 import time
 
 import httpx
-import pytest
 
 from bench.procs import free_port
 from tests.conftest import GateFactory, chat
@@ -171,7 +170,6 @@ async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under
     assert b'"error"' not in rest
 
 
-@pytest.mark.xfail(strict=True, reason="an address nobody listens on is waited on STARTUP_WAIT")
 async def test_a_llama_server_url_nobody_listens_on_is_refused_at_once_naming_it_and_why(
     start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
