@@ -751,3 +751,16 @@ async def test_a_second_ctrl_c_during_the_drain_exits_at_once_with_one_line(
     assert "Traceback" not in logged
     assert "ERROR" not in logged
     assert logged.count("second Ctrl-C") == 1, logged
+
+
+@pytest.mark.xfail(strict=True, reason="a misspelt variable in the environment is ignored")
+def test_a_misspelt_setting_in_the_environment_stops_start_up_with_one_line(
+    busy_port: int, tmp_path: Path
+) -> None:
+    # On a busy port: without the check, slotgate stops there, after its warnings.
+    result = run({"MAXQUEUE": "2", "PORT": str(busy_port)}, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "slotgate: MAXQUEUE is set in the environment, but slotgate reads MAX_QUEUE: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from slotgate import settings as settings_module
 from slotgate.settings import Settings, describe, misspelt
 
 
@@ -190,3 +191,47 @@ def test_redis_settings_accept_the_urls_valkey_takes_and_refuse_a_fleet_name_wit
     monkeypatch.setenv("REDIS_FAILURE_MODE", "REJECT")
     settings = Settings(_env_file=None)
     assert (settings.redis_fleet, settings.redis_failure_mode) == ("chat-prod", "reject")
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("MAXQUEUE", "MAX_QUEUE"),
+        ("max_queu", None),  # too short a name for a letter off to be sure
+        ("Queue_Per_Slots", "QUEUE_PER_SLOT"),
+        ("QUEUE_TIMOEUT", "QUEUE_TIMEOUT"),
+        ("LLAMASERVERURL", "LLAMA_SERVER_URL"),
+        ("KV_BUDGET_TOKEN", "KV_BUDGET_TOKENS"),
+        ("MAX_QUEUE", None),  # read as it is
+        ("max_queue", None),  # read too: names are not case-sensitive
+        ("HOSTNAME", None),
+        ("POST", None),
+        ("LLAMA_ARG_N_PARALLEL", None),  # llama-server's
+        ("REDIS_PASSWORD", None),
+    ],
+)
+@pytest.mark.xfail(strict=True, reason="no near-miss rule yet")
+def test_a_name_is_a_near_miss_only_when_a_setting_was_surely_meant(
+    name: str, meant: str | None
+) -> None:
+    assert settings_module.near_miss(name) == meant  # type: ignore[attr-defined]
+
+
+@pytest.mark.xfail(strict=True, reason="a misspelt variable in the environment is ignored")
+def test_a_misspelt_setting_in_the_environment_or_dotenv_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    monkeypatch.setenv("MAXQUEUE", "2")
+    assert settings_module.mistyped(env) == (  # type: ignore[attr-defined]
+        "slotgate: MAXQUEUE is set in the environment, but slotgate reads MAX_QUEUE: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    )
+    monkeypatch.delenv("MAXQUEUE")
+    monkeypatch.setenv("MAXQUEUE", "")  # empty: read as unset, as the settings are
+    assert settings_module.mistyped(env) is None  # type: ignore[attr-defined]
+    env.write_text("QUEUETIMEOUT=5\n")
+    assert settings_module.mistyped(env) == (  # type: ignore[attr-defined]
+        f"slotgate: {env} sets QUEUETIMEOUT, but slotgate reads QUEUE_TIMEOUT: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    )
