@@ -22,7 +22,14 @@ from pydantic import ValidationError
 from . import __version__, logs
 from .main import Service, create_app
 from .protocol import bounded_head_protocol
-from .settings import ENGINE_VARIABLES, Settings, describe, export_engine_variables, misspelt
+from .settings import (
+    ENGINE_VARIABLES,
+    Settings,
+    describe,
+    export_engine_variables,
+    misspelt,
+    mistyped,
+)
 
 if TYPE_CHECKING:
     from .engine import LocalFleet
@@ -363,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as exc:  # a .env that is there but cannot be read
         print(f"slotgate: cannot read .env: {exc.strerror or exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    if (mistake := mistyped()) is not None:
+        print(mistake, file=sys.stderr)  # noqa: T201 - the one line a misconfiguration gets
         return 2
     logs.configure(settings.log_level, settings.log_format)
     if args.engine_log == "all":  # asked for by name: every engine line, whatever LOG_LEVEL says
