@@ -763,3 +763,43 @@ def test_a_misspelt_setting_in_the_environment_stops_start_up_with_one_line(
         "slotgate: MAXQUEUE is set in the environment, but slotgate reads MAX_QUEUE: rename it "
         "(or unset it, if it is not meant for slotgate)"
     ]
+
+
+@pytest.mark.xfail(strict=True, reason="readiness waits for the next /props read")
+async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slotgate.engine import LocalFleet
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
+        monkeypatch.setenv(name, env[name])
+    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+                                 threads=1, replicas=2)  # fmt: skip
+    fleet.start()
+    gate = None
+    try:
+        # No /props read for a minute: whatever changes readiness is the engine's death.
+        settings = Settings(_env_file=None, llama_server_url=",".join(fleet.urls),
+                            props_refresh_interval=60, log_level="error")  # fmt: skip
+        gate = await serve(settings)
+        await gate.until(lambda: gate is not None and gate.service.admission.capacity == 2)
+        server = cli.Server(uvicorn.Config(lambda: None), gate.service, fleet)
+        dead = fleet.engines[0]
+        assert dead.pid is not None
+        os.kill(dead.pid, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            while dead.poll() is None:
+                await asyncio.sleep(0.02)
+        server._watch(fleet)
+        assert gate.service.admission.capacity == 1
+        (lost,) = [u for u in gate.service.fleet.upstreams if u.url == fleet.urls[0]]
+        assert not lost.ready
+        assert "killed by SIGKILL" in lost.reason
+        async with httpx.AsyncClient() as client:
+            ready = await client.get(gate.url + "/readyz")
+        assert ready.json() == {"status": "ready", "capacity": 1}
+    finally:
+        if gate is not None:
+            await gate.stop()
+        fleet.stop()
