@@ -185,7 +185,7 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._fleet is not None and counter % 5 == 0:
+        if self._fleet is not None:  # each tick (0.1 s): one waitid per engine, cheap
             self._watch(self._fleet)
         return await super().on_tick(counter)
 
@@ -196,6 +196,12 @@ class Server(uvicorn.Server):
 
         news = fleet.ended()
         left = fleet.running
+        for number, code in news:
+            # Its slots are gone now: /readyz and the pool must not wait for a /props read to
+            # find out (PROPS_REFRESH_INTERVAL later).
+            for upstream in self._service.fleet.upstreams:
+                if upstream.url == fleet.engines[number - 1].url:
+                    upstream.stopped(f"the local llama.cpp engine {ended(code)}")
         for index, (number, code) in enumerate(news):
             # Told one by one, as if apart: of two found ended at once, the first is not the last.
             rest = left + len(news) - 1 - index

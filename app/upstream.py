@@ -301,6 +301,12 @@ class Upstream:
             self._mark_not_ready(reason)
         self.poke()
 
+    def stopped(self, reason: str) -> None:
+        """Its process ended (a local engine slotgate started): its slots are gone at once;
+        the follower goes on looking, in case something comes back at its address."""
+        if self.ready:
+            self._mark_not_ready(reason)
+
     # -- capacity ------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
