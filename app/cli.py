@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ctx-size",
         type=_positive,
         metavar="C",
-        help="context of each engine, shared by its slots (4096)",
+        help="context of each engine, split evenly among its slots (4096: 2048 per slot)",
     )
     local.add_argument(
         "--threads", type=_positive, metavar="T",

@@ -348,6 +348,28 @@ class LocalEngine:
         return self.ctx_size if self.kv_unified and self.parallel > 1 else 0
 
     @property
+    def slot_ctx(self) -> int:
+        """One slot's context, as llama-server gives it: with an explicit -np and no unified
+        cache, -c split among the slots, rounded up to a multiple of 256 (-c 4096 -np 2: 2048);
+        with a unified cache each slot may take the whole of it."""
+        if self.kv_unified or self.parallel == 1:
+            return self.ctx_size
+        share = -(-self.ctx_size // self.parallel)
+        return -(-share // 256) * 256
+
+    @property
+    def slots_said(self) -> str:
+        """Its slots and their context, in words, for its start line."""
+        if self.parallel == 1:
+            return f"1 slot with a context of {self.ctx_size} tokens"
+        if self.kv_unified:
+            return f"{self.parallel} slots sharing one context of {self.ctx_size} tokens"
+        return (
+            f"{self.parallel} slots with a context of {self.slot_ctx} tokens each "
+            f"({self.ctx_size} split among them)"
+        )
+
+    @property
     def kind(self) -> str:
         return f"llama-server ({self.binary})" if self.binary else "xllamacpp"
 
@@ -390,9 +412,8 @@ class LocalEngine:
             raise RuntimeError("a LocalEngine starts once")
         self.url = f"http://127.0.0.1:{port}"
         self.log.info(
-            "starting llama.cpp (%s) at %s: model %s, %d slots sharing a context of %d tokens, "
-            "%d CPU thread%s%s",
-            self.kind, self.url, self.model, self.parallel, self.ctx_size, self.threads,
+            "starting llama.cpp (%s) at %s: model %s, %s, %d CPU thread%s%s",
+            self.kind, self.url, self.model, self.slots_said, self.threads,
             "" if self.threads == 1 else "s",
             "".join(f", {name}={value}" for name, value in self.env.items()),
         )  # fmt: skip
