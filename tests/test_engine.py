@@ -411,12 +411,11 @@ def test_llama_server_gets_only_flags_every_release_knows() -> None:
     ]  # fmt: skip
 
 
-def test_a_built_in_chat_template_is_named_outside_jinja_mode() -> None:
-    # In Jinja mode (llama-server's default since late 2025) "gemma" would be the template's
-    # whole text, and every prompt would be the word gemma.
-    assert server_args("llama-server", Path("/m.gguf"), 8081, 4, 8192, 3, "gemma")[-3:] == [
-        "--no-jinja", "--chat-template", "gemma",
-    ]  # fmt: skip
+def test_a_chat_template_file_runs_in_jinja_mode_and_an_alias_names_the_model() -> None:
+    # Jinja mode is what takes `tools`; outside it a request with them is a 500.
+    assert server_args(
+        "llama-server", Path("/m.gguf"), 8081, 4, 8192, 3, Path("/t.jinja"), "small"
+    )[-5:] == ["--jinja", "--chat-template-file", "/t.jinja", "--alias", "small"]
 
 
 def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_with_its_own(
@@ -426,9 +425,13 @@ def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_wi
     demo = LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=64, threads=1)
     own = LocalEngine.from_args(model=str(model), demo=False, parallel=2, ctx_size=64, threads=1)
 
-    assert DEMO_CHAT_TEMPLATE == "gemma"
-    assert demo.command(8081)[-2:] == ["--chat-template", "gemma"]
-    assert "--chat-template" not in own.command(8081)
+    assert DEMO_CHAT_TEMPLATE.is_file()  # shipped with slotgate
+    assert "<start_of_turn>" in DEMO_CHAT_TEMPLATE.read_text()
+    assert demo.command(8081)[-4:] == [
+        "--chat-template-file", str(DEMO_CHAT_TEMPLATE), "--alias", "gemma-3-270m",
+    ]  # fmt: skip
+    assert "--chat-template-file" not in own.command(8081)
+    assert "--alias" not in own.command(8081)
 
 
 def test_the_demo_model_s_harmless_quirk_is_not_a_warning_but_a_model_of_one_s_own_s_is(

@@ -57,7 +57,6 @@ TOOLS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="the demo engine runs without Jinja: tools are a 500")
 async def test_a_chat_with_tools_as_llama_cpp_s_web_ui_sends_it_is_answered_through_the_demo(
     start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
@@ -71,7 +70,6 @@ async def test_a_chat_with_tools_as_llama_cpp_s_web_ui_sends_it_is_answered_thro
         assert '"error"' not in response.text
 
 
-@pytest.mark.xfail(strict=True, reason="the demo's model id is the cached file's absolute path")
 async def test_the_demo_s_model_id_is_a_readable_name_not_a_path(
     engine: LocalEngine, start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
