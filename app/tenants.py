@@ -313,7 +313,6 @@ class Tenants:
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._path is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.remove_signal_handler(signal.SIGHUP)
                 # The loop leaves SIG_DFL behind, which would end the process on a SIGHUP.
-                if self._hangup is not None:
+                if loop.remove_signal_handler(signal.SIGHUP) and self._hangup is not None:
                     signal.signal(signal.SIGHUP, self._hangup)
