@@ -22,12 +22,22 @@ from pydantic import ValidationError
 from . import __version__, logs
 from .main import Service, create_app
 from .protocol import bounded_head_protocol
-from .settings import ENGINE_VARIABLES, Settings, describe, export_engine_variables, misspelt
+from .settings import (
+    ENGINE_VARIABLES,
+    Settings,
+    describe,
+    export_engine_variables,
+    misspelt,
+    mistyped,
+)
 
 if TYPE_CHECKING:
     from .engine import LocalFleet
 
 log = logging.getLogger("slotgate")
+
+#: How long a stop forced by a second Ctrl-C may take to cut requests and close the app.
+FORCED_STOP_S = 5.0
 
 
 def _env_help() -> str:
@@ -74,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ctx-size",
         type=_positive,
         metavar="C",
-        help="context of each engine, shared by its slots (4096)",
+        help="context of each engine, split evenly among its slots (4096: 2048 per slot)",
     )
     local.add_argument(
         "--threads", type=_positive, metavar="T",
@@ -175,7 +185,7 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._fleet is not None and counter % 5 == 0:
+        if self._fleet is not None:  # each tick (0.1 s): one waitid per engine, cheap
             self._watch(self._fleet)
         return await super().on_tick(counter)
 
@@ -186,6 +196,12 @@ class Server(uvicorn.Server):
 
         news = fleet.ended()
         left = fleet.running
+        for number, code in news:
+            # Its slots are gone now: /readyz and the pool must not wait for a /props read to
+            # find out (PROPS_REFRESH_INTERVAL later).
+            for upstream in self._service.fleet.upstreams:
+                if upstream.url == fleet.engines[number - 1].url:
+                    upstream.stopped(f"the local llama.cpp engine {ended(code)}")
         for index, (number, code) in enumerate(news):
             # Told one by one, as if apart: of two found ended at once, the first is not the last.
             rest = left + len(news) - 1 - index
@@ -208,9 +224,49 @@ class Server(uvicorn.Server):
         # Unlike uvicorn's own, do not re-raise the signal after shutdown: a drained stop
         # is a clean exit (status 0), which is what container runtimes expect.
         if self.should_exit and sig == signal.SIGINT:
+            if not self.force_exit and self._loop is not None:
+                self._loop.call_soon_threadsafe(
+                    log.warning, "second Ctrl-C: slotgate stops now, cutting running requests"
+                )
             self.force_exit = True
         else:
             self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if not self.force_exit:
+            return
+        # uvicorn stops waiting at a second Ctrl-C but then skips the app's shutdown, and the
+        # loop's end cancels the app's lifespan, which logs that as a failed shutdown with a
+        # traceback. Cut the running requests as at the end of DRAIN_TIMEOUT instead, then shut
+        # the app down as usual (a replica gives back what Redis counts for it).
+        tasks = list(self.server_state.tasks)
+        for task in tasks:
+            task.cancel(msg="slotgate stopped at a second Ctrl-C")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FORCED_STOP_S):
+                if tasks:
+                    await asyncio.wait(tasks)
+                await self.lifespan.shutdown()
+
+
+def _hangup(keyed: bool) -> Callable[[int, FrameType | None], None]:
+    if keyed:
+        said = "SIGHUP: API_KEYS_FILE is read again only while slotgate serves; nothing reloaded"
+    else:
+        said = "SIGHUP: nothing to reload (API_KEYS_FILE is unset); slotgate carries on"
+
+    def handle(sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs between any two bytecodes, perhaps inside a log call: on a
+        # running loop the line is written from the loop instead.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            log.warning("%s", said)
+        else:
+            loop.call_soon_threadsafe(log.warning, "%s", said)
+
+    return handle
 
 
 def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Config:
@@ -321,11 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a .env that is there but cannot be read
         print(f"slotgate: cannot read .env: {exc.strerror or exc}", file=sys.stderr)  # noqa: T201
         return 2
+    if (mistake := mistyped()) is not None:
+        print(mistake, file=sys.stderr)  # noqa: T201 - the one line a misconfiguration gets
+        return 2
     logs.configure(settings.log_level, settings.log_format)
     if args.engine_log == "all":  # asked for by name: every engine line, whatever LOG_LEVEL says
         logging.getLogger("slotgate.engine").setLevel(logging.DEBUG)
     for warning in misspelt():
         log.warning("%s", warning)
+    # SIGHUP's default ends the process. With API_KEYS_FILE the app reloads it while it
+    # serves (app/tenants.py); at any other moment, or without the file, it is only told.
+    signal.signal(signal.SIGHUP, _hangup(settings.api_keys_file is not None))
     try:
         sockets = listen(settings.host, settings.port)
     except OSError as exc:

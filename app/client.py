@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import select
 import ssl
 import time
@@ -522,7 +523,9 @@ class Client:
             ) from None
         except OSError as exc:
             self._unreachable()
-            raise ConnectFailed(f"cannot connect to {self._address}:{self._port} ({exc})") from None
+            # "Connection refused", not uvloop's "Connect call failed ('127.0.0.1', 8080)".
+            why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else str(exc)
+            raise ConnectFailed(f"cannot connect to {self._address}:{self._port} ({why})") from None
         return conn
 
     # -- hooks for an upstream's reuse policy ---------------------------------------------------

@@ -18,6 +18,10 @@ teaches it before the first POST), and nothing for an Origin llama-server has no
   did not notice outlives it by TTL_S at most.
 - Who teaches is the relay's choice (app/relay.py): with API keys, only answers to requests
   whose key was checked; without, only answers on the generation routes.
+- Wherever an Origin is allowed, slotgate exposes the headers it sets (`EXPOSED`): a page may
+  otherwise read none of Retry-After, x-should-retry or the request id, and the OpenAI SDK in a
+  browser falls back to its own backoff. On a relayed answer they are added to whatever
+  Access-Control-Expose-Headers llama-server sent (it sends none today), in its one line.
 - The table holds MAX_ORIGINS. An entry is live while its TTL runs; when the table is full of
   live entries a new Origin is not learned (its answers from slotgate carry no CORS header until
   an entry lapses), rather than evicting one in use: a flood of made-up Origins can then delay
@@ -37,6 +41,10 @@ MAX_ORIGINS = 256
 TTL_S = 60.0
 _ALLOW_ORIGIN = b"access-control-allow-origin"
 _VARY = (b"vary", b"Origin")
+_EXPOSE = b"access-control-expose-headers"
+#: The headers slotgate sets that a client reads: when to retry, and the request's id.
+EXPOSED = (b"retry-after", b"retry-after-ms", b"x-should-retry", b"x-request-id", b"request-id")
+_EXPOSED_LINE = b", ".join(EXPOSED)
 
 
 class CorsPolicy:
@@ -66,7 +74,29 @@ class CorsPolicy:
         # Vary even when nothing is allowed: the answer depends on the Origin all the same.
         if answer is None or answer[0] < time.monotonic():
             return [_VARY]
-        return [answer[1], _VARY]
+        return [answer[1], (_EXPOSE, _EXPOSED_LINE), _VARY]
+
+    @staticmethod
+    def expose(headers: list[Header]) -> None:
+        """Add EXPOSED to a relayed answer's headers (lowercase names) if it allows an Origin,
+        merged into llama-server's own Access-Control-Expose-Headers if it sent one."""
+        at = None
+        for index, (name, _) in enumerate(headers):
+            if name == _EXPOSE:
+                at = index
+            elif name == _ALLOW_ORIGIN and at is None:
+                at = -1
+        if at is None:
+            return
+        if at < 0:
+            headers.append((_EXPOSE, _EXPOSED_LINE))
+            return
+        given = headers[at][1]
+        named = {part.strip().lower() for part in given.split(b",")}
+        missing = [name for name in EXPOSED if name not in named]
+        if missing:
+            joined = b", ".join([given.strip(), *missing]) if given.strip() else _EXPOSED_LINE
+            headers[at] = (_EXPOSE, joined)
 
     def forget(self) -> None:
         """llama-server went away or changed: its policy may have changed with it."""

@@ -55,10 +55,14 @@ _LEVELS = {"D": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": log
 #: "file.cpp:123: message", or the C++ runtime's uncaught exception. The cause of the crash;
 #: a debugger's backtrace usually follows, lines of no use to the reader.
 _ABORT_LINE = re.compile(r"^\S+\.(?:c|cc|cpp|cu|h|hpp|m|mm):\d+: |^terminate called after")
-#: The demo model carries no chat template, and llama.cpp's fallback (ChatML) makes gemma
-#: answer `<|im_end|>` and `<|im_start|>` again and again. llama.cpp's built-in gemma template
-#: exists only outside its Jinja mode, which is on by default since late 2025.
-DEMO_CHAT_TEMPLATE = "gemma"
+#: The demo model carries no chat template (no `tokenizer.chat_template` in its GGUF), and
+#: llama.cpp's fallback (ChatML) makes gemma answer `<|im_end|>` and `<|im_start|>` again and
+#: again. llama.cpp's built-in "gemma" works only outside Jinja mode, where a request with
+#: `tools` (llama.cpp's own web UI sends some with every chat) is a 500: so the demo runs in
+#: Jinja mode on Gemma 3's own template, shipped beside this file.
+DEMO_CHAT_TEMPLATE = Path(__file__).with_name("gemma3.jinja")
+#: The demo's model id in /v1/models and in answers, instead of the cached file's path.
+DEMO_ALIAS = "gemma-3-270m"
 #: Warnings that are true of llama-server in general but not of an engine on a private
 #: loopback port behind slotgate; shown only with `--engine-log all`, as information.
 _MOOT_WARNINGS = ("security: no API key is set",)
@@ -214,20 +218,23 @@ def server_args(
     parallel: int,
     ctx_size: int,
     threads: int,
-    chat_template: str | None = None,
+    chat_template: Path | str | None = None,
+    alias: str | None = None,
 ) -> list[str]:
     """A llama-server command line; only flags that every recent llama-server accepts.
 
     An explicit `-np` gives each slot `ctx_size / parallel` of context, with no shared
-    (unified) pool that every request could exhaust at once. A built-in chat template is
-    chosen by name only outside Jinja mode; in it the name would be the template's text.
+    (unified) pool that every request could exhaust at once. `chat_template` is a Jinja
+    template's file, for a model that carries none; `alias` the model's id in answers.
     """
     command = [
         binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(parallel), "-c", str(ctx_size), "-t", str(threads), "--metrics",
     ]  # fmt: skip
     if chat_template:
-        command += ["--no-jinja", "--chat-template", chat_template]
+        command += ["--jinja", "--chat-template-file", str(chat_template)]
+    if alias:
+        command += ["--alias", alias]
     return command
 
 
@@ -271,7 +278,8 @@ class LocalEngine:
         ctx_size: int = 4096,
         threads: int | None = None,
         binary: str | None = None,
-        chat_template: str | None = None,
+        chat_template: Path | None = None,
+        alias: str | None = None,
         log_all: bool = False,
         kv_unified: bool = False,
         moot_warnings: tuple[str, ...] = _MOOT_WARNINGS,
@@ -285,8 +293,10 @@ class LocalEngine:
         self.ctx_size = ctx_size
         self.threads = threads or default_threads()
         self.binary = binary
-        #: A llama.cpp built-in chat template by name (`gemma`), or None for the model's own.
+        #: A Jinja chat template's file, or None for the model's own.
         self.chat_template = chat_template
+        #: The model's id in llama-server's answers, or None for the model's path.
+        self.alias = alias
         #: Forward every line of llama.cpp's log, not only its warnings and errors.
         self.log_all = log_all
         self.kv_unified = kv_unified
@@ -337,6 +347,7 @@ class LocalEngine:
             threads=threads,
             binary=binary,
             chat_template=DEMO_CHAT_TEMPLATE if demo else None,
+            alias=DEMO_ALIAS if demo else None,
             log_all=log_all,
             moot_warnings=_MOOT_WARNINGS + _DEMO_MOOT_WARNINGS if demo else _MOOT_WARNINGS,
         )
@@ -346,6 +357,28 @@ class LocalEngine:
         """KV_BUDGET_TOKENS for this engine: its whole context when its slots share one
         (unified) cache; 0 otherwise, since each slot then has a context of its own."""
         return self.ctx_size if self.kv_unified and self.parallel > 1 else 0
+
+    @property
+    def slot_ctx(self) -> int:
+        """One slot's context, as llama-server gives it: with an explicit -np and no unified
+        cache, -c split among the slots, rounded up to a multiple of 256 (-c 4096 -np 2: 2048);
+        with a unified cache each slot may take the whole of it."""
+        if self.kv_unified or self.parallel == 1:
+            return self.ctx_size
+        share = -(-self.ctx_size // self.parallel)
+        return -(-share // 256) * 256
+
+    @property
+    def slots_said(self) -> str:
+        """Its slots and their context, in words, for its start line."""
+        if self.parallel == 1:
+            return f"1 slot with a context of {self.ctx_size} tokens"
+        if self.kv_unified:
+            return f"{self.parallel} slots sharing one context of {self.ctx_size} tokens"
+        return (
+            f"{self.parallel} slots with a context of {self.slot_ctx} tokens each "
+            f"({self.ctx_size} split among them)"
+        )
 
     @property
     def kind(self) -> str:
@@ -368,7 +401,9 @@ class LocalEngine:
         if self.binary:
             command += ["--binary", self.binary]
         if self.chat_template:
-            command += ["--chat-template", self.chat_template]
+            command += ["--chat-template-file", str(self.chat_template)]
+        if self.alias:
+            command += ["--alias", self.alias]
         if self.kv_unified:
             command.append("--kv-unified")
         return command
@@ -390,9 +425,8 @@ class LocalEngine:
             raise RuntimeError("a LocalEngine starts once")
         self.url = f"http://127.0.0.1:{port}"
         self.log.info(
-            "starting llama.cpp (%s) at %s: model %s, %d slots sharing a context of %d tokens, "
-            "%d CPU thread%s%s",
-            self.kind, self.url, self.model, self.parallel, self.ctx_size, self.threads,
+            "starting llama.cpp (%s) at %s: model %s, %s, %d CPU thread%s%s",
+            self.kind, self.url, self.model, self.slots_said, self.threads,
             "" if self.threads == 1 else "s",
             "".join(f", {name}={value}" for name, value in self.env.items()),
         )  # fmt: skip
@@ -593,7 +627,8 @@ class LocalFleet:
         engines = [first] + [
             LocalEngine(
                 first.model, parallel=first.parallel, ctx_size=first.ctx_size, threads=share,
-                binary=first.binary, chat_template=first.chat_template, log_all=first.log_all,
+                binary=first.binary, chat_template=first.chat_template, alias=first.alias,
+                log_all=first.log_all,
                 kv_unified=first.kv_unified, moot_warnings=first.moot_warnings,
             )
             for share in shares[1:]
@@ -710,13 +745,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-size", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--binary")
-    parser.add_argument("--chat-template")
+    parser.add_argument("--chat-template-file")
+    parser.add_argument("--alias")
     parser.add_argument("--kv-unified", action="store_true")
     args = parser.parse_args(argv)
     if args.binary:
         return _supervise(
             server_args(args.binary, args.model, args.port, args.parallel, args.ctx_size,
-                        args.threads, args.chat_template)
+                        args.threads, args.chat_template_file, args.alias)
             + (["--kv-unified"] if args.kv_unified else []),
         )  # fmt: skip
     return _host(args)
@@ -759,9 +795,13 @@ def _host(args: argparse.Namespace) -> int:
     params.port = args.port
     params.endpoint_metrics = True
     params.endpoint_slots = True
-    if args.chat_template:
-        params.chat_template = args.chat_template
-        params.use_jinja = False  # see DEMO_CHAT_TEMPLATE
+    if args.chat_template_file:
+        params.chat_template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        params.use_jinja = True  # see DEMO_CHAT_TEMPLATE
+    if args.alias:
+        # A set of names in newer builds (a model may have several), one string in older ones.
+        aliases = params.model_alias
+        params.model_alias = {args.alias} if isinstance(aliases, set) else args.alias
     try:
         server = xllamacpp.Server(params)
     except Exception as exc:  # whatever it is, slotgate reports it in one line

@@ -113,6 +113,15 @@ class Fleet:
         return "; ".join(f"{u.url}: {u.reason}" for u in upstreams)
 
     @property
+    def unreached(self) -> str | None:
+        """Why no upstream can be reached, when none has answered anything since slotgate
+        started (see Upstream.unreached); None while any might be loading or restarting."""
+        upstreams = self.upstreams
+        if not upstreams or any(u.unreached is None for u in upstreams):
+            return None
+        return "; ".join(u.unreached for u in upstreams if u.unreached is not None)
+
+    @property
     def primary(self) -> Upstream:
         """The upstream for what is not routed by slots (counts, ungated requests): the first
         ready one, else the first."""

@@ -3,7 +3,9 @@
 A record can carry what a client sent (a path with `%0a` or `%00` in it, a header): in the
 text format every control character, the Unicode line breaks and the backslash are written as
 escapes, so one record is always one line and cannot forge another; the JSON format escapes
-them as JSON does.
+them as JSON does. Nor can it forge a field of its own line: in the text format a field's
+value, and an argument marked `Client` (a path), is written as logfmt does, in double quotes
+with `"` and `\\` escaped when it holds a space, a quote, `=` or a control character.
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ def escape(text: str) -> str:
     return _UNSAFE.sub(_escaped, text) if _UNSAFE.search(text) else text
 
 
+#: A value logfmt can take as it is: no space, quote, `=`, backslash or control character.
+_BARE = re.compile(r'[^\s"=\\\x00-\x1f\x7f-\x9f]+')
+
+
+def quote(text: str) -> str:
+    """`text` as one logfmt value: as it is when it is one plain word, else quoted."""
+    if _BARE.fullmatch(text):
+        return text
+    return '"' + escape(text).replace('"', '\\"') + '"'
+
+
+class Client(str):
+    """Text a client chose, logged as an argument: quoted in the text format, so that a path
+    such as `/v1/models status=500` stays one value."""
+
+    __slots__ = ()
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message and every `extra` field."""
 
@@ -65,13 +85,20 @@ class TextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         # The message only: a traceback logging appends after it keeps its lines.
-        record.message = escape(record.message)
+        args = record.args
+        if isinstance(args, tuple) and any(type(arg) is Client for arg in args):
+            record.message = escape(str(record.msg)) % tuple(
+                quote(arg) if type(arg) is Client else escape(arg) if isinstance(arg, str) else arg
+                for arg in args
+            )
+        else:
+            record.message = escape(record.message)
         return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = " ".join(
-            f"{k}={escape(str(v))}" for k, v in vars(record).items() if k not in _RESERVED
+            f"{k}={quote(str(v))}" for k, v in vars(record).items() if k not in _RESERVED
         )
         return f"{line} {fields}" if fields else line
 

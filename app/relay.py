@@ -22,10 +22,20 @@ from .answer import Answer
 from .asgi import Headers, Message, Receive, Scope, Send
 from .assembly import MAX_ASSEMBLED_BYTES, Assembly
 from .client import BodyTooLarge, ExchangeFailed, Response
+from .cors import CorsPolicy
 from .endpoints import check_content_type, route_of
-from .errors import GateError, QueueBytesFull, Refusal, UpstreamFailed, refusal, stream_event
+from .errors import (
+    GateError,
+    QueueBytesFull,
+    Refusal,
+    UpstreamFailed,
+    UpstreamUnavailable,
+    refusal,
+    stream_event,
+)
 from .fleet import Fleet
 from .intake import Wants, take_off_loop
+from .logs import Client
 from .logs import access as access_log
 from .metrics import Metrics
 from .protocol import DisconnectWatch, watch_disconnect
@@ -263,6 +273,8 @@ class Proxy:
         capacity = self._admission.largest
         unknown = capacity is None
         if unknown:
+            if (unreached := self._fleet.unreached) is not None:
+                raise UpstreamUnavailable(unreached)
             # llama-server is (re)starting: wait in the queue, weighed once its slot count is
             # known (app/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
@@ -559,6 +571,8 @@ class Proxy:
             (name.lower(), value) for name, value in response.headers if name not in _RESPONSE_DROP
         ]
         headers += id_headers(request.id)
+        if request.origin is not None:
+            CorsPolicy.expose(headers)
         stream = response.content_type == _SSE
         if stream:
             present = {name for name, _ in headers}
@@ -630,6 +644,8 @@ class Proxy:
             (b"content-length", str(len(body)).encode()),
             *id_headers(request.id),
         ]
+        if request.origin is not None:
+            CorsPolicy.expose(headers)
         await answer.whole(status, headers, body)
 
     async def _relay_into_stream(
@@ -715,7 +731,7 @@ class Proxy:
             return
         access_log.info(
             "%s %s %d %s",
-            request.method, request.path, answer.status, request.outcome,
+            Client(request.method), Client(request.path), answer.status, request.outcome,
             extra={
                 "request_id": request.id,
                 "tenant": request.tenant.name,

@@ -286,12 +286,83 @@ def export_engine_variables(env_file: Path | str = ".env") -> None:
             os.environ.setdefault(key.upper(), value)
 
 
+def _known() -> list[str]:
+    return [name.upper() for name in Settings.model_fields] + list(ENGINE_VARIABLES)
+
+
+#: Names other programs commonly read from the environment that are also near misses of a
+#: setting: set in the environment, they are taken as theirs; in a .env file, as a slip.
+_OTHER_PROGRAMS_NAMES = frozenset({"LOGLEVEL", "LOGFORMAT"})
+#: Below this many letters (underscores aside) a name one letter off a setting is as likely
+#: another program's (POST, HOSTS) as a slip, so only the same letters count as a near miss.
+_NEAR_MISS_LETTERS = 8
+
+
+def near_miss(name: str) -> str | None:
+    """The setting `name` was surely meant to be, when slotgate does not read it as it is:
+    the same letters ignoring case and underscores (MAXQUEUE), or, for a name of 8 letters or
+    more, one letter added, dropped, changed or two swapped (QUEUE_TIMOEUT). The environment
+    holds many other programs' variables: a looser rule would stop slotgate for one of them."""
+    upper = name.upper()
+    known = _known()
+    # LLAMA_ARG_* are llama-server's: compose hands the same file to both containers.
+    if upper in known or upper.startswith("LLAMA_ARG_"):
+        return None
+    letters = upper.replace("_", "")
+    for setting in known:
+        theirs = setting.replace("_", "")
+        if letters == theirs or (
+            min(len(letters), len(theirs)) >= _NEAR_MISS_LETTERS and _one_edit(letters, theirs)
+        ):
+            return setting
+    return None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """`a` and `b` differ by one letter added, dropped or changed, or two adjacent swapped."""
+    if abs(len(a) - len(b)) > 1:
+        return False
+    start = 0
+    while start < min(len(a), len(b)) and a[start] == b[start]:
+        start += 1
+    a, b = a[start:], b[start:]
+    return (
+        a[1:] == b[1:]  # changed (or both ended)
+        or a[1:] == b  # dropped
+        or a == b[1:]  # added
+        or (len(a) == len(b) >= 2 and a[0] == b[1] and a[1] == b[0] and a[2:] == b[2:])
+    )
+
+
+def mistyped(env_file: Path | str = ".env") -> str | None:
+    """The one line that stops start-up when the environment or `env_file` sets a near miss
+    of a setting (see near_miss): slotgate would otherwise run without it, silently."""
+    said = [
+        (key, f"{key} is set in the environment")
+        for key, value in os.environ.items()
+        if value and key.upper() not in _OTHER_PROGRAMS_NAMES
+    ]
+    said += [
+        (key, f"{env_file} sets {key}") for key, value in dotenv_values(env_file).items() if value
+    ]
+    for key, where in said:
+        meant = near_miss(key)
+        if meant is not None:
+            return (
+                f"slotgate: {where}, but slotgate reads {meant}: rename it "
+                "(or unset it, if it is not meant for slotgate)"
+            )
+    return None
+
+
 def misspelt(env_file: Path | str = ".env") -> list[str]:
     """A warning for each key of `env_file` that slotgate does not read but that is close
-    to one it does (QUEUE_PER_SLOTS), naming that one; other keys are someone else's."""
-    known = [name.upper() for name in Settings.model_fields] + list(ENGINE_VARIABLES)
-    # LLAMA_ARG_* are llama-server's: compose hands the same file to both containers.
-    unknown = [key for key in dotenv_values(env_file) if key.upper() not in known]
+    to one it does (QUEUE_PER_SLOTZ), naming that one; other keys are someone else's. (A near
+    miss stops start-up instead: see `mistyped`.)"""
+    known = _known()
+    unknown = [
+        key for key in dotenv_values(env_file) if key.upper() not in known and not near_miss(key)
+    ]
     return [
         f"{env_file} sets {key}, which slotgate does not read; did you mean {close}?"
         for key in unknown

@@ -35,6 +35,7 @@ import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("slotgate")
 
@@ -269,6 +270,9 @@ class Tenants:
         self.roster = roster(self._api_keys, path)
         #: Called with the new roster after each successful reload (the fair line's retune).
         self.listeners: list[Callable[[Roster], None]] = []
+        #: SIGHUP's handler before ours, put back when we give it up (slotgate's command has one
+        #: that says there is nothing to reload, so that SIGHUP never stops the process).
+        self._hangup: Any = None
 
     @property
     def keyed(self) -> bool:
@@ -300,6 +304,7 @@ class Tenants:
         if self._path is None:
             return False
         try:
+            self._hangup = signal.getsignal(signal.SIGHUP)
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         except (NotImplementedError, RuntimeError, ValueError):
             return False
@@ -308,4 +313,6 @@ class Tenants:
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._path is not None:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.remove_signal_handler(signal.SIGHUP)
+                # The loop leaves SIG_DFL behind, which would end the process on a SIGHUP.
+                if loop.remove_signal_handler(signal.SIGHUP) and self._hangup is not None:
+                    signal.signal(signal.SIGHUP, self._hangup)

@@ -181,6 +181,12 @@ class Upstream:
         self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
+        #: Why it cannot be reached, while nothing has ever answered there since slotgate
+        #: started: an address nobody listens on (a wrong LLAMA_SERVER_URL) is not a
+        #: llama-server that is loading, so requests are refused at once instead of waiting
+        #: STARTUP_WAIT for it. None once anything answered there, or before the first try.
+        self.unreached: str | None = None
+        self._answered = False
         #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
         #: rebuild; None until an answer has shown it (app/relay.py, `_learn_verbose`).
         self.verbose: bool | None = None
@@ -224,8 +230,9 @@ class Upstream:
         """Send one request (target: a checked, quoted path and query) and return the response
         with its head read and its body still to come."""
         try:
-            return await self._client.request(method, self._root + target, headers, body)
+            response = await self._client.request(method, self._root + target, headers, body)
         except ConnectFailed as exc:
+            self._not_reached(exc)
             self.poke()
             raise UpstreamStarting(
                 f"llama-server at {self.url} cannot be reached ({exc}); retry shortly"
@@ -241,6 +248,20 @@ class Upstream:
             ) from None
         except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
+        if not self._answered:
+            self._reached()
+        return response
+
+    def _not_reached(self, exc: ConnectFailed) -> None:
+        if not self._answered:
+            self.unreached = (
+                f"llama-server at {self.url} has not been reachable since slotgate started "
+                f"({exc}); check LLAMA_SERVER_URL, or retry once it is up"
+            )
+
+    def _reached(self) -> None:
+        self._answered = True
+        self.unreached = None
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         status, body, _ = await self._get_with_headers(path)
@@ -282,12 +303,20 @@ class Upstream:
             self._mark_not_ready(reason)
         self.poke()
 
+    def stopped(self, reason: str) -> None:
+        """Its process ended (a local engine slotgate started): its slots are gone at once;
+        the follower goes on looking, in case something comes back at its address."""
+        if self.ready:
+            self._mark_not_ready(reason)
+
     # -- capacity ------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
         """Read /props once and follow its slot count; mark not ready on any failure."""
         try:
             status, body = await self._get("/props")
+            if not self._answered:
+                self._reached()
             if status != 200:
                 text = body[:200].decode("utf-8", "replace")
                 if status == 401 and self.auth is None:
@@ -303,7 +332,10 @@ class Upstream:
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
         except (ExchangeFailed, TimeoutError, ValueError) as exc:
-            self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
+            if isinstance(exc, ConnectFailed):
+                self._not_reached(exc)
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+            self._mark_not_ready(self.unreached or reason)
             return
         if self.props is not None and props.build_info != self.props.build_info:
             self._client.relearn()

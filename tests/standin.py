@@ -92,6 +92,9 @@ class StandIn:
     close_after_stream: bool = True  # close the connection after a stream, as llama-server does
     api_key: str | None = None  # /props wants it as a Bearer token, as with --api-key
     cors_origins: set[str] | None = None  # None: echo any Origin; else as --cors-origins
+    cors_expose: bytes | None = (
+        None  # an Access-Control-Expose-Headers of its own (llama-server has none)
+    )
     shutdown_timeout_s: float = 60.0  # how long stop() lets running generations finish
     verbose: bool = False  # add `__verbose` to answers, as llama-server --verbose does
     # POST /apply-template and /tokenize answered as llama-server does, one token per word,
@@ -532,6 +535,8 @@ class Connection(asyncio.Protocol):
         if allowed is not None and origin.decode("latin-1") not in allowed:
             origin = ",".join(sorted(allowed)).encode("latin-1")
         out = b"Access-Control-Allow-Origin: %s\r\n" % origin
+        if self.standin.cors_expose is not None:
+            out += b"Access-Control-Expose-Headers: %s\r\n" % self.standin.cors_expose
         if method == "OPTIONS":
             out += (
                 b"Access-Control-Allow-Credentials: true\r\n"

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
@@ -213,12 +214,12 @@ def test_the_demo_on_a_busy_port_fails_before_it_touches_its_model(
 def test_a_misspelt_dotenv_key_is_warned_about_naming_the_right_one(
     busy_port: int, tmp_path: Path
 ) -> None:
-    (tmp_path / ".env").write_text("QUEUE_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n")
+    (tmp_path / ".env").write_text("QUEUES_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n")
     result = run({"PORT": str(busy_port)}, cwd=tmp_path)  # stops right after the warnings
     warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1
     assert warnings[0].endswith(
-        ".env sets QUEUE_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?"
+        ".env sets QUEUES_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?"
     )
 
 
@@ -620,7 +621,9 @@ def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
         monkeypatch.setenv(name, env[name])
     fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
                                  threads=1, replicas=2)  # fmt: skip
-    server = cli.Server(uvicorn.Config(lambda: None), cast("Service", None), fleet)
+    # A gate without upstreams: what it tells them is another test's.
+    gate = cast("Service", SimpleNamespace(fleet=SimpleNamespace(upstreams=[])))
+    server = cli.Server(uvicorn.Config(lambda: None), gate, fleet)
 
     def die(*engines: LocalEngine) -> list[str]:
         """Kill the engines, then let slotgate look once they have all ended."""
@@ -704,3 +707,105 @@ def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_
     assert last is not None, logged
     assert {first[1], last[1]} == {"1", "2"}
     assert "Traceback" not in logged
+
+
+async def test_sighup_without_api_keys_file_is_logged_and_leaves_slotgate_serving(
+    slotgate: Process, standin: StandIn
+) -> None:
+    assert slotgate.proc.stderr is not None
+    said: list[str] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        # One signal at a time, each seen handled before the next: two signals sent at once
+        # may be delivered as one.
+        for _ in range(2):
+            slotgate.proc.send_signal(signal.SIGHUP)
+            async with asyncio.timeout(30):
+                while not said or "nothing to reload" not in said[-1]:
+                    said.append((await slotgate.proc.stderr.readline()).decode())
+            answer = await client.post(slotgate.url + "/v1/chat/completions", json=chat())
+            assert answer.status_code == 200
+    assert slotgate.proc.returncode is None
+    assert "API_KEYS_FILE" in said[-1]
+    slotgate.proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        assert await slotgate.proc.wait() == 0
+    logged = "".join(said) + (await slotgate.proc.stderr.read()).decode()
+    assert logged.count("nothing to reload") == 2, logged
+    assert "Traceback" not in logged
+
+
+async def test_a_second_ctrl_c_during_the_drain_exits_at_once_with_one_line(
+    slotgate: Process, standin: StandIn
+) -> None:
+    standin.tokens, standin.token_delay_s = 400, 0.05  # 20 s, past any drain here
+    async with (
+        httpx.AsyncClient(timeout=20) as client,
+        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+    ):
+        chunks = r.aiter_raw()
+        await anext(chunks)
+        slotgate.proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.2)
+        slotgate.proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(5):
+            code = await slotgate.proc.wait()
+        with contextlib.suppress(httpx.HTTPError):
+            async for _ in chunks:
+                pass
+    assert slotgate.proc.stderr is not None
+    logged = (await slotgate.proc.stderr.read()).decode()
+    assert code == 0
+    assert "Traceback" not in logged
+    assert "ERROR" not in logged
+    assert logged.count("second Ctrl-C") == 1, logged
+
+
+def test_a_misspelt_setting_in_the_environment_stops_start_up_with_one_line(
+    busy_port: int, tmp_path: Path
+) -> None:
+    # On a busy port: without the check, slotgate stops there, after its warnings.
+    result = run({"MAXQUEUE": "2", "PORT": str(busy_port)}, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "slotgate: MAXQUEUE is set in the environment, but slotgate reads MAX_QUEUE: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    ]
+
+
+async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slotgate.engine import LocalFleet
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
+        monkeypatch.setenv(name, env[name])
+    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+                                 threads=1, replicas=2)  # fmt: skip
+    fleet.start()
+    gate = None
+    try:
+        # No /props read for a minute: whatever changes readiness is the engine's death.
+        settings = Settings(_env_file=None, llama_server_url=",".join(fleet.urls),
+                            props_refresh_interval=60, log_level="error")  # fmt: skip
+        gate = await serve(settings)
+        await gate.until(lambda: gate is not None and gate.service.admission.capacity == 2)
+        server = cli.Server(uvicorn.Config(lambda: None), gate.service, fleet)
+        dead = fleet.engines[0]
+        assert dead.pid is not None
+        os.kill(dead.pid, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            while dead.poll() is None:
+                await asyncio.sleep(0.02)
+        server._watch(fleet)
+        assert gate.service.admission.capacity == 1
+        (lost,) = [u for u in gate.service.fleet.upstreams if u.url == fleet.urls[0]]
+        assert not lost.ready
+        assert "killed by SIGKILL" in lost.reason
+        async with httpx.AsyncClient() as client:
+            ready = await client.get(gate.url + "/readyz")
+        assert ready.json() == {"status": "ready", "capacity": 1}
+    finally:
+        if gate is not None:
+            await gate.stop()
+        fleet.stop()

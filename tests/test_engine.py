@@ -411,12 +411,11 @@ def test_llama_server_gets_only_flags_every_release_knows() -> None:
     ]  # fmt: skip
 
 
-def test_a_built_in_chat_template_is_named_outside_jinja_mode() -> None:
-    # In Jinja mode (llama-server's default since late 2025) "gemma" would be the template's
-    # whole text, and every prompt would be the word gemma.
-    assert server_args("llama-server", Path("/m.gguf"), 8081, 4, 8192, 3, "gemma")[-3:] == [
-        "--no-jinja", "--chat-template", "gemma",
-    ]  # fmt: skip
+def test_a_chat_template_file_runs_in_jinja_mode_and_an_alias_names_the_model() -> None:
+    # Jinja mode is what takes `tools`; outside it a request with them is a 500.
+    assert server_args(
+        "llama-server", Path("/m.gguf"), 8081, 4, 8192, 3, Path("/t.jinja"), "small"
+    )[-5:] == ["--jinja", "--chat-template-file", "/t.jinja", "--alias", "small"]
 
 
 def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_with_its_own(
@@ -426,9 +425,13 @@ def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_wi
     demo = LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=64, threads=1)
     own = LocalEngine.from_args(model=str(model), demo=False, parallel=2, ctx_size=64, threads=1)
 
-    assert DEMO_CHAT_TEMPLATE == "gemma"
-    assert demo.command(8081)[-2:] == ["--chat-template", "gemma"]
-    assert "--chat-template" not in own.command(8081)
+    assert DEMO_CHAT_TEMPLATE.is_file()  # shipped with slotgate
+    assert "<start_of_turn>" in DEMO_CHAT_TEMPLATE.read_text()
+    assert demo.command(8081)[-4:] == [
+        "--chat-template-file", str(DEMO_CHAT_TEMPLATE), "--alias", "gemma-3-270m",
+    ]  # fmt: skip
+    assert "--chat-template-file" not in own.command(8081)
+    assert "--alias" not in own.command(8081)
 
 
 def test_the_demo_model_s_harmless_quirk_is_not_a_warning_but_a_model_of_one_s_own_s_is(
@@ -510,11 +513,11 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warning
     assert health(local.url) == 200
     assert local.poll() is None
     assert (logging.WARNING, "srv init: fake llama-server listening") in lines
-    # The context is the total (-c), shared out among the slots, as /props will show.
+    # The context is the total (-c), split among the slots, as /props will show.
     assert (
         logging.INFO,
         f"starting llama.cpp (llama-server ({local.binary})) at {local.url}: model {model}, "
-        "3 slots sharing a context of 1536 tokens, 1 CPU thread",
+        "3 slots with a context of 512 tokens each (1536 split among them), 1 CPU thread",
     ) in lines
     # Neither its information (with the line that continues it) nor its warning that it has
     # no API key, which is moot on a private loopback port behind slotgate.
@@ -981,3 +984,21 @@ def _in_group(pgid: int) -> Iterator[int]:
                 continue
             if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
                 yield int(entry.name)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "ctx_size", "unified", "said"),
+    [
+        (2, 4096, False, "2 slots with a context of 2048 tokens each (4096 split among them)"),
+        (3, 1000, False, "3 slots with a context of 512 tokens each (1000 split among them)"),
+        (1, 4096, False, "1 slot with a context of 4096 tokens"),
+        (4, 1024, True, "4 slots sharing one context of 1024 tokens"),
+    ],
+)
+def test_the_engine_says_each_slot_s_context_as_llama_server_gives_it(
+    parallel: int, ctx_size: int, unified: bool, said: str
+) -> None:
+    engine = LocalEngine(
+        Path("m.gguf"), parallel=parallel, ctx_size=ctx_size, threads=1, kv_unified=unified
+    )
+    assert engine.slots_said == said

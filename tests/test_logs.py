@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 
@@ -85,10 +86,48 @@ def test_extra_fields_and_arguments_are_escaped_but_a_traceback_keeps_its_lines(
     assert first.endswith("upstream said a\\x0d\\x0ab")
     assert trace[0] == "Traceback (most recent call last):"
     assert "ValueError: boom" in trace[-1]
-    assert line.endswith(" route=/x\\x0ay")
+    assert line.endswith(' route="/x\\x0ay"')
 
 
 def test_plain_text_is_left_as_it_is() -> None:
     assert escape("POST /v1/chat/completions 200 served é 中") == (
         "POST /v1/chat/completions 200 served é 中"
     )
+
+
+def fields(line: str) -> list[tuple[str, str]]:
+    """The key=value pairs of a text line, read as logfmt does (a quoted value may hold
+    spaces, `=` and escaped quotes)."""
+    quoted = r'"(?:[^"\\]|\\.)*"'
+    pairs = re.findall(rf'{quoted}|(?:^| )([a-z_]+)=({quoted}|[^ "]*)', line)
+    return [(key, value) for key, value in pairs if key]
+
+
+async def test_a_path_with_spaces_and_equals_signs_cannot_forge_access_log_fields(
+    start_gate: GateFactory, written: dict[str, io.StringIO]
+) -> None:
+    gate = await start_gate()
+    forged = b"/v1/models%20status=500%20tenant=admin%20outcome=%22x%20y%22"
+    assert (await request(gate.port, b"GET", forged)).startswith(b"HTTP/1.1 200")
+    (line,) = written["text"].getvalue().splitlines()
+    keys = [key for key, _ in fields(line)]
+    assert len(keys) == len(set(keys)), line
+    assert dict(fields(line))["status"] == "200"
+    assert dict(fields(line))["tenant"] == "default"
+    assert '"/v1/models status=500 tenant=admin outcome=\\"x y\\""' in line
+    (entry,) = (json.loads(text) for text in written["json"].getvalue().splitlines())
+    assert entry["status"] == 200
+    assert entry["tenant"] == "default"
+
+
+def test_text_field_values_with_spaces_quotes_or_equals_signs_are_quoted() -> None:
+    record = logging.LogRecord("slotgate", logging.INFO, __file__, 1, "m", (), None)
+    record.plain = "abc"
+    record.spaced = "a b"
+    record.quoted = 'say "hi"\\'
+    record.equals = "k=v"
+    record.empty = ""
+    line = TextFormatter().format(record)
+    assert line.endswith(
+        ' plain=abc spaced="a b" quoted="say \\"hi\\"\\\\" equals="k=v" empty=""'
+    ), line

@@ -300,6 +300,53 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
     assert allowed_origins(unasked) == []  # no Origin, nothing echoed
 
 
+def exposed(response: httpx.Response) -> list[str]:
+    """The headers a page on another origin may read, from the one Expose-Headers line."""
+    (line,) = response.headers.get_list("access-control-expose-headers") or [""]
+    return [name.strip().lower() for name in line.split(",") if name.strip()]
+
+
+OWN = ["retry-after", "retry-after-ms", "x-should-retry", "x-request-id", "request-id"]
+
+
+async def test_a_page_on_another_origin_may_read_retry_after_and_the_request_id(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 5, 0
+    gate = await start_gate(max_queue=1)
+    # Relayed answers (assembled, streamed, passed through) carry slotgate's request id.
+    assembled = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+    streamed = await client.post(
+        gate.url + "/v1/chat/completions", json=chat(stream=True), headers=ORIGIN
+    )
+    listed = await client.get(gate.url + "/v1/models", headers=ORIGIN)
+    for answer in (assembled, streamed, listed):
+        assert answer.status_code == 200
+        assert {"x-request-id", "request-id"} <= set(exposed(answer))
+    standin.token_delay_s = 0.05
+    running = [
+        asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
+        for _ in range(2)
+    ]
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    refused = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+    assert refused.status_code == 429
+    assert exposed(refused) == OWN
+    # An Origin llama-server never answered is allowed nothing, so nothing is exposed either.
+    other = await client.post(
+        gate.url + "/v1/chat/completions", json=chat(), headers={"Origin": "http://b.example"}
+    )
+    assert exposed(other) == []
+    await asyncio.gather(*running)
+    # An upstream that exposes headers of its own keeps them, in the one line, none twice.
+    standin.cors_expose = b"X-Upstream-Thing, X-Request-Id"
+    merged = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
+    assert exposed(merged)[:2] == ["x-upstream-thing", "x-request-id"]
+    assert sorted(exposed(merged)) == sorted({"x-upstream-thing", *OWN})
+    unasked = await client.get(gate.url + "/v1/models")
+    assert "access-control-expose-headers" not in unasked.headers
+
+
 async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:

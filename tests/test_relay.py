@@ -669,7 +669,9 @@ async def test_without_keys_only_answers_on_generation_routes_teach_cors(
     await client.post(gate.url + CHAT, json=chat(), headers={"Origin": "http://app.example"})
     assert cors.headers_for(b"http://health.example") == [(b"vary", b"Origin")]
     assert cors.headers_for(b"http://tok.example") == [(b"vary", b"Origin")]
-    assert len(cors.headers_for(b"http://app.example")) == 2
+    assert (b"access-control-allow-origin", b"http://app.example") in cors.headers_for(
+        b"http://app.example"
+    )
 
 
 async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_leave_it(

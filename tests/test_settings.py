@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from slotgate.settings import Settings, describe, misspelt
+from slotgate.settings import Settings, describe, misspelt, mistyped, near_miss
 
 
 def test_defaults_match_the_documented_ones() -> None:
@@ -103,15 +103,14 @@ def test_dotenv_keys_close_to_a_setting_are_named_with_the_setting(
 ) -> None:
     env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text(
-        "QUEUE_PER_SLOTS=4\nmaxqueue=3\nLLAMA_SERVER_BINARY=x\nMAX_QUEUE=2\n"
+        "QUEUES_PER_SLOTS=4\nmaxqueue=3\nLLAMA_SERVER_BINARY=x\nMAX_QUEUE=2\n"
         "LLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=docker/compose.yaml\nSLOTGATE_PORT=8000\n"
     )
     assert misspelt(env) == [
-        f"{env} sets QUEUE_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?",
-        f"{env} sets maxqueue, which slotgate does not read; did you mean MAX_QUEUE?",
+        f"{env} sets QUEUES_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?",
         f"{env} sets LLAMA_SERVER_BINARY, which slotgate does not read; "
         "did you mean LLAMA_SERVER_BIN?",
-    ]
+    ]  # maxqueue is a near miss: it stops start-up instead (mistyped)
 
 
 def test_no_dotenv_is_nothing_to_warn_about(tmp_path: pytest.TempPathFactory) -> None:
@@ -190,3 +189,59 @@ def test_redis_settings_accept_the_urls_valkey_takes_and_refuse_a_fleet_name_wit
     monkeypatch.setenv("REDIS_FAILURE_MODE", "REJECT")
     settings = Settings(_env_file=None)
     assert (settings.redis_fleet, settings.redis_failure_mode) == ("chat-prod", "reject")
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("MAXQUEUE", "MAX_QUEUE"),
+        ("max_queu", None),  # too short a name for a letter off to be sure
+        ("Queue_Per_Slots", "QUEUE_PER_SLOT"),
+        ("QUEUE_TIMOEUT", "QUEUE_TIMEOUT"),
+        ("LLAMASERVERURL", "LLAMA_SERVER_URL"),
+        ("KV_BUDGET_TOKEN", "KV_BUDGET_TOKENS"),
+        ("MAX_QUEUE", None),  # read as it is
+        ("max_queue", None),  # read too: names are not case-sensitive
+        ("HOSTNAME", None),
+        ("POST", None),
+        ("LLAMA_ARG_N_PARALLEL", None),  # llama-server's
+        ("REDIS_PASSWORD", None),
+    ],
+)
+def test_a_name_is_a_near_miss_only_when_a_setting_was_surely_meant(
+    name: str, meant: str | None
+) -> None:
+    assert near_miss(name) == meant
+
+
+def test_a_misspelt_setting_in_the_environment_or_dotenv_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    monkeypatch.setenv("MAXQUEUE", "2")
+    assert mistyped(env) == (
+        "slotgate: MAXQUEUE is set in the environment, but slotgate reads MAX_QUEUE: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    )
+    monkeypatch.delenv("MAXQUEUE")
+    monkeypatch.setenv("MAXQUEUE", "")  # empty: read as unset, as the settings are
+    assert mistyped(env) is None
+    env.write_text("QUEUETIMEOUT=5\n")
+    assert mistyped(env) == (
+        f"slotgate: {env} sets QUEUETIMEOUT, but slotgate reads QUEUE_TIMEOUT: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    )
+
+
+def test_loglevel_in_the_environment_is_left_to_the_programs_that_read_it_but_not_in_dotenv(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    # Many images and tools read LOGLEVEL from the environment: it must not stop slotgate.
+    env = tmp_path / ".env"  # type: ignore[operator]
+    monkeypatch.setenv("LOGLEVEL", "debug")
+    assert mistyped(env) is None
+    env.write_text("LOGLEVEL=debug\n")
+    assert mistyped(env) == (
+        f"slotgate: {env} sets LOGLEVEL, but slotgate reads LOG_LEVEL: rename it "
+        "(or unset it, if it is not meant for slotgate)"
+    )

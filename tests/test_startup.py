@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 
+from bench.procs import free_port
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
 
@@ -166,3 +168,49 @@ async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under
         rest = b"".join([chunk async for chunk in chunks])
     assert b"data: [DONE]" in rest
     assert b'"error"' not in rest
+
+
+async def test_a_llama_server_url_nobody_listens_on_is_refused_at_once_naming_it_and_why(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    gate = await start_gate(ready=False, llama_server_url=url, startup_wait=60)
+    await gate.until(lambda: "refused" in gate.service.fleet.reason.lower())
+    for body in (chat(), chat(stream=True)):
+        started = time.monotonic()
+        response = await client.post(gate.url + CHAT, json=body)
+        assert time.monotonic() - started < 10  # not STARTUP_WAIT's 60 s
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        message = response.json()["error"]["message"]
+        assert url in message
+        assert "refused" in message.lower()
+    ready = await client.get(gate.url + "/readyz")
+    assert ready.status_code == 503
+    assert url in ready.json()["reason"]
+    assert "refused" in ready.json()["reason"].lower()
+    # It becomes ready as soon as llama-server comes up there.
+    late = StandIn(port=port)
+    await late.start()
+    try:
+        async with asyncio.timeout(10):
+            while (await client.get(gate.url + "/readyz")).status_code != 200:
+                await asyncio.sleep(0.05)
+        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    finally:
+        await late.stop()
+
+
+async def test_a_llama_server_that_was_up_and_went_away_is_still_waited_for(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(startup_wait=60)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    await standin.stop()
+    await gate.until(lambda: not gate.service.fleet.ready)
+    waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await standin.start()  # on the port it had
+    answer = await waiting
+    assert answer.status_code == 200

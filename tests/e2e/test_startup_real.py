@@ -1,4 +1,5 @@
-"""The real llama.cpp server starting behind slotgate: nobody gets a 503 for it."""
+"""The real llama.cpp server starting behind slotgate: once it answers, nobody gets a 503 for
+it; before anything listens at its address, a request is told so at once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
 
 
-async def test_requests_while_llama_cpp_starts_wait_and_a_client_that_saw_health_is_served(
+async def test_requests_while_llama_cpp_loads_wait_and_a_client_that_saw_health_is_served(
     client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = free_port()
@@ -32,17 +33,30 @@ async def test_requests_while_llama_cpp_starts_wait_and_a_client_that_saw_health
         log_level="warning",
     )
     gate = await serve(settings)
+    fleet = gate.service.fleet
+    # Nothing has listened there yet: no llama-server that is loading, perhaps a wrong URL, so
+    # a request is told so at once (and to retry) rather than kept waiting for it.
+    async with asyncio.timeout(10):
+        while fleet.unreached is None:
+            await asyncio.sleep(0.01)
+    refused = await client.post(gate.url + CHAT, json=chat(4, stream=False))
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert settings.llama_server_url in refused.json()["error"]["message"]
     local = LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=2048, threads=1)
     starting = asyncio.create_task(asyncio.to_thread(local.start))
     try:
-        early = [
-            asyncio.create_task(client.post(gate.url + CHAT, json=chat(4, stream=stream)))
-            for stream in (False, True)
-        ]
         health_statuses: set[int] = set()
+        early: list[asyncio.Task[httpx.Response]] = []
         while True:
             health = await client.get(gate.url + "/health")
             health_statuses.add(health.status_code)
+            if not early and fleet.unreached is None:
+                # llama.cpp answers (loading, most likely): from now on requests wait for it.
+                early = [
+                    asyncio.create_task(client.post(gate.url + CHAT, json=chat(4, stream=stream)))
+                    for stream in (False, True)
+                ]
             if health.status_code == 200:
                 break
             await asyncio.sleep(0.01)
