@@ -1049,11 +1049,11 @@ class Admission:
             self._solo = tenant
             return None
         fair = self._fair = FairLine(self._hold_ewma_s)
-        solo = self._solo
-        if solo is not None and self._active:
-            # The slots held now are the solo tenant's: charged as an average hold each (not
-            # counted as held: it had no limits).
-            fair.charge(solo, solo.band, self._active * self._hold_ewma_s)
+        # What runs now is the solo tenant's: granted in the fair line as if just now, so that
+        # it counts against the tenant's limits (a reload may set them) and its release
+        # replaces the provisional charge by the real hold, as for any grant.
+        for ticket in self._holders:
+            fair.granted(ticket)
         for ticket in self._line:
             if not _gone(ticket):
                 fair.push(ticket)
