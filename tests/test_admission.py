@@ -536,10 +536,10 @@ async def test_a_burst_turned_away_is_told_the_moments_places_free_not_the_whole
             admission.enter()
         told.append(refused.value.retry_after_s)
     # Two slots, each freeing a place about every 4 s: the refusals are told successive
-    # moments, two per hold, each within a quarter of a step of jitter.
+    # moments, two per hold, each a quarter to half a step (2 s) after it.
     for k, seconds in enumerate(told):
         moment = (k // 2 + 1) * 4.0
-        assert moment - 0.1 <= seconds <= moment + 0.5, (k, told)
+        assert moment + 0.5 - 0.01 <= seconds <= moment + 1.0 + 0.01, (k, told)
     for ticket in [*holders, *waiters]:
         ticket.release()
 
@@ -550,8 +550,8 @@ async def test_the_moments_promised_are_forgotten_once_they_pass() -> None:
     holder, waiter = admission.enter(), admission.enter()
     first = [admission._promise_s() for _ in range(3)]
     assert first[2] > first[0] + 3.5
-    admission._promised = [t - 100 for t in admission._promised]
-    assert admission._promise_s() < 2.6  # the next place again, not a fourth in a row
+    admission._promised = [(at - 100, told - 100) for at, told in admission._promised]
+    assert admission._promise_s() < 3.1  # the next place again, not a fourth in a row
     holder.release()
     waiter.release()
 
@@ -602,11 +602,14 @@ async def test_a_cold_gate_tells_nobody_more_than_two_guessed_holds() -> None:
     admission.expect(3.0)  # a guess: no hold seen yet
     tickets = [admission.enter() for _ in range(3)]
     told = [admission._promise_s() for _ in range(12)]
-    assert told[0] == pytest.approx(3.0, abs=0.5)
-    assert max(told) <= 2 * 3.0 + 3.0 / 2 / 4
-    assert told[-1] >= 6.0 - 0.05  # the later ones wait for real holds to be seen
+    margin = 3.0 / 2 / 4  # a quarter of the step between places, and up to as much again
+    assert 3.0 + margin - 0.01 <= told[0] <= 3.0 + 2 * margin + 0.01
+    assert max(told) <= 2 * 3.0 + 2 * margin
+    assert told[-1] >= 6.0 + margin - 0.01  # the later ones wait for real holds to be seen
     admission._observe(1.0)
-    assert admission._promise_s() > 6.0  # warm: the moments are spaced as they will come
+    # Warm: the twelve told about 6 s stand for the places that free about then, not for
+    # twelve places from then on; the next is told the first place nobody was promised.
+    assert admission._promise_s() == pytest.approx(1.0 + 0.5 / 4 * 1.5, abs=0.15)
     for ticket in tickets:
         ticket.release()
 
@@ -668,9 +671,6 @@ def _place_frees_s(k: int, hold_s: float) -> float:
     return (k + 1) // 2 * hold_s
 
 
-@pytest.mark.xfail(
-    strict=True, reason="Retry-After promises are only forgotten when their moment passes"
-)
 async def test_a_cold_burst_coming_back_together_is_told_the_places_that_free_not_the_line_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -684,17 +684,22 @@ async def test_a_cold_burst_coming_back_together_is_told_the_places_that_free_no
     again = []
     for seconds in sorted(refused):
         await gate.advance(start + seconds - gate.clock.now)
-        again.append(gate.arrive())
-    told = sorted(t for t in again if t is not None)
-    assert told, again
+        told_again = gate.arrive()
+        if told_again is not None:
+            again.append((gate.clock.now + told_again, told_again))
+    told = sorted(seconds for _, seconds in again)
+    assert told
     for k, seconds in enumerate(told, start=1):
         assert seconds <= 2 * _place_frees_s(k, gate.hold_s) + 1.0, (k, told)
+    # Each comes back once more when told (an SDK's last try): each finds a place.
+    last = []
+    for moment, _ in sorted(again):
+        await gate.advance(moment - gate.clock.now)
+        last.append(gate.arrive())
+    assert last.count(None) == len(last), last
     await gate.close()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="Retry-After promises are only forgotten when their moment passes"
-)
 async def test_an_estimate_after_impatient_clients_is_within_twice_the_wait_it_then_sees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -713,13 +718,12 @@ async def test_an_estimate_after_impatient_clients_is_within_twice_the_wait_it_t
     await gate.close()
 
 
-@pytest.mark.xfail(strict=True, reason="/admission shows retry_after_s for the whole line")
 async def test_the_estimate_shown_is_the_one_a_refusal_would_be_told_now() -> None:
     admission = pool(2)  # a line of 64
     for _ in range(4):
         admission._observe(4.0)
     tickets = [admission.enter() for _ in range(2 + 64)]
-    shown = admission.estimate_s()  # type: ignore[attr-defined]
+    shown = admission.estimate_s()
     with pytest.raises(QueueFull) as refused:
         admission.enter()
     # The next place frees with the next slot: about a hold, not the whole line's 60 s.
