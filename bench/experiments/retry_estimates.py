@@ -173,10 +173,13 @@ def impatient(url: str, args: argparse.Namespace) -> None:
         _watched_burst(url, args.late_burst, args.hold_tokens)
     )
     firsts = sorted((told[0][0], told[0][1], key) for key, told in watch.refusals.items() if told)
-    worst = 0.0
+    worst = apart = 0.0
     for k, (when, estimate, key) in enumerate(firsts, start=1):
         answered = watch.answered.get(key)
         waited = "never" if answered is None else f"{answered - hold_s - when:5.1f} s"
+        if answered is not None and estimate > 0:
+            wait_s = answered - hold_s - when
+            apart = max(apart, wait_s / estimate, estimate / wait_s if wait_s > 0 else 0.0)
         implied = (k + 1) // 2 * hold_s  # the k-th place to free on 2 slots
         worst = max(worst, estimate / implied if implied else 0.0)
         print(
@@ -187,7 +190,8 @@ def impatient(url: str, args: argparse.Namespace) -> None:
     print(
         f"late burst: {outcomes.count('ok')}/{args.late_burst} served in {took:.1f} s "
         f"(a fresh gate: about {args.late_burst / 2 * hold_s:.1f} s of holds); slot-seconds "
-        f"idle while wanted: {idle:.1f}; worst estimate / line's implied wait: {worst:.2f}",
+        f"idle while wanted: {idle:.1f}; worst estimate / line's implied wait: {worst:.2f}; "
+        f"estimate and wait seen at most {apart:.2f}x apart",
         flush=True,
     )
 
