@@ -731,3 +731,20 @@ async def test_the_estimate_shown_is_the_one_a_refusal_would_be_told_now() -> No
     assert shown < 5.0
     for ticket in tickets:
         ticket.release()
+
+
+async def test_a_client_refused_again_and_again_stands_for_one_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = _Gate(monkeypatch, hold_s=10.0)
+    for _ in range(4):
+        gate.arrive()
+    gate.admission._observe(10.0)
+    told = []
+    for _ in range(18):  # every 0.5 s, whatever it was told, until the first slot frees
+        told.append(gate.arrive())
+        await gate.advance(0.5)
+    # The first place frees with the first slot, at 10 s: told a little after it each time,
+    # counting down as it nears, never pushed out by its own earlier refusals.
+    assert all(t is not None and t <= 10.0 + 2.5 for t in told), told
+    await gate.close()
