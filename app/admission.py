@@ -40,6 +40,9 @@ COLD_PROMISE_HOLDS = 2.0
 #: A client told a moment comes back about then, give or take this (Retry-After in whole
 #: seconds, its own latency): an arrival this close to a promised moment keeps that promise.
 RETURN_GRACE_S = 0.5
+#: Promises matched one by one to the moments places free (the cost of a refusal); the ones
+#: further out count a place each.
+MATCHED_PROMISES = 64
 #: A burst's refusals are told within a fraction of this; a refused request that comes while
 #: a promise at least this old is still ahead is taken for one of those clients back early.
 EARLY_RETURN_S = 0.4
@@ -655,7 +658,7 @@ class Admission:
         now = time.monotonic()
         promised = self._purge(now)
         if not kept:
-            for i, (_, told) in enumerate(promised):
+            for i, (_, told) in enumerate(promised[:MATCHED_PROMISES]):
                 if told <= now - EARLY_RETURN_S:
                     promised = promised[:i] + promised[i + 1 :]  # taken over: one back early
                     break
@@ -668,13 +671,18 @@ class Admission:
         ceiling = COLD_PROMISE_HOLDS * hold if self.cold else RETRY_AFTER_CAP_S
         i = 0
         eta = RETRY_AFTER_CAP_S
-        for frees in self._frees(now):
+        for matched, frees in enumerate(self._frees(now)):
             frees = min(frees, ceiling)
             if frees >= RETRY_AFTER_CAP_S:
                 break
+            if matched == MATCHED_PROMISES:
+                # Far enough out: the rest count a place each, each a step further.
+                eta = min(frees + (len(promised) - i) * step, ceiling)
+                break
             at = now + frees
-            while i < len(promised) and promised[i][0] < at - near:
-                i += 1  # stands for no moment the pool frees (it may still be kept)
+            if i < len(promised) and promised[i][0] < at - near:
+                # Those before stand for no moment the pool frees (they may still be kept).
+                i = bisect.bisect_left(promised, (at - near, -math.inf), i)
             if i < len(promised) and promised[i][0] <= at + near:
                 i += 1
                 continue
@@ -714,11 +722,14 @@ class Admission:
             heapq.heapreplace(residuals, frees + hold)
 
     def _keep(self, now: float) -> bool:
-        """An arrival at `now`: the promise due nearest, if near enough, is kept by it."""
+        """An arrival at `now`: the promise due nearest, if near enough, is kept by it (not
+        one told so recently that its client cannot have waited half of it)."""
         promised = self._purge(now)
-        if promised and promised[0][0] <= now + RETURN_GRACE_S:
-            del promised[0]
-            return True
+        if promised:
+            moment, told = promised[0]
+            if moment <= now + RETURN_GRACE_S and now - told >= (moment - told) / 2:
+                del promised[0]
+                return True
         return False
 
     def _purge(self, now: float) -> list[tuple[float, float]]:
