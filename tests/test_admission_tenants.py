@@ -354,3 +354,23 @@ async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
     for ticket in line:
         ticket.release()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_reload_before_the_switch_holds_the_first_tenant_to_its_new_max_active() -> None:
+    admission = pool(3)
+    running = waiters(admission, FLOOD, 3)
+    capped = Tenant("flood", max_active=1)
+    admission.retune([capped])  # its next request turns the line fair
+    more = waiters(admission, capped, 2)
+    assert admission.tenant_counts("flood") == (3, 2)
+    tasks = [asyncio.create_task(t.wait()) for t in more]
+    running[0].release()
+    running[1].release()
+    await settle()
+    assert not any(t.granted for t in more)  # it still holds one slot, its limit
+    running[2].release()
+    await settle()
+    assert sum(t.granted for t in more) == 1
+    for ticket in more:
+        ticket.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
