@@ -18,6 +18,7 @@ capacity then admits them in arrival order, as any release would.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import functools
 import heapq
@@ -26,7 +27,7 @@ import math
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +40,15 @@ from .tenants import EVERYONE, Tenant
 RETRY_AFTER_CAP_S = 60.0
 #: While no hold has been seen, a refused request is told at most this many expected holds.
 COLD_PROMISE_HOLDS = 2.0
+#: A client told a moment comes back about then, give or take this (Retry-After in whole
+#: seconds, its own latency): an arrival this close to a promised moment keeps that promise.
+RETURN_GRACE_S = 0.5
+#: Promises matched one by one to the moments places free (the cost of a refusal); the ones
+#: further out count a place each.
+MATCHED_PROMISES = 64
+#: A burst's refusals are told within a fraction of this; a refused request that comes while
+#: a promise at least this old is still ahead is taken for one of those clients back early.
+EARLY_RETURN_S = 0.4
 #: Until a hold has been observed or expected (`Admission.expect`), assume this one.
 INITIAL_HOLD_S = 1.0
 #: Weight of the newest observation in the moving average of slot hold times.
@@ -540,9 +550,9 @@ class Admission:
         self._closed = False
         # Who holds slots (ticket: when granted, weight), in the order granted, for `eta_s`.
         self._holders: dict[Ticket, tuple[float, int]] = {}
-        # When the refusals not yet due were told a place should be free (`_promise_s`): a
-        # heap, as a moment told while holds were long may fall after later ones.
-        self._promised: list[float] = []
+        # The moments refused requests were told a place should be free, and when each was
+        # told (`_promise_s`), in the order of the moments.
+        self._promised: list[tuple[float, float]] = []
         self._jitter = random.Random()  # noqa: S311 - spreading retries, not a secret
         # Where each affinity key's last request ran (its prompt is cached there now), the
         # newest last; bounded, the oldest forgotten first.
@@ -650,32 +660,124 @@ class Admission:
                     break
         return residual + rounds * hold
 
-    def _promise_s(self) -> float:
-        """The Retry-After of a request that the full line turns away: when a place is likely
-        to be free for it.
+    def estimate_s(self) -> float:
+        """The Retry-After a request refused now would be told (`_promise_s`, without its
+        random part and without promising it), for /admission."""
+        return self._promise_s(record=False)
 
-        A place frees each time a slot does (the head of the line takes it). The refusals
-        still due are promised successive such moments, so that a burst's clients come back
-        spread over the moments places free up, with a little jitter, and the line refills
-        as it drains; nobody is told to wait for the whole line.
+    def _promise_s(self, kept: bool = False, record: bool = True) -> float:
+        """The Retry-After of a request that the full line turns away: when a place is likely
+        to be free for it. `kept`: its arrival kept a promise (`_keep`).
+
+        A place frees each time a slot does (the head of the line takes it), at the moments
+        `_frees` estimates. Each refusal is promised the first such moment that no earlier
+        promise still stands for (a little after it), so that a burst's clients come back
+        spread over the moments places free up and the line refills as it drains; nobody is
+        told to wait for the whole line. What a promise stands for is bounded three ways,
+        none of which needs to know who a client is:
+
+        - A promise stands for one moment near its own (within a step or RETURN_GRACE_S);
+          promises beyond what the pool frees in that time (a cold burst told one guessed
+          moment all together) push nobody further: their clients will be refused again and
+          told then, counted once.
+        - An arrival near a promised moment keeps that promise, which stops counting (it is
+          that client back, or someone taking the place it stood for). A refused arrival
+          that keeps none while a promise told at least EARLY_RETURN_S ago is still ahead
+          takes that promise over: one client back early (ignoring Retry-After) stands for
+          one place, however often it comes.
+        - A moment that passes with nobody arriving shows its client is not coming: the
+          promises told before it are forgotten with it.
+
+        So the promises stand for at most the clients refused within EARLY_RETURN_S or kept
+        coming since, each for one place the pool frees, and they drain as soon as clients
+        stop coming back: an estimate stays when this client could expect a place.
         """
         now = time.monotonic()
-        promised = self._promised
-        while promised and promised[0] <= now:
-            heapq.heappop(promised)
-        eta = self.eta_s(len(promised) + 1)
-        if self.cold:
-            # No hold seen yet: the guess errs late by design, and moments spaced by it would
-            # leave slots idle for as long as it is wrong. Nobody is told more than two
-            # guessed holds; by then real ones are known and a second refusal is precise.
-            eta = min(eta, COLD_PROMISE_HOLDS * self._hold_ewma_s)
-        step = self._hold_ewma_s / (self._capacity or 1)
-        eta += self._jitter.uniform(0.0, min(step, eta) / 4)
+        promised = self._purge(now)
+        if not kept:
+            for i, (_, told) in enumerate(promised[:MATCHED_PROMISES]):
+                if told <= now - EARLY_RETURN_S:
+                    promised = promised[:i] + promised[i + 1 :]  # taken over: one back early
+                    break
+        hold = self._hold_ewma_s
+        step = hold / (self._capacity or 1)
+        near = max(step, RETURN_GRACE_S)
+        # No hold seen yet: the guess errs late by design, and moments spaced by it would
+        # leave slots idle for as long as it is wrong. Nobody is told more than two guessed
+        # holds; by then real ones are known and a second refusal is precise.
+        ceiling = COLD_PROMISE_HOLDS * hold if self.cold else RETRY_AFTER_CAP_S
+        i = 0
+        eta = RETRY_AFTER_CAP_S
+        for matched, frees in enumerate(self._frees(now)):
+            frees = min(frees, ceiling)
+            if frees >= RETRY_AFTER_CAP_S:
+                break
+            if matched == MATCHED_PROMISES:
+                # Far enough out: the rest count a place each, each a step further.
+                eta = min(frees + (len(promised) - i) * step, ceiling)
+                break
+            at = now + frees
+            if i < len(promised) and promised[i][0] < at - near:
+                # Those before stand for no moment the pool frees (they may still be kept).
+                i = bisect.bisect_left(promised, (at - near, -math.inf), i)
+            if i < len(promised) and promised[i][0] <= at + near:
+                i += 1
+                continue
+            eta = frees
+            break
+        # Told the very moment a place should free, a client races the release it waits for;
+        # a little later costs nothing while the line's waiters keep the slots busy. A
+        # quarter of the step between places, and up to a quarter more at random to spread
+        # a crowd.
+        eta += step / 4
+        if not record:
+            return min(max(eta, 0.05), RETRY_AFTER_CAP_S)
+        self._promised = promised
+        eta += self._jitter.uniform(0.0, step / 4)
         if eta < RETRY_AFTER_CAP_S:
-            # Beyond the cap nothing is promised: the list stays as long as the places that
-            # free within it.
-            heapq.heappush(promised, now + eta)
+            # Beyond the cap nothing is promised.
+            bisect.insort(promised, (now + eta, now))
         return min(max(eta, 0.05), RETRY_AFTER_CAP_S)
+
+    def _frees(self, now: float) -> Iterator[float]:
+        """When the slots free from now on, in seconds, earliest first: each held slot as
+        `eta_s` has it, then every slot once per average hold."""
+        capacity = self._capacity or 1
+        hold = self._hold_ewma_s
+        residuals: list[float] = []
+        for granted_at, weight in self._holders.values():  # in the order they were granted
+            elapsed = now - granted_at
+            residuals += [max(hold - elapsed, elapsed / 2)] * weight
+            if len(residuals) >= capacity:
+                break
+        residuals = residuals[:capacity]
+        residuals += [0.0] * (capacity - len(residuals))
+        heapq.heapify(residuals)
+        while True:
+            frees = residuals[0]
+            yield frees
+            heapq.heapreplace(residuals, frees + hold)
+
+    def _keep(self, now: float) -> bool:
+        """An arrival at `now`: the promise due nearest, if near enough, is kept by it (not
+        one told so recently that its client cannot have waited half of it)."""
+        promised = self._purge(now)
+        if promised:
+            moment, told = promised[0]
+            if moment <= now + RETURN_GRACE_S and now - told >= (moment - told) / 2:
+                del promised[0]
+                return True
+        return False
+
+    def _purge(self, now: float) -> list[tuple[float, float]]:
+        """Forget the moments that passed with nobody arriving, and every promise told
+        before them: their clients are not all coming back."""
+        promised = self._promised
+        passed = bisect.bisect_left(promised, (now - RETURN_GRACE_S, -math.inf))
+        if passed:
+            before = max(told for _, told in promised[:passed])
+            promised = self._promised = [p for p in promised[passed:] if p[1] > before]
+        return promised
 
     # -- changing ----------------------------------------------------------------------------
 
@@ -727,13 +829,16 @@ class Admission:
         """
         if self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
+        kept = bool(self._promised) and self._keep(time.monotonic())
         if band is not None and band != tenant.band:
             tenant = tenant.lowered(band)
         fair = self._fair
         if tenant is not self._solo and fair is None:
             fair = self._share(tenant)
         if self._capacity is None:
-            return self._enter_unknown(weight, cost, weigh, affinity, tenant, conversation, tasks)
+            return self._enter_unknown(
+                weight, cost, weigh, affinity, tenant, conversation, tasks, kept
+            )
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
             weighed = weigh(self._largest)
@@ -765,7 +870,7 @@ class Admission:
             ticket.admitted_at = ticket.entered_at
             return ticket
         if self._limit is not None and waiting >= self._limit:
-            raise QueueFull(self.snapshot(), self._promise_s())
+            raise QueueFull(self.snapshot(), self._promise_s(kept))
         ticket._future = asyncio.get_running_loop().create_future()
         if fair is None:
             self._line.append(ticket)
@@ -876,12 +981,13 @@ class Admission:
         tenant: Tenant,
         conversation: int | None = None,
         tasks: int = 0,
+        kept: bool = False,
     ) -> Ticket:
         if self._startup_wait_s is None:
             raise NotReady(self.snapshot(), 1.0)
         waiting = self._waiting
         if self._limit is not None and waiting >= self._limit:
-            raise QueueFull(self.snapshot(), self._promise_s())
+            raise QueueFull(self.snapshot(), self._promise_s(kept))
         seq = self._next_seq
         self._next_seq = seq + 1
         ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
@@ -1209,11 +1315,11 @@ class Admission:
             self._solo = tenant
             return None
         fair = self._fair = FairLine(self._hold_ewma_s)
-        solo = self._solo
-        if solo is not None and self._active:
-            # The slots held now are the solo tenant's: charged as an average hold each (not
-            # counted as held: it had no limits).
-            fair.charge(solo, solo.band, self._active * self._hold_ewma_s)
+        # What runs now is the solo tenant's: granted in the fair line as if just now, so that
+        # it counts against the tenant's limits (a reload may set them) and its release
+        # replaces the provisional charge by the real hold, as for any grant.
+        for ticket in self._holders:
+            fair.granted(ticket)
         for ticket in self._line:
             if not _gone(ticket):
                 fair.push(ticket)

@@ -401,14 +401,6 @@ class FairLine(Generic[W]):
             self._unblock(account)
         self._picked = None
 
-    def charge(self, tenant: Tenant, band: int, slot_s: float) -> None:
-        """Count `slot_s` slot-seconds against `tenant` in `band`, held outside this line (by
-        requests admitted before it existed)."""
-        flow = self._flows.get((band, tenant.name))
-        if flow is None:
-            flow = self._make(tenant, band)
-        flow.vt += slot_s / flow.account.weight
-
     def leave(self, ticket: W) -> None:
         """A waiter's future is done other than by a grant (gave up, refused): uncount it now;
         its ticket is dropped when it reaches its flow's head (or now, from the tail)."""

@@ -132,7 +132,7 @@ class Service:
             "committed_tokens": snap.committed_tokens,
             "free_tokens": snap.free_tokens,
             "admission_control": self.settings.admission_control,
-            "retry_after_estimate_s": round(self.admission.retry_after_s(snap.queued + 1), 3),
+            "retry_after_estimate_s": round(self.admission.estimate_s(), 3),
             "upstream": {
                 "url": primary.url,
                 "ready": self.fleet.ready,

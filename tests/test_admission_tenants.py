@@ -70,7 +70,7 @@ async def test_a_second_tenant_is_served_before_a_flood_already_waiting() -> Non
     chat = admission.enter(tenant=CHAT)
     chat_task = asyncio.create_task(chat.wait())
     await settle()
-    assert admission.tenant_counts("flood") == (0, 50)
+    assert admission.tenant_counts("flood") == (1, 50)  # it holds the slot
     assert admission.tenant_counts("chat") == (0, 1)
     holder.release()
     await chat_task
@@ -311,3 +311,101 @@ async def test_a_reload_lowering_max_active_below_a_waiters_weight_refuses_it() 
     assert admission.tenant_counts("capped") == (1, 0)
     holder.release()
     assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_the_first_tenants_running_slots_count_as_held_once_a_second_tenant_comes() -> None:
+    admission = pool(2)
+    running = waiters(admission, FLOOD, 2)
+    queued = waiters(admission, FLOOD, 1)
+    assert admission._fair is None
+    chat = admission.enter(tenant=CHAT)  # the line turns fair here
+    assert admission.tenant_counts("flood") == (2, 1)
+    running[0].release()
+    await settle()
+    # The slot went to one of the two waiting; either way, held slots are counted exactly.
+    assert sum(admission.tenant_counts(name)[0] for name in ("flood", "chat")) == 2
+    for ticket in [*running, *queued, chat]:
+        ticket.release()
+    assert admission.tenant_counts("flood") == (0, 0)
+    assert admission.tenant_counts("chat") == (0, 0)
+
+
+async def test_a_reload_at_the_switch_holds_the_first_tenant_to_its_new_max_active() -> None:
+    admission = pool(3)
+    running = waiters(admission, FLOOD, 3)
+    more = waiters(admission, FLOOD, 2)
+    chat = admission.enter(tenant=CHAT)
+    admission.retune([Tenant("flood", max_active=1)])
+    tasks = [asyncio.create_task(t.wait()) for t in [*more, chat]]
+    running[0].release()
+    await settle()
+    running[1].release()
+    await settle()
+    # It still holds one slot, its limit: neither of its waiters may run yet.
+    assert not any(t.granted for t in more)
+    assert admission.tenant_counts("flood") == (1, 2)
+    running[2].release()
+    await settle()
+    assert sum(t.granted for t in more) == 1
+    for ticket in [*more, chat]:
+        ticket.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("first", ["heavy", "light"])
+async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
+    monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    from slotgate import admission as admission_module
+
+    clock = _Clock()
+    monkeypatch.setattr(admission_module, "time", clock)
+    tenants = {"heavy": Tenant("heavy", weight=9.0), "light": Tenant("light", weight=1.0)}
+    admission = pool(2, max_queue=0)
+    admission.expect(100.0)  # a cold estimate far off the real 2 s, as a large max_tokens gives
+    running = waiters(admission, tenants[first], 2)
+    line = [*waiters(admission, tenants[first], 80)]
+    line += waiters(admission, tenants["light" if first == "heavy" else "heavy"], 80)
+    tasks = [asyncio.create_task(t.wait()) for t in line]
+    await settle()
+    holders = list(running)
+    grants: list[str] = []
+    while len(grants) < 60:
+        clock.now += 1.0  # every generation holds its slot 2 s, staggered by 1 s
+        holders.pop(0).release()
+        await settle()
+        granted = [t for t in line if t.admitted_at == clock.now]
+        holders += granted
+        grants += [t.tenant.name for t in granted]
+    assert 0.05 <= grants[:60].count("light") / 60 <= 0.15, grants
+    for ticket in line:
+        ticket.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_reload_before_the_switch_holds_the_first_tenant_to_its_new_max_active() -> None:
+    admission = pool(3)
+    running = waiters(admission, FLOOD, 3)
+    capped = Tenant("flood", max_active=1)
+    admission.retune([capped])  # its next request turns the line fair
+    more = waiters(admission, capped, 2)
+    assert admission.tenant_counts("flood") == (3, 2)
+    tasks = [asyncio.create_task(t.wait()) for t in more]
+    running[0].release()
+    running[1].release()
+    await settle()
+    assert not any(t.granted for t in more)  # it still holds one slot, its limit
+    running[2].release()
+    await settle()
+    assert sum(t.granted for t in more) == 1
+    for ticket in more:
+        ticket.release()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -83,7 +83,14 @@ def test_bench_smoke_run_writes_every_scenario_and_target(tmp_path: Path) -> Non
             assert (tmp_path / name).stat().st_size > 0
 
 
-EXPERIMENTS = ("sdk_burst", "upstream_memory", "slow_heads", "big_bodies", "tenants_ttft")
+EXPERIMENTS = (
+    "sdk_burst",
+    "upstream_memory",
+    "slow_heads",
+    "big_bodies",
+    "tenants_ttft",
+    "retry_estimates",
+)
 
 
 def _experiment(*args: str) -> subprocess.CompletedProcess[str]:

@@ -174,9 +174,10 @@ async def test_a_cold_gate_bases_retry_after_on_max_tokens_and_llama_servers_spe
     assert refused.status_code == 429
     # Each holds a second for its prompt and 30 tokens / speed. The refused caller is told
     # when a place in the line frees: when the running one ends and the waiter takes its slot
-    # (less what it has run already, plus up to a quarter of a hold of jitter).
+    # (less what it has run already, plus a quarter to half a hold on one slot: told the very
+    # moment, it would race the release it waits for).
     hold_ms = (1 + 30 / speed) * 1000
-    assert hold_ms - 1000 < int(refused.headers["retry-after-ms"]) <= hold_ms * 1.25 + 1
+    assert hold_ms - 1000 < int(refused.headers["retry-after-ms"]) <= hold_ms * 1.5 + 1
     standin.hurry()
     await holder
     assert (await waiter).status_code == 200
