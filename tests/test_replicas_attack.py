@@ -346,6 +346,40 @@ async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_f
         await upstream.stop()
 
 
+@pytest.mark.xfail(strict=True, reason="a tenant holding nothing passes max_active in one request")
+async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_too_many_is_a_400(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(JOBS.format(max_active=2))
+    upstream = StandIn(total_slots=4, tokens=60)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 4, api_keys_file=keys)
+        second = await sharing(gates, [upstream.url], valkey, 4, api_keys_file=keys)
+        jobs = {"authorization": "Bearer sk-jobs"}
+        refused = await client.post(first.url + CHAT, json=chat(n=3), headers=jobs)
+        assert refused.status_code == 400
+        assert "max_active=2" in refused.json()["error"]["message"]
+        one = asyncio.create_task(client.post(first.url + CHAT, json=chat(), headers=jobs))
+        await first.until(lambda: upstream.running == 1)
+        # Two slots would pass max_active with the one it holds: it waits beside free slots.
+        two = asyncio.create_task(client.post(second.url + CHAT, json=chat(n=2), headers=jobs))
+        await second.until(lambda: view(second)["fleet"]["queued"] == 1)
+        assert upstream.running == 1
+        answers = await asyncio.gather(one, two)
+        assert [a.status_code for a in answers] == [200, 200]
+        assert upstream.max_running == 2
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
 # -- 2. a replica process drained or killed ----------------------------------------------------
 
 

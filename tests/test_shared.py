@@ -25,6 +25,7 @@ from slotgate.admission import (
     QueueTimeout,
     ShuttingDown,
     TenantQueueFull,
+    TooLarge,
 )
 from slotgate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.shared import Mode, SharedAdmission, SharedTicket
@@ -787,6 +788,35 @@ async def test_a_tenant_at_its_max_active_is_passed_over_and_no_slot_stays_idle(
         assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
         assert await redis_client.hlen(PREFIX + "tactive") == 0
         assert await redis_client.hlen(PREFIX + "tqueued") == 0
+
+
+@pytest.mark.xfail(strict=True, reason="a tenant holding nothing passes max_active in one request")
+async def test_a_tenants_max_active_counts_every_slot_of_a_request_even_when_it_holds_none(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        first, second = await started(stack, replicas(valkey, n=2))
+        await first.resize("a", 4)
+        with pytest.raises(TooLarge):
+            await first.enter(weight=3, tenant="t", max_active=2)
+        # Redis refuses it too, whoever asks (a replica's own check aside).
+        reply = await redis_client.fcall(
+            shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, "r1", "x.1", 3, 0, "", 1.0, 0, "",
+            -1, -1, -1, "t", "1.0", 2, -1,
+        )  # fmt: skip
+        assert reply[0] == b"large"
+        held = await first.enter(weight=2, tenant="t", max_active=2)
+        assert held.granted
+        held.release()
+        await first.settle()
+        # A waiter whose max_active is lowered under its weight by a reload is refused.
+        blocker = await first.enter(weight=4)
+        waiting = await second.enter(weight=2, tenant="t", max_active=2)
+        await second.retune("t", 1.0, 1)
+        await blocker.aclose()
+        with pytest.raises(TooLarge):
+            await asyncio.wait_for(waiting.wait(), 2)
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
 async def test_an_upstreams_token_budget_binds_and_its_tokens_come_back(
