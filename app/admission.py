@@ -108,6 +108,15 @@ class TooLarge(AdmissionError):
         self.largest = snapshot.capacity if largest is None else largest
 
 
+class TenantTooLarge(TooLarge):
+    """The request needs more slots than its tenant may hold at once (its max_active)."""
+
+    def __init__(self, snapshot: Snapshot, weight: int, tenant: Tenant) -> None:
+        super().__init__(snapshot, weight)
+        self.tenant = tenant.name
+        self.limit = tenant.max_active
+
+
 @dataclass(frozen=True, slots=True)
 class QueuePolicy:
     """How deep the line may grow for a given capacity; `None` fields mean "not set"."""

@@ -22,6 +22,7 @@ from .admission import (
     ShuttingDown,
     Snapshot,
     TenantQueueFull,
+    TenantTooLarge,
     TooLarge,
 )
 from .asgi import Headers
@@ -191,6 +192,13 @@ def _admission_refusal(exc: AdmissionError) -> Refusal:
             503, "unavailable_error", "queue_timeout", message, "queue_timeout", None,
             exc.retry_after_s, snap,
         )  # fmt: skip
+    if isinstance(exc, TenantTooLarge):
+        message = (
+            f"request needs {exc.weight} slots but tenant {exc.tenant} may hold at most "
+            f"{exc.limit} at once (max_active={exc.limit}); ask for fewer choices (n) or send "
+            "fewer prompts in one request"
+        )
+        return Refusal(400, "invalid_request_error", "too_many_slots", message, "bad_request", "n")
     if isinstance(exc, TooLarge):
         message = (
             f"request needs {exc.weight} slots but llama-server has {exc.largest}; "

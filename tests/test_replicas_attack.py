@@ -346,7 +346,6 @@ async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_f
         await upstream.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="a tenant holding nothing passes max_active in one request")
 async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_too_many_is_a_400(
     valkey: Valkey,
     redis: aioredis.Redis,
@@ -374,7 +373,7 @@ async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_
         assert upstream.running == 1
         answers = await asyncio.gather(one, two)
         assert [a.status_code for a in answers] == [200, 200]
-        assert upstream.max_running == 2
+        assert upstream.max_running == 1  # the two never ran together
         await nothing_held(redis)
     finally:
         await upstream.stop()
@@ -425,7 +424,8 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
         mine = asyncio.create_task(client.post(other.url + CHAT, json=chat()))
         await other.until(lambda: view(other)["this_replica"]["queued"] == 1)
         process.send_signal(how)
-        async with asyncio.timeout(10):
+        # Killed, its grant is kept 10 x REDIS_TTL past its TTL (it might be cut off, not dead).
+        async with asyncio.timeout(10 if how is signal.SIGTERM else 25):
             answer = await mine
             assert answer.status_code == 200
             outcomes = await asyncio.gather(running, theirs, return_exceptions=True)
