@@ -22,7 +22,8 @@ by the replicas last seen, at least 1) and of the line; with "reject" it refuses
 a connection). One that merely gets no answer may be cut off alone while the others fill every
 slot Redis does not count for it: so Redis keeps a given-up replica's grants counted for
 `kept_s` past its heartbeat's expiry, and until then (by its own clock, from the last heartbeat
-Redis took) the replica gates only on the slots it held when it fell back. It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
+Redis took) the replica gates only on the slots it held when it fell back.
+It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
 holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
 order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
 expired): Redis never counts what the replica no longer holds, and never loses what it still
