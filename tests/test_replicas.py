@@ -226,7 +226,8 @@ async def test_one_replica_cut_off_from_redis_never_lets_the_upstream_run_more_t
         settings = {"redis_ttl": 1.0, "redis_failure_mode": failure_mode}
         (cut,) = await replicas(1, redis_url=partition.url, **settings)
         (other,) = await replicas(1, **settings)
-        await other.until(lambda: fleet(other)["replicas"] == 2)
+        for gate in (cut, other):
+            await gate.until(lambda g=gate: fleet(g)["replicas"] == 2)
         load = asyncio.Event()
 
         async def clients(gate: RunningGate) -> None:
