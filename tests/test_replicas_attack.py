@@ -249,8 +249,10 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
                 error = answer.json()["error"]
                 assert {"message", "type", "code"} <= error.keys()
                 assert float(answer.headers["retry-after"]) >= 1
+        # A replica whose requests all waited for grants through the sleep (no call of its own
+        # to time out) and whose heartbeat fell either side of it need not fall back.
+        assert sum(view(gate)["fallbacks"] for gate in (first, second)) >= 1
         for gate in (first, second):
-            assert view(gate)["fallbacks"] >= 1
             await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
         more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in gates))
         assert [a.status_code for a in more] == [200, 200]
