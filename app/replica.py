@@ -20,7 +20,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from .admission import Admission, NotReady, Pool, ShuttingDown, Ticket
+from .admission import (
+    Admission,
+    NotReady,
+    Pool,
+    ShuttingDown,
+    TenantTooLarge,
+    Ticket,
+    TooLarge,
+)
 from .routing import score
 from .settings import Settings
 from .shared import Mode, SharedAdmission, SharedTicket
@@ -108,6 +116,13 @@ class ReplicaTicket:
         try:
             if not self._shared.granted:
                 await gate._until_granted(self._shared)
+        except TooLarge as exc:
+            self.release()
+            limit = self.tenant.max_active
+            if limit is not None and self.weight > limit:
+                # Its tenant's max_active was lowered under its slots while it waited.
+                raise TenantTooLarge(exc.snapshot, self.weight, self.tenant) from None
+            raise
         except BaseException:
             self.release()
             raise
@@ -273,6 +288,8 @@ class ReplicaAdmission:
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
+        if tenant.max_active is not None and weight > tenant.max_active:
+            raise TenantTooLarge(self.admission.snapshot(), weight, tenant)
         shared = await self.shared.enter(
             weight=weight,
             cost=cost,

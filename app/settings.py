@@ -177,8 +177,8 @@ class Settings(BaseSettings):
         3.0,
         ge=0.3,
         le=300,
-        description="Seconds after which a silent replica's slots and places go back to the others "
-        "(it beats every third of this).",
+        description="Seconds after which a silent replica's places go back to the others, and its "
+        "slots 10 times this later (it beats every third of this).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."

@@ -18,7 +18,12 @@ the scripts too, and each upstream's KV-cache token budget as in app/admission.p
 When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
 with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
 by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
-`NotReady` (503). It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
+`NotReady` (503). A share is safe only if Redis is away for every replica (it refused or closed
+a connection). One that merely gets no answer may be cut off alone while the others fill every
+slot Redis does not count for it: so Redis keeps a given-up replica's grants counted for
+`kept_s` past its heartbeat's expiry, and until then (by its own clock, from the last heartbeat
+Redis took) the replica gates only on the slots it held when it fell back.
+It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
 holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
 order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
 expired): Redis never counts what the replica no longer holds, and never loses what it still
@@ -46,6 +51,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from . import shared_lua
@@ -63,6 +69,9 @@ from .admission import (
     TooLarge,
 )
 from .fairline import Share
+
+#: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
+KEPT_TTLS = 10
 
 
 class Mode(enum.Enum):
@@ -279,6 +288,7 @@ class SharedAdmission:
         ttl_s: float = 3.0,
         failure_mode: str = "local",
         max_connections: int = 32,
+        kept_s: float | None = None,
     ) -> None:
         if failure_mode not in ("local", "reject"):
             raise ValueError(f"failure_mode must be local or reject, got {failure_mode!r}")
@@ -292,6 +302,8 @@ class SharedAdmission:
         self._timeout_s = timeout_s
         self._heartbeat_s = heartbeat_s
         self._ttl_ms = round(ttl_s * 1000)
+        #: How long Redis keeps counting this replica's grants once it gave the replica up.
+        self._kept_ms = round((KEPT_TTLS * ttl_s if kept_s is None else kept_s) * 1000)
         self._failure_mode = failure_mode
         self._client: aioredis.Redis = aioredis.Redis.from_pool(
             aioredis.BlockingConnectionPool.from_url(
@@ -323,6 +335,14 @@ class SharedAdmission:
         self._early: dict[str, tuple[str, str, int]] = {}
         #: Degraded mode: this replica's own slots in use per upstream.
         self._local_active: dict[str, int] = {}
+        #: Degraded mode: the slots per upstream Redis still counts for this replica (its
+        #: grants when it fell back), until `_kept_until`.
+        self._kept: dict[str, int] = {}
+        #: When (time.monotonic()) the last heartbeat that Redis took was sent.
+        self._renewed_at: float | None = None
+        #: Redis refused or closed a connection since it last answered: it is down (for every
+        #: replica), not out of reach from this one alone.
+        self._refused = False
         self._hold_ewma_s = INITIAL_HOLD_S
         #: The last grant number this replica was given (the fleet's count, see `_grants`).
         self._last_grant = 0
@@ -450,8 +470,9 @@ class SharedAdmission:
         for ticket in self._tickets.values():
             if ticket.upstream == old:
                 ticket.upstream = new
-        if old in self._local_active:
-            self._local_active[new] = self._local_active.get(new, 0) + self._local_active.pop(old)
+        for counts in (self._local_active, self._kept):
+            if old in counts:
+                counts[new] = counts.get(new, 0) + counts.pop(old)
         if self.mode is Mode.SHARED:
             try:
                 await self._call("REKEY", self.replica, old, new)
@@ -499,6 +520,9 @@ class SharedAdmission:
             raise ShuttingDown(self._snapshot(), 1.0)
         if share <= 0:
             raise ValueError(f"share must be positive, got {share}")
+        if tenant and max_active is not None and weight > max_active:
+            # Its tenant may never hold that many slots at once: it could never run.
+            raise TooLarge(self._snapshot(), weight, max_active)
         order = next(self._ids)
         ticket = SharedTicket(
             self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag,
@@ -584,7 +608,7 @@ class SharedAdmission:
             raise TenantQueueFull(snapshot, self._retry_after_s(over))
         if kind == "large":
             self._fleet = Fleet.parse(reply[2:])
-            raise TooLarge(self._snapshot(), ticket.weight)
+            raise TooLarge(self._snapshot(), ticket.weight, int(reply[1]))
         self._fleet = Fleet.parse(reply[1:])
         raise NotReady(self._snapshot(), 1.0)
 
@@ -711,6 +735,7 @@ class SharedAdmission:
         except (RedisError, OSError, TimeoutError) as exc:
             # A script error too (ResponseError): Redis is not usable as it is, so gate
             # locally rather than fail requests; `last_error` says why.
+            self._heard(exc)
             raise Down(f"{name}: {exc!r}") from exc
 
     async def _subscribe(self) -> None:
@@ -745,6 +770,7 @@ class SharedAdmission:
                     self._on_grant(message["data"].decode())
         except (RedisError, OSError) as exc:
             if not self._closed:
+                self._heard(exc)
                 self._degrade(str(exc))
 
     def _on_grant(self, data: str) -> None:
@@ -773,14 +799,18 @@ class SharedAdmission:
         while True:
             if self.mode is Mode.SHARED:
                 await asyncio.sleep(self._heartbeat_s)
+                sent = time.monotonic()
                 try:
-                    reply = await self._call("HEARTBEAT", self.replica, self._ttl_ms, self._epsilon)
+                    reply = await self._call(
+                        "HEARTBEAT", self.replica, self._ttl_ms, self._epsilon, self._kept_ms
+                    )
                 except Down as exc:
                     self._degrade(str(exc))
                     continue
                 if reply[0] == b"fenced":
                     await self._rejoin()
                 else:
+                    self._renewed_at = max(self._renewed_at or sent, sent)
                     self._fleet = Fleet.parse(reply[1:])
                     self._hear_budgets(reply[7:])
             else:
@@ -796,6 +826,9 @@ class SharedAdmission:
                 # once Redis answers.
                 if await self._answers():
                     await self._rejoin()
+                else:
+                    # The slots Redis kept for this replica may have become its share.
+                    self._dispatch_local()
 
     def _hear_budgets(self, raw: Sequence[bytes]) -> None:
         """Budgets Redis holds that this replica has not learned: tell `on_budget`."""
@@ -810,9 +843,16 @@ class SharedAdmission:
         try:
             async with asyncio.timeout(self._timeout_s):
                 await self._client.ping()
-        except (RedisError, OSError, TimeoutError):
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._heard(exc)
             return False
         return True
+
+    def _heard(self, exc: BaseException) -> None:
+        """Note whether Redis's host refused a connection, or closed one in shared mode (a
+        connection closed later may be this replica's own doing: `_keep` drops its pool)."""
+        if not self._refused:
+            self._refused = _refused(exc, closed=self.mode is Mode.SHARED)
 
     async def _join(self) -> None:
         await self._subscribe()
@@ -836,7 +876,7 @@ class SharedAdmission:
             grants = [t for t in self._tickets.values() if t.granted]
             waiters = sorted(self._waiters.values(), key=lambda t: t.order)
             args: list[str | int | float] = [
-                self.replica, self._ttl_ms, self._epsilon,
+                self.replica, self._ttl_ms, self._epsilon, self._kept_ms,
                 len(self._capacities), len(grants), len(waiters),
             ]  # fmt: skip
             for upstream, capacity in self._capacities.items():
@@ -853,6 +893,7 @@ class SharedAdmission:
                     repr(t.share), _unset(t.max_active),
                 )  # fmt: skip
             self._early.clear()
+            sent = time.monotonic()
             try:
                 reply = await self._call("REJOIN", *args)
             except Down as exc:
@@ -860,6 +901,8 @@ class SharedAdmission:
                 # Whatever was released while it ran is free on this replica's share now.
                 self._dispatch_local()
                 return
+            self._renewed_at = sent
+            self._refused = False
             fleet = self._fleet = Fleet.parse(reply[:6])
             # Redis may have restarted empty: its count starts again.
             self._last_grant = fleet.granted
@@ -912,6 +955,7 @@ class SharedAdmission:
             if t.granted and t.upstream is not None:
                 active[t.upstream] = active.get(t.upstream, 0) + t.weight
         self._local_active = active
+        self._kept = dict(active)
         if self._failure_mode == "reject":
             for t in list(self._waiters.values()):
                 self._fail(t, NotReady(self._snapshot(), 1.0))
@@ -921,8 +965,24 @@ class SharedAdmission:
     # -- degraded mode: this replica's share -------------------------------------------------
 
     def _shares(self) -> dict[str, int]:
+        if self._keeping():
+            # Cut off from a Redis the others may still reach: only the slots Redis counts
+            # for this replica are sure to be nobody else's.
+            kept = self._kept
+            return {u: min(kept[u], c) for u, c in self._capacities.items() if kept.get(u)}
         n = max(self._fleet.replicas, 1)
         return {u: max(c // n, 1) for u, c in self._capacities.items()}
+
+    def _keeping(self) -> bool:
+        """Does Redis still count this replica's grants of the fallback, while it may be
+        serving the other replicas? Until its lease and the keeping after it have run out
+        (by this replica's clock, from the last heartbeat Redis took, less a margin), unless
+        Redis refused a connection: then it is down for every replica."""
+        renewed = self._renewed_at
+        if renewed is None or self._refused:
+            return False
+        kept_s = (self._ttl_ms + self._kept_ms) / 1000 - self._timeout_s
+        return time.monotonic() < renewed + kept_s
 
     def _local_limit(self) -> int | None:
         capacity = sum(self._capacities.values())
@@ -1003,6 +1063,21 @@ class SharedAdmission:
 
 def _unset(value: int | None) -> int:
     return -1 if value is None else value
+
+
+def _refused(exc: BaseException, closed: bool) -> bool:
+    """Did Redis's host refuse a connection (or close one, if `closed` counts): stopped or
+    restarting, as opposed to not answering (slow, or out of reach from here alone)?"""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        if closed and isinstance(seen, ConnectionResetError):
+            return True
+        if closed and isinstance(seen, RedisConnectionError) and "closed by server" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 __all__ = [

@@ -21,7 +21,10 @@ that prefix and a suffix, so they all hash to one cluster slot. The keys:
               tenant's finish tag, "l TAB band TAB tenant" -> its latest start tag (in
               thousandths of the fleet's average hold x slots per unit of share)
 - `tactive`, `tqueued`  hash tenant -> slots it holds, places it has in the line
-- `replicas`  sorted set replica -> expiry of its last heartbeat (server time, ms)
+- `replicas`  sorted set replica -> expiry of its last heartbeat (server time, ms); for one given
+              up that still holds grants, the end of their keeping
+- `kept`      hash replica -> how long its grants are kept once its heartbeat expired (ms)
+- `given_up`  hash replica -> 1: its heartbeat expired, its grants are still counted
 - `hb:<r>`    a replica's heartbeat, with a TTL; `r:<r>` hash member -> "w" (waiting) or
               "g TAB upstream TAB tokens TAB ticket" (granted): what the replica holds
 - channel `ch:<r>`: "member TAB upstream TAB reason TAB grant number" per grant handed over.
@@ -50,7 +53,7 @@ SCAN = 32
 
 _COMMON = r"""
 local P, K_POOLS, K_ACTIVE, K_LINE, K_TICKETS, K_SEQ, K_GRANTED, K_HOLD, K_REPLICAS
-local K_TOKENS, K_FAIR, K_TACTIVE, K_TQUEUED
+local K_TOKENS, K_FAIR, K_TACTIVE, K_TQUEUED, K_KEPT, K_GIVEN_UP
 -- The pools, read once per call and kept in step by `take` and `give_back` (see `pools`).
 local PL = nil
 
@@ -62,6 +65,7 @@ local function setup(keys)
   K_POOLS, K_ACTIVE, K_LINE, K_TICKETS = P..'pools', P..'active', P..'line', P..'tickets'
   K_SEQ, K_GRANTED, K_HOLD, K_REPLICAS = P..'seq', P..'granted', P..'hold', P..'replicas'
   K_TOKENS, K_FAIR, K_TACTIVE, K_TQUEUED = P..'tokens', P..'fair', P..'tactive', P..'tqueued'
+  K_KEPT, K_GIVEN_UP = P..'kept', P..'given_up'
 end
 local BAND_SPAN = 17592186044416
 local SCAN = 32
@@ -270,11 +274,17 @@ end
 
 local function seq_of(m) return tonumber(string.sub(m, 1, 16), 16) end
 
--- Is `t`'s tenant under its max_active (or holding nothing)?
+-- Would `t`'s tenant stay within its max_active with `t`'s slots? (Every slot counts, even
+-- for a tenant holding none: one request never passes the limit.)
 local function may_run(t)
   if t.tenant == '' or t.maxa < 0 then return true end
   local a = tonumber(redis.call('HGET', K_TACTIVE, t.tenant) or '0')
-  return a <= 0 or a + t.w <= t.maxa
+  return a + t.w <= t.maxa
+end
+
+-- Can `t` never run: more slots than its tenant's max_active?
+local function over_limit(t)
+  return t.tenant ~= '' and t.maxa >= 0 and t.w > t.maxa
 end
 
 local function fair_field(kind, t) return kind..'\t'..t.band..'\t'..t.tenant end
@@ -354,10 +364,11 @@ local function dispatch(eps, quiet)
         break
       end
       local t = parse_ticket(f)
-      if may_run(t) then
+      if may_run(t) or over_limit(t) then
         local u, why = choose(t.ranking, t.w, t.cost, eps, seq_of(m))
-        if u == nil and why == 'large' then
-          -- No upstream has that many slots any more: refuse it rather than block the line.
+        if over_limit(t) or (u == nil and why == 'large') then
+          -- No upstream has that many slots any more, or its tenant's max_active was lowered
+          -- under them: refuse it rather than block the line.
           unline(m, t, true)
           redis.call('HDEL', held_key(t.r), m)
           redis.call('PUBLISH', P..'ch:'..t.r, m..'\t\tlarge\t0')
@@ -408,14 +419,47 @@ local function forget(r)
   redis.call('DEL', held_key(r))
 end
 
--- Give up replicas whose heartbeat expired: their grants and places go back.
+-- Forget `r`'s places in the line; true if it still holds grants.
+local function unplace(r)
+  local held = redis.call('HGETALL', held_key(r))
+  local grants = false
+  for i = 1, #held, 2 do
+    if held[i + 1] == 'w' then drop(r, held[i]) else grants = true end
+  end
+  return grants
+end
+
+-- `r`'s heartbeat (lease) renewed for `ttl` ms; its grants are kept `kept` ms past its expiry.
+local function lease(r, ttl, kept, now)
+  redis.call('SET', hb_key(r), '1', 'PX', ttl)
+  redis.call('ZADD', K_REPLICAS, now + ttl, r)
+  redis.call('HSET', K_KEPT, r, kept)
+  redis.call('HDEL', K_GIVEN_UP, r)
+end
+
+local function unregister(r)
+  forget(r)
+  redis.call('ZREM', K_REPLICAS, r)
+  redis.call('HDEL', K_KEPT, r)
+  redis.call('HDEL', K_GIVEN_UP, r)
+end
+
+-- Give up replicas whose heartbeat expired. Their places go back at once. Their grants stay
+-- counted for as long as the replica said (`kept`): one cut off from Redis (not dead) still
+-- runs them, and gates alone on their slots meanwhile (app/shared.py), so that nobody else
+-- may take those slots before it has stopped; then they go back too.
 local function reap(now)
   local dead = redis.call('ZRANGEBYSCORE', K_REPLICAS, '-inf', now)
   local reaped = 0
   for _, r in ipairs(dead) do
     if redis.call('EXISTS', hb_key(r)) == 0 then
-      forget(r)
-      redis.call('ZREM', K_REPLICAS, r)
+      local kept = tonumber(redis.call('HGET', K_KEPT, r) or '0')
+      if redis.call('HEXISTS', K_GIVEN_UP, r) == 0 and unplace(r) and kept > 0 then
+        redis.call('HSET', K_GIVEN_UP, r, 1)
+        redis.call('ZADD', K_REPLICAS, now + kept, r)
+      else
+        unregister(r)
+      end
       reaped = reaped + 1
     end
   end
@@ -464,7 +508,8 @@ end
 #: -> {'grant', member, upstream, reason, grant number}
 #:    | {'queued', member, position, limit, grants so far}
 #:    | {'full', limit, figures...} | {'tenant_full', tenant queued, tenant active, figures...}
-#:    | {'unknown' | 'large', figures...} | {'fenced'}
+#:    | {'unknown', figures...} | {'large', most slots it may have, figures...} | {'fenced'}
+#: ('large': more than the largest upstream's slots, or than its tenant's max_active)
 ENTER = r"""
 local me, id, w, cost = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 if redis.call('EXISTS', hb_key(me)) == 0 then return {'fenced'} end
@@ -474,6 +519,7 @@ if w > pl.max_cap then return {'large', tostring(pl.max_cap), unpack(figures())}
 local t = {r = me, w = w, cost = cost, band = tonumber(ARGV[7]), tenant = ARGV[12],
            share = tonumber(ARGV[13]), maxa = tonumber(ARGV[14]), charge = 0,
            ranking = ARGV[5]}
+if over_limit(t) then return {'large', ARGV[14], unpack(figures())} end
 local seq = redis.call('INCR', K_SEQ)
 local m = string.format('%016x', seq)..'|'..id
 local queued = redis.call('ZCARD', K_LINE)
@@ -531,14 +577,13 @@ if what ~= 'none' then dispatch(tonumber(ARGV[4])) end
 return what
 """
 
-#: ARGV: replica, ttl_ms, eps -> {'ok', figures..., then upstream, budget of each budgeted one}
-#: | {'fenced'}
+#: ARGV: replica, ttl_ms, eps, kept_ms -> {'ok', figures..., then upstream, budget of each
+#: budgeted one} | {'fenced'}
 HEARTBEAT = r"""
 local me, ttl = ARGV[1], tonumber(ARGV[2])
 if redis.call('EXISTS', hb_key(me)) == 0 then return {'fenced'} end
 local now = now_ms()
-redis.call('SET', hb_key(me), '1', 'PX', ttl)
-redis.call('ZADD', K_REPLICAS, now + ttl, me)
+lease(me, ttl, tonumber(ARGV[4]), now)
 if reap(now) > 0 then dispatch(tonumber(ARGV[3])) end
 local out = {'ok', unpack(figures())}
 -- The budgets one replica learned (a 500 from a shared cache), for the others to learn too.
@@ -546,7 +591,7 @@ for u, b in pairs(pools().bud) do out[#out + 1] = u; out[#out + 1] = tostring(b)
 return out
 """
 
-#: ARGV: replica, ttl_ms, eps, n_pools, n_grants, n_waiters, then the pools
+#: ARGV: replica, ttl_ms, eps, kept_ms, n_pools, n_grants, n_waiters, then the pools
 #: (upstream, capacity, budget or '': none learned here, another's stays), the grants
 #: (member, upstream, weight, cost, band, tenant,
 #: share, max_active, ranking) and the waiters in order (id, weight, cost, ranking, band, tag,
@@ -559,12 +604,11 @@ return out
 #: release corrects nothing); its waiters get new tags.
 REJOIN = r"""
 local me, ttl, eps = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local n_pools, n_grants, n_waiters = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local n_pools, n_grants, n_waiters = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 forget(me)
 local now = now_ms()
-redis.call('SET', hb_key(me), '1', 'PX', ttl)
-redis.call('ZADD', K_REPLICAS, now + ttl, me)
-local i = 7
+lease(me, ttl, tonumber(ARGV[4]), now)
+local i = 8
 for _ = 1, n_pools do
   if ARGV[i + 2] == '' then
     set_unbudgeted(ARGV[i], ARGV[i + 1])
@@ -688,9 +732,8 @@ return 'ok'
 
 #: ARGV: replica, eps -> 'ok' (a replica leaving for good: what it holds goes back at once)
 RETIRE = r"""
-forget(ARGV[1])
+unregister(ARGV[1])
 redis.call('DEL', hb_key(ARGV[1]))
-redis.call('ZREM', K_REPLICAS, ARGV[1])
 dispatch(tonumber(ARGV[2]))
 return 'ok'
 """

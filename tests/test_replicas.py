@@ -17,6 +17,7 @@ import pytest
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve
+from tests.partition import Partition
 from tests.standin import StandIn
 from tests.valkey import Valkey
 
@@ -209,6 +210,52 @@ async def test_redis_away_falls_back_to_this_replicas_share_and_readyz_stays_rea
                 await asyncio.sleep(0.05)
     answer = await client.post(first.url + CHAT, json=chat())
     assert answer.status_code == 200
+
+
+@pytest.mark.parametrize("failure_mode", ["local", "reject"])
+async def test_one_replica_cut_off_from_redis_never_lets_the_upstream_run_more_than_its_slots(
+    failure_mode: str, standin: StandIn, valkey: Valkey, replicas: Gates, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots = 4
+    # Requests that outlast the TTL: some still run when Redis gives their replica up.
+    standin.tokens = 40
+    standin.token_delay_s = 0.05
+    partition = Partition(valkey.port)
+    await partition.start()
+    try:
+        settings = {"redis_ttl": 1.0, "redis_failure_mode": failure_mode}
+        (cut,) = await replicas(1, redis_url=partition.url, **settings)
+        (other,) = await replicas(1, **settings)
+        for gate in (cut, other):
+            await gate.until(lambda g=gate: fleet(g)["replicas"] == 2)
+        load = asyncio.Event()
+
+        async def clients(gate: RunningGate) -> None:
+            while not load.is_set():
+                answer = await client.post(gate.url + CHAT, json=chat())
+                assert answer.status_code in (200, 429, 503)
+                if answer.status_code != 200:
+                    await asyncio.sleep(0.05)
+
+        busy = [asyncio.create_task(clients(g)) for g in (cut, other) for _ in range(4)]
+        try:
+            await other.until(lambda: standin.running == 4)
+            partition.cut()
+            await cut.until(lambda: mode(cut) != "shared")
+            # Past the cut-off replica's TTL: Redis has given it up, the other still serves.
+            await asyncio.sleep(3)
+            assert mode(other) == "shared"
+        finally:
+            load.set()
+            await asyncio.gather(*busy)
+        assert standin.max_running <= 4
+        partition.heal()
+        async with asyncio.timeout(10):
+            while mode(cut) != "shared":
+                await asyncio.sleep(0.05)
+        await other.until(idle(other))
+    finally:
+        await partition.stop()
 
 
 async def test_reject_mode_answers_503_and_is_not_ready_while_redis_is_away(

@@ -249,8 +249,10 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
                 error = answer.json()["error"]
                 assert {"message", "type", "code"} <= error.keys()
                 assert float(answer.headers["retry-after"]) >= 1
+        # A replica whose requests all waited for grants through the sleep (no call of its own
+        # to time out) and whose heartbeat fell either side of it need not fall back.
+        assert sum(view(gate)["fallbacks"] for gate in (first, second)) >= 1
         for gate in (first, second):
-            assert view(gate)["fallbacks"] >= 1
             await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
         more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in gates))
         assert [a.status_code for a in more] == [200, 200]
@@ -346,6 +348,39 @@ async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_f
         await upstream.stop()
 
 
+async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_too_many_is_a_400(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(JOBS.format(max_active=2))
+    upstream = StandIn(total_slots=4, tokens=60)
+    upstream.token_delay_s = 0.02
+    await upstream.start()
+    try:
+        first = await sharing(gates, [upstream.url], valkey, 4, api_keys_file=keys)
+        second = await sharing(gates, [upstream.url], valkey, 4, api_keys_file=keys)
+        jobs = {"authorization": "Bearer sk-jobs"}
+        refused = await client.post(first.url + CHAT, json=chat(n=3), headers=jobs)
+        assert refused.status_code == 400
+        assert "max_active=2" in refused.json()["error"]["message"]
+        one = asyncio.create_task(client.post(first.url + CHAT, json=chat(), headers=jobs))
+        await first.until(lambda: upstream.running == 1)
+        # Two slots would pass max_active with the one it holds: it waits beside free slots.
+        two = asyncio.create_task(client.post(second.url + CHAT, json=chat(n=2), headers=jobs))
+        await second.until(lambda: view(second)["fleet"]["queued"] == 1)
+        assert upstream.running == 1
+        answers = await asyncio.gather(one, two)
+        assert [a.status_code for a in answers] == [200, 200]
+        assert upstream.max_running == 1  # the two never ran together
+        await nothing_held(redis)
+    finally:
+        await upstream.stop()
+
+
 # -- 2. a replica process drained or killed ----------------------------------------------------
 
 
@@ -391,7 +426,8 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
         mine = asyncio.create_task(client.post(other.url + CHAT, json=chat()))
         await other.until(lambda: view(other)["this_replica"]["queued"] == 1)
         process.send_signal(how)
-        async with asyncio.timeout(10):
+        # Killed, its grant is kept 10 x REDIS_TTL past its TTL (it might be cut off, not dead).
+        async with asyncio.timeout(10 if how is signal.SIGTERM else 25):
             answer = await mine
             assert answer.status_code == 200
             outcomes = await asyncio.gather(running, theirs, return_exceptions=True)

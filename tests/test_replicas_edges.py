@@ -5,6 +5,7 @@ and stand-in llama-servers."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import Any
@@ -80,15 +81,22 @@ async def test_a_request_refused_by_its_upstream_runs_on_the_other_and_leaves_no
     alive, dead = StandIn(total_slots=2, tokens=3), StandIn(total_slots=2, tokens=3)
     for upstream in (alive, dead):
         await upstream.start()
+    # The stopped upstream's port stays taken (bound, not listening: every connection is
+    # refused): on a busy machine another test's server could listen there and never answer.
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its closed connections
     try:
         gate = await sharing([alive, dead], props_refresh_interval=30, startup_wait=0)
         await dead.stop()
+        held.bind((dead.host, dead.port))
         bodies = [chat(messages=[{"role": "user", "content": str(n)}]) for n in range(12)]
-        answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=b) for b in bodies))
+        async with asyncio.timeout(20):
+            answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=b) for b in bodies))
         assert [a.status_code for a in answers] == [200] * 12
         assert alive.started == 12
         await redis_idle(gate)
     finally:
+        held.close()
         await alive.stop()
 
 
