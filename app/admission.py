@@ -45,7 +45,7 @@ COLD_PROMISE_HOLDS = 2.0
 RETURN_GRACE_S = 0.5
 #: Promises matched one by one to the moments places free (the cost of a refusal); the ones
 #: further out count a place each.
-MATCHED_PROMISES = 64
+MATCHED_PROMISES = 16
 #: A burst's refusals are told within a fraction of this; a refused request that comes while
 #: a promise at least this old is still ahead is taken for one of those clients back early.
 EARLY_RETURN_S = 0.4
@@ -695,9 +695,15 @@ class Admission:
         now = time.monotonic()
         promised = self._purge(now)
         if not kept:
-            for i, (_, told) in enumerate(promised[:MATCHED_PROMISES]):
-                if told <= now - EARLY_RETURN_S:
-                    promised = promised[:i] + promised[i + 1 :]  # taken over: one back early
+            early = now - EARLY_RETURN_S
+            for i in range(min(len(promised), MATCHED_PROMISES)):
+                if promised[i][1] <= early:
+                    # Taken over: one back early. In place when recording (a storm keeps
+                    # thousands of promises: copying them per refusal cost more than the rest).
+                    if record:
+                        del promised[i]
+                    else:
+                        promised = promised[:i] + promised[i + 1 :]
                     break
         hold = self._hold_ewma_s
         step = hold / (self._capacity or 1)
@@ -732,7 +738,6 @@ class Admission:
         eta += step / 4
         if not record:
             return min(max(eta, 0.05), RETRY_AFTER_CAP_S)
-        self._promised = promised
         eta += self._jitter.uniform(0.0, step / 4)
         if eta < RETRY_AFTER_CAP_S:
             # Beyond the cap nothing is promised.
