@@ -43,14 +43,14 @@ def test_the_series_are_those_prometheus_clients_own_types_would_expose() -> Non
     reference = CollectorRegistry()
     admitted = Counter("slotgate_requests_admitted", "x", ["family"], registry=reference)
     rejected = Counter("slotgate_requests_rejected", "x", ["family", "reason"], registry=reference)
-    wait = Histogram("slotgate_queue_wait_seconds", "x", ["family"], buckets=BUCKETS_S,
-                     registry=reference)  # fmt: skip
+    wait = Histogram("slotgate_queue_wait_seconds", "x", ["family", "outcome"],
+                     buckets=BUCKETS_S, registry=reference)  # fmt: skip
     hold = Histogram("slotgate_slot_hold_seconds", "x", ["family"], buckets=BUCKETS_S,
                      registry=reference)  # fmt: skip
     # Every family and reason exists from the start, as .labels() makes them.
     for family in FAMILIES:
         admitted.labels(family)
-        wait.labels(family)
+        wait.labels(family, "admitted")
         hold.labels(family)
         for reason in REASONS:
             rejected.labels(family, reason)
@@ -60,7 +60,7 @@ def test_the_series_are_those_prometheus_clients_own_types_would_expose() -> Non
         for value in values:
             metrics.admit(route, value)
             admitted.labels("chat").inc()
-            wait.labels("chat").observe(value)
+            wait.labels("chat", "admitted").observe(value)
             metrics.hold[route].observe(value * 2)
             hold.labels("chat").observe(value * 2)
     for route, reason in (
@@ -89,7 +89,10 @@ def test_request_series_are_labelled_by_family_not_by_route() -> None:
         metrics.admit(route, 0.01)
     text = metrics.render()
     assert sample(text, 'slotgate_requests_admitted_total{family="embedding"}') == 3
-    assert sample(text, 'slotgate_queue_wait_seconds_count{family="embedding"}') == 3
+    assert (
+        sample(text, 'slotgate_queue_wait_seconds_count{family="embedding",outcome="admitted"}')
+        == 3
+    )
     assert "route=" not in text.decode()
     families = {line.split('family="')[1].split('"')[0]
                 for line in series(text, "slotgate_slot_hold_seconds_count")}  # fmt: skip
@@ -167,7 +170,8 @@ def test_with_keys_request_series_carry_the_tenant_by_name_once_it_has_a_sample(
     metrics.rejected("/v1/embeddings", "tenant_queue_full", "jobs")
     text = metrics.render()
     assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="chat"}') == 1
-    assert sample(text, 'slotgate_queue_wait_seconds_count{family="chat",tenant="chat"}') == 1
+    wait = 'slotgate_queue_wait_seconds_count{family="chat",outcome="admitted",tenant="chat"}'
+    assert sample(text, wait) == 1
     assert sample(text, 'slotgate_slot_hold_seconds_sum{family="chat",tenant="chat"}') == 1.4
     assert (
         sample(
@@ -203,7 +207,6 @@ def test_the_minute_of_slot_time_counts_each_tenants_part_and_forgets_what_is_ol
     assert minute.shares(1300.0) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="only admitted waits are observed")
 async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -234,7 +237,8 @@ async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
     assert sample(text, timeout) == 1
     assert sample(text, counts) == 1
     # The one that timed out waited its QUEUE_TIMEOUT: it is past the 0.25 s bucket.
-    assert sample(text, timeout.replace("_count{", "_bucket{").replace("}", ',le="0.25"}')) == 0
+    bucket = 'slotgate_queue_wait_seconds_bucket{family="chat",le="0.25",outcome="queue_timeout"}'
+    assert sample(text, bucket) == 0
     # An outcome nobody has had yet has no series; admitted is there from the start.
     assert 'outcome="shutdown"' not in text.decode()
     assert 'slotgate_queue_wait_seconds_count{family="rerank",outcome="admitted"} 0.0' in (
@@ -242,10 +246,9 @@ async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
     )
 
 
-@pytest.mark.xfail(strict=True, reason="no cap on the tenant label")
 def test_the_tenant_label_names_the_first_tenants_seen_and_the_rest_are_other() -> None:
     pool = Admission(QueuePolicy(), capacity=2)
-    metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=2)  # type: ignore[call-arg]
+    metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=2)
     for tenant in ("a", "b", "c", "d", "a"):
         metrics.admit(ROUTE, 0.1, tenant)
         metrics.held(ROUTE, 1.0, tenant)
@@ -262,10 +265,9 @@ def test_the_tenant_label_names_the_first_tenants_seen_and_the_rest_are_other() 
     assert set(metrics.minute.shares(time.monotonic())) == {"a", "b", "c", "d"}
 
 
-@pytest.mark.xfail(strict=True, reason="no way to turn the tenant label off")
 def test_with_no_tenants_in_the_metrics_the_series_carry_no_tenant_label() -> None:
     pool = Admission(QueuePolicy(), capacity=2)
-    metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=0)  # type: ignore[call-arg]
+    metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=0)
     metrics.admit(ROUTE, 0.1, "a")
     metrics.admit(ROUTE, 0.1, "b")
     metrics.rejected(ROUTE, "unauthorized", "")
@@ -277,7 +279,6 @@ def test_with_no_tenants_in_the_metrics_the_series_carry_no_tenant_label() -> No
     )
 
 
-@pytest.mark.xfail(strict=True, reason="no METRICS_TENANTS setting")
 async def test_metrics_tenants_caps_the_tenant_label_of_a_gate_with_keys(
     start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
@@ -300,12 +301,10 @@ async def test_metrics_tenants_caps_the_tenant_label_of_a_gate_with_keys(
     assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="other"}') == 2
 
 
-@pytest.mark.xfail(strict=True, reason="no METRICS_TENANTS setting")
 def test_metrics_tenants_defaults_to_ten() -> None:
-    assert Settings(_env_file=None).metrics_tenants == 10  # type: ignore[attr-defined]
+    assert Settings(_env_file=None).metrics_tenants == 10
 
 
-@pytest.mark.xfail(strict=True, reason="no process series and no build info")
 def test_metrics_carry_the_process_series_and_the_build_info() -> None:
     text = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True).render().decode()
     build = [line for line in text.splitlines() if line.startswith("slotgate_build_info{")]
