@@ -180,6 +180,9 @@ class Upstream:
         self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
+        #: Response heads it has sent to requests: a /props read that times out while this
+        #: moves found it busy (or slotgate's own loop late), not gone.
+        self.answers = 0
         #: It adds `__verbose` to its answers (--verbose): assembly cannot rebuild that.
         self.verbose = False
         self._follower: asyncio.Task[None] | None = None
@@ -222,7 +225,7 @@ class Upstream:
         """Send one request (target: a checked, quoted path and query) and return the response
         with its head read and its body still to come."""
         try:
-            return await self._client.request(method, self._root + target, headers, body)
+            response = await self._client.request(method, self._root + target, headers, body)
         except ConnectFailed as exc:
             self.poke()
             raise UpstreamStarting(
@@ -239,6 +242,8 @@ class Upstream:
             ) from None
         except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
+        self.answers += 1
+        return response
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         status, body, _ = await self._get_with_headers(path)
@@ -283,7 +288,9 @@ class Upstream:
     # -- capacity ------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Read /props once and follow its slot count; mark not ready on any failure."""
+        """Read /props once and follow its slot count; mark not ready on any failure, but for
+        a read that times out while llama-server goes on answering requests."""
+        answers = self.answers
         try:
             status, body = await self._get("/props")
             if status != 200:
@@ -300,7 +307,16 @@ class Upstream:
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
-        except (ExchangeFailed, TimeoutError, ValueError) as exc:
+        except TimeoutError:
+            if self.ready and self.answers != answers:
+                # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
+                # server that answers is there, and marking it down would turn every waiter
+                # into a 503 once STARTUP_WAIT ran out. It is read again at the next tick.
+                log.info("llama-server was slow to answer /props while busy url=%s", self.url)
+                return
+            self._mark_not_ready("TimeoutError()")
+            return
+        except (ExchangeFailed, ValueError) as exc:
             self._mark_not_ready(f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))
             return
         if self.props is not None and props.build_info != self.props.build_info:

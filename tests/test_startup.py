@@ -170,7 +170,6 @@ async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under
     assert b'"error"' not in rest
 
 
-@pytest.mark.xfail(strict=True, reason="any /props timeout marks llama-server down")
 async def test_a_props_read_that_times_out_while_llama_server_answers_requests_leaves_it_ready(
     start_gate: GateFactory, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
