@@ -45,6 +45,8 @@ from slotgate.engine import (
     split_threads,
 )
 
+from tests.conftest import needs_engine
+
 FAKE_SERVER = """\
 #!{python}
 # A stand-in llama-server: records how it was called, then behaves as FAKE_MODE says.
@@ -419,6 +421,7 @@ def test_a_built_in_chat_template_is_named_outside_jinja_mode() -> None:
     ]  # fmt: skip
 
 
+@needs_engine
 def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_with_its_own(
     demo_package: FakeDemoPackage, model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
