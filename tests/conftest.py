@@ -114,7 +114,7 @@ class RunningGate:
     async def stop(self) -> None:
         self.server.stop()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(self.task, timeout=10)
+            await asyncio.wait_for(self.task, timeout=60)
 
     async def until(self, check: Callable[[], bool]) -> None:
         """Wait until `check()` holds; bounded generously (30 s), as a loaded machine can be slow
