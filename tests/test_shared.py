@@ -570,7 +570,7 @@ async def test_waiting_requests_cost_redis_nothing_while_they_wait(
         assert "cmdstat_publish" not in stats
         held.release()
         for ticket, task in zip(waiters, waiting, strict=True):
-            await asyncio.wait_for(task, 2)
+            await asyncio.wait_for(task, 10)
             ticket.release()
 
 
@@ -878,7 +878,7 @@ async def test_a_rerouted_request_waits_past_the_queue_timeout_while_an_upstream
         await asyncio.sleep(0.5)  # past both: "b" is known, so it still waits
         assert not waiting.done()
         busy.release()
-        await asyncio.wait_for(waiting, 2)
+        await asyncio.wait_for(waiting, 10)
         assert refused.upstream == "b"
         await refused.aclose()
         assert await pool_state(redis_client) == ({"b": 0}, 0, 0)

@@ -26,7 +26,7 @@ async def fate_of_a_connection_made_as_it_stops(turns: int) -> str:
         await restarted.wait()  # the stand-in has stopped and started again meanwhile
         try:
             writer.write(REQUEST)
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(5):
                 answer = await reader.read(100)
         except TimeoutError:
             return "left hanging"
