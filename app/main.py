@@ -91,6 +91,7 @@ class Service:
             self.admission,
             lambda: self.fleet.ready,
             by_tenant=self.access.enabled,
+            tenants=settings.metrics_tenants,
             replica=self.replica,
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.

@@ -9,12 +9,13 @@ slotgate touches them from one thread, its event loop, which also answers the sc
 from __future__ import annotations
 
 import bisect
+import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -23,6 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from . import __version__
 from .admission import Admission
 from .endpoints import ENDPOINTS, Kind
 from .tenants import EVERYONE
@@ -45,6 +47,11 @@ REASONS = (
     "unauthorized",
     "internal",
 )
+#: The `outcome` of a wait that ended in a slot; other waits carry the reason they ended (one of
+#: REASONS).
+ADMITTED = "admitted"
+#: The tenant label of the tenants past METRICS_TENANTS.
+OTHER = "other"
 #: Request series are labelled by what operators group by, the kind of work (chat, completion,
 #: responses, messages, embedding, rerank, audio), not by the 17 paths that lead to it.
 FAMILIES = tuple(kind.value for kind in Kind)
@@ -236,7 +243,7 @@ class _Series:
     """One tenant's request series (everyone's, without keys); routes of a family share the
     family's histograms."""
 
-    __slots__ = ("admitted", "histograms", "hold", "rejected", "wait")
+    __slots__ = ("admitted", "ended", "histograms", "hold", "rejected", "wait")
 
     def __init__(self, family_of: dict[str, str]) -> None:
         self.admitted = dict.fromkeys(ENDPOINTS, 0)
@@ -246,6 +253,9 @@ class _Series:
         self.hold = {route: holds[family] for route, family in family_of.items()}
         self.histograms = {"wait": waits, "hold": holds}
         self.rejected: dict[tuple[str, str], int] = {}
+        #: Waits that ended without a slot, by (family, outcome): made at the first of each,
+        #: so that outcomes nobody has had add no series.
+        self.ended: dict[tuple[str, str], _Histogram] = {}
 
     def families(self, family_of: dict[str, str]) -> set[str]:
         """The families it has any sample of."""
@@ -253,17 +263,19 @@ class _Series:
         used.update(family_of[route] for route, _ in self.rejected)
         for histograms in self.histograms.values():
             used.update(family for family, h in histograms.items() if any(h.counts))
+        used.update(family for family, _ in self.ended)
         return used
 
 
 class Metrics(Collector):
     """One registry per app, so that several apps (tests) never share series.
 
-    `admit`, `rejected`, `held` (and `wait` and `hold`, everyone's) take a request's route (its
-    path); every route of a family shares the family's histograms, so the lookup costs a
-    request nothing more. With `by_tenant` (slotgate has keys) each series carries a `tenant`
-    label, the tenant's name ("" for requests refused before a key was known), and a tenant's
-    series appear once it has a sample in the family.
+    `admit`, `waited`, `rejected`, `held` (and `wait` and `hold`, everyone's) take a request's
+    route (its path); every route of a family shares the family's histograms, so the lookup
+    costs a request nothing more. With `by_tenant` (slotgate has keys) each series carries a
+    `tenant` label, the tenant's name ("" for requests refused before a key was known), and a
+    tenant's series appear once it has a sample in the family. The first `tenants` tenants
+    seen keep their names; later ones share the label `other` (0: no tenant label at all).
     """
 
     def __init__(
@@ -272,41 +284,70 @@ class Metrics(Collector):
         ready: Callable[[], bool],
         *,
         by_tenant: bool = False,
+        tenants: int = 10,
         replica: ReplicaAdmission | None = None,
     ) -> None:
         self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
-        self._by_tenant = by_tenant
+        self._by_tenant = by_tenant and tenants > 0
+        self._tenants = tenants
         #: Slot-seconds each tenant held over about the last minute (`/admission`).
         self.minute = SlotTime()
+        #: By label value; `_of_tenant` caches each tenant name's series, so that a request
+        #: pays one dict lookup for its label, whatever the cap decided.
         self._series: dict[str, _Series] = {}
+        self._of_tenant: dict[str, _Series] = {}
         everyone = self._of(EVERYONE.name)
         self.admitted = everyone.admitted
         self.wait = everyone.wait
         self.hold = everyone.hold
         self._rejected = everyone.rejected
+        self._build = GaugeMetricFamily(
+            "slotgate_build_info", "slotgate's version and Python's; always 1",
+            labels=["version", "python"],
+        )  # fmt: skip
+        self._build.add_metric([__version__, platform.python_version()], 1)
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(admission, ready))
         if replica is not None:
             self.registry.register(_ReplicaCollector(replica))
         self.registry.register(self)
+        # process_* (CPU, memory, open files, start time), read from /proc at scrape time.
+        ProcessCollector(registry=self.registry)
 
     def _of(self, tenant: str) -> _Series:
-        series = self._series.get(tenant)
+        named = sum(name not in (EVERYONE.name, OTHER) for name in self._series)
+        if not self._by_tenant:
+            label = EVERYONE.name
+        elif tenant == EVERYONE.name or tenant in self._series or named < self._tenants:
+            label = tenant
+        else:
+            label = OTHER
+        series = self._series.get(label)
         if series is None:
-            series = self._series[tenant] = _Series(self._family)
+            series = self._series[label] = _Series(self._family)
+        self._of_tenant[tenant] = series
         return series
 
     def admit(self, route: str, wait_s: float, tenant: str = EVERYONE.name) -> None:
-        series = self._series.get(tenant) or self._of(tenant)
+        series = self._of_tenant.get(tenant) or self._of(tenant)
         series.admitted[route] += 1
         series.wait[route].observe(wait_s)
 
+    def waited(self, route: str, wait_s: float, outcome: str, tenant: str = EVERYONE.name) -> None:
+        """A wait that ended without a slot: timed out, the client gone, refused meanwhile."""
+        ended = (self._of_tenant.get(tenant) or self._of(tenant)).ended
+        key = (self._family[route], outcome)
+        histogram = ended.get(key)
+        if histogram is None:
+            histogram = ended[key] = _Histogram()
+        histogram.observe(wait_s)
+
     def held(self, route: str, hold_s: float, tenant: str = EVERYONE.name, slots: int = 1) -> None:
-        (self._series.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
+        (self._of_tenant.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
         self.minute.add(tenant, hold_s * slots, time.monotonic())
 
     def rejected(self, route: str, reason: str, tenant: str = EVERYONE.name) -> None:
-        rejected = (self._series.get(tenant) or self._of(tenant)).rejected
+        rejected = (self._of_tenant.get(tenant) or self._of(tenant)).rejected
         key = (route, reason)
         rejected[key] = rejected.get(key, 0) + 1
 
@@ -320,13 +361,15 @@ class Metrics(Collector):
             "slotgate_requests_rejected", "Admitted-route requests that were not served",
             labels=[*labels, "reason"],
         )  # fmt: skip
-        histograms = {
-            kind: HistogramMetricFamily(name, doc, labels=labels)
-            for name, doc, kind in (
-                ("slotgate_queue_wait_seconds", "Time from arrival to admission", "wait"),
-                ("slotgate_slot_hold_seconds", "Time slots were held", "hold"),
-            )
-        }
+        wait = HistogramMetricFamily(
+            "slotgate_queue_wait_seconds",
+            "Time from arrival to the end of the wait: admitted, or the reason it ended without "
+            "a slot (queue_timeout, client_gone, ...)",
+            labels=[*labels, "outcome"],
+        )
+        hold = HistogramMetricFamily(
+            "slotgate_slot_hold_seconds", "Time slots were held", labels=labels
+        )
         for tenant, series in self._series.items():
             if by_tenant:
                 families = series.families(self._family)
@@ -334,8 +377,6 @@ class Metrics(Collector):
                     continue
                 shown = [family for family in FAMILIES if family in families]
             else:
-                if tenant != EVERYONE.name:
-                    continue
                 shown = list(FAMILIES)
             # With keys, EVERYONE is a request refused before its key was known: no tenant.
             named = [tenant if tenant != EVERYONE.name else ""] if by_tenant else []
@@ -353,15 +394,19 @@ class Metrics(Collector):
                 counts[key] = counts.get(key, 0) + count
             for (family, reason), count in counts.items():
                 rejected.add_metric([family, *named, reason], count)
-            for kind, family_histograms in series.histograms.items():
-                for family in shown:
-                    histogram = family_histograms[family]
-                    histograms[kind].add_metric(
-                        [family, *named], histogram.buckets(), histogram.sum
-                    )
+            for family in shown:
+                waits = series.histograms["wait"][family]
+                wait.add_metric([family, *named, ADMITTED], waits.buckets(), waits.sum)
+                for outcome in sorted(o for f, o in series.ended if f == family):
+                    ended = series.ended[family, outcome]
+                    wait.add_metric([family, *named, outcome], ended.buckets(), ended.sum)
+                holds = series.histograms["hold"][family]
+                hold.add_metric([family, *named], holds.buckets(), holds.sum)
         yield admitted
         yield rejected
-        yield from histograms.values()
+        yield wait
+        yield hold
+        yield self._build
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -722,6 +722,10 @@ class Proxy:
         if route is not None and request.outcome not in ("served", "upstream_error"):
             reason = request.outcome if request.outcome != "shutdown" else "upstream_unavailable"
             self._metrics.rejected(route, reason, request.tenant.name)
+            if ticket is not None and request.upstream is None:
+                # It waited and never got a slot (an admitted request has its upstream; its
+                # wait was observed when it was admitted).
+                self._metrics.waited(route, ticket.wait_s, reason, request.tenant.name)
         hold_s = None
         if ticket is not None and ticket.admitted_at is not None:
             hold_s = now - ticket.admitted_at

@@ -118,6 +118,13 @@ class Settings(BaseSettings):
         description="TOML file of tenants: per key a name, weight, band, max_active and "
         "max_queued; reloaded on SIGHUP; unset = each API_KEYS key is a tenant of weight 1.",
     )
+    metrics_tenants: int = Field(
+        10,
+        ge=0,
+        le=10_000,
+        description="With keys: the first this many tenants seen keep their name in the metrics' "
+        "tenant label, later ones share `other`; 0 = no tenant label.",
+    )
     max_body_bytes: int = Field(
         32 * MIB, ge=1, le=2**31, description="Largest request body accepted, in bytes."
     )

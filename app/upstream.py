@@ -187,6 +187,9 @@ class Upstream:
         #: STARTUP_WAIT for it. None once anything answered there, or before the first try.
         self.unreached: str | None = None
         self._answered = False
+        #: Response heads it has sent to requests: a /props read that times out while this
+        #: moves found it busy (or slotgate's own loop late), not gone.
+        self.answers = 0
         #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
         #: rebuild; None until an answer has shown it (app/relay.py, `_learn_verbose`).
         self.verbose: bool | None = None
@@ -248,6 +251,7 @@ class Upstream:
             ) from None
         except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
+        self.answers += 1
         if not self._answered:
             self._reached()
         return response
@@ -312,7 +316,9 @@ class Upstream:
     # -- capacity ------------------------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Read /props once and follow its slot count; mark not ready on any failure."""
+        """Read /props once and follow its slot count; mark not ready on any failure, but for
+        a read that times out while llama-server goes on answering requests."""
+        answers = self.answers
         try:
             status, body = await self._get("/props")
             if not self._answered:
@@ -331,7 +337,16 @@ class Upstream:
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
             props = Props.parse(json.loads(body))
-        except (ExchangeFailed, TimeoutError, ValueError) as exc:
+        except TimeoutError:
+            if self.ready and self.answers != answers:
+                # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
+                # server that answers is there, and marking it down would turn every waiter
+                # into a 503 once STARTUP_WAIT ran out. It is read again at the next tick.
+                log.info("llama-server was slow to answer /props while busy url=%s", self.url)
+                return
+            self._mark_not_ready(self.unreached or "TimeoutError()")
+            return
+        except (ExchangeFailed, ValueError) as exc:
             if isinstance(exc, ConnectFailed):
                 self._not_reached(exc)
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)

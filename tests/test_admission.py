@@ -210,7 +210,7 @@ async def test_waiter_cancelled_at_the_moment_of_handoff_passes_the_slot_on() ->
     doomed_task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await doomed_task
-    await asyncio.wait_for(next_task, 1)
+    await asyncio.wait_for(next_task, 10)
     assert next_in_line.admitted
     assert admission.active == 1
     next_in_line.release()

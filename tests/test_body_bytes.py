@@ -34,7 +34,8 @@ def chunk(data: bytes) -> bytes:
 async def test_bodies_being_read_or_parsed_count_against_queue_body_bytes(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 200, 0.01
+    # The slot is held until all eight are answered or waiting, however slow the machine.
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 200, 1.0
     size = 4 * MiB
     gate = await start_gate(queue_body_bytes=2 * size + MiB)
     holder = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
@@ -42,7 +43,14 @@ async def test_bodies_being_read_or_parsed_count_against_queue_body_bytes(
     body = chat() | {"messages": [{"role": "user", "content": "x" * size}]}
     tracemalloc.start()
     try:
-        answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=body) for _ in range(8)))
+        posts = [asyncio.create_task(client.post(gate.url + CHAT, json=body)) for _ in range(8)]
+        try:
+            await gate.until(
+                lambda: sum(p.done() for p in posts) + gate.service.admission.queued == 8
+            )
+        finally:
+            standin.hurry()
+        answers = await asyncio.gather(*posts)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

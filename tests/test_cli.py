@@ -27,7 +27,7 @@ from slotgate.cli import listen
 from slotgate.settings import Settings
 
 from bench.procs import free_port
-from tests.conftest import chat, serve
+from tests.conftest import chat, needs_engine, serve
 from tests.standin import StandIn
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ def test_a_bad_flag_stops_start_up_with_one_line_naming_it(args: list[str], line
     [(b"", "no such file"), (b"not a model", "is not a GGUF file")],
     ids=["missing", "not-gguf"],
 )
+@needs_engine
 def test_a_model_slotgate_cannot_use_stops_start_up_with_one_line_and_status_2(
     tmp_path: Path, content: bytes, said: str
 ) -> None:

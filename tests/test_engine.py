@@ -45,6 +45,8 @@ from slotgate.engine import (
     split_threads,
 )
 
+from tests.conftest import needs_engine
+
 FAKE_SERVER = """\
 #!{python}
 # A stand-in llama-server: records how it was called, then behaves as FAKE_MODE says.
@@ -418,6 +420,7 @@ def test_a_chat_template_file_runs_in_jinja_mode_and_an_alias_names_the_model() 
     )[-5:] == ["--jinja", "--chat-template-file", "/t.jinja", "--alias", "small"]
 
 
+@needs_engine
 def test_the_demo_engine_chats_with_gemma_s_template_and_a_model_of_one_s_own_with_its_own(
     demo_package: FakeDemoPackage, model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -92,7 +92,9 @@ async def crowd(
             # Beyond the limit only by requests an upstream sent back (they keep their turn).
             back = sum(1 for t in admission._line if t.rerouted and not t._released)
             assert limit is None or admission.queued <= limit + back
-            await asyncio.sleep(0.001)
+            # Often enough to see the line at its deepest, not so often that its scan of the
+            # line starves the loop it watches.
+            await asyncio.sleep(0.01)
 
     async def one(n: int) -> None:
         stream = n % 2 == 0

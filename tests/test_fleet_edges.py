@@ -16,7 +16,7 @@ from slotgate.metrics import Metrics
 from slotgate.settings import Settings
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.01)

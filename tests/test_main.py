@@ -110,7 +110,7 @@ async def test_metrics_show_both_sides_of_the_gate(
     after = (await client.get(gate.url + "/metrics")).text
     assert 'slotgate_requests_admitted_total{family="chat"} 2.0' in after
     assert 'slotgate_requests_rejected_total{family="chat",reason="bad_request"} 1.0' in after
-    assert 'slotgate_queue_wait_seconds_count{family="chat"} 2.0' in after
+    assert 'slotgate_queue_wait_seconds_count{family="chat",outcome="admitted"} 2.0' in after
     assert 'slotgate_slot_hold_seconds_count{family="chat"} 2.0' in after
 
 

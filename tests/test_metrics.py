@@ -3,14 +3,19 @@ and /metrics as operators scrape it."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
+import sys
+import time
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from slotgate import __version__
 from slotgate.admission import Admission, QueuePolicy
 from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
+from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn
@@ -38,14 +43,14 @@ def test_the_series_are_those_prometheus_clients_own_types_would_expose() -> Non
     reference = CollectorRegistry()
     admitted = Counter("slotgate_requests_admitted", "x", ["family"], registry=reference)
     rejected = Counter("slotgate_requests_rejected", "x", ["family", "reason"], registry=reference)
-    wait = Histogram("slotgate_queue_wait_seconds", "x", ["family"], buckets=BUCKETS_S,
-                     registry=reference)  # fmt: skip
+    wait = Histogram("slotgate_queue_wait_seconds", "x", ["family", "outcome"],
+                     buckets=BUCKETS_S, registry=reference)  # fmt: skip
     hold = Histogram("slotgate_slot_hold_seconds", "x", ["family"], buckets=BUCKETS_S,
                      registry=reference)  # fmt: skip
     # Every family and reason exists from the start, as .labels() makes them.
     for family in FAMILIES:
         admitted.labels(family)
-        wait.labels(family)
+        wait.labels(family, "admitted")
         hold.labels(family)
         for reason in REASONS:
             rejected.labels(family, reason)
@@ -55,7 +60,7 @@ def test_the_series_are_those_prometheus_clients_own_types_would_expose() -> Non
         for value in values:
             metrics.admit(route, value)
             admitted.labels("chat").inc()
-            wait.labels("chat").observe(value)
+            wait.labels("chat", "admitted").observe(value)
             metrics.hold[route].observe(value * 2)
             hold.labels("chat").observe(value * 2)
     for route, reason in (
@@ -84,7 +89,10 @@ def test_request_series_are_labelled_by_family_not_by_route() -> None:
         metrics.admit(route, 0.01)
     text = metrics.render()
     assert sample(text, 'slotgate_requests_admitted_total{family="embedding"}') == 3
-    assert sample(text, 'slotgate_queue_wait_seconds_count{family="embedding"}') == 3
+    assert (
+        sample(text, 'slotgate_queue_wait_seconds_count{family="embedding",outcome="admitted"}')
+        == 3
+    )
     assert "route=" not in text.decode()
     families = {line.split('family="')[1].split('"')[0]
                 for line in series(text, "slotgate_slot_hold_seconds_count")}  # fmt: skip
@@ -162,7 +170,8 @@ def test_with_keys_request_series_carry_the_tenant_by_name_once_it_has_a_sample(
     metrics.rejected("/v1/embeddings", "tenant_queue_full", "jobs")
     text = metrics.render()
     assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="chat"}') == 1
-    assert sample(text, 'slotgate_queue_wait_seconds_count{family="chat",tenant="chat"}') == 1
+    wait = 'slotgate_queue_wait_seconds_count{family="chat",outcome="admitted",tenant="chat"}'
+    assert sample(text, wait) == 1
     assert sample(text, 'slotgate_slot_hold_seconds_sum{family="chat",tenant="chat"}') == 1.4
     assert (
         sample(
@@ -196,3 +205,112 @@ def test_the_minute_of_slot_time_counts_each_tenants_part_and_forgets_what_is_ol
     minute.add("chat", 5.0, now=1200.0)  # and old buckets are dropped, not kept
     assert len(minute._buckets) == 1
     assert minute.shares(1300.0) == {}
+
+
+async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.tokens, standin.token_delay_s = 10_000, 0.05
+    standin.total_slots = 1
+    gate = await start_gate(queue_timeout=0.3)
+    pool = gate.service.admission
+    holder = asyncio.create_task(client.post(gate.url + ROUTE, json=chat(stream=True)))
+    try:
+        await gate.until(lambda: pool.active == 1)
+        # One waits out QUEUE_TIMEOUT, one gives up while waiting.
+        timed_out = await client.post(gate.url + ROUTE, json=chat())
+        assert timed_out.status_code == 503
+        leaver = asyncio.create_task(client.post(gate.url + ROUTE, json=chat()))
+        await gate.until(lambda: pool.queued == 1)
+        leaver.cancel()
+        await asyncio.gather(leaver, return_exceptions=True)
+        counts = 'slotgate_queue_wait_seconds_count{family="chat",outcome="client_gone"}'
+        async with asyncio.timeout(30):
+            while counts not in (await client.get(gate.url + "/metrics")).text:
+                await asyncio.sleep(0.02)
+    finally:
+        standin.hurry()
+        await asyncio.gather(holder, return_exceptions=True)
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    assert sample(text, 'slotgate_queue_wait_seconds_count{family="chat",outcome="admitted"}') == 1
+    timeout = 'slotgate_queue_wait_seconds_count{family="chat",outcome="queue_timeout"}'
+    assert sample(text, timeout) == 1
+    assert sample(text, counts) == 1
+    # The one that timed out waited its QUEUE_TIMEOUT: it is past the 0.25 s bucket.
+    bucket = 'slotgate_queue_wait_seconds_bucket{family="chat",le="0.25",outcome="queue_timeout"}'
+    assert sample(text, bucket) == 0
+    # An outcome nobody has had yet has no series; admitted is there from the start.
+    assert 'outcome="shutdown"' not in text.decode()
+    assert 'slotgate_queue_wait_seconds_count{family="rerank",outcome="admitted"} 0.0' in (
+        text.decode()
+    )
+
+
+def test_the_tenant_label_names_the_first_tenants_seen_and_the_rest_are_other() -> None:
+    pool = Admission(QueuePolicy(), capacity=2)
+    metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=2)
+    for tenant in ("a", "b", "c", "d", "a"):
+        metrics.admit(ROUTE, 0.1, tenant)
+        metrics.held(ROUTE, 1.0, tenant)
+    metrics.rejected(ROUTE, "queue_full", "e")
+    text = metrics.render()
+    assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="a"}') == 2
+    assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="b"}') == 1
+    assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="other"}') == 2
+    assert sample(text, 'slotgate_slot_hold_seconds_count{family="chat",tenant="other"}') == 2
+    rejected = 'slotgate_requests_rejected_total{family="chat",reason="queue_full",tenant="other"}'
+    assert sample(text, rejected) == 1
+    assert 'tenant="c"' not in text.decode()
+    # /admission's minute of slot time still names every tenant.
+    assert set(metrics.minute.shares(time.monotonic())) == {"a", "b", "c", "d"}
+
+
+def test_with_no_tenants_in_the_metrics_the_series_carry_no_tenant_label() -> None:
+    pool = Admission(QueuePolicy(), capacity=2)
+    metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=0)
+    metrics.admit(ROUTE, 0.1, "a")
+    metrics.admit(ROUTE, 0.1, "b")
+    metrics.rejected(ROUTE, "unauthorized", "")
+    text = metrics.render()
+    assert "tenant=" not in text.decode()
+    assert sample(text, 'slotgate_requests_admitted_total{family="chat"}') == 2
+    assert (
+        sample(text, 'slotgate_requests_rejected_total{family="chat",reason="unauthorized"}') == 1
+    )
+
+
+async def test_metrics_tenants_caps_the_tenant_label_of_a_gate_with_keys(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    keys = [f"key-{n}" for n in range(3)]
+    gate = await start_gate(api_keys=",".join(keys), metrics_tenants=1)
+    for key in keys:
+        answer = await client.post(
+            gate.url + ROUTE, json=chat(), headers={"authorization": f"Bearer {key}"}
+        )
+        assert answer.status_code == 200
+    text = (
+        await client.get(gate.url + "/metrics", headers={"authorization": f"Bearer {keys[0]}"})
+    ).content
+    tenants = {
+        line.split('tenant="')[1].split('"')[0]
+        for line in series(text, "slotgate_requests_admitted_total{")
+    }
+    assert len(tenants) == 2
+    assert "other" in tenants
+    assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="other"}') == 2
+
+
+def test_metrics_tenants_defaults_to_ten() -> None:
+    assert Settings(_env_file=None).metrics_tenants == 10
+
+
+def test_metrics_carry_the_process_series_and_the_build_info() -> None:
+    text = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True).render().decode()
+    build = [line for line in text.splitlines() if line.startswith("slotgate_build_info{")]
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    assert build == [f'slotgate_build_info{{python="{python}",version="{__version__}"}} 1.0']
+    if sys.platform.startswith("linux"):  # prometheus_client reads /proc
+        assert sample(text.encode(), "process_resident_memory_bytes") > 0
+        assert "process_cpu_seconds_total " in text
+        assert "process_open_fds " in text

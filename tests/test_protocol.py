@@ -286,17 +286,24 @@ async def test_a_head_trickled_byte_by_byte_is_answered_408_after_the_head_timeo
 async def test_every_connection_that_never_finishes_its_head_is_swept(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    gate = await start_gate(head_timeout_s=0.3)
-    streams = [await asyncio.open_connection("127.0.0.1", gate.port) for _ in range(200)]
-    for i, (_, writer) in enumerate(streams):
-        if i % 4:  # and every fourth sends nothing at all
-            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n"[: 1 + i % 30])
-    answers = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in streams)), 10)
+    # Each connection's clock runs from its accept: its bytes are written as soon as it is open,
+    # not after all 200 (that took longer than the timeout on a loaded machine, and a
+    # connection whose bytes came too late was rightly closed as one that sent nothing).
+    gate = await start_gate(head_timeout_s=1.0)
+    streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for i in range(200):
+            reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+            streams.append((reader, writer))
+            if i % 4:  # and every fourth sends nothing at all
+                writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n"[: 1 + i % 30])
+        answers = await asyncio.wait_for(asyncio.gather(*(r.read() for r, _ in streams)), 60)
+    finally:
+        for _, writer in streams:
+            writer.close()
     for i, answer in enumerate(answers):
         # The ones that asked nothing are closed without an answer.
         assert answer.startswith(b"HTTP/1.1 408 ") if i % 4 else answer == b"", i
-    for _, writer in streams:
-        writer.close()
     assert standin.seen == []
     await gate.until(lambda: not gate.server.server_state.connections)
 

@@ -427,7 +427,7 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
         await other.until(lambda: view(other)["this_replica"]["queued"] == 1)
         process.send_signal(how)
         # Killed, its grant is kept 10 x REDIS_TTL past its TTL (it might be cut off, not dead).
-        async with asyncio.timeout(10 if how is signal.SIGTERM else 25):
+        async with asyncio.timeout(45 if how is signal.SIGKILL else 30):
             answer = await mine
             assert answer.status_code == 200
             outcomes = await asyncio.gather(running, theirs, return_exceptions=True)
@@ -491,7 +491,7 @@ async def test_a_waiter_of_all_the_slots_when_redis_goes_away_is_turned_away_not
         await first.until(lambda: view(first)["this_replica"]["queued"] == 1)
         valkey.kill()
         # Gating alone on one slot, it could never run, and everyone behind it would wait.
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(10):
             answer = await waiting
         assert answer.status_code == 503
         assert not running.done()

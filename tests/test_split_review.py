@@ -43,7 +43,7 @@ def final_messages(client: Client) -> list[Message]:
 
 
 async def until(condition: Any) -> None:
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(30):
         while not condition():
             await asyncio.sleep(0.001)
 

@@ -16,16 +16,17 @@ async def fate_of_a_connection_made_as_it_stops(turns: int) -> str:
     send a request down the connection: what becomes of it."""
     standin = StandIn(shutdown_timeout_s=0.05)
     await standin.start()
+    restarted = asyncio.Event()
 
     async def client() -> str:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", standin.port)
         except OSError:
             return "refused"
-        await asyncio.sleep(0.2)  # the stand-in has stopped and started again meanwhile
+        await restarted.wait()  # the stand-in has stopped and started again meanwhile
         try:
             writer.write(REQUEST)
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(5):
                 answer = await reader.read(100)
         except TimeoutError:
             return "left hanging"
@@ -41,6 +42,7 @@ async def fate_of_a_connection_made_as_it_stops(turns: int) -> str:
     await standin.stop()
     await asyncio.sleep(0.05)
     await standin.start()
+    restarted.set()
     try:
         return await fate
     finally:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from typing import Any
 
 import httpx
+import pytest
 
 from bench.procs import free_port
 from tests.conftest import GateFactory, chat
@@ -214,3 +216,36 @@ async def test_a_llama_server_that_was_up_and_went_away_is_still_waited_for(
     await standin.start()  # on the port it had
     answer = await waiting
     assert answer.status_code == 200
+
+
+async def test_a_props_read_that_times_out_while_llama_server_answers_requests_leaves_it_ready(
+    start_gate: GateFactory, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read by hand below, not by the follower meanwhile.
+    gate = await start_gate(props_refresh_interval=3600)
+    upstream = gate.service.upstream
+    request = upstream._client.request
+    served = asyncio.Event()
+
+    async def slow_props(method: str, target: str, *rest: Any) -> Any:
+        if target.endswith("/props"):
+            # The read's timeout runs out after llama-server answered a request meanwhile: as
+            # on a starved machine, where slotgate's own loop is what is late.
+            await served.wait()
+            raise TimeoutError
+        return await request(method, target, *rest)
+
+    monkeypatch.setattr(upstream._client, "request", slow_props)
+    reading = asyncio.create_task(upstream.refresh())
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    served.set()
+    await reading
+    assert upstream.ready
+    assert gate.service.admission.capacity is not None
+    # A read that times out with nothing answered meanwhile still marks it down.
+    served.clear()
+    reading = asyncio.create_task(upstream.refresh())
+    await asyncio.sleep(0)
+    served.set()
+    await reading
+    assert not upstream.ready
