@@ -88,6 +88,8 @@ async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed
 ) -> None:
     # llama.cpp reads n_predict before its aliases, and -1 there is no limit: each of these
     # generates until its slot's context (the whole cache) is full, whatever max_tokens says.
+    # Two are enough: admitted together they overflow the one cache they share (and each runs
+    # to the end of the context, so every extra one costs a whole cache of tokens).
     body = {
         "messages": [{"role": "user", "content": "Tell me a very long story."}],
         "n_predict": -1,
@@ -103,11 +105,11 @@ async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed
         await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
         async with httpx.AsyncClient(timeout=900) as client:
             answers = await asyncio.gather(
-                *(client.post(gate.url + "/v1/chat/completions", json=body) for _ in range(SLOTS))
+                *(client.post(gate.url + "/v1/chat/completions", json=body) for _ in range(2))
             )
         exceeded = [r for r in answers if "Context size has been exceeded" in r.text]
         assert exceeded == []
-        assert [r.status_code for r in answers] == [200] * SLOTS
+        assert [r.status_code for r in answers] == [200, 200]
         assert all(r.json()["usage"]["completion_tokens"] > 3 for r in answers)
         assert gate.service.admission.committed_tokens == 0
     finally:
