@@ -19,12 +19,15 @@ import pytest
 import redis.asyncio as aioredis
 from slotgate import shared_lua
 from slotgate.admission import (
+    Admission,
     NotReady,
+    Pool,
     QueueFull,
     QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     TenantQueueFull,
+    Ticket,
     TooLarge,
 )
 from slotgate.routing import _SPREAD, choose, score, stable_hash
@@ -963,3 +966,150 @@ async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them
         assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
         assert await redis_client.hlen(PREFIX + "tokens") == 0
         assert await redis_client.hlen(PREFIX + "tactive") == 0
+
+
+# -- one policy, two implementations: the same scenarios through the core and the script ------
+
+
+@dataclass(frozen=True)
+class Enter:
+    name: str
+    least: int
+    tasks: int = 0  # a prompt array's tasks (0: none)
+    replica: int = 0  # which replica of the shared line it enters through
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+
+
+@dataclass(frozen=True)
+class Resize:
+    upstream: str
+    capacity: int
+
+
+#: Each step, then what every ticket entered so far holds: (upstream, slots), or None waiting.
+Step = tuple[Enter | Release | Resize, dict[str, tuple[str, int] | None]]
+
+#: Scenarios that the in-process core (app/admission.py) and the shared line's script
+#: (app/shared_lua.py) must play alike: a policy written twice gives the same grants.
+SCENARIOS: dict[str, list[Step]] = {
+    "a prompt array waiting while its upstream grows holds the slots it grew to": [
+        (Resize("a", 1), {}),
+        (Enter("f", 1), {"f": ("a", 1)}),
+        (Enter("x", 1, tasks=4), {"f": ("a", 1), "x": None}),
+        (Resize("a", 4), {"f": ("a", 1), "x": None}),
+        (Release("f"), {"x": ("a", 4)}),
+    ],
+    "a prompt array holds what the upstream that grants it gives": [
+        (Resize("a", 1), {}),
+        (Resize("b", 3), {}),
+        (Enter("f", 3), {"f": ("b", 3)}),
+        (Enter("x", 1, tasks=4, replica=1), {"f": ("b", 3), "x": ("a", 1)}),
+        (Release("f"), {"x": ("a", 1)}),
+        (Enter("y", 1, tasks=4), {"x": ("a", 1), "y": ("b", 3)}),
+    ],
+    "behind a head waiting for a large upstream the small one runs, and the head goes first": [
+        (Resize("a", 3), {}),
+        (Resize("b", 1), {}),
+        (Enter("h", 3), {"h": ("a", 3)}),
+        (Enter("big", 3, replica=1), {"h": ("a", 3), "big": None}),
+        (Enter("s1", 1, replica=1), {"h": ("a", 3), "big": None, "s1": ("b", 1)}),
+        (Enter("s2", 1), {"h": ("a", 3), "big": None, "s1": ("b", 1), "s2": None}),
+        (Release("s1"), {"h": ("a", 3), "big": None, "s2": ("b", 1)}),
+        (Release("h"), {"big": ("a", 3), "s2": ("b", 1)}),
+    ],
+    "a waiter that could use a small upstream keeps its free slot from those behind it": [
+        (Resize("a", 3), {}),
+        (Resize("b", 2), {}),
+        (Enter("h", 3), {"h": ("a", 3)}),
+        (Enter("g", 1), {"h": ("a", 3), "g": ("b", 1)}),
+        (Enter("big", 3), {"h": ("a", 3), "g": ("b", 1), "big": None}),
+        (Enter("m", 2, replica=1), {"h": ("a", 3), "g": ("b", 1), "big": None, "m": None}),
+        (Enter("s", 1), {"h": ("a", 3), "g": ("b", 1), "big": None, "m": None, "s": None}),
+        (Release("g"), {"h": ("a", 3), "big": None, "m": ("b", 2), "s": None}),
+        (Release("h"), {"big": ("a", 3), "m": ("b", 2), "s": None}),
+    ],
+}
+
+
+async def play_in_process(steps: list[Step]) -> None:
+    admission = Admission(QueuePolicy(max_queue=20))
+    pools: dict[str, Pool] = {}
+    tickets: dict[str, Ticket] = {}
+    for step, expected in steps:
+        if isinstance(step, Resize):
+            if step.upstream not in pools:
+                pools[step.upstream] = admission.add_pool(step.upstream)
+            pools[step.upstream].resize(step.capacity)
+        elif isinstance(step, Enter):
+            tickets[step.name] = admission.enter(step.least, tasks=step.tasks)
+        else:
+            tickets.pop(step.name).release()
+        held = {
+            name: (t.pool.key, t.weight) if t.pool is not None else None
+            for name, t in tickets.items()
+        }
+        assert held == expected, step
+    for ticket in tickets.values():
+        ticket.release()
+
+
+async def granted_as(
+    client: aioredis.Redis,
+    tickets: dict[str, SharedTicket],
+    expected: dict[str, tuple[str, int] | None],
+) -> bool:
+    """Do the tickets hold what `expected` says, and Redis count just that?"""
+    held: dict[str, int] = {}
+    for grant in expected.values():
+        if grant is not None:
+            held[grant[0]] = held.get(grant[0], 0) + grant[1]
+    active, _, _ = await pool_state(client)
+    now = {
+        name: (t.upstream, t.weight) if t.upstream is not None else None
+        for name, t in tickets.items()
+    }
+    return now == expected and {u: a for u, a in active.items() if a} == held
+
+
+async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[Step]) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, n=2))
+        tickets: dict[str, SharedTicket] = {}
+        try:
+            for step, expected in steps:
+                if isinstance(step, Resize):
+                    await fleet[0].resize(step.upstream, step.capacity)
+                elif isinstance(step, Enter):
+                    admission = fleet[step.replica]
+                    if step.tasks:
+                        tickets[step.name] = await admission.enter(step.least, tasks=step.tasks)  # type: ignore[call-arg]
+                    else:
+                        tickets[step.name] = await admission.enter(step.least)
+                else:
+                    tickets.pop(step.name).release()
+                try:
+                    await until(partial(granted_as, redis_client, tickets, expected), 10)
+                except pytest.fail.Exception:
+                    active, _, _ = await pool_state(redis_client)
+                    pytest.fail(f"{step}: {active} in Redis, expected {expected}")
+        finally:
+            for ticket in tickets.values():
+                ticket.release()
+            for admission in fleet:
+                await admission.settle()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the script weighs a prompt array once, at entry, and never backfills behind a head",
+)
+@pytest.mark.parametrize("steps", list(SCENARIOS.values()), ids=list(SCENARIOS))
+async def test_the_core_and_the_shared_line_grant_alike(
+    valkey: Valkey, redis_client: aioredis.Redis, steps: list[Step]
+) -> None:
+    await play_in_process(steps)
+    await play_shared(valkey, redis_client, steps)
