@@ -123,9 +123,6 @@ async def test_requests_of_several_choices_run_on_the_one_upstream_with_room_for
             await upstream.stop()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a replica weighs a prompt array against its largest upstream at entry"
-)
 async def test_a_prompt_array_runs_on_a_smaller_upstream_holding_its_slots_in_redis(
     valkey: Valkey,
     redis: aioredis.Redis,
