@@ -32,6 +32,7 @@ from slotgate.admission import (
 )
 from slotgate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.shared import Mode, SharedAdmission, SharedTicket
+from slotgate.tenants import EVERYONE, Tenant
 
 from .valkey import Valkey
 
@@ -977,6 +978,7 @@ class Enter:
     least: int
     tasks: int = 0  # a prompt array's tasks (0: none)
     replica: int = 0  # which replica of the shared line it enters through
+    tenant: str = ""  # "": no tenant (no API keys)
 
 
 @dataclass(frozen=True)
@@ -1032,6 +1034,25 @@ SCENARIOS: dict[str, list[Step]] = {
         (Release("g"), {"h": ("a", 3), "big": None, "m": ("b", 2), "s": None}),
         (Release("h"), {"big": ("a", 3), "m": ("b", 2), "s": None}),
     ],
+    "with tenants the fair order picks who runs behind a waiting head": [
+        (Resize("a", 3), {}),
+        (Resize("b", 1), {}),
+        (Enter("h", 3, tenant="t1"), {"h": ("a", 3)}),
+        (Enter("big", 3, tenant="t1"), {"h": ("a", 3), "big": None}),
+        (Enter("s", 1, replica=1, tenant="t2"), {"h": ("a", 3), "big": None, "s": ("b", 1)}),
+        (
+            Enter("s1", 1, tenant="t1"),
+            {"h": ("a", 3), "big": None, "s": ("b", 1), "s1": None},
+        ),
+        (
+            Enter("s2", 1, replica=1, tenant="t2"),
+            {"h": ("a", 3), "big": None, "s": ("b", 1), "s1": None, "s2": None},
+        ),
+        # t2 has had one slot, t1 three: t2's next goes first.
+        (Release("s"), {"h": ("a", 3), "big": None, "s1": None, "s2": ("b", 1)}),
+        (Release("h"), {"big": ("a", 3), "s1": None, "s2": ("b", 1)}),
+        (Release("s2"), {"big": ("a", 3), "s1": ("b", 1)}),
+    ],
 }
 
 
@@ -1045,7 +1066,8 @@ async def play_in_process(steps: list[Step]) -> None:
                 pools[step.upstream] = admission.add_pool(step.upstream)
             pools[step.upstream].resize(step.capacity)
         elif isinstance(step, Enter):
-            tickets[step.name] = admission.enter(step.least, tasks=step.tasks)
+            tenant = Tenant(step.tenant) if step.tenant else EVERYONE
+            tickets[step.name] = admission.enter(step.least, tasks=step.tasks, tenant=tenant)
         else:
             tickets.pop(step.name).release()
         held = {
@@ -1085,7 +1107,9 @@ async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[
                     await fleet[0].resize(step.upstream, step.capacity)
                 elif isinstance(step, Enter):
                     admission = fleet[step.replica]
-                    tickets[step.name] = await admission.enter(step.least, tasks=step.tasks)
+                    tickets[step.name] = await admission.enter(
+                        step.least, tasks=step.tasks, tenant=step.tenant
+                    )
                 else:
                     tickets.pop(step.name).release()
                 try:
