@@ -418,22 +418,36 @@ end
 local function backfill(eps, quiet, rank, floor, got)
   local pl = pools()
   if not open_below(pl, floor) then return got end
-  local behind = redis.call('ZRANGE', K_LINE, rank + 1, rank + BACKFILL_SCAN - 1, 'WITHSCORES')
-  for i = 1, #behind, 2 do
-    local m = behind[i]
-    local f = redis.call('HGET', K_TICKETS, m)
-    if f then
-      local t = parse_ticket(f)
-      if t.w < floor and not over_limit(t) and may_run(t) then
-        local u, why = choose(t, eps, seq_of(m), floor)
-        if u then
-          got = grant(m, t, u, why, behind[i + 1], quiet) or got
-        else
-          floor = t.w
+  -- In chunks, each ticket's least read first: behind a long line of waiters too large for
+  -- every open upstream, a release costs one ZRANGE and one HMGET per 64 of them.
+  local first, last = rank + 1, rank + BACKFILL_SCAN - 1
+  while first <= last do
+    local upto = math.min(first + 63, last)
+    local behind = redis.call('ZRANGE', K_LINE, first, upto, 'WITHSCORES')
+    if #behind == 0 then return got end
+    local members = {}
+    for i = 1, #behind, 2 do members[#members + 1] = behind[i] end
+    local records = redis.call('HMGET', K_TICKETS, unpack(members))
+    local granted = 0
+    for j = 1, #members do
+      local f = records[j]
+      if f and tonumber(string.match(f, '^[^\t]*\t(%d+)')) < floor then
+        local m, t = members[j], parse_ticket(f)
+        if not over_limit(t) and may_run(t) then
+          local u, why = choose(t, eps, seq_of(m), floor)
+          if u then
+            got = grant(m, t, u, why, behind[2 * j], quiet) or got
+            granted = granted + 1
+          else
+            floor = t.w
+          end
+          if not open_below(pl, floor) then return got end
         end
-        if not open_below(pl, floor) then return got end
       end
     end
+    -- Those granted left the line: the next chunk starts that much nearer its head.
+    first = upto + 1 - granted
+    last = last - granted
   end
   return got
 end

@@ -1056,8 +1056,32 @@ SCENARIOS: dict[str, list[Step]] = {
 }
 
 
+def _far_behind() -> list[Step]:
+    """Two small waiters 64 places apart behind a large head, and an upstream they fit
+    appears: both run (the script reads the line in chunks of 64)."""
+    held: dict[str, tuple[str, int] | None] = {"h": ("a", 3), "g1": ("b", 1), "g2": ("b", 1)}
+    steps: list[Step] = [(Resize("a", 3), {}), (Resize("b", 2), {})]
+    for i, (name, least) in enumerate((("h", 3), ("g1", 1), ("g2", 1))):
+        steps.append((Enter(name, least), dict(list(held.items())[: i + 1])))
+    waiting = ["big", "s1", *(f"w{i:02}" for i in range(63)), "s2"]
+    for i, name in enumerate(waiting):
+        least = 1 if name in ("s1", "s2") else 3
+        steps.append(
+            (Enter(name, least, replica=i % 2), {**held, **dict.fromkeys(waiting[: i + 1])})
+        )
+    steps.append(
+        (Resize("c", 2), {**held, **dict.fromkeys(waiting), "s1": ("c", 1), "s2": ("c", 1)})
+    )
+    return steps
+
+
+SCENARIOS["small waiters far behind a large head run once an upstream they fit appears"] = (
+    _far_behind()
+)
+
+
 async def play_in_process(steps: list[Step]) -> None:
-    admission = Admission(QueuePolicy(max_queue=20))
+    admission = Admission(QueuePolicy(max_queue=200))
     pools: dict[str, Pool] = {}
     tickets: dict[str, Ticket] = {}
     for step, expected in steps:
@@ -1099,7 +1123,7 @@ async def granted_as(
 
 async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[Step]) -> None:
     async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, n=2))
+        fleet = await started(stack, replicas(valkey, n=2, policy=QueuePolicy(max_queue=200)))
         tickets: dict[str, SharedTicket] = {}
         try:
             for step, expected in steps:
