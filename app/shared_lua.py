@@ -423,10 +423,8 @@ local function backfill(eps, quiet, rank, floor, got)
   local first, last = rank + 1, rank + BACKFILL_SCAN - 1
   while first <= last do
     local upto = math.min(first + 63, last)
-    local behind = redis.call('ZRANGE', K_LINE, first, upto, 'WITHSCORES')
-    if #behind == 0 then return got end
-    local members = {}
-    for i = 1, #behind, 2 do members[#members + 1] = behind[i] end
+    local members = redis.call('ZRANGE', K_LINE, first, upto)
+    if #members == 0 then return got end
     local records = redis.call('HMGET', K_TICKETS, unpack(members))
     local granted = 0
     for j = 1, #members do
@@ -436,7 +434,7 @@ local function backfill(eps, quiet, rank, floor, got)
         if not over_limit(t) and may_run(t) then
           local u, why = choose(t, eps, seq_of(m), floor)
           if u then
-            got = grant(m, t, u, why, behind[2 * j], quiet) or got
+            got = grant(m, t, u, why, redis.call('ZSCORE', K_LINE, m), quiet) or got
             granted = granted + 1
           else
             floor = t.w
