@@ -119,9 +119,12 @@ class ReplicaTicket:
         except TooLarge as exc:
             self.release()
             limit = self.tenant.max_active
-            if limit is not None and self.weight > limit:
+            # Its slots as the shared line counts them against the limit (a prompt array: on
+            # the largest upstream).
+            weight = self._shared.weighs(gate.admission.largest or 0)
+            if limit is not None and weight > limit:
                 # Its tenant's max_active was lowered under its slots while it waited.
-                raise TenantTooLarge(exc.snapshot, self.weight, self.tenant) from None
+                raise TenantTooLarge(exc.snapshot, weight, self.tenant) from None
             raise
         except BaseException:
             self.release()

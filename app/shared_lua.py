@@ -224,8 +224,9 @@ local function choose(t, eps, seq, below)
     end
   end
   local room, total = {}, 0
+  local plain = t.tasks == 0  -- the common case: its weight is the same everywhere
   for _, u in ipairs(names) do
-    if fits(pl, u, weighs(t, pl.cap[u]), cost) then
+    if fits(pl, u, plain and t.w or weighs(t, pl.cap[u]), cost) then
       room[#room + 1] = u
       total = total + pl.cap[u] - (pl.act[u] or 0)
     end
@@ -382,8 +383,8 @@ end
 -- number and those slots.
 local function hold_grant(m, u, t)
   local n = redis.call('INCR', K_GRANTED)
-  local pl = pools()
-  local w = weighs(t, pl.cap[u])
+  local pl = PL or pools()
+  local w = t.tasks == 0 and t.w or weighs(t, pl.cap[u])
   local tokens = charge_tokens(pl, u, t.cost)
   take(u, w, tokens, t.tenant)
   redis.call('HSET', held_key(t.r), m, 'g\t'..u..'\t'..tokens..'\t'..w..'\t'..record(t))
