@@ -989,11 +989,18 @@ class Release:
 @dataclass(frozen=True)
 class Resize:
     upstream: str
-    capacity: int
+    capacity: int | None  # None: unknown (down, restarting)
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """Its upstream did not take the request: it waits again at the head of the line."""
+
+    name: str
 
 
 #: Each step, then what every ticket entered so far holds: (upstream, slots), or None waiting.
-Step = tuple[Enter | Release | Resize, dict[str, tuple[str, int] | None]]
+Step = tuple[Enter | Release | Resize | Reroute, dict[str, tuple[str, int] | None]]
 
 #: Scenarios that the in-process core (app/admission.py) and the shared line's script
 #: (app/shared_lua.py) must play alike: a policy written twice gives the same grants.
@@ -1012,6 +1019,15 @@ SCENARIOS: dict[str, list[Step]] = {
         (Enter("x", 1, tasks=4, replica=1), {"f": ("b", 3), "x": ("a", 1)}),
         (Release("f"), {"x": ("a", 1)}),
         (Enter("y", 1, tasks=4), {"x": ("a", 1), "y": ("b", 3)}),
+    ],
+    "a prompt array sent back by its upstream is weighed again where it runs next": [
+        (Resize("a", 1), {}),
+        (Resize("b", 3), {}),
+        (Enter("f", 3), {"f": ("b", 3)}),
+        (Enter("x", 1, tasks=4), {"f": ("b", 3), "x": ("a", 1)}),
+        (Release("f"), {"x": ("a", 1)}),
+        (Resize("a", None), {"x": ("a", 1)}),
+        (Reroute("x"), {"x": ("b", 3)}),
     ],
     "behind a head waiting for a large upstream the small one runs, and the head goes first": [
         (Resize("a", 3), {}),
@@ -1092,6 +1108,8 @@ async def play_in_process(steps: list[Step]) -> None:
         elif isinstance(step, Enter):
             tenant = Tenant(step.tenant) if step.tenant else EVERYONE
             tickets[step.name] = admission.enter(step.least, tasks=step.tasks, tenant=tenant)
+        elif isinstance(step, Reroute):
+            tickets[step.name].reroute(time.monotonic() + 10)
         else:
             tickets.pop(step.name).release()
         held = {
@@ -1134,6 +1152,8 @@ async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[
                     tickets[step.name] = await admission.enter(
                         step.least, tasks=step.tasks, tenant=step.tenant
                     )
+                elif isinstance(step, Reroute):
+                    tickets[step.name].reroute(time.monotonic() + 10)
                 else:
                     tickets.pop(step.name).release()
                 try:
