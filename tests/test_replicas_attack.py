@@ -161,6 +161,45 @@ async def test_a_prompt_array_runs_on_a_smaller_upstream_holding_its_slots_in_re
             await upstream.stop()
 
 
+async def test_one_slot_requests_behind_a_waiting_n3_run_at_once_on_the_one_slot_upstream(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    small, large = StandIn(total_slots=1, tokens=8), StandIn(total_slots=3, tokens=50)
+    small.token_delay_s, large.token_delay_s = 0.02, 0.1
+    for upstream in (small, large):
+        await upstream.start()
+    try:
+        urls = (small.url, large.url)
+        first = await sharing(gates, urls, valkey, 4)
+        second = await sharing(gates, urls, valkey, 4)
+        running = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
+        async with asyncio.timeout(10):
+            while await counted(redis) < 3:
+                await asyncio.sleep(0.01)
+        # The head of the line: it waits for the 3-slot upstream, 5 s away.
+        head = asyncio.ensure_future(client.post(second.url + CHAT, json=chat(n=3)))
+        async with asyncio.timeout(10):
+            while await redis.zcard(PREFIX + "line") < 1:
+                await asyncio.sleep(0.01)
+        # Behind it, on either replica: the 1-slot upstream's slot is one it can never use.
+        small_ones = await asyncio.gather(
+            *(client.post(gate.url + CHAT, json=chat()) for gate in (first, second, first))
+        )
+        assert [a.status_code for a in small_ones] == [200] * 3
+        assert small.started == 3
+        assert not running.done()
+        assert not head.done()
+        assert [(await running).status_code, (await head).status_code] == [200, 200]
+        assert large.started == 2
+        await nothing_held(redis)
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
 async def test_more_choices_than_the_largest_upstream_has_slots_is_the_same_400_as_alone(
     valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
 ) -> None:
