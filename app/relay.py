@@ -328,9 +328,11 @@ class Proxy:
             if limit is not None and want.weight > limit:
                 # It could never run within its tenant's limit: refused before Redis is asked.
                 raise TenantTooLarge(self._admission.snapshot(), want.weight, tenant)
+            # As below: the shared line weighs a prompt array where it grants it.
             ticket = await self._replica.enter(
-                want.weight, cost.reserve if cost else 0, taken.affinity,
+                want.choices, cost.reserve if cost else 0, taken.affinity,
                 tenant=tenant, band=band, conversation=taken.conversation,
+                tasks=want.choices * want.tasks if want.tasks > 1 else 0,
             )  # fmt: skip
         else:
             # At least its choices in one upstream; a prompt array as many slots as it has

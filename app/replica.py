@@ -119,9 +119,12 @@ class ReplicaTicket:
         except TooLarge as exc:
             self.release()
             limit = self.tenant.max_active
-            if limit is not None and self.weight > limit:
+            # Its slots as the shared line counts them against the limit (a prompt array: on
+            # the largest upstream).
+            weight = self._shared.weighs(gate.admission.largest or 0)
+            if limit is not None and weight > limit:
                 # Its tenant's max_active was lowered under its slots while it waited.
-                raise TenantTooLarge(exc.snapshot, self.weight, self.tenant) from None
+                raise TenantTooLarge(exc.snapshot, weight, self.tenant) from None
             raise
         except BaseException:
             self.release()
@@ -138,6 +141,8 @@ class ReplicaTicket:
             self.release()
             raise NotReady(gate.admission.snapshot(), 1.0)
         reason = "retry" if self.rerouted else shared.reason or "load"
+        # What the shared line weighed it at there (a prompt array: that upstream's share).
+        self.weight = shared.weight
         self._local = gate.admission.hold(
             pool, self.weight, self.cost, self.affinity,
             tenant=self.tenant, reason=reason, conversation=self.conversation,
@@ -283,8 +288,12 @@ class ReplicaAdmission:
         tenant: Tenant = EVERYONE,
         band: int | None = None,
         conversation: int | None = None,
+        tasks: int = 0,
     ) -> ReplicaTicket:
-        """A place in the fleet's line (or its slots at once), or why neither is possible."""
+        """A place in the fleet's line (or its slots at once), or why neither is possible.
+        `weight` is the fewest slots it runs in; `tasks` a prompt array's (as the core's
+        `enter`): it holds as many slots as it has tasks, up to those of the upstream the
+        shared line grants it."""
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
@@ -300,6 +309,7 @@ class ReplicaAdmission:
             share=tenant.weight,
             max_active=tenant.max_active,
             max_queued=tenant.max_queued,
+            tasks=tasks,
         )
         ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:

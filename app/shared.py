@@ -126,9 +126,9 @@ class SharedTicket:
 
     __slots__ = (
         "_admission", "_future", "_known_by", "_released", "admitted_at", "band", "cost",
-        "entered_at", "grant_no", "id", "max_active", "max_queued", "member", "order",
-        "position", "ranking", "reason", "rerouted", "share", "since", "tag", "tenant",
-        "upstream", "weight",
+        "entered_at", "grant_no", "id", "least", "max_active", "max_queued", "member", "order",
+        "position", "ranking", "reason", "rerouted", "share", "since", "tag", "tasks",
+        "tenant", "upstream", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -145,11 +145,16 @@ class SharedTicket:
         share: float = 1.0,
         max_active: int | None = None,
         max_queued: int | None = None,
+        tasks: int = 0,
     ) -> None:
         self._admission = admission
         self.id = id
         #: This replica's own arrival number: the order of its waiters when they rejoin.
         self.order = order
+        #: The fewest slots it runs in; a prompt array's tasks (0 for any other request). The
+        #: slots it holds (`weight`) are known once granted: its least until then.
+        self.least = weight
+        self.tasks = tasks
         self.weight = weight
         self.cost = cost
         self.ranking = tuple(ranking)
@@ -178,6 +183,11 @@ class SharedTicket:
         #: Sent back by its upstream (`reroute`), and until when it may wait for one known.
         self.rerouted = False
         self._known_by: float | None = None
+
+    def weighs(self, capacity: int) -> int:
+        """The slots it holds on an upstream of `capacity` (as the core's Ticket.weighs)."""
+        tasks = self.tasks
+        return self.least if not tasks else max(self.least, min(tasks, capacity))
 
     @property
     def seq(self) -> int:
@@ -332,7 +342,7 @@ class SharedAdmission:
         self._tickets: dict[str, SharedTicket] = {}
         self._waiters: dict[str, SharedTicket] = {}
         #: Grants that arrived before the reply that named their member.
-        self._early: dict[str, tuple[str, str, int]] = {}
+        self._early: dict[str, tuple[str, str, int, int]] = {}
         #: Degraded mode: this replica's own slots in use per upstream.
         self._local_active: dict[str, int] = {}
         #: Degraded mode: the slots per upstream Redis still counts for this replica (its
@@ -507,6 +517,7 @@ class SharedAdmission:
         share: float = 1.0,
         max_active: int | None = None,
         max_queued: int | None = None,
+        tasks: int = 0,
     ) -> SharedTicket:
         """Take `weight` slots on one upstream now, or a place in the line, or raise why not.
 
@@ -514,7 +525,10 @@ class SharedAdmission:
         drawn evenly); `cost` its tokens of an upstream's KV-cache budget. The line serves a
         higher `band` first; inside a band, `tenant`s ("": none, FIFO) by their `share` of
         slot time, each FIFO; `tag` overrides the order inside the band (lower first).
-        `max_active` (slots) and `max_queued` (places) are the tenant's own limits.
+        `max_active` (slots) and `max_queued` (places) are the tenant's own limits. `tasks`,
+        when more than `weight`, is the tasks llama-server makes of a prompt array: it holds as
+        many slots as it has tasks, up to those of the upstream that grants it (`weight` at
+        least); the ticket's `weight` is then what it holds.
         """
         if self._closed:
             raise ShuttingDown(self._snapshot(), 1.0)
@@ -526,7 +540,7 @@ class SharedAdmission:
         order = next(self._ids)
         ticket = SharedTicket(
             self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag,
-            tenant, share, max_active, max_queued,
+            tenant, share, max_active, max_queued, tasks,
         )  # fmt: skip
         stale = 0
         while True:
@@ -551,7 +565,7 @@ class SharedAdmission:
             self._epsilon, ticket.band, "" if ticket.tag is None else repr(ticket.tag),
             _unset(policy.max_queue), _unset(policy.queue_per_slot), _unset(policy.min_queue),
             ticket.tenant, repr(ticket.share), _unset(ticket.max_active),
-            _unset(ticket.max_queued),
+            _unset(ticket.max_queued), ticket.tasks,
         )  # fmt: skip
         # The script runs as its own task: a caller cancelled while it runs must not strand
         # what it took in Redis, so whatever it took is handed back when it completes.
@@ -582,7 +596,9 @@ class SharedAdmission:
                 raise Stale
             ticket.member = member
             if kind == "grant":
-                self._granted(ticket, reply[2].decode(), reply[3].decode(), int(reply[4]))
+                self._granted(
+                    ticket, reply[2].decode(), reply[3].decode(), int(reply[4]), int(reply[5])
+                )
                 return ticket
             self._waiters[ticket.id] = ticket
             ticket.position = int(reply[2])
@@ -608,7 +624,7 @@ class SharedAdmission:
             raise TenantQueueFull(snapshot, self._retry_after_s(over))
         if kind == "large":
             self._fleet = Fleet.parse(reply[2:])
-            raise TooLarge(self._snapshot(), ticket.weight, int(reply[1]))
+            raise TooLarge(self._snapshot(), ticket.least, int(reply[1]))
         self._fleet = Fleet.parse(reply[1:])
         raise NotReady(self._snapshot(), 1.0)
 
@@ -622,8 +638,11 @@ class SharedAdmission:
             ticket._released = True
             self._spawn(self._release_shared(member, None))
 
-    def _granted(self, ticket: SharedTicket, upstream: str, reason: str, grant_no: int) -> None:
+    def _granted(
+        self, ticket: SharedTicket, upstream: str, reason: str, grant_no: int, weight: int
+    ) -> None:
         ticket.upstream = upstream
+        ticket.weight = weight
         ticket.reason = reason
         ticket.grant_no = grant_no
         ticket.position = 0
@@ -673,6 +692,7 @@ class SharedAdmission:
         ticket.order = 0  # the head of this replica's own line, should it gate alone
         self._waiters[ticket.id] = ticket
         if self.mode is Mode.SHARED and self._joining is None and ticket.member is not None:
+            ticket.weight = ticket.least  # weighed again where it is granted next
             self._spawn(self._reroute_shared(ticket, ticket.member))
             return
         # Degraded, or a rejoin runs (it finds the ticket no longer granted: `_rejoin`).
@@ -680,6 +700,7 @@ class SharedAdmission:
             self._local_active[upstream] = max(
                 self._local_active.get(upstream, 0) - ticket.weight, 0
             )
+        ticket.weight = ticket.least  # weighed again where it is granted next
         if self.mode is Mode.DEGRADED and self._joining is None:
             self._dispatch_local()
 
@@ -774,10 +795,11 @@ class SharedAdmission:
                 self._degrade(str(exc))
 
     def _on_grant(self, data: str) -> None:
-        member, upstream, reason, grant_no = data.split("\t")
+        member, upstream, reason, grant_no, weight = data.split("\t")
+        grant = (upstream, reason, int(grant_no), int(weight))
         if self._joining is not None:
             # The rejoin's own dispatch may grant a place whose name its reply has not told yet.
-            self._early[member] = (upstream, reason, int(grant_no))
+            self._early[member] = grant
             return
         if self.mode is Mode.DEGRADED:
             return  # Redis forgets this place when the replica rejoins; the waiter waits here
@@ -785,14 +807,14 @@ class SharedAdmission:
         if ticket is None or ticket._released:
             return  # it left: its leave (RELEASE) finds it granted and returns the slots
         if ticket.member is None:
-            self._early[member] = (upstream, reason, int(grant_no))
+            self._early[member] = grant
             return
         if ticket.member != member or ticket.granted:
             return  # a grant to a place the ticket had before a rejoin: Redis forgot it
         if reason == "large":
-            self._fail(ticket, TooLarge(self._snapshot(), ticket.weight))
+            self._fail(ticket, TooLarge(self._snapshot(), ticket.least))
             return
-        self._granted(ticket, upstream, reason, int(grant_no))
+        self._granted(ticket, *grant)
 
     async def _keep(self) -> None:
         """The heartbeat in shared mode; while degraded, ping until Redis answers and rejoin."""
@@ -883,13 +905,14 @@ class SharedAdmission:
                 args += (upstream, capacity, self._budgets.get(upstream, ""))
             for t in grants:
                 args += (
-                    t.member or f"{0:016x}|{t.id}", t.upstream or "", t.weight, t.cost, t.band,
-                    t.tenant, repr(t.share), _unset(t.max_active), "\n".join(t.ranking),
+                    t.member or f"{0:016x}|{t.id}", t.upstream or "", t.weight, t.least, t.tasks,
+                    t.cost, t.band, t.tenant, repr(t.share), _unset(t.max_active),
+                    "\n".join(t.ranking),
                 )  # fmt: skip
             for t in waiters:
                 tag = "" if t.tag is None else repr(t.tag)
                 args += (
-                    t.id, t.weight, t.cost, "\n".join(t.ranking), t.band, tag, t.tenant,
+                    t.id, t.least, t.tasks, t.cost, "\n".join(t.ranking), t.band, tag, t.tenant,
                     repr(t.share), _unset(t.max_active),
                 )  # fmt: skip
             self._early.clear()
@@ -999,9 +1022,9 @@ class SharedAdmission:
         shares = self._shares()
         if not shares:
             raise NotReady(self._snapshot(), 1.0)
-        if ticket.weight > max(self._capacities.values()):
-            raise TooLarge(self._snapshot(), ticket.weight, max(self._capacities.values()))
-        if ticket.weight > max(shares.values()):
+        if ticket.least > max(self._capacities.values()):
+            raise TooLarge(self._snapshot(), ticket.least, max(self._capacities.values()))
+        if ticket.least > max(shares.values()):
             # It fits an upstream, not this replica's share of one: it may run once Redis is
             # back, so it is refused as for now (503), not as a request to change (400).
             raise NotReady(self._snapshot(), 1.0)
@@ -1009,6 +1032,7 @@ class SharedAdmission:
             upstream, reason = self._choose_local(ticket, shares)
             if upstream is not None:
                 self._tickets[ticket.id] = ticket
+                ticket.weight = ticket.weighs(shares[upstream])
                 self._local_active[upstream] = self._local_active.get(upstream, 0) + ticket.weight
                 ticket.upstream, ticket.reason = upstream, reason
                 ticket.admitted_at = time.monotonic()
@@ -1024,19 +1048,21 @@ class SharedAdmission:
         return ticket
 
     def _choose_local(self, ticket: SharedTicket, shares: dict[str, int]) -> tuple[str | None, str]:
-        """The same rule as the script's `choose`, over this replica's shares."""
+        """The same rule as the script's `choose`, over this replica's shares (a prompt array
+        weighed on each share: what it may hold of that upstream while this replica gates
+        alone)."""
         active = self._local_active
-        w = ticket.weight
+        w = ticket.weighs(max(shares.values()))
         load = (sum(active.get(u, 0) for u in shares) + w) * (1 + self._epsilon)
         load /= sum(shares.values())
         ranked = [u for u in ticket.ranking if u in shares]
         for rank, u in enumerate(ranked):
-            a = active.get(u, 0) + w
-            if a <= shares[u] and a <= math.ceil(load * shares[u]):
+            a = active.get(u, 0) + ticket.weighs(shares[u])
+            if a <= shares[u] and active.get(u, 0) + w <= math.ceil(load * shares[u]):
                 return u, "affinity" if rank == 0 else "load"
         best: tuple[float, int, str] | None = None
         for u, c in shares.items():
-            a = active.get(u, 0) + w
+            a = active.get(u, 0) + ticket.weighs(c)
             if a <= c and (best is None or (a / c, a - c, u) < best):
                 best = (a / c, a - c, u)
         return (best[2], "load") if best is not None else (None, "busy")
@@ -1053,16 +1079,17 @@ class SharedAdmission:
             return
         largest = max(shares.values())
         for ticket in sorted(self._waiters.values(), key=lambda t: t.order):
-            if ticket.weight > largest:
+            if ticket.least > largest:
                 # Entered while shared: it can never run on a share, and would stop the line.
                 self._fail(ticket, NotReady(self._snapshot(), 1.0))
                 continue
             upstream, reason = self._choose_local(ticket, shares)
             if upstream is None:
                 return  # the head only: nobody overtakes it
-            self._local_active[upstream] = self._local_active.get(upstream, 0) + ticket.weight
+            weight = ticket.weighs(shares[upstream])
+            self._local_active[upstream] = self._local_active.get(upstream, 0) + weight
             ticket.member = None  # Redis will know it only from the rejoin's list of grants
-            self._granted(ticket, upstream, reason, 0)
+            self._granted(ticket, upstream, reason, 0, weight)
 
 
 def _unset(value: int | None) -> int:

@@ -12,9 +12,11 @@ that prefix and a suffix, so they all hash to one cluster slot. The keys:
 - `line`      sorted set of waiting tickets; score = tag - band * BAND_SPAN (a higher band
               first), members `<seq as 16 hex digits>|<ticket id>`, so that equal scores fall
               back to arrival
-- `tickets`   hash member -> the ticket: "replica TAB weight TAB cost TAB band TAB tenant TAB
-              share TAB max_active TAB charge TAB ranking" (ranking: upstream ids joined by
-              newlines, best first; max_active -1: none; charge: its provisional fair charge)
+- `tickets`   hash member -> the ticket: "replica TAB least TAB cost TAB band TAB tenant TAB
+              share TAB max_active TAB charge TAB tasks TAB ranking" (least: the fewest slots it
+              runs in; tasks: a prompt array's, 0 for any other request, see `weighs`; ranking:
+              upstream ids joined by newlines, best first; max_active -1: none; charge: its
+              provisional fair charge)
 - `seq`       the arrival counter; `granted` the grant counter (a grant's place, read back)
 - `hold`      the moving average of slot hold times, in seconds
 - `fair`      hash "v TAB band" -> the band's virtual time, "f TAB band TAB tenant" -> the
@@ -26,8 +28,13 @@ that prefix and a suffix, so they all hash to one cluster slot. The keys:
 - `kept`      hash replica -> how long its grants are kept once its heartbeat expired (ms)
 - `given_up`  hash replica -> 1: its heartbeat expired, its grants are still counted
 - `hb:<r>`    a replica's heartbeat, with a TTL; `r:<r>` hash member -> "w" (waiting) or
-              "g TAB upstream TAB tokens TAB ticket" (granted): what the replica holds
-- channel `ch:<r>`: "member TAB upstream TAB reason TAB grant number" per grant handed over.
+              "g TAB upstream TAB tokens TAB slots TAB ticket" (granted): what the replica holds
+- channel `ch:<r>`: "member TAB upstream TAB reason TAB grant number TAB slots" per grant handed
+  over.
+
+A waiter behind a head that waits may run out of turn, as in one process (`_dispatch` in
+app/admission.py states the rule): only on an upstream with fewer slots than the head asks at
+least, and than any waiter ahead of it that could use that upstream (`backfill`).
 
 Fair order (start-time fair queuing over slot-seconds, as app/fairline.py in one process): a
 ticket of a named tenant gets the tag max(V, F, L) in its band, where V is the band's virtual
@@ -44,12 +51,16 @@ from __future__ import annotations
 
 import hashlib
 
+from .admission import BACKFILL_SCAN as _BACKFILL_SCAN
+
 #: A band's span of the score: tags (arrival numbers, or virtual start times in thousandths of
 #: an average hold) stay below it, and the score stays an exact integer in a double for bands
 #: up to 511.
 BAND_SPAN = 2**44
 #: Tickets dispatch looks at past heads whose tenant is at its max_active.
 SCAN = 32
+#: Waiters a backfill looks at behind a head that waits (the core's, app/admission.py).
+BACKFILL_SCAN = _BACKFILL_SCAN
 
 _COMMON = r"""
 local P, K_POOLS, K_ACTIVE, K_LINE, K_TICKETS, K_SEQ, K_GRANTED, K_HOLD, K_REPLICAS
@@ -69,6 +80,7 @@ local function setup(keys)
 end
 local BAND_SPAN = 17592186044416
 local SCAN = 32
+local BACKFILL_SCAN = @BACKFILL_SCAN@
 local UNIT = 1000
 local TWO16, TWO32 = 65536, 4294967296
 local function held_key(r) return P..'r:'..r end
@@ -164,24 +176,46 @@ local function fits(pl, u, w, cost)
   return t <= 0 or t + charge_tokens(pl, u, cost) <= b
 end
 
--- The upstream for `w` slots and `cost` tokens, as app/routing.py's `choose`: with a ranking
--- and more than one upstream known, its first with room within the bounded load (active + w
--- <= ceil((fleet_active + w) * (1 + eps) / fleet_cap * cap)); else one free slot of the fleet
--- drawn evenly by hashing `seq` over the upstreams with room (in the order of their ids). The
--- reason is 'affinity' for the ranking's first (or the only upstream), else 'load'; nil and
--- why not ('unknown', 'large', 'busy') when none has room.
-local function choose(ranking, w, cost, eps, seq)
+-- The slots `t` holds on an upstream of `c` slots (as Ticket.weighs): its least, or for a
+-- prompt array as many as it has tasks, up to `c` (its least at least).
+local function weighs(t, c)
+  if t.tasks == 0 then return t.w end
+  return math.max(t.w, math.min(t.tasks, c))
+end
+
+-- The upstream for ticket `t`, as app/routing.py's `choose`: with a ranking and more than one
+-- upstream known, its first with room within the bounded load (active + w <= ceil((fleet_active
+-- + w) * (1 + eps) / fleet_cap * cap), w its slots on the largest upstream); else one free
+-- slot of the fleet drawn evenly by hashing `seq` over the upstreams with room (in the order of
+-- their ids). With `below`, only among the upstreams with a free slot and fewer slots than
+-- that (a backfill's). The reason is 'affinity' for the ranking's first (or the only
+-- upstream), else 'load'; nil and why not ('unknown', 'large', 'busy') when none has room.
+local function choose(t, eps, seq, below)
   local pl = pools()
   if pl.fleet_cap == 0 then return nil, 'unknown' end
-  if w > pl.max_cap then return nil, 'large' end
-  local keyed = ranking ~= ''
-  if keyed and #pl.names > 1 then
-    local load = (pl.fleet_active + w) * (1 + eps) / pl.fleet_cap
+  if t.w > pl.max_cap then return nil, 'large' end
+  local names, fleet_cap, fleet_active = pl.names, pl.fleet_cap, pl.fleet_active
+  if below then
+    names, fleet_cap, fleet_active = {}, 0, 0
+    for _, u in ipairs(pl.names) do
+      local c, a = pl.cap[u], pl.act[u] or 0
+      if a < c and c < below then
+        names[#names + 1] = u
+        fleet_cap, fleet_active = fleet_cap + c, fleet_active + a
+      end
+    end
+    if #names == 0 then return nil, 'busy' end
+  end
+  local cost = t.cost
+  local keyed = t.ranking ~= ''
+  if keyed and #names > 1 then
+    local w = weighs(t, pl.max_cap)
+    local load = (fleet_active + w) * (1 + eps) / fleet_cap
     local rank = 0
-    for u in string.gmatch(ranking, '[^\n]+') do
+    for u in string.gmatch(t.ranking, '[^\n]+') do
       local c = pl.cap[u]
-      if c then
-        if (pl.act[u] or 0) + w <= math.ceil(load * c) and fits(pl, u, w, cost) then
+      if c and (not below or (c < below and (pl.act[u] or 0) < c)) then
+        if (pl.act[u] or 0) + w <= math.ceil(load * c) and fits(pl, u, weighs(t, c), cost) then
           if rank == 0 then return u, 'affinity' end
           return u, 'load'
         end
@@ -190,8 +224,9 @@ local function choose(ranking, w, cost, eps, seq)
     end
   end
   local room, total = {}, 0
-  for _, u in ipairs(pl.names) do
-    if fits(pl, u, w, cost) then
+  local plain = t.tasks == 0  -- the common case: its weight is the same everywhere
+  for _, u in ipairs(names) do
+    if fits(pl, u, plain and t.w or weighs(t, pl.cap[u]), cost) then
       room[#room + 1] = u
       total = total + pl.cap[u] - (pl.act[u] or 0)
     end
@@ -209,7 +244,7 @@ local function choose(ranking, w, cost, eps, seq)
       end
     end
   end
-  if keyed and #pl.names == 1 then return chosen, 'affinity' end
+  if keyed and #names == 1 then return chosen, 'affinity' end
   return chosen, 'load'
 end
 
@@ -259,32 +294,40 @@ local function give_back(u, w, tokens, tenant)
   end
 end
 
+-- A ticket: `w` is the fewest slots it runs in, `tasks` a prompt array's (see `weighs`).
 local function parse_ticket(f)
-  local r, w, cost, band, tenant, share, maxa, charge, ranking = string.match(f,
-    '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
+  local r, w, cost, band, tenant, share, maxa, charge, tasks, ranking = string.match(f,
+    '^([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
   return {r = r, w = tonumber(w), cost = tonumber(cost), band = tonumber(band),
           tenant = tenant, share = tonumber(share), maxa = tonumber(maxa),
-          charge = tonumber(charge), ranking = ranking}
+          charge = tonumber(charge), tasks = tonumber(tasks), ranking = ranking}
 end
 
 local function record(t)
   return t.r..'\t'..t.w..'\t'..t.cost..'\t'..t.band..'\t'..t.tenant..'\t'..num(t.share)
-    ..'\t'..t.maxa..'\t'..num(t.charge)..'\t'..t.ranking
+    ..'\t'..t.maxa..'\t'..num(t.charge)..'\t'..t.tasks..'\t'..t.ranking
+end
+
+-- A grant in `r:<r>`: its upstream, the tokens and slots it holds there, its ticket.
+local function parse_grant(v)
+  local u, tokens, w, rec = string.match(v, '^g\t([^\t]*)\t([^\t]*)\t([^\t]*)\t(.*)$')
+  return u, tonumber(tokens), tonumber(w), rec
 end
 
 local function seq_of(m) return tonumber(string.sub(m, 1, 16), 16) end
 
--- Would `t`'s tenant stay within its max_active with `t`'s slots? (Every slot counts, even
--- for a tenant holding none: one request never passes the limit.)
+-- Would `t`'s tenant stay within its max_active with `t`'s slots (on the largest upstream, as
+-- the core weighs a prompt array)? (Every slot counts, even for a tenant holding none: one
+-- request never passes the limit.)
 local function may_run(t)
   if t.tenant == '' or t.maxa < 0 then return true end
   local a = tonumber(redis.call('HGET', K_TACTIVE, t.tenant) or '0')
-  return a + t.w <= t.maxa
+  return a + weighs(t, pools().max_cap) <= t.maxa
 end
 
 -- Can `t` never run: more slots than its tenant's max_active?
 local function over_limit(t)
-  return t.tenant ~= '' and t.maxa >= 0 and t.w > t.maxa
+  return t.tenant ~= '' and t.maxa >= 0 and weighs(t, pools().max_cap) > t.maxa
 end
 
 local function fair_field(kind, t) return kind..'\t'..t.band..'\t'..t.tenant end
@@ -297,7 +340,7 @@ local function fair_tag(t, seq, granted)
   local v = tonumber(fair[1] or '0')
   local start = math.max(v, tonumber(fair[2] or '0'), tonumber(fair[3] or '0'))
   local tag = math.floor(start)
-  t.charge = UNIT * t.w / t.share
+  t.charge = UNIT * weighs(t, pools().max_cap) / t.share
   if granted and tag > v then
     redis.call('HSET', K_FAIR, fair_field('f', t), num(start + t.charge),
                fair_field('l', t), num(start), 'v\t'..t.band, num(tag))
@@ -336,18 +379,82 @@ local function unline(m, t, refund)
   if refund then fair_correct(t, -t.charge) end
 end
 
--- `w` slots of `u` are now `m`'s (ticket `t`); returns the grant's number.
+-- Slots of `u` are now `m`'s (ticket `t`), as many as it takes there; returns the grant's
+-- number and those slots.
 local function hold_grant(m, u, t)
   local n = redis.call('INCR', K_GRANTED)
-  local tokens = charge_tokens(pools(), u, t.cost)
-  take(u, t.w, tokens, t.tenant)
-  redis.call('HSET', held_key(t.r), m, 'g\t'..u..'\t'..tokens..'\t'..record(t))
-  return n
+  local pl = PL or pools()
+  local w = t.tasks == 0 and t.w or weighs(t, pl.cap[u])
+  local tokens = charge_tokens(pl, u, t.cost)
+  take(u, w, tokens, t.tenant)
+  redis.call('HSET', held_key(t.r), m, 'g\t'..u..'\t'..tokens..'\t'..w..'\t'..record(t))
+  return n, w
+end
+
+-- `m` (ticket `t`, line score `score`) leaves the line granted on `u`. A grant to `quiet` (the
+-- ENTER running) is returned rather than published.
+local function grant(m, t, u, why, score, quiet)
+  unline(m, t, false)
+  fair_granted(t, tonumber(score) + t.band * BAND_SPAN)
+  local n, w = hold_grant(m, u, t)
+  if m == quiet then return {u, why, n, w} end
+  redis.call('PUBLISH', P..'ch:'..t.r, m..'\t'..u..'\t'..why..'\t'..n..'\t'..w)
+  return nil
+end
+
+-- Is any upstream with fewer than `floor` slots not full?
+local function open_below(pl, floor)
+  for _, u in ipairs(pl.names) do
+    local c = pl.cap[u]
+    if c < floor and (pl.act[u] or 0) < c then return true end
+  end
+  return false
+end
+
+-- The head (at `rank` in the line, `floor` slots at least) waits: grant the waiters behind it
+-- on upstreams it can never run on, as the core's `_backfill`. In the line's order (with
+-- tenants, the fair order: the score is the start tag); a waiter that does not fit yet keeps
+-- the upstreams it could use for itself, from everyone behind it: `floor` falls to its least.
+-- Bounded, so that a release behind a long line of heavy waiters stays cheap.
+local function backfill(eps, quiet, rank, floor, got)
+  local pl = pools()
+  if not open_below(pl, floor) then return got end
+  -- In chunks, each ticket's least read first: behind a long line of waiters too large for
+  -- every open upstream, a release costs one ZRANGE and one HMGET per 64 of them.
+  local first, last = rank + 1, rank + BACKFILL_SCAN - 1
+  while first <= last do
+    local upto = math.min(first + 63, last)
+    local members = redis.call('ZRANGE', K_LINE, first, upto)
+    if #members == 0 then return got end
+    local records = redis.call('HMGET', K_TICKETS, unpack(members))
+    local granted = 0
+    for j = 1, #members do
+      local f = records[j]
+      if f and tonumber(string.match(f, '^[^\t]*\t(%d+)')) < floor then
+        local m, t = members[j], parse_ticket(f)
+        if not over_limit(t) and may_run(t) then
+          local u, why = choose(t, eps, seq_of(m), floor)
+          if u then
+            got = grant(m, t, u, why, redis.call('ZSCORE', K_LINE, m), quiet) or got
+            granted = granted + 1
+          else
+            floor = t.w
+          end
+          if not open_below(pl, floor) then return got end
+        end
+      end
+    end
+    -- Those granted left the line: the next chunk starts that much nearer its head.
+    first = upto + 1 - granted
+    last = last - granted
+  end
+  return got
 end
 
 -- Hand free slots to the line in its order: the first ticket whose tenant may run (a tenant at
 -- its max_active is passed over, among the first SCAN) gets them if they fit, else nobody
--- does. A grant to `quiet` (the ENTER running) is returned rather than published.
+-- does but those behind it that `backfill` lets run where it cannot. A grant to `quiet` (the
+-- ENTER running) is returned rather than published.
 local function dispatch(eps, quiet)
   local got = nil
   local wide = false  -- the head alone, unless its tenant was found at its max_active
@@ -365,24 +472,20 @@ local function dispatch(eps, quiet)
       end
       local t = parse_ticket(f)
       if may_run(t) or over_limit(t) then
-        local u, why = choose(t.ranking, t.w, t.cost, eps, seq_of(m))
+        local u, why = choose(t, eps, seq_of(m))
         if over_limit(t) or (u == nil and why == 'large') then
           -- No upstream has that many slots any more, or its tenant's max_active was lowered
           -- under them: refuse it rather than block the line.
           unline(m, t, true)
           redis.call('HDEL', held_key(t.r), m)
-          redis.call('PUBLISH', P..'ch:'..t.r, m..'\t\tlarge\t0')
+          redis.call('PUBLISH', P..'ch:'..t.r, m..'\t\tlarge\t0\t0')
         elseif u == nil then
+          if why == 'busy' and #pools().names > 1 then
+            return backfill(eps, quiet, (i - 1) / 2, t.w, got)
+          end
           return got
         else
-          unline(m, t, false)
-          fair_granted(t, tonumber(heads[i + 1]) + t.band * BAND_SPAN)
-          local n = hold_grant(m, u, t)
-          if m == quiet then
-            got = {u, why, n}
-          else
-            redis.call('PUBLISH', P..'ch:'..t.r, m..'\t'..u..'\t'..why..'\t'..n)
-          end
+          got = grant(m, t, u, why, heads[i + 1], quiet) or got
         end
         moved = true
         break
@@ -406,9 +509,9 @@ local function drop(r, m)
     if f then unline(m, parse_ticket(f), true) else redis.call('ZREM', K_LINE, m) end
     return 'left'
   end
-  local u, tokens, rec = string.match(v, '^g\t([^\t]*)\t([^\t]*)\t(.*)$')
+  local u, tokens, w, rec = parse_grant(v)
   local t = parse_ticket(rec)
-  give_back(u, t.w, tonumber(tokens), t.tenant)
+  give_back(u, w, tokens, t.tenant)
   return 'released', t
 end
 
@@ -504,8 +607,9 @@ end
 
 #: ARGV: replica, ticket id, weight, cost, ranking, eps, band, tag ('' = computed: the fair
 #: start tag for a tenant, else the arrival number), max_queue, queue_per_slot, min_queue (-1:
-#: not set), tenant ('' = none), share, max_active, max_queued (-1: none).
-#: -> {'grant', member, upstream, reason, grant number}
+#: not set), tenant ('' = none), share, max_active, max_queued (-1: none), tasks (a prompt
+#: array's, else 0: see `weighs`; weight is then its least).
+#: -> {'grant', member, upstream, reason, grant number, slots held}
 #:    | {'queued', member, position, limit, grants so far}
 #:    | {'full', limit, figures...} | {'tenant_full', tenant queued, tenant active, figures...}
 #:    | {'unknown', figures...} | {'large', most slots it may have, figures...} | {'fenced'}
@@ -518,18 +622,18 @@ if pl.fleet_cap == 0 then return {'unknown', unpack(figures())} end
 if w > pl.max_cap then return {'large', tostring(pl.max_cap), unpack(figures())} end
 local t = {r = me, w = w, cost = cost, band = tonumber(ARGV[7]), tenant = ARGV[12],
            share = tonumber(ARGV[13]), maxa = tonumber(ARGV[14]), charge = 0,
-           ranking = ARGV[5]}
+           tasks = tonumber(ARGV[16]), ranking = ARGV[5]}
 if over_limit(t) then return {'large', ARGV[14], unpack(figures())} end
 local seq = redis.call('INCR', K_SEQ)
 local m = string.format('%016x', seq)..'|'..id
 local queued = redis.call('ZCARD', K_LINE)
 local eps = tonumber(ARGV[6])
 if queued == 0 and may_run(t) then
-  local u, why = choose(t.ranking, w, cost, eps, seq)
+  local u, why = choose(t, eps, seq)
   if u then
     fair_tag(t, seq, true)
-    local n = hold_grant(m, u, t)
-    return {'grant', m, u, why, tostring(n)}
+    local n, held = hold_grant(m, u, t)
+    return {'grant', m, u, why, tostring(n), tostring(held)}
   end
 end
 local limit = queue_limit(pl.fleet_cap, tonumber(ARGV[9]), tonumber(ARGV[10]),
@@ -552,7 +656,7 @@ if queued > 0 and pl.fleet_active < pl.fleet_cap then
   -- Free slots with a line: its head waits for more, or its tenant is at its max_active, or
   -- this ticket goes ahead of it. Whoever may run now does.
   local got = dispatch(eps, m)
-  if got then return {'grant', m, got[1], got[2], tostring(got[3])} end
+  if got then return {'grant', m, got[1], got[2], tostring(got[3]), tostring(got[4])} end
 end
 return {'queued', m, tostring(redis.call('ZRANK', K_LINE, m) + 1), tostring(limit),
         redis.call('GET', K_GRANTED) or '0'}
@@ -593,9 +697,9 @@ return out
 
 #: ARGV: replica, ttl_ms, eps, kept_ms, n_pools, n_grants, n_waiters, then the pools
 #: (upstream, capacity, budget or '': none learned here, another's stays), the grants
-#: (member, upstream, weight, cost, band, tenant,
-#: share, max_active, ranking) and the waiters in order (id, weight, cost, ranking, band, tag,
-#: tenant, share, max_active).
+#: (member, upstream, slots held, least, tasks, cost, band, tenant, share, max_active,
+#: ranking) and the waiters in order (id, least, tasks, cost, ranking, band, tag, tenant,
+#: share, max_active).
 #: -> {figures..., new member of each waiter in order...}
 #:
 #: Replaces whatever Redis holds for the replica with what the replica says it holds: after it
@@ -619,27 +723,29 @@ for _ = 1, n_pools do
 end
 PL = nil
 for _ = 1, n_grants do
-  local t = {r = me, w = tonumber(ARGV[i + 2]), cost = tonumber(ARGV[i + 3]),
-             band = tonumber(ARGV[i + 4]), tenant = ARGV[i + 5], share = tonumber(ARGV[i + 6]),
-             maxa = tonumber(ARGV[i + 7]), charge = -1, ranking = ARGV[i + 8]}
-  local u = ARGV[i + 1]
+  local t = {r = me, w = tonumber(ARGV[i + 3]), tasks = tonumber(ARGV[i + 4]),
+             cost = tonumber(ARGV[i + 5]), band = tonumber(ARGV[i + 6]), tenant = ARGV[i + 7],
+             share = tonumber(ARGV[i + 8]), maxa = tonumber(ARGV[i + 9]), charge = -1,
+             ranking = ARGV[i + 10]}
+  local u, w = ARGV[i + 1], tonumber(ARGV[i + 2])
   local tokens = charge_tokens(pools(), u, t.cost)
-  take(u, t.w, tokens, t.tenant)
-  redis.call('HSET', held_key(me), ARGV[i], 'g\t'..u..'\t'..tokens..'\t'..record(t))
-  i = i + 9
+  take(u, w, tokens, t.tenant)
+  redis.call('HSET', held_key(me), ARGV[i], 'g\t'..u..'\t'..tokens..'\t'..w..'\t'..record(t))
+  i = i + 11
 end
 local members = {}
 for _ = 1, n_waiters do
   local seq = redis.call('INCR', K_SEQ)
   local m = string.format('%016x', seq)..'|'..ARGV[i]
-  local t = {r = me, w = tonumber(ARGV[i + 1]), cost = tonumber(ARGV[i + 2]),
-             band = tonumber(ARGV[i + 4]), tenant = ARGV[i + 6], share = tonumber(ARGV[i + 7]),
-             maxa = tonumber(ARGV[i + 8]), charge = 0, ranking = ARGV[i + 3]}
+  local t = {r = me, w = tonumber(ARGV[i + 1]), tasks = tonumber(ARGV[i + 2]),
+             cost = tonumber(ARGV[i + 3]), band = tonumber(ARGV[i + 5]), tenant = ARGV[i + 7],
+             share = tonumber(ARGV[i + 8]), maxa = tonumber(ARGV[i + 9]), charge = 0,
+             ranking = ARGV[i + 4]}
   local tag
-  if ARGV[i + 5] ~= '' then tag = tonumber(ARGV[i + 5]) else tag = fair_tag(t, seq) end
+  if ARGV[i + 6] ~= '' then tag = tonumber(ARGV[i + 6]) else tag = fair_tag(t, seq) end
   enqueue(m, t, tag)
   members[#members + 1] = m
-  i = i + 9
+  i = i + 10
 end
 reap(now)
 dispatch(eps)
@@ -677,9 +783,10 @@ REROUTE = r"""
 local me, m = ARGV[1], ARGV[2]
 local v = redis.call('HGET', held_key(me), m)
 if not v or v == 'w' then return 'none' end
-local u, tokens, rec = string.match(v, '^g\t([^\t]*)\t([^\t]*)\t(.*)$')
+local u, tokens, w, rec = parse_grant(v)
 local t = parse_ticket(rec)
-give_back(u, t.w, tonumber(tokens), t.tenant)
+-- The slots it held there go back; it is weighed again where it is granted next.
+give_back(u, w, tokens, t.tenant)
 redis.call('HDEL', held_key(me), m)
 local head = redis.call('ZRANGE', K_LINE, 0, 0, 'WITHSCORES')
 local score = -t.band * BAND_SPAN
@@ -701,12 +808,11 @@ local me, old, new = ARGV[1], ARGV[2], ARGV[3]
 redis.call('HDEL', K_POOLS, old)
 local held = redis.call('HGETALL', held_key(me))
 for i = 1, #held, 2 do
-  local u, tokens, rec = string.match(held[i + 1], '^g\t([^\t]*)\t([^\t]*)\t(.*)$')
+  local u, tokens, w, rec = parse_grant(held[i + 1])
   if u == old then
-    local w = parse_ticket(rec).w
-    give_back(old, w, tonumber(tokens), '')
-    take(new, w, tonumber(tokens), '')
-    redis.call('HSET', held_key(me), held[i], 'g\t'..new..'\t'..tokens..'\t'..rec)
+    give_back(old, w, tokens, '')
+    take(new, w, tokens, '')
+    redis.call('HSET', held_key(me), held[i], 'g\t'..new..'\t'..tokens..'\t'..w..'\t'..rec)
   end
 end
 return 'ok'
@@ -739,6 +845,8 @@ return 'ok'
 """
 
 
+_COMMON_CODE = _COMMON.replace("@BACKFILL_SCAN@", str(BACKFILL_SCAN))
+
 _SCRIPTS = {
     "ENTER": ENTER,
     "RELEASE": RELEASE,
@@ -754,12 +862,12 @@ _SCRIPTS = {
 
 def script(body: str) -> str:
     """`body` as a script for EVAL, with the helpers it calls."""
-    return _COMMON + "setup(KEYS)\n" + body
+    return _COMMON_CODE + "setup(KEYS)\n" + body
 
 
 def _library() -> tuple[str, dict[str, str]]:
     # Named by a hash of its code: replicas of different versions each call their own.
-    code = _COMMON + "".join(
+    code = _COMMON_CODE + "".join(
         f"redis.register_function('{{lib}}_{name.lower()}', function(KEYS, ARGV)\n"
         f"setup(KEYS)\n{body}end)\n"
         for name, body in _SCRIPTS.items()

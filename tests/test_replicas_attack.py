@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from slotgate.admission import Admission
-from slotgate.replica import ReplicaAdmission
+from slotgate.replica import ReplicaAdmission, fleet_name
 from slotgate.settings import Settings
 
 from bench.procs import free_port
@@ -97,7 +97,7 @@ async def nothing_held(redis: aioredis.Redis) -> None:
 # -- 1. requests that take several slots --------------------------------------------------------
 
 
-async def test_requests_of_several_slots_run_on_the_one_upstream_with_room_for_all_of_them(
+async def test_requests_of_several_choices_run_on_the_one_upstream_with_room_for_all_of_them(
     valkey: Valkey,
     redis: aioredis.Redis,
     gates: list[RunningGate],
@@ -111,21 +111,89 @@ async def test_requests_of_several_slots_run_on_the_one_upstream_with_room_for_a
         urls = (small.url, large.url)
         first = await sharing(gates, urls, valkey, 5)
         second = await sharing(gates, urls, valkey, 5)
-        # Three choices; three prompts; five prompts (llama-server works through them in the
-        # slots it fills, so the weight is capped at the largest upstream's three).
-        bodies: list[tuple[str, dict[str, Any]]] = [
-            (CHAT, chat(n=3)),
-            ("/v1/completions", {"prompt": ["a", "b", "c"]}),
-            ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"]}),
-        ]
-        sent = [(first, second)[i % 2].url + bodies[i % 3][0] for i in range(8)]
-        answers = await asyncio.gather(
-            *(client.post(url, json=bodies[i % 3][1]) for i, url in enumerate(sent))
-        )
+        sent = [(first, second)[i % 2].url + CHAT for i in range(8)]
+        answers = await asyncio.gather(*(client.post(url, json=chat(n=3)) for url in sent))
         assert [a.status_code for a in answers] == [200] * 8
         assert small.started == 0  # two slots never hold a request of three
         assert large.started == 8
         assert large.max_running == 1  # each one fills all three
+        await nothing_held(redis)
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
+async def test_a_prompt_array_runs_on_a_smaller_upstream_holding_its_slots_in_redis(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    small, large = StandIn(total_slots=2, tokens=40), StandIn(total_slots=3, tokens=40)
+    small.token_delay_s, large.token_delay_s = 0.02, 0.1
+    for upstream in (small, large):
+        await upstream.start()
+    try:
+        urls = (small.url, large.url)
+        first = await sharing(gates, urls, valkey, 5)
+        second = await sharing(gates, urls, valkey, 5)
+        # Three choices fill the large upstream for 4 s; five prompts then run on the small
+        # one, two at a time (llama-server works through them in the slots it has), and hold
+        # both of its slots, not the three they would hold on the large one.
+        busy = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
+        async with asyncio.timeout(10):
+            while await counted(redis) < 3:
+                await asyncio.sleep(0.01)
+        array = asyncio.ensure_future(
+            client.post(second.url + "/v1/completions", json={"prompt": list("abcde")})
+        )
+        try:
+            async with asyncio.timeout(10):
+                while await redis.hget(PREFIX + "active", fleet_name(small.url)) != b"2":
+                    await asyncio.sleep(0.01)
+        finally:
+            answers = await asyncio.gather(busy, array)
+        assert [a.status_code for a in answers] == [200, 200]
+        assert small.started == large.started == 1
+        await nothing_held(redis)
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
+async def test_one_slot_requests_behind_a_waiting_n3_run_at_once_on_the_one_slot_upstream(
+    valkey: Valkey,
+    redis: aioredis.Redis,
+    gates: list[RunningGate],
+    client: httpx.AsyncClient,
+) -> None:
+    small, large = StandIn(total_slots=1, tokens=8), StandIn(total_slots=3, tokens=50)
+    small.token_delay_s, large.token_delay_s = 0.02, 0.1
+    for upstream in (small, large):
+        await upstream.start()
+    try:
+        urls = (small.url, large.url)
+        first = await sharing(gates, urls, valkey, 4)
+        second = await sharing(gates, urls, valkey, 4)
+        running = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
+        async with asyncio.timeout(10):
+            while await counted(redis) < 3:
+                await asyncio.sleep(0.01)
+        # The head of the line: it waits for the 3-slot upstream, 5 s away.
+        head = asyncio.ensure_future(client.post(second.url + CHAT, json=chat(n=3)))
+        async with asyncio.timeout(10):
+            while await redis.zcard(PREFIX + "line") < 1:
+                await asyncio.sleep(0.01)
+        # Behind it, on either replica: the 1-slot upstream's slot is one it can never use.
+        small_ones = await asyncio.gather(
+            *(client.post(gate.url + CHAT, json=chat()) for gate in (first, second, first))
+        )
+        assert [a.status_code for a in small_ones] == [200] * 3
+        assert small.started == 3
+        assert not running.done()
+        assert not head.done()
+        assert [(await running).status_code, (await head).status_code] == [200, 200]
+        assert large.started == 2
         await nothing_held(redis)
     finally:
         for upstream in (small, large):

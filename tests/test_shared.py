@@ -19,16 +19,20 @@ import pytest
 import redis.asyncio as aioredis
 from slotgate import shared_lua
 from slotgate.admission import (
+    Admission,
     NotReady,
+    Pool,
     QueueFull,
     QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     TenantQueueFull,
+    Ticket,
     TooLarge,
 )
 from slotgate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.shared import Mode, SharedAdmission, SharedTicket
+from slotgate.tenants import EVERYONE, Tenant
 
 from .valkey import Valkey
 
@@ -813,7 +817,7 @@ async def test_a_tenants_max_active_counts_every_slot_of_a_request_even_when_it_
         # Redis refuses it too, whoever asks (a replica's own check aside).
         reply = await redis_client.fcall(
             shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, "r1", "x.1", 3, 0, "", 1.0, 0, "",
-            -1, -1, -1, "t", "1.0", 2, -1,
+            -1, -1, -1, "t", "1.0", 2, -1, 0,
         )  # fmt: skip
         assert reply[0] == b"large"
         held = await first.enter(weight=2, tenant="t", max_active=2)
@@ -967,3 +971,210 @@ async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them
         assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
         assert await redis_client.hlen(PREFIX + "tokens") == 0
         assert await redis_client.hlen(PREFIX + "tactive") == 0
+
+
+# -- one policy, two implementations: the same scenarios through the core and the script ------
+
+
+@dataclass(frozen=True)
+class Enter:
+    name: str
+    least: int
+    tasks: int = 0  # a prompt array's tasks (0: none)
+    replica: int = 0  # which replica of the shared line it enters through
+    tenant: str = ""  # "": no tenant (no API keys)
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+
+
+@dataclass(frozen=True)
+class Resize:
+    upstream: str
+    capacity: int | None  # None: unknown (down, restarting)
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """Its upstream did not take the request: it waits again at the head of the line."""
+
+    name: str
+
+
+#: Each step, then what every ticket entered so far holds: (upstream, slots), or None waiting.
+Step = tuple[Enter | Release | Resize | Reroute, dict[str, tuple[str, int] | None]]
+
+#: Scenarios that the in-process core (app/admission.py) and the shared line's script
+#: (app/shared_lua.py) must play alike: a policy written twice gives the same grants.
+SCENARIOS: dict[str, list[Step]] = {
+    "a prompt array waiting while its upstream grows holds the slots it grew to": [
+        (Resize("a", 1), {}),
+        (Enter("f", 1), {"f": ("a", 1)}),
+        (Enter("x", 1, tasks=4), {"f": ("a", 1), "x": None}),
+        (Resize("a", 4), {"f": ("a", 1), "x": None}),
+        (Release("f"), {"x": ("a", 4)}),
+    ],
+    "a prompt array holds what the upstream that grants it gives": [
+        (Resize("a", 1), {}),
+        (Resize("b", 3), {}),
+        (Enter("f", 3), {"f": ("b", 3)}),
+        (Enter("x", 1, tasks=4, replica=1), {"f": ("b", 3), "x": ("a", 1)}),
+        (Release("f"), {"x": ("a", 1)}),
+        (Enter("y", 1, tasks=4), {"x": ("a", 1), "y": ("b", 3)}),
+    ],
+    "a prompt array sent back by its upstream is weighed again where it runs next": [
+        (Resize("a", 1), {}),
+        (Resize("b", 3), {}),
+        (Enter("f", 3), {"f": ("b", 3)}),
+        (Enter("x", 1, tasks=4), {"f": ("b", 3), "x": ("a", 1)}),
+        (Release("f"), {"x": ("a", 1)}),
+        (Resize("a", None), {"x": ("a", 1)}),
+        (Reroute("x"), {"x": ("b", 3)}),
+    ],
+    "behind a head waiting for a large upstream the small one runs, and the head goes first": [
+        (Resize("a", 3), {}),
+        (Resize("b", 1), {}),
+        (Enter("h", 3), {"h": ("a", 3)}),
+        (Enter("big", 3, replica=1), {"h": ("a", 3), "big": None}),
+        (Enter("s1", 1, replica=1), {"h": ("a", 3), "big": None, "s1": ("b", 1)}),
+        (Enter("s2", 1), {"h": ("a", 3), "big": None, "s1": ("b", 1), "s2": None}),
+        (Release("s1"), {"h": ("a", 3), "big": None, "s2": ("b", 1)}),
+        (Release("h"), {"big": ("a", 3), "s2": ("b", 1)}),
+    ],
+    "a waiter that could use a small upstream keeps its free slot from those behind it": [
+        (Resize("a", 3), {}),
+        (Resize("b", 2), {}),
+        (Enter("h", 3), {"h": ("a", 3)}),
+        (Enter("g", 1), {"h": ("a", 3), "g": ("b", 1)}),
+        (Enter("big", 3), {"h": ("a", 3), "g": ("b", 1), "big": None}),
+        (Enter("m", 2, replica=1), {"h": ("a", 3), "g": ("b", 1), "big": None, "m": None}),
+        (Enter("s", 1), {"h": ("a", 3), "g": ("b", 1), "big": None, "m": None, "s": None}),
+        (Release("g"), {"h": ("a", 3), "big": None, "m": ("b", 2), "s": None}),
+        (Release("h"), {"big": ("a", 3), "m": ("b", 2), "s": None}),
+    ],
+    "with tenants the fair order picks who runs behind a waiting head": [
+        (Resize("a", 3), {}),
+        (Resize("b", 1), {}),
+        (Enter("h", 3, tenant="t1"), {"h": ("a", 3)}),
+        (Enter("big", 3, tenant="t1"), {"h": ("a", 3), "big": None}),
+        (Enter("s", 1, replica=1, tenant="t2"), {"h": ("a", 3), "big": None, "s": ("b", 1)}),
+        (
+            Enter("s1", 1, tenant="t1"),
+            {"h": ("a", 3), "big": None, "s": ("b", 1), "s1": None},
+        ),
+        (
+            Enter("s2", 1, replica=1, tenant="t2"),
+            {"h": ("a", 3), "big": None, "s": ("b", 1), "s1": None, "s2": None},
+        ),
+        # t2 has had one slot, t1 three: t2's next goes first.
+        (Release("s"), {"h": ("a", 3), "big": None, "s1": None, "s2": ("b", 1)}),
+        (Release("h"), {"big": ("a", 3), "s1": None, "s2": ("b", 1)}),
+        (Release("s2"), {"big": ("a", 3), "s1": ("b", 1)}),
+    ],
+}
+
+
+def _far_behind() -> list[Step]:
+    """Two small waiters 64 places apart behind a large head, and an upstream they fit
+    appears: both run (the script reads the line in chunks of 64)."""
+    held: dict[str, tuple[str, int] | None] = {"h": ("a", 3), "g1": ("b", 1), "g2": ("b", 1)}
+    steps: list[Step] = [(Resize("a", 3), {}), (Resize("b", 2), {})]
+    for i, (name, least) in enumerate((("h", 3), ("g1", 1), ("g2", 1))):
+        steps.append((Enter(name, least), dict(list(held.items())[: i + 1])))
+    waiting = ["big", "s1", *(f"w{i:02}" for i in range(63)), "s2"]
+    for i, name in enumerate(waiting):
+        least = 1 if name in ("s1", "s2") else 3
+        steps.append(
+            (Enter(name, least, replica=i % 2), {**held, **dict.fromkeys(waiting[: i + 1])})
+        )
+    steps.append(
+        (Resize("c", 2), {**held, **dict.fromkeys(waiting), "s1": ("c", 1), "s2": ("c", 1)})
+    )
+    return steps
+
+
+SCENARIOS["small waiters far behind a large head run once an upstream they fit appears"] = (
+    _far_behind()
+)
+
+
+async def play_in_process(steps: list[Step]) -> None:
+    admission = Admission(QueuePolicy(max_queue=200))
+    pools: dict[str, Pool] = {}
+    tickets: dict[str, Ticket] = {}
+    for step, expected in steps:
+        if isinstance(step, Resize):
+            if step.upstream not in pools:
+                pools[step.upstream] = admission.add_pool(step.upstream)
+            pools[step.upstream].resize(step.capacity)
+        elif isinstance(step, Enter):
+            tenant = Tenant(step.tenant) if step.tenant else EVERYONE
+            tickets[step.name] = admission.enter(step.least, tasks=step.tasks, tenant=tenant)
+        elif isinstance(step, Reroute):
+            tickets[step.name].reroute(time.monotonic() + 10)
+        else:
+            tickets.pop(step.name).release()
+        held = {
+            name: (t.pool.key, t.weight) if t.pool is not None else None
+            for name, t in tickets.items()
+        }
+        assert held == expected, step
+    for ticket in tickets.values():
+        ticket.release()
+
+
+async def granted_as(
+    client: aioredis.Redis,
+    tickets: dict[str, SharedTicket],
+    expected: dict[str, tuple[str, int] | None],
+) -> bool:
+    """Do the tickets hold what `expected` says, and Redis count just that?"""
+    held: dict[str, int] = {}
+    for grant in expected.values():
+        if grant is not None:
+            held[grant[0]] = held.get(grant[0], 0) + grant[1]
+    active, _, _ = await pool_state(client)
+    now = {
+        name: (t.upstream, t.weight) if t.upstream is not None else None
+        for name, t in tickets.items()
+    }
+    return now == expected and {u: a for u, a in active.items() if a} == held
+
+
+async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[Step]) -> None:
+    async with AsyncExitStack() as stack:
+        fleet = await started(stack, replicas(valkey, n=2, policy=QueuePolicy(max_queue=200)))
+        tickets: dict[str, SharedTicket] = {}
+        try:
+            for step, expected in steps:
+                if isinstance(step, Resize):
+                    await fleet[0].resize(step.upstream, step.capacity)
+                elif isinstance(step, Enter):
+                    admission = fleet[step.replica]
+                    tickets[step.name] = await admission.enter(
+                        step.least, tasks=step.tasks, tenant=step.tenant
+                    )
+                elif isinstance(step, Reroute):
+                    tickets[step.name].reroute(time.monotonic() + 10)
+                else:
+                    tickets.pop(step.name).release()
+                try:
+                    await until(partial(granted_as, redis_client, tickets, expected), 10)
+                except pytest.fail.Exception:
+                    active, _, _ = await pool_state(redis_client)
+                    pytest.fail(f"{step}: {active} in Redis, expected {expected}")
+        finally:
+            for ticket in tickets.values():
+                ticket.release()
+            for admission in fleet:
+                await admission.settle()
+
+
+@pytest.mark.parametrize("steps", list(SCENARIOS.values()), ids=list(SCENARIOS))
+async def test_the_core_and_the_shared_line_grant_alike(
+    valkey: Valkey, redis_client: aioredis.Redis, steps: list[Step]
+) -> None:
+    await play_in_process(steps)
+    await play_shared(valkey, redis_client, steps)
