@@ -1072,10 +1072,8 @@ class SharedAdmission:
             return
         shares = self._shares()
         if not shares:
-            # Cut off holding nothing: no slot here is sure to be nobody else's until the
-            # keeping runs out, far longer than a client should wait for a 503 to retry on.
-            for ticket in list(self._waiters.values()):
-                self._fail(ticket, NotReady(self._snapshot(), 1.0))
+            # Cut off holding nothing: its waiters keep their places (QUEUE_TIMEOUT bounds
+            # them) for Redis to answer again, or for the keeping to run out.
             return
         largest = max(shares.values())
         for ticket in sorted(self._waiters.values(), key=lambda t: t.order):

@@ -377,8 +377,11 @@ async def _back(client: aioredis.Redis, replica: str) -> bool:
     return bool(await client.exists(PREFIX + "hb:" + replica))
 
 
-async def load(fleet: list[SharedAdmission], stop: asyncio.Event, answers: dict[str, int]) -> None:
-    """Requests through every replica until `stop`, each answered one way or another."""
+async def load(
+    fleet: list[SharedAdmission], stop: asyncio.Event, answers: dict[str, int], down_s: float = 0
+) -> None:
+    """Requests through every replica until `stop`, each answered one way or another (within
+    `down_s`, how long Redis is away, and 5 s)."""
 
     async def one(i: int) -> None:
         admission = fleet[i % len(fleet)]
@@ -390,7 +393,8 @@ async def load(fleet: list[SharedAdmission], stop: asyncio.Event, answers: dict[
             return
         async with ticket:
             try:
-                async with asyncio.timeout(5):
+                # A replica cut off holding no slot keeps its waiters until Redis answers.
+                async with asyncio.timeout(5 + down_s):
                     await ticket.wait()
             except NotReady:
                 answers["NotReady"] += 1
@@ -429,7 +433,7 @@ async def test_redis_away_under_load_answers_every_request_and_shared_mode_comes
         await asyncio.sleep(0.5)  # a heartbeat: every replica knows there are three
         answers = {"granted": 0, "QueueFull": 0, "NotReady": 0}
         stop = asyncio.Event()
-        traffic = asyncio.create_task(load(fleet, stop, answers))
+        traffic = asyncio.create_task(load(fleet, stop, answers, down_s))
         await asyncio.sleep(0.3)
         sleeper = aioredis.Redis.from_url(valkey.url)
         stack.push_async_callback(sleeper.aclose)
