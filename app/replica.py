@@ -206,6 +206,7 @@ class ReplicaAdmission:
             failure_mode=settings.redis_failure_mode,
         )
         self.failure_mode = settings.redis_failure_mode
+        self._timeout_s = settings.redis_timeout
         self._affinity = settings.routing == "affinity"
         #: The key, capacity and budget each pool is known by in Redis, as last told.
         self._told: dict[Pool, tuple[str, int | None, int | None]] = {}
@@ -235,11 +236,19 @@ class ReplicaAdmission:
             self._closing.set_result(None)
 
     async def close(self) -> None:
-        """Once the running requests have ended: hand back whatever Redis still counts here."""
+        """Once the running requests have ended: hand back whatever Redis still counts here,
+        in a few REDIS_TIMEOUTs at most."""
         self.drain()
-        for task in list(self._tasks):
-            with contextlib.suppress(Exception):
-                await task
+        tasks = list(self._tasks)
+        if tasks:
+            # Changes still on their way to Redis, each a call or two: waited on for a while,
+            # not awaited, then given up (RETIRE hands back whatever they were about).
+            await asyncio.wait(tasks, timeout=2 * self._timeout_s)
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # seen: RETIRE follows, whatever the change did
         await self.shared.close()
 
     # -- reading -----------------------------------------------------------------------------

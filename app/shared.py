@@ -377,26 +377,36 @@ class SharedAdmission:
         self._keeper = asyncio.create_task(self._keep(), name="slotgate-shared-heartbeat")
 
     async def close(self) -> None:
-        """Take no new work, refuse every waiter, hand back what Redis counts for this replica."""
+        """Take no new work, refuse every waiter, hand back what Redis counts for this replica;
+        within a few `timeout_s` whatever Redis does (what does not reach it, Redis takes back
+        when this replica's lease runs out)."""
         self._closed = True
         for ticket in list(self._waiters.values()):
             self._fail(ticket, ShuttingDown(self._snapshot(), 1.0))
-        for task in (self._keeper, self._listener):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        await self.settle()
+        # Waited on, not awaited: a Redis call may turn the cancellation into an error, and
+        # the task goes on (it stops at its next turn, having seen `_closed`).
+        await _stop((self._keeper, self._listener), self._timeout_s)
+        await self.settle(self._timeout_s)
+        for task in self._pending:
+            task.cancel()  # a release still waiting for a connection: RETIRE covers it
         if self.mode is Mode.SHARED:
-            with contextlib.suppress(Down):
-                await self._call("RETIRE", self.replica, self._epsilon)
+            with contextlib.suppress(Down, TimeoutError):
+                # A connection (the releases left give theirs back at once), then the call.
+                async with asyncio.timeout(2 * self._timeout_s):
+                    await self._call("RETIRE", self.replica, self._epsilon)
         await self._unsubscribe()
-        await self._client.aclose()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._timeout_s):
+                await self._client.aclose()
 
-    async def settle(self) -> None:
-        """Until the releases already made have reached Redis (or failed)."""
+    async def settle(self, within_s: float | None = None) -> None:
+        """Until the releases already made have reached Redis (or failed), or `within_s`."""
+        deadline = None if within_s is None else time.monotonic() + within_s
         while self._pending:
-            await asyncio.wait(list(self._pending))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            await asyncio.wait(list(self._pending), timeout=left)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -775,9 +785,7 @@ class SharedAdmission:
     async def _unsubscribe(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None and listener is not asyncio.current_task():
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await listener
+            await _stop((listener,), self._timeout_s)
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
             with contextlib.suppress(Exception):
@@ -818,9 +826,11 @@ class SharedAdmission:
 
     async def _keep(self) -> None:
         """The heartbeat in shared mode; while degraded, ping until Redis answers and rejoin."""
-        while True:
+        while not self._closed:
             if self.mode is Mode.SHARED:
                 await asyncio.sleep(self._heartbeat_s)
+                if self._closed:
+                    return
                 sent = time.monotonic()
                 try:
                     reply = await self._call(
@@ -844,6 +854,8 @@ class SharedAdmission:
                         async with asyncio.timeout(self._timeout_s):
                             await self._client.connection_pool.disconnect()
                 await asyncio.sleep(min(self._heartbeat_s, 0.2))
+                if self._closed:
+                    return
                 # A ping first: local dispatch waits while a rejoin runs, so only try one
                 # once Redis answers.
                 if await self._answers():
@@ -1088,6 +1100,20 @@ class SharedAdmission:
             self._local_active[upstream] = self._local_active.get(upstream, 0) + weight
             ticket.member = None  # Redis will know it only from the rejoin's list of grants
             self._granted(ticket, upstream, reason, 0, weight)
+
+
+async def _stop(tasks: Sequence[asyncio.Task[Any] | None], within_s: float) -> None:
+    """Cancel `tasks` and wait until they end, `within_s` at most. Not `await task`: a task
+    that turns its cancellation into an error (as a Redis client may) would go on, and an
+    `await` on it inside `suppress(CancelledError)` would swallow the caller's own."""
+    live = [task for task in tasks if task is not None and not task.done()]
+    for task in live:
+        task.cancel()
+    if live:
+        await asyncio.wait(live, timeout=within_s)
+    for task in live:
+        if task.done() and not task.cancelled():
+            task.exception()  # seen: an error of a task being stopped says nothing more
 
 
 def _unset(value: int | None) -> int:

@@ -323,7 +323,11 @@ async def test_a_tenants_chat_on_one_replica_goes_ahead_of_anothers_flood_on_the
 ) -> None:
     standin.total_slots = 1
     standin.tokens, standin.token_delay_s = 10, 0.02
-    first, second = await replicas(2, api_keys_file=keys_file, max_queue=0)
+    # A loaded machine must not push a replica into its fallback, where (holding nothing) it
+    # would turn the flood away: this is about the shared line.
+    first, second = await replicas(
+        2, api_keys_file=keys_file, max_queue=0, redis_timeout=1.0, redis_ttl=1.5
+    )
     flood = [
         asyncio.create_task(client.post(first.url + CHAT, **said(f"flood {n}", "sk-flood")))
         for n in range(60)

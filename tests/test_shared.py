@@ -17,6 +17,7 @@ from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from slotgate import shared_lua
 from slotgate.admission import (
     Admission,
@@ -610,6 +611,55 @@ async def test_a_replica_that_closes_hands_back_everything_at_once(
         assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
         assert not await redis_client.keys(PREFIX + "*r0*")
         await waiter.aclose()
+
+
+async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellation_for_an_error(
+    valkey: Valkey, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (admission,) = replicas(valkey, n=1, heartbeat_s=0.05)
+    await admission.start()
+    assert admission.mode is Mode.SHARED
+    await admission.resize("a", 1)
+    held = await admission.enter()
+    client = admission._client
+    fcall = client.fcall
+    heartbeat = shared_lua.FUNCTIONS["HEARTBEAT"]
+    stalled = asyncio.Event()
+
+    async def stalling(function: str, *args: object) -> object:
+        if function != heartbeat:
+            return await fcall(function, *args)  # type: ignore[arg-type]
+        stalled.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            # As redis-py may when a cancellation lands while it closes a connection.
+            raise RedisTimeoutError("Timeout closing connection") from None
+        return None
+
+    monkeypatch.setattr(client, "fcall", stalling)
+    await asyncio.wait_for(stalled.wait(), 30)
+    # Waited on, not under asyncio.timeout: a cancelled close() would pass the cancellation on
+    # to the heartbeat it awaits, and wait for that to end.
+    closing = asyncio.ensure_future(admission.close())
+    # A few Redis timeouts at most (the heartbeat, the releases, RETIRE, the connections).
+    done, _ = await asyncio.wait([closing], timeout=4 * 1.0 + 1.0)
+    monkeypatch.undo()
+    keeper = admission._keeper
+    assert keeper is not None
+    for _ in range(100):  # if it took the cancellation for an error, the next one ends it
+        if keeper.done():
+            break
+        keeper.cancel()
+        await asyncio.wait([keeper], timeout=0.1)
+    await closing
+    assert done, "close() still waiting"
+    with pytest.raises(ShuttingDown):
+        await admission.enter()
+    # RETIRE reached Redis: the slot it held is free, nothing of this replica is left.
+    assert held.granted
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    assert not await redis_client.keys(PREFIX + "*r0*")
 
 
 async def test_a_rerouted_grant_waits_again_at_the_head_for_whichever_upstream_frees_first(
