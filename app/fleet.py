@@ -4,7 +4,6 @@ resolves to several (a Kubernetes headless Service, a DNS round-robin name), kep
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import re
@@ -173,9 +172,13 @@ class Fleet:
         tasks = [t for t in (self._discovery, *self._leaving) if t is not None]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if tasks:
+            # Not `await task` under suppress(CancelledError): that would swallow a
+            # cancellation of the caller's own task too.
+            await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled() and (error := task.exception()) is not None:
+                    raise error
         for upstream in list(self._by_pool.values()):
             await upstream.close()
 

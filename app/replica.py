@@ -13,7 +13,6 @@ on the granted upstream's pool, released together on every way out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -355,8 +354,9 @@ class ReplicaAdmission:
         finally:
             if not waiting.done():
                 waiting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiting
+                # asyncio.wait, not `await waiting` under suppress(CancelledError): that would
+                # also swallow a cancellation of this request's own task arriving meanwhile.
+                await asyncio.wait((waiting,))
         if not waiting.cancelled() and waiting.exception() is None:
             return
         if waiting.cancelled():

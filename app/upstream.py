@@ -218,8 +218,11 @@ class Upstream:
     async def close(self) -> None:
         if self._follower is not None:
             self._follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follower
+            # Not `await` under suppress(CancelledError): that would swallow a cancellation
+            # of the caller's own task too.
+            await asyncio.wait((self._follower,))
+            if not self._follower.cancelled() and (error := self._follower.exception()) is not None:
+                raise error
         self._client.close()
 
     # -- requests ------------------------------------------------------------------------------
