@@ -35,8 +35,11 @@ async def replicas(standin: StandIn, valkey: Valkey) -> AsyncIterator[Gates]:
         values: dict[str, Any] = {
             "llama_server_url": standin.url, "props_refresh_interval": 0.2,
             "keepalive_interval": 0, "log_level": "warning", "redis_url": valkey.url,
-            "redis_fleet": "test", "redis_ttl": 0.6, "redis_timeout": 0.3,
+            "redis_fleet": "test", "redis_ttl": 1.5, "redis_timeout": 1.0,
         }  # fmt: skip
+        # Redis calls may take a second on a loaded machine: a replica that fell back holding
+        # nothing would answer 503 (the partition's safety), which only the tests of falling
+        # back are about; they kill Valkey (refused at once) or set their own timeouts.
         values.update(overrides)
         made = []
         for _ in range(n):
