@@ -215,6 +215,8 @@ async def test_redis_away_falls_back_to_this_replicas_share_and_readyz_stays_rea
     assert answer.status_code == 200
 
 
+# Slow (its requests must outlast the TTL, about 10 s each): scripts/check runs it.
+@pytest.mark.slow
 @pytest.mark.parametrize("failure_mode", ["local", "reject"])
 async def test_one_replica_cut_off_from_redis_never_lets_the_upstream_run_more_than_its_slots(
     failure_mode: str, standin: StandIn, valkey: Valkey, replicas: Gates, client: httpx.AsyncClient

@@ -471,7 +471,14 @@ async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, s
             await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["drained", "killed"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param(signal.SIGTERM, id="drained"),
+        # Slow (a killed replica's grants are kept 10 x REDIS_TTL): scripts/check runs it.
+        pytest.param(signal.SIGKILL, id="killed", marks=pytest.mark.slow),
+    ],
+)
 async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_others_waiter(
     how: signal.Signals,
     valkey: Valkey,
