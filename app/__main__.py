@@ -1,5 +1,5 @@
 """`python -m slotgate` runs slotgate, like the `slotgate` command."""
 
-from .cli import main
+from slotgate.cli import main
 
 raise SystemExit(main())

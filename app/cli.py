@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
-
-from . import __version__, logs
-from .main import Service, create_app
-from .protocol import bounded_head_protocol
-from .settings import (
+from slotgate import __version__, logs
+from slotgate.main import Service, create_app
+from slotgate.proxy.protocol import bounded_head_protocol
+from slotgate.settings import (
     ENGINE_VARIABLES,
     Settings,
     describe,
@@ -32,7 +31,7 @@ from .settings import (
 )
 
 if TYPE_CHECKING:
-    from .engine import LocalFleet
+    from slotgate.engine.local import LocalFleet
 
 log = logging.getLogger("slotgate")
 
@@ -192,7 +191,7 @@ class Server(uvicorn.Server):
     def _watch(self, fleet: LocalFleet) -> None:
         """An engine that ended leaves the rest serving (the gate routes around it); slotgate
         stops, with status 1, once none is left."""
-        from .engine import ended
+        from slotgate.engine.local import ended
 
         news = fleet.ended()
         left = fleet.running
@@ -386,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     for warning in misspelt():
         log.warning("%s", warning)
     # SIGHUP's default ends the process. With API_KEYS_FILE the app reloads it while it
-    # serves (app/tenants.py); at any other moment, or without the file, it is only told.
+    # serves (app/gate/tenants.py); at any other moment, or without the file, it is only told.
     signal.signal(signal.SIGHUP, _hangup(settings.api_keys_file is not None))
     try:
         sockets = listen(settings.host, settings.port)
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _local_fleet(args: argparse.Namespace) -> Iterator[LocalFleet]:
-    from .engine import EngineFailed, EngineMisconfigured, LocalFleet  # stdlib only
+    from slotgate.engine.local import EngineFailed, EngineMisconfigured, LocalFleet  # stdlib only
 
     try:
         fleet = LocalFleet.from_args(

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-
-from .admission import (
+from slotgate.asgi import Headers
+from slotgate.gate.admission import (
     AdmissionError,
     NotReady,
     QueueFull,
@@ -25,7 +25,6 @@ from .admission import (
     TenantTooLarge,
     TooLarge,
 )
-from .asgi import Headers
 
 Flavor = Literal["openai", "anthropic"]
 

@@ -11,21 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from slotgate.asgi import Message, Receive, Scope, Send
+from slotgate.errors import BadRequest, GateError, refusal, render, route_refusal
+from slotgate.gate.admission import Admission
+from slotgate.metrics import Metrics
+from slotgate.proxy.access import Access
+from slotgate.proxy.relay import Proxy
+from slotgate.proxy.request import id_headers, request_id
+from slotgate.settings import Settings
+from slotgate.upstreams.fleet import Fleet, Resolver
+from slotgate.upstreams.upstream import Upstream
 from starlette.exceptions import HTTPException
 
-from .access import Access
-from .admission import Admission
-from .asgi import Message, Receive, Scope, Send
-from .errors import BadRequest, GateError, refusal, render, route_refusal
-from .fleet import Fleet, Resolver
-from .metrics import Metrics
-from .relay import Proxy
-from .request import id_headers, request_id
-from .settings import Settings
-from .upstream import Upstream
-
 if TYPE_CHECKING:
-    from .replica import ReplicaAdmission
+    from slotgate.replicas.replica import ReplicaAdmission
 
 log = logging.getLogger("slotgate")
 
@@ -80,7 +79,9 @@ class Service:
         #: no Redis code is even imported).
         self.replica: ReplicaAdmission | None = None
         if settings.redis_url is not None and settings.admission_control:
-            from .replica import ReplicaAdmission  # only with REDIS_URL: no Redis code else
+            from slotgate.replicas.replica import (
+                ReplicaAdmission,  # only with REDIS_URL: no Redis code else
+            )
 
             self.replica = ReplicaAdmission(settings, self.admission, settings.redis_url)
             # A KV budget another replica learned: this one's upstream learns it too.

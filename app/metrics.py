@@ -23,16 +23,15 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-from . import __version__
-from .admission import Admission
-from .endpoints import ENDPOINTS, Kind
-from .tenants import EVERYONE
+from slotgate import __version__
+from slotgate.gate.admission import Admission
+from slotgate.gate.tenants import EVERYONE
+from slotgate.intake.endpoints import ENDPOINTS, Kind
 
 if TYPE_CHECKING:
-    from .replica import ReplicaAdmission
+    from slotgate.replicas.replica import ReplicaAdmission
 
-#: What a replica sharing the line through Redis does now (app/replica.py).
+#: What a replica sharing the line through Redis does now (app/replicas/replica.py).
 REPLICATION_MODES = ("shared", "degraded", "rejecting")
 
 REASONS = (

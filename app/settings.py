@@ -11,9 +11,8 @@ from urllib.parse import urlsplit
 from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-
-from .admission import QueuePolicy
-from .tenants import InvalidTenantsFile, roster
+from slotgate.gate.admission import QueuePolicy
+from slotgate.gate.tenants import InvalidTenantsFile, roster
 
 MIB = 1024 * 1024
 

@@ -25,9 +25,9 @@ import httpx
 import orjson
 import uvicorn
 from slotgate.cli import uvicorn_config
-from slotgate.cost import estimate, local
-from slotgate.endpoints import ENDPOINTS
-from slotgate.engine import LocalEngine, demo_model
+from slotgate.engine.local import LocalEngine, demo_model
+from slotgate.intake.cost import estimate, local
+from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.main import Service, create_app
 from slotgate.settings import Settings
 

@@ -66,7 +66,7 @@ class Slotgate(Contender):
     name = "slotgate.client"
 
     async def open(self, port: int) -> None:
-        from slotgate.reuse import UpstreamClient
+        from slotgate.upstreams.reuse import UpstreamClient
 
         self.client = UpstreamClient(
             "127.0.0.1", port, tls=False, connect_timeout_s=5, keepalive_s=4, stall_s=None

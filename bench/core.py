@@ -21,7 +21,7 @@ import collections
 import json
 import time
 
-from slotgate.admission import Admission, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission, QueuePolicy, Ticket
 
 from bench.loop import run_loop
 

@@ -16,12 +16,12 @@ import httpx
 import pytest
 import uvicorn
 from hypothesis import settings as hypothesis_settings
-from slotgate import fleet as fleet_module
-from slotgate import protocol as protocol_module
-from slotgate import upstream as upstream_module
 from slotgate.cli import uvicorn_config
 from slotgate.main import Gateway, Service, create_app
+from slotgate.proxy import protocol as protocol_module
 from slotgate.settings import Settings
+from slotgate.upstreams import fleet as fleet_module
+from slotgate.upstreams import upstream as upstream_module
 
 from tests.hostile import Hostile
 from tests.standin import StandIn

@@ -9,13 +9,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
-from slotgate.admission import Admission
 from slotgate.asgi import Header, Message, Scope
-from slotgate.client import ExchangeFailed
-from slotgate.fleet import Fleet
+from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
-from slotgate.relay import Proxy
+from slotgate.proxy.relay import Proxy
 from slotgate.settings import Settings
+from slotgate.upstreams.client import ExchangeFailed
+from slotgate.upstreams.fleet import Fleet
 
 
 class Client:

@@ -8,8 +8,8 @@ import random
 import time
 
 import pytest
-from slotgate import admission as admission_module
-from slotgate.admission import (
+from slotgate.gate import admission as admission_module
+from slotgate.gate.admission import (
     RETRY_AFTER_CAP_S,
     Admission,
     NotReady,

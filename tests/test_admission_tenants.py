@@ -8,7 +8,8 @@ import random
 import time
 
 import pytest
-from slotgate.admission import (
+from slotgate.errors import refusal
+from slotgate.gate.admission import (
     Admission,
     QueueFull,
     QueuePolicy,
@@ -17,8 +18,7 @@ from slotgate.admission import (
     Ticket,
     TooLarge,
 )
-from slotgate.errors import refusal
-from slotgate.tenants import BATCH, Tenant
+from slotgate.gate.tenants import BATCH, Tenant
 
 FLOOD = Tenant("flood")
 CHAT = Tenant("chat")
@@ -364,7 +364,7 @@ class _Clock:
 async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
     monkeypatch: pytest.MonkeyPatch, first: str
 ) -> None:
-    from slotgate import admission as admission_module
+    from slotgate.gate import admission as admission_module
 
     clock = _Clock()
     monkeypatch.setattr(admission_module, "time", clock)

@@ -7,8 +7,8 @@ import tracemalloc
 from typing import Any
 
 import pytest
-from slotgate.assembly import Assembly, streaming_body
-from slotgate.endpoints import Kind
+from slotgate.intake.endpoints import Kind
+from slotgate.proxy.assembly import Assembly, streaming_body
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.admission import Admission, QueuePolicy
-from slotgate.cost import counted, estimate, local
-from slotgate.endpoints import ENDPOINTS
-from slotgate.engine import LocalEngine, LocalFleet
+from slotgate.engine.local import LocalEngine, LocalFleet
 from slotgate.errors import ContextExceeded
+from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.intake.cost import counted, estimate, local
+from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat

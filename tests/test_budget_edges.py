@@ -12,11 +12,11 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from slotgate import upstream as upstream_module
-from slotgate.admission import Admission, AdmissionError, QueuePolicy, Ticket
-from slotgate.cost import local
-from slotgate.endpoints import ENDPOINTS
-from slotgate.upstream import Props
+from slotgate.gate.admission import Admission, AdmissionError, QueuePolicy, Ticket
+from slotgate.intake.cost import local
+from slotgate.intake.endpoints import ENDPOINTS
+from slotgate.upstreams import upstream as upstream_module
+from slotgate.upstreams.upstream import Props
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn

@@ -71,7 +71,7 @@ def test_a_dotenv_that_is_not_utf8_stops_start_up_with_one_line(tmp_path: Path) 
 def variables_read() -> set[str]:
     """Every environment variable slotgate reads: its settings, and those its code looks up."""
     looked_up = set()
-    for module in APP.glob("*.py"):
+    for module in APP.rglob("*.py"):
         found = re.findall(
             r"""(?:environ\.get\(|environ\[|getenv\()["'](\w+)["']""", module.read_text()
         )
@@ -581,7 +581,7 @@ def test_gpus_alone_start_one_replica_for_each() -> None:
 def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slotgate.engine import LocalFleet
+    from slotgate.engine.local import LocalFleet
 
     from tests.test_engine import health, running
 
@@ -618,7 +618,7 @@ def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
     caplog: pytest.LogCaptureFixture,
     together: bool,
 ) -> None:
-    from slotgate.engine import LocalEngine, LocalFleet
+    from slotgate.engine.local import LocalEngine, LocalFleet
 
     model, _, env = fake_engine_env(tmp_path, "serve")
     for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
@@ -779,7 +779,7 @@ def test_a_misspelt_setting_in_the_environment_stops_start_up_with_one_line(
 async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slotgate.engine import LocalFleet
+    from slotgate.engine.local import LocalFleet
 
     model, _, env = fake_engine_env(tmp_path, "serve")
     for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):

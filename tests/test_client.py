@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import pytest
 import uvloop
-from slotgate import client as client_module
-from slotgate import reuse as reuse_module
-from slotgate.client import BodyTooLarge, ConnectFailed, Connection, ProtocolError, State
-from slotgate.reuse import UpstreamClient as Client
+from slotgate.upstreams import client as client_module
+from slotgate.upstreams import reuse as reuse_module
+from slotgate.upstreams.client import BodyTooLarge, ConnectFailed, Connection, ProtocolError, State
+from slotgate.upstreams.reuse import UpstreamClient as Client
 
 from tests.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
 from tests.standin import StandIn

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from slotgate.cors import EXPOSED, MAX_ORIGINS, TTL_S, CorsPolicy
+from slotgate.upstreams.cors import EXPOSED, MAX_ORIGINS, TTL_S, CorsPolicy
 
 VARY = (b"vary", b"Origin")
 EXPOSE = (b"access-control-expose-headers", b", ".join(EXPOSED))

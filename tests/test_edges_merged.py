@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.endpoints import ENDPOINTS, Demand, demand
 from slotgate.errors import BadRequest
-from slotgate.intake import OFF_LOOP_BYTES, take_off_loop
+from slotgate.intake.body import OFF_LOOP_BYTES, take_off_loop
+from slotgate.intake.endpoints import ENDPOINTS, Demand, demand
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.hostile import (
@@ -36,7 +36,7 @@ from tests.hostile import (
 from tests.standin import StandIn
 
 CHAT = "/v1/chat/completions"
-#: A body big enough to be parsed in the worker process (app/intake.py).
+#: A body big enough to be parsed in the worker process (app/intake/body.py).
 BIG = OFF_LOOP_BYTES + 64 * 1024
 
 
@@ -347,7 +347,7 @@ async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed
         await gate.until(lambda: gate.service.admission.capacity == 2)
         return taken
 
-    monkeypatch.setattr("slotgate.relay.take_off_loop", slow)
+    monkeypatch.setattr("slotgate.proxy.relay.take_off_loop", slow)
     prompts = {"prompt": ["x" * (BIG // 3)] * 3}  # three tasks: they fill both slots
     asked = [
         asyncio.create_task(client.post(gate.url + "/completion", json=prompts)),

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slotgate import engine as engine_module
-from slotgate.engine import (
+from slotgate.engine import local as engine_module
+from slotgate.engine.local import (
     DEMO_CHAT_TEMPLATE,
     DEMO_PACKAGE,
     EngineFailed,
@@ -686,7 +686,7 @@ def test_poll_reports_an_engine_that_died_and_stop_still_cleans_up(
 PARENT = """\
 import sys
 from pathlib import Path
-from slotgate.engine import LocalEngine, find_binary
+from slotgate.engine.local import LocalEngine, find_binary
 engine = LocalEngine(Path(sys.argv[1]), parallel=1, ctx_size=512, threads=1,
                      binary=find_binary())
 engine.start()

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from slotgate.fairline import FairLine
-from slotgate.tenants import BATCH, INTERACTIVE, Tenant
+from slotgate.gate.fairline import FairLine
+from slotgate.gate.tenants import BATCH, INTERACTIVE, Tenant
 
 _seqs = itertools.count()
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.admission import Admission, Ticket
+from slotgate.gate.admission import Admission, Ticket
+from slotgate.gate.routing import score, stable_hash
 from slotgate.logs import JsonFormatter
 from slotgate.main import create_app
-from slotgate.routing import score, stable_hash
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve

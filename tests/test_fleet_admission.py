@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from slotgate.admission import (
+from slotgate.errors import refusal
+from slotgate.gate.admission import (
     Admission,
     AdmissionError,
     NotReady,
@@ -21,9 +22,8 @@ from slotgate.admission import (
     Ticket,
     TooLarge,
 )
-from slotgate.errors import refusal
-from slotgate.routing import choose, score, stable_hash
-from slotgate.tenants import BATCH, Tenant
+from slotgate.gate.routing import choose, score, stable_hash
+from slotgate.gate.tenants import BATCH, Tenant
 
 
 def fleet(*capacities: int | None, epsilon: float = 0.25, **policy: int) -> Admission:

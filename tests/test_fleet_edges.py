@@ -9,11 +9,11 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
-from slotgate.admission import Admission
 from slotgate.asgi import Header
-from slotgate.fleet import Fleet
+from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
 from slotgate.settings import Settings
+from slotgate.upstreams.fleet import Fleet
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from slotgate.endpoints import ENDPOINTS
+from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, serve

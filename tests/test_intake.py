@@ -6,10 +6,10 @@ from typing import Any
 
 import orjson
 import pytest
-from slotgate import intake
-from slotgate.endpoints import ENDPOINTS
 from slotgate.errors import BadRequest
-from slotgate.intake import OFF_LOOP_BYTES, take, take_off_loop
+from slotgate.intake import body as intake
+from slotgate.intake.body import OFF_LOOP_BYTES, take, take_off_loop
+from slotgate.intake.endpoints import ENDPOINTS
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
 

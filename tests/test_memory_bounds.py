@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.assembly import MAX_ASSEMBLED_BYTES
+from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.hostile import (

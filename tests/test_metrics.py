@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from slotgate import __version__
-from slotgate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission, QueuePolicy
 from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
 from slotgate.settings import Settings
 

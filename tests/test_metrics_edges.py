@@ -10,8 +10,8 @@ import shutil
 
 import httpx
 import pytest
-from slotgate import protocol
-from slotgate.admission import (
+from slotgate.errors import GateError, refusal, retry_headers
+from slotgate.gate.admission import (
     Admission,
     AdmissionError,
     NotReady,
@@ -22,9 +22,9 @@ from slotgate.admission import (
     Snapshot,
     TooLarge,
 )
-from slotgate.errors import GateError, refusal, retry_headers
+from slotgate.intake.pace import generation_speed
 from slotgate.metrics import REASONS
-from slotgate.pace import generation_speed
+from slotgate.proxy import protocol
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from slotgate.endpoints import ENDPOINTS, Kind
-from slotgate.pace import (
+from slotgate.intake.endpoints import ENDPOINTS, Kind
+from slotgate.intake.pace import (
     COLD_PROMPT_S,
     COLD_TOKENS,
     COLD_TOKENS_PER_S,

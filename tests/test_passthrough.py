@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from slotgate.tenants import label
+from slotgate.gate.tenants import label
 
 from tests.conftest import GateFactory, chat
 from tests.standin import StandIn

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from slotgate import relay as relay_module
-from slotgate.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
+from slotgate.proxy import relay as relay_module
+from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.standin import StandIn

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from slotgate.cors import MAX_ORIGINS
+from slotgate.upstreams.cors import MAX_ORIGINS
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.standin import StandIn

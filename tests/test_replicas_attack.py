@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from slotgate.admission import Admission
-from slotgate.replica import ReplicaAdmission, fleet_name
+from slotgate.gate.admission import Admission
+from slotgate.replicas.replica import ReplicaAdmission, fleet_name
 from slotgate.settings import Settings
 
 from bench.procs import free_port

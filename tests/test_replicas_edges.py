@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from slotgate.admission import Admission
+from slotgate.gate.admission import Admission
 from slotgate.main import create_app
-from slotgate.replica import ReplicaAdmission
+from slotgate.replicas.replica import ReplicaAdmission
+from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
-from slotgate.shared import SharedAdmission
 
 from tests.conftest import RunningGate, chat, serve
 from tests.standin import StandIn

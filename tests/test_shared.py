@@ -1,4 +1,4 @@
-"""The shared admission (app/shared.py) against a real valkey-server, three replicas at once."""
+"""The shared line (replicas/shared.py) against a real valkey-server, three replicas at once."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from slotgate import shared_lua
-from slotgate.admission import (
+from slotgate.gate.admission import (
     Admission,
     NotReady,
     Pool,
@@ -31,9 +30,10 @@ from slotgate.admission import (
     Ticket,
     TooLarge,
 )
-from slotgate.routing import _SPREAD, choose, score, stable_hash
-from slotgate.shared import Mode, SharedAdmission, SharedTicket
-from slotgate.tenants import EVERYONE, Tenant
+from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
+from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.replicas import lua as shared_lua
+from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 
 from .valkey import Valkey
 
@@ -260,7 +260,7 @@ async def test_a_waiter_that_leaves_gives_its_place_and_any_grant_back(
 
 KILLED_REPLICA = """
 import asyncio, sys
-from slotgate.shared import SharedAdmission
+from slotgate.replicas.shared import SharedAdmission
 
 async def main():
     admission = SharedAdmission(
@@ -1060,8 +1060,8 @@ class Reroute:
 #: Each step, then what every ticket entered so far holds: (upstream, slots), or None waiting.
 Step = tuple[Enter | Release | Resize | Reroute, dict[str, tuple[str, int] | None]]
 
-#: Scenarios that the in-process core (app/admission.py) and the shared line's script
-#: (app/shared_lua.py) must play alike: a policy written twice gives the same grants.
+#: Scenarios that the in-process core (app/gate/admission.py) and the shared line's script
+#: (app/replicas/lua.py) must play alike: a policy written twice gives the same grants.
 SCENARIOS: dict[str, list[Step]] = {
     "a prompt array waiting while its upstream grows holds the slots it grew to": [
         (Resize("a", 1), {}),

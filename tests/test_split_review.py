@@ -8,10 +8,10 @@ import logging
 from typing import Any
 
 import pytest
-from slotgate.answer import Answer
 from slotgate.asgi import Message
-from slotgate.client import Disconnected
 from slotgate.errors import Refusal
+from slotgate.proxy.answer import Answer
+from slotgate.upstreams.client import Disconnected
 
 from tests.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 

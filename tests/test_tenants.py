@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from slotgate.tenants import (
+from slotgate.gate.tenants import (
     BATCH,
     EVERYONE,
     INTERACTIVE,

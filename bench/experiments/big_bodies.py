@@ -10,8 +10,8 @@ messages, one long string.
 - `gate`: slotgate runs in this process, as `slotgate` runs it, in front of tests/standin.py
   in a process of its own (so only slotgate's work shows); a 1 ms ticker on slotgate's loop
   records the worst gap while each body is POSTed twice (the first also starts the worker
-  pool). `--on-loop` sets `slotgate.intake.OFF_LOOP_BYTES` out of reach, so every body is
-  taken on the loop as before app/intake.py's worker process.
+  pool). `--on-loop` sets `slotgate.intake.body.OFF_LOOP_BYTES` out of reach, so every body is
+  taken on the loop as before app/intake/body.py's worker process.
 - `parse`: orjson alone on each body, `loads` and `loads` + `dumps`, on the loop and in
   `asyncio.to_thread`: a thread holds the GIL through the parse, so it stalls the loop as long.
 """
@@ -83,7 +83,7 @@ class Ticker:
 
 async def gate(args: argparse.Namespace, upstream_url: str) -> None:
     if args.on_loop:
-        from slotgate import intake
+        from slotgate.intake import body as intake
 
         intake.OFF_LOOP_BYTES = 10**12  # everything on the loop
     server, task = await serve(

@@ -1,6 +1,6 @@
 """How ROUTING_EPSILON trades prompt-cache hits against queueing, on slotgate's own core.
 
-A discrete-event simulation drives the real admission core (app/admission.py, app/routing.py)
+A discrete-event simulation drives the real admission core (gate/admission.py, gate/routing.py)
 with simulated time: conversations whose turns arrive as a Poisson stream, each turn holding
 its slot for its generation, plus the prefill of its whole history when it lands on an
 upstream that did not serve the conversation's last turn or has evicted it since (each
@@ -22,8 +22,8 @@ import random
 import statistics
 from collections import OrderedDict
 
-from slotgate.admission import Admission, Pool, QueuePolicy, Ticket
-from slotgate.routing import stable_hash
+from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
+from slotgate.gate.routing import stable_hash
 
 
 class _Forgetful(OrderedDict[int, Pool]):

@@ -41,10 +41,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from slotgate.admission import Admission, QueuePolicy
-from slotgate.admission import Ticket as CoreTicket
-from slotgate.fairline import FairLine
-from slotgate.tenants import Tenant
+from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Ticket as CoreTicket
+from slotgate.gate.fairline import FairLine
+from slotgate.gate.tenants import Tenant
 
 from bench.loop import run_loop
 
@@ -178,7 +178,7 @@ async def core_kinds(core: Any, pairs: int, depth: int) -> dict[str, float]:
 
 
 async def against(folder: str, pairs: int, depth: int, rounds: int) -> dict[str, Any]:
-    import slotgate.admission as ours
+    import slotgate.gate.admission as ours
 
     theirs = other_core(folder)
     runs: dict[str, list[dict[str, float]]] = {"this": [], "other": []}

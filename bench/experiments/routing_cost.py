@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import time
 
-from slotgate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission, QueuePolicy
 
 
 async def per_request_us(pools: int, keyed: bool, n: int) -> float:

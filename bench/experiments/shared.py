@@ -16,8 +16,8 @@ import statistics
 import time
 
 import redis.asyncio as aioredis
-from slotgate.admission import Admission, QueuePolicy
-from slotgate.shared import SharedAdmission
+from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.replicas.shared import SharedAdmission
 
 from tests.valkey import Valkey
 

@@ -11,7 +11,7 @@ as `slotgate` configures it, in front of tests/standin.py in a process of its ow
   byte every half second. It prints how long opening them took, when the last was closed by
   slotgate (or how many were still open at `--timeout-s`), how many were answered 408, a
   `/healthz` request's time meanwhile, and, when slotgate has a periodic head sweep
-  (`slotgate.protocol._sweep`), how long each sweep over at least half of them took.
+  (`slotgate.proxy.protocol._sweep`), how long each sweep over at least half of them took.
 - `cost` times ordinary requests through the same server: 16 MiB POSTs to `/tokenize` and
   small `GET /v1/models`, one at a time on one keep-alive connection.
 """
@@ -44,7 +44,7 @@ def timed_sweeps() -> list[tuple[float, int]]:
     """(seconds, connections) of each head sweep, if this slotgate sweeps."""
     sweeps: list[tuple[float, int]] = []
     try:
-        from slotgate import protocol
+        from slotgate.proxy import protocol
     except ImportError:
         return sweeps
     original: Callable[..., None] | None = getattr(protocol, "_sweep", None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine import LocalEngine, demo_model, free_port
+from slotgate.engine.local import LocalEngine, demo_model, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import serve

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine import LocalEngine, demo_model, find_binary
+from slotgate.engine.local import LocalEngine, demo_model, find_binary
 from slotgate.settings import Settings
 
 from tests.conftest import serve

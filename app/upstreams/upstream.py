@@ -12,16 +12,15 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 import orjson
-
-from .admission import Claim, Pool
-from .asgi import Header
-from .client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
-from .cors import CorsPolicy
-from .cost import Estimate, counted
-from .errors import UpstreamFailed, UpstreamUnavailable
-from .pace import generation_speed
-from .reuse import UpstreamClient
-from .settings import Settings
+from slotgate.asgi import Header
+from slotgate.errors import UpstreamFailed, UpstreamUnavailable
+from slotgate.gate.admission import Claim, Pool
+from slotgate.intake.cost import Estimate, counted
+from slotgate.intake.pace import generation_speed
+from slotgate.settings import Settings
+from slotgate.upstreams.client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
+from slotgate.upstreams.cors import CorsPolicy
+from slotgate.upstreams.reuse import UpstreamClient
 
 log = logging.getLogger("slotgate.upstream")
 
@@ -191,7 +190,7 @@ class Upstream:
         #: moves found it busy (or slotgate's own loop late), not gone.
         self.answers = 0
         #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
-        #: rebuild; None until an answer has shown it (app/relay.py, `_learn_verbose`).
+        #: rebuild; None until an answer has shown it (app/proxy/relay.py, `_learn_verbose`).
         self.verbose: bool | None = None
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()

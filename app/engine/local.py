@@ -1,6 +1,6 @@
 """The managed local engine: llama.cpp's HTTP server in a child process on a loopback port.
 
-slotgate runs this module as a script (`python -P app/engine.py ...`) in a process group of
+slotgate runs this module as a script (`python -P app/engine/engine.py ...`) in a process group of
 its own. That child either supervises a real `llama-server` binary or hosts xllamacpp, which
 embeds the same server, in-process. Either way the child never outlives slotgate: it holds
 the read end of a pipe whose only writer is slotgate, and when that pipe reaches end-of-file

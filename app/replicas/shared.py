@@ -1,7 +1,7 @@
 """Admission shared by several replicas through Redis or Valkey: one pool per upstream and one
 bounded line, whichever replica a request came to.
 
-The state lives in Redis (app/shared_lua.py lists the keys) and changes only inside server-side
+The state lives in Redis (app/replicas/lua.py lists the keys) and changes only inside server-side
 scripts, so that every decision (a free slot, a place in the line, the line bound, the hand-off
 to the head of the line) is one atomic step, and taking a free slot is one round trip. A
 release hands the slots to the head of the line inside the same script and publishes the grant
@@ -10,10 +10,10 @@ woken.
 
 The line is a sorted set ordered by band (a higher band first), then a tag, then the arrival
 number. The script computes the tag: for a named tenant, its virtual start time under
-start-time fair queuing over slot-seconds (app/shared_lua.py says how), so that tenants share
+start-time fair queuing over slot-seconds (app/replicas/lua.py says how), so that tenants share
 the slots by their shares across the replicas; without a tenant, the arrival number itself, so
 the order is exact FIFO. A tenant's `max_queued` is checked and its `max_active` kept inside
-the scripts too, and each upstream's KV-cache token budget as in app/admission.py's `Pool`.
+the scripts too, and each upstream's KV-cache token budget as in app/gate/admission.py's `Pool`.
 
 When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
 with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
@@ -53,9 +53,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
-
-from . import shared_lua
-from .admission import (
+from slotgate.gate.admission import (
     HOLD_EWMA_ALPHA,
     INITIAL_HOLD_S,
     RETRY_AFTER_CAP_S,
@@ -68,7 +66,8 @@ from .admission import (
     TenantQueueFull,
     TooLarge,
 )
-from .fairline import Share
+from slotgate.gate.fairline import Share
+from slotgate.replicas import lua as shared_lua
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
 KEPT_TTLS = 10

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from .tenants import Tenant
+from slotgate.gate.tenants import Tenant
 
 #: Weight of the newest hold in each tenant's moving average (the provisional charge).
 HOLD_EWMA_ALPHA = 0.2

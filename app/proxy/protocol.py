@@ -31,7 +31,7 @@ queued behind another makes the connection hold what arrives (up to HOLD_LIMIT_B
 than stop reading, so a FIN or a reset is seen at once. Past the hold the socket is paused; the
 sweep then asks the kernel (poll, POLLRDHUP) whether the peer has gone.
 
-A connection's end, told. The relay cancels a request whose client left (app/relay.py's
+A connection's end, told. The relay cancels a request whose client left (app/proxy/relay.py's
 `_Watch`). Through ASGI alone that takes a pending `receive()` wrapped in a task, for every
 request that waits: about 1 KB each. `watch_disconnect` has the connection call back instead
 when it ends before the request's answer does, at the moment uvicorn would mark that request
@@ -46,13 +46,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from slotgate.asgi import Receive
+from slotgate.errors import BadRequest, GateError, HeadersTooLarge, refusal, render
+from slotgate.proxy.request import id_headers, request_id
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
-
-from .asgi import Receive
-from .errors import BadRequest, GateError, HeadersTooLarge, refusal, render
-from .request import id_headers, request_id
 
 #: A read that ends one request and starts the next is counted whole against the next: reads
 #: are at most 256 KiB, so this leaves any head the relay accepts (64 KiB) room to spare,

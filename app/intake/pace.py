@@ -12,8 +12,7 @@ import math
 from typing import Any
 
 import orjson
-
-from .endpoints import Kind, output_limit
+from slotgate.intake.endpoints import Kind, output_limit
 
 #: Tokens per second of one generation, assumed while llama-server has measured none: a 7-8B
 #: model on a CPU. A faster engine only makes the first Retry-After late, never early, and a

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import Unauthorized
-from .tenants import EVERYONE, Tenant, Tenants
+from slotgate.errors import Unauthorized
+from slotgate.gate.tenants import EVERYONE, Tenant, Tenants
 
 #: Paths that answer without a key: liveness and readiness probes, and llama-server's /health.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/v1/health"})
 
 
 class Access:
-    """The keys of API_KEYS and API_KEYS_FILE (app/tenants.py); one per app, shared by the
+    """The keys of API_KEYS and API_KEYS_FILE (app/gate/tenants.py); one per app, shared by the
     routes and the proxy, so that a reload (SIGHUP) reaches both."""
 
     def __init__(self, keys: Iterable[str] = (), path: Path | None = None) -> None:

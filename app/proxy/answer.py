@@ -10,8 +10,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 
-from .asgi import Headers, Send
-from .errors import Flavor, Refusal, render, stream_event
+from slotgate.asgi import Headers, Send
+from slotgate.errors import Flavor, Refusal, render, stream_event
 
 log = logging.getLogger("slotgate.relay")
 

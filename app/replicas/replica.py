@@ -1,7 +1,7 @@
 """Admission when several slotgate replicas share one line through Redis or Valkey (REDIS_URL).
 
-The shared line (app/shared.py) decides who runs, when and on which upstream, for every replica
-at once. This replica's own core (app/admission.py) then holds what it was granted (`hold`),
+The shared line (replicas/shared.py) decides who runs, when and on which upstream, for every replica
+at once. This replica's own core (app/gate/admission.py) then holds what it was granted (`hold`),
 room or not: it no longer decides, it counts this replica's part, so that the request path,
 the per-upstream figures, the tenants' counts and the hold times behind the estimates work as
 they do for one process. The core's line stays empty.
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from .admission import (
+from slotgate.gate.admission import (
     Admission,
     NotReady,
     Pool,
@@ -28,10 +28,10 @@ from .admission import (
     Ticket,
     TooLarge,
 )
-from .routing import score
-from .settings import Settings
-from .shared import Mode, SharedAdmission, SharedTicket
-from .tenants import EVERYONE, Tenant
+from slotgate.gate.routing import score
+from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
+from slotgate.settings import Settings
 
 log = logging.getLogger("slotgate.replica")
 
@@ -53,7 +53,7 @@ def fleet_name(url: str) -> str:
 
 
 class ReplicaTicket:
-    """One request's claim on the fleet's shared slots (see `Claim` in app/admission.py)."""
+    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/admission.py)."""
 
     __slots__ = (
         "_gate", "_local", "_released", "_shared", "affinity", "conversation", "cost",
@@ -330,7 +330,7 @@ class ReplicaAdmission:
 
     def _ranking(self, affinity: int | None, conversation: int | None) -> list[str]:
         """The upstreams in the key's order (its conversation's last one first), as
-        app/routing.py ranks them; empty without a key: the script then takes the least
+        app/gate/routing.py ranks them; empty without a key: the script then takes the least
         loaded. (The last one is this replica's memory: another replica's is not shared.)"""
         if affinity is None or not self._affinity:
             return []

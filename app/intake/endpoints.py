@@ -7,8 +7,7 @@ from enum import Enum
 from typing import Any
 
 import orjson
-
-from .errors import BadRequest, Flavor, UnsupportedMediaType
+from slotgate.errors import BadRequest, Flavor, UnsupportedMediaType
 
 
 class Kind(Enum):
@@ -211,7 +210,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest("request body must be a JSON object")
-    # orjson writes at most MAX_JSON_DEPTH levels, and a body slotgate rewrites (app/assembly.py)
+    # orjson writes at most MAX_JSON_DEPTH levels, and a body slotgate rewrites (proxy/assembly.py)
     # is written again: the limit is checked here, once, by writing it. Nesting that deep takes
     # as many opening brackets, which C counts far faster than the writer runs.
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:

@@ -1,6 +1,6 @@
 """The hot path: a plain ASGI app that gates every request slotgate does not own and relays
-llama-server's answer as it comes. A request is a `Request` (app/request.py), its answer an
-`Answer` (app/answer.py); this module holds the relay modes and the orchestration.
+llama-server's answer as it comes. A request is a `Request` (app/proxy/request.py), its answer an
+`Answer` (app/proxy/answer.py); this module holds the relay modes and the orchestration.
 """
 
 from __future__ import annotations
@@ -15,16 +15,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import orjson
-
-from .access import OPEN_PATHS, Access
-from .admission import Admission, AdmissionError, Claim, NotReady, TenantTooLarge
-from .answer import Answer
-from .asgi import Headers, Message, Receive, Scope, Send
-from .assembly import MAX_ASSEMBLED_BYTES, Assembly
-from .client import BodyTooLarge, ExchangeFailed, Response
-from .cors import CorsPolicy
-from .endpoints import check_content_type, route_of
-from .errors import (
+from slotgate.asgi import Headers, Message, Receive, Scope, Send
+from slotgate.errors import (
     GateError,
     QueueBytesFull,
     Refusal,
@@ -33,13 +25,17 @@ from .errors import (
     refusal,
     stream_event,
 )
-from .fleet import Fleet
-from .intake import Wants, take_off_loop
-from .logs import Client
-from .logs import access as access_log
-from .metrics import Metrics
-from .protocol import DisconnectWatch, watch_disconnect
-from .request import (
+from slotgate.gate.admission import Admission, AdmissionError, Claim, NotReady, TenantTooLarge
+from slotgate.intake.body import Wants, take_off_loop
+from slotgate.intake.endpoints import check_content_type, route_of
+from slotgate.logs import Client
+from slotgate.logs import access as access_log
+from slotgate.metrics import Metrics
+from slotgate.proxy.access import OPEN_PATHS, Access
+from slotgate.proxy.answer import Answer
+from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES, Assembly
+from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
+from slotgate.proxy.request import (
     ClientGone,
     Head,
     Request,
@@ -48,12 +44,15 @@ from .request import (
     preflight_body,
     read_body,
 )
-from .settings import Settings
-from .upstream import UpstreamStarting
+from slotgate.settings import Settings
+from slotgate.upstreams.client import BodyTooLarge, ExchangeFailed, Response
+from slotgate.upstreams.cors import CorsPolicy
+from slotgate.upstreams.fleet import Fleet
+from slotgate.upstreams.upstream import UpstreamStarting
 
 if TYPE_CHECKING:
     # Imported only with REDIS_URL set (app/main.py): without it no Redis code is loaded.
-    from .replica import ReplicaAdmission
+    from slotgate.replicas.replica import ReplicaAdmission
 
 log = logging.getLogger("slotgate.relay")
 
@@ -94,7 +93,7 @@ class _Watch:
     """Cancels the request's task the moment its client disconnects.
 
     Under slotgate's own uvicorn protocol the connection says so when it ends
-    (app/protocol.py's `watch_disconnect`). Elsewhere uvicorn, like any ASGI server, answers
+    (app/proxy/protocol.py's `watch_disconnect`). Elsewhere uvicorn, like any ASGI server, answers
     `receive()` with `http.disconnect` once the client is gone, so one pending `receive()`,
     as a task, learns of it while the request's own task is busy waiting for a slot or for
     llama-server. The task is cancelled rather than polled, so every `finally` on the way out
@@ -276,7 +275,7 @@ class Proxy:
             if (unreached := self._fleet.unreached) is not None:
                 raise UpstreamUnavailable(unreached)
             # llama-server is (re)starting: wait in the queue, weighed once its slot count is
-            # known (app/admission.py), and ask it for that now, not at the next tick.
+            # known (app/gate/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
         # Read for the request's shape only: which upstream runs it is known once admitted.
         upstream = self._fleet.primary
@@ -301,7 +300,7 @@ class Proxy:
         request.stream = want.stream
         request.teaches = taken.teaches
         if taken.assembled:
-            # The body was rewritten to ask for a stream already (app/intake.py).
+            # The body was rewritten to ask for a stream already (app/intake/body.py).
             request.assembly = Assembly(
                 endpoint.kind, request.path, return_tokens=taken.return_tokens
             )
@@ -702,7 +701,7 @@ class Proxy:
         return True
 
     def _teaches(self, request: Request) -> bool:
-        """Whose answers may teach the CORS table (app/cors.py): with keys, a request whose key
+        """Whose answers may teach the CORS table (upstreams/cors.py): with keys, one whose key
         was checked (not a preflight, not /health); without keys, one on a generation route,
         where the Origins a browser app uses show up. Anything cheaper for a stranger to send
         could fill the table with made-up Origins."""
@@ -712,7 +711,7 @@ class Proxy:
 
     def _own_headers(self, request: Request) -> Headers:
         """What an answer slotgate makes itself carries: the request id, and the CORS header
-        llama-server would give the request's Origin (app/cors.py)."""
+        llama-server would give the request's Origin (app/upstreams/cors.py)."""
         upstream = request.upstream or self._fleet.primary
         return [*id_headers(request.id), *upstream.cors.headers_for(request.origin)]
 

@@ -17,7 +17,7 @@ name or number), never for a higher one.
 
 `Tenant`s are immutable: a reload (SIGHUP) builds a new `Roster` and swaps it in whole, so a
 request keeps the tenant it was identified as until it ends, while new requests see the new
-file. The fair line (app/fairline.py) keys its accounts by the tenant's name, so a reloaded
+file. The fair line (app/gate/fairline.py) keys its accounts by the tenant's name, so a reloaded
 tenant keeps its place and its history.
 """
 

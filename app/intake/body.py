@@ -14,12 +14,20 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 
-from .assembly import streaming_request
-from .cost import Estimate, local
-from .endpoints import ENDPOINTS, Demand, Endpoint, Kind, demand, demand_of, parse_json
-from .errors import BadRequest
-from .pace import expected_hold_of
-from .routing import AFFINITY_PREFIX_CHARS, stable_hash
+from slotgate.errors import BadRequest
+from slotgate.gate.routing import AFFINITY_PREFIX_CHARS, stable_hash
+from slotgate.intake.cost import Estimate, local
+from slotgate.intake.endpoints import (
+    ENDPOINTS,
+    Demand,
+    Endpoint,
+    Kind,
+    demand,
+    demand_of,
+    parse_json,
+)
+from slotgate.intake.pace import expected_hold_of
+from slotgate.proxy.assembly import streaming_request
 
 #: Bodies above this go to the worker: at most ~15 ms of parsing stays on the loop.
 OFF_LOOP_BYTES = 1024 * 1024
@@ -27,7 +35,7 @@ OFF_LOOP_BYTES = 1024 * 1024
 #: big bodies wait their turn there rather than on the loop, and memory grows by one
 #: interpreter (~25 MiB) plus what one big parse leaves to its allocator.
 WORKERS = 1
-#: Endpoints whose non-streamed requests go upstream as streams (see app/assembly.py).
+#: Endpoints whose non-streamed requests go upstream as streams (see app/proxy/assembly.py).
 ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 #: Routes whose non-streamed answer carries llama-server's `__verbose` object when it runs with
 #: --verbose, or when the body sets `verbose` (server-task.cpp: OpenAI chat and text completions
@@ -52,7 +60,7 @@ class Intake:
     return_tokens: bool = False  # an assembled native answer carries its tokens (asked for)
     estimate: Estimate | None = None  # its reservation of the KV budget, when one binds
     expected_hold_s: float | None = None  # how long it should hold its slots (a cold gate)
-    affinity: int | None = None  # its routing key among several upstreams (app/routing.py)
+    affinity: int | None = None  # its routing key among several upstreams (app/gate/routing.py)
     conversation: int | None = None  # the key of its conversation, within the affinity key's
 
 
@@ -60,9 +68,9 @@ class Intake:
 class Wants:
     """What the gate wants read from a body besides its demand, in the same parse."""
 
-    budget: int | None = None  # cost the request against this KV budget (app/cost.py)
+    budget: int | None = None  # cost the request against this KV budget (app/intake/cost.py)
     default_output: int | None = None  # llama-server's -n, for a request that bounds none
-    expect: bool = False  # a cold gate: how long should it hold its slots (app/pace.py)
+    expect: bool = False  # a cold gate: how long should it hold its slots (app/intake/pace.py)
     tokens_per_s: float | None = None
     affinity: bool = False  # its routing key (several upstreams, ROUTING=affinity)
 
@@ -77,7 +85,7 @@ def take(
     wants: Wants = Wants(),
 ) -> Intake:
     """Check the body and work out its demand (and what `wants` asks for); with `assemble`,
-    ask for a stream if the client did not (app/assembly.py), unless its answer may carry
+    ask for a stream if the client did not (app/proxy/assembly.py), unless its answer may carry
     `__verbose`: when the body asks for it, or it leaves that to llama-server and not every
     upstream is known to be `quiet` (adds none unasked)."""
     if endpoint.kind is Kind.AUDIO:

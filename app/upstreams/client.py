@@ -1,7 +1,7 @@
 """A small HTTP/1.1 client for one upstream: connections with an explicit state, a keep-alive
 pool, httptools parsing, streamed bodies, and a response that is closed (never pooled) when
 abandoned. What it costs against aiohttp and httpx: `python -m bench.clients` (README table).
-llama-server's own reuse policy (stream probe, warm spares) is app/reuse.py's.
+llama-server's own reuse policy (stream probe, warm spares) is app/upstreams/reuse.py's.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import cast
 
 import httptools
-
-from .asgi import Header
+from slotgate.asgi import Header
 
 #: Body bytes buffered from a connection before it stops reading from the socket; beyond this
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
@@ -423,7 +422,7 @@ class Client:
     (the admission pool bounds the work, and a limit here would be a second, hidden queue).
 
     The hooks `_reuse`, `_replace`, `_closed_while_idle` and `_unreachable` are where an
-    upstream's own reuse policy goes (app/reuse.py); here they pool or do nothing.
+    upstream's own reuse policy goes (app/upstreams/reuse.py); here they pool or do nothing.
     """
 
     def __init__(

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from .fairline import FairLine, Share
-from .routing import choose, stable_hash
-from .tenants import EVERYONE, Tenant
+from slotgate.gate.fairline import FairLine, Share
+from slotgate.gate.routing import choose, stable_hash
+from slotgate.gate.tenants import EVERYONE, Tenant
 
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
 #: and gives up past 120 s, so the estimate is capped well below both.
@@ -168,7 +168,7 @@ class QueuePolicy:
 
 class Claim(Protocol):
     """What the request path needs of a request's claim on the slots: a `Ticket` of this core,
-    or a `ReplicaTicket` when replicas share the line through Redis (app/replica.py)."""
+    or a `ReplicaTicket` when replicas share the line through Redis (app/replicas/replica.py)."""
 
     @property
     def admitted(self) -> bool: ...
@@ -339,7 +339,7 @@ class Ticket:
         #: has slots, so what it holds is known only where it is granted (`weighs`).
         self.least = weight
         self.tasks = tasks
-        #: Whom it is for (app/tenants.py); its band is the band it waits in.
+        #: Whom it is for (app/gate/tenants.py); its band is the band it waits in.
         self.tenant = tenant
         largest = admission._largest_budget
         self.cost = cost if largest is None else min(cost, largest)
@@ -562,7 +562,7 @@ class Admission:
         self._largest_budget: int | None = None
         self._changed = asyncio.Event()  # some pool's capacity changed (see _until_known)
         #: Told of every change to a pool's capacity, budget or name (the shared line through
-        #: Redis follows them: app/replica.py).
+        #: Redis follows them: app/replicas/replica.py).
         self.on_change: Callable[[Pool], None] | None = None
         self.admitted_total = 0
         if capacity is not None:
@@ -827,8 +827,8 @@ class Admission:
         nothing else holds tokens), rather than never. `weigh(largest)` (when given: the
         request was read while no capacity was known) gives the weight once one is; it may
         raise to refuse the request (here, or from the waiter's `wait`). `affinity` is the
-        request's routing key (app/routing.py). `tenant` is whom it is for, `band` the band it
-        waits in (its tenant's unless lower, app/tenants.py). `tasks`, when more than
+        request's routing key (app/gate/routing.py). `tenant` is whom it is for, `band` the band it
+        waits in (its tenant's unless lower, app/gate/tenants.py). `tasks`, when more than
         `weight`, is the tasks llama-server makes of a prompt array: it holds as many slots as
         it has tasks, up to the slots of the pool that grants it (`weight` at least).
         """
@@ -901,7 +901,7 @@ class Admission:
         reason: str = "load",
         conversation: int | None = None,
     ) -> Ticket:
-        """Count slots that the fleet's shared line (app/replica.py) granted this replica on
+        """Count slots that the fleet's shared line (replicas/replica.py) granted this replica on
         `pool`, room or not: Redis is the judge then, and this core keeps this replica's part
         (what it holds of each upstream, its tenants', the holds behind its estimates)."""
         fair = self._fair

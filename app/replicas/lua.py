@@ -1,4 +1,4 @@
-"""The server-side scripts of the shared admission (app/shared.py), in Lua: one function
+"""The server-side scripts of the shared admission (app/replicas/shared.py), in Lua: one function
 library (Redis 7 or later, any Valkey), loaded by the first call that finds it missing.
 
 Every function takes one key, the fleet's prefix `slotgate:{<fleet>}:`; the keys it touches are
@@ -33,10 +33,10 @@ that prefix and a suffix, so they all hash to one cluster slot. The keys:
   over.
 
 A waiter behind a head that waits may run out of turn, as in one process (`_dispatch` in
-app/admission.py states the rule): only on an upstream with fewer slots than the head asks at
+app/gate/admission.py states the rule): only on an upstream with fewer slots than the head asks at
 least, and than any waiter ahead of it that could use that upstream (`backfill`).
 
-Fair order (start-time fair queuing over slot-seconds, as app/fairline.py in one process): a
+Fair order (start-time fair queuing over slot-seconds, as app/gate/fairline.py in one process): a
 ticket of a named tenant gets the tag max(V, F, L) in its band, where V is the band's virtual
 time (the latest tag granted), F the tenant's finish tag and L its latest tag (so that its own
 tickets stay in arrival order); F then grows by the provisional charge, one average hold x
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import hashlib
 
-from .admission import BACKFILL_SCAN as _BACKFILL_SCAN
+from slotgate.gate.admission import BACKFILL_SCAN as _BACKFILL_SCAN
 
 #: A band's span of the score: tags (arrival numbers, or virtual start times in thousandths of
 #: an average hold) stay below it, and the score stays an exact integer in a double for bands
@@ -59,7 +59,7 @@ from .admission import BACKFILL_SCAN as _BACKFILL_SCAN
 BAND_SPAN = 2**44
 #: Tickets dispatch looks at past heads whose tenant is at its max_active.
 SCAN = 32
-#: Waiters a backfill looks at behind a head that waits (the core's, app/admission.py).
+#: Waiters a backfill looks at behind a head that waits (the core's, app/gate/admission.py).
 BACKFILL_SCAN = _BACKFILL_SCAN
 
 _COMMON = r"""
@@ -92,7 +92,7 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- splitmix64's finaliser of (key xor salt), as app/routing.py's `score`, exact in doubles: a
+-- splitmix64's finaliser of (key xor salt), as app/gate/routing.py's `score`, exact in doubles: a
 -- 64-bit number is two 32-bit halves, products are taken in 16-bit limbs.
 local function xor32(a, b) return bit.bxor(a, b) % TWO32 end
 local function shr64(hi, lo, s)
@@ -183,7 +183,7 @@ local function weighs(t, c)
   return math.max(t.w, math.min(t.tasks, c))
 end
 
--- The upstream for ticket `t`, as app/routing.py's `choose`: with a ranking and more than one
+-- The upstream for ticket `t`, as app/gate/routing.py's `choose`: with a ranking and more than one
 -- upstream known, its first with room within the bounded load (active + w <= ceil((fleet_active
 -- + w) * (1 + eps) / fleet_cap * cap), w its slots on the largest upstream); else one free
 -- slot of the fleet drawn evenly by hashing `seq` over the upstreams with room (in the order of
@@ -549,7 +549,7 @@ end
 
 -- Give up replicas whose heartbeat expired. Their places go back at once. Their grants stay
 -- counted for as long as the replica said (`kept`): one cut off from Redis (not dead) still
--- runs them, and gates alone on their slots meanwhile (app/shared.py), so that nobody else
+-- runs them, and gates alone on their slots meanwhile (app/replicas/shared.py), so that nobody else
 -- may take those slots before it has stopped; then they go back too.
 local function reap(now)
   local dead = redis.call('ZRANGEBYSCORE', K_REPLICAS, '-inf', now)
@@ -800,7 +800,7 @@ return 'queued'
 """
 
 #: ARGV: replica, old upstream, new upstream -> 'ok'
-#: An upstream known by another name now (an address of its name, app/fleet.py): the old name
+#: An upstream known by another name now (an address of its name, upstreams/fleet.py): the old name
 #: leaves the pools, and the replica's grants there move to the new one, their slots and tokens
 #: with them, so that its running requests still count against its slots.
 REKEY = r"""

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-
-from .endpoints import Kind
+from slotgate.intake.endpoints import Kind
 
 #: The most an assembled answer may take: the stream is held until its end, so past this the
 #: request is cut (its upstream connection closed) and answered 502, rather than holding

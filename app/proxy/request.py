@@ -1,7 +1,7 @@
 """One request as slotgate takes it in: its id, its checked path, head and body.
 
 `Request` is the one object the relay passes around; what goes back out is `Answer`'s
-(app/answer.py).
+(app/proxy/answer.py).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .admission import Claim
-from .asgi import Headers, Receive, Scope
-from .assembly import Assembly
-from .cost import Estimate
-from .endpoints import Endpoint
-from .errors import BadRequest, Flavor, HeadersTooLarge, PayloadTooLarge
-from .tenants import EVERYONE
+from slotgate.asgi import Headers, Receive, Scope
+from slotgate.errors import BadRequest, Flavor, HeadersTooLarge, PayloadTooLarge
+from slotgate.gate.admission import Claim
+from slotgate.gate.tenants import EVERYONE
+from slotgate.intake.cost import Estimate
+from slotgate.intake.endpoints import Endpoint
+from slotgate.proxy.assembly import Assembly
 
 if TYPE_CHECKING:
-    from .upstream import Upstream
+    from slotgate.upstreams.upstream import Upstream
 
 #: uvicorn sets no bound on header size; llama-server's HTTP library (cpp-httplib) answers a
 #: header line over 8 KiB with an empty 400, and only once the request has reached it, slot
@@ -66,15 +66,15 @@ class Request:
         self.gated = False
         #: The client asked for an event stream (decided once, at intake).
         self.stream = False
-        #: Non-streamed, sent upstream as a stream, and answered from it (app/assembly.py).
+        #: Non-streamed, sent upstream as a stream, and answered from it (app/proxy/assembly.py).
         self.assembly: Assembly | None = None
         #: Sent as it is so that its answer shows whether llama-server adds `__verbose`.
         self.teaches = False
         self.origin: bytes | None = None  # its Origin, for answers slotgate makes itself
         self.ticket: Claim | None = None
-        #: Whom it is for: its key's tenant (app/tenants.py); EVERYONE without keys.
+        #: Whom it is for: its key's tenant (app/gate/tenants.py); EVERYONE without keys.
         self.tenant = EVERYONE
-        #: Its reservation of the KV-cache budget, when a budget binds (app/cost.py).
+        #: Its reservation of the KV-cache budget, when a budget binds (app/intake/cost.py).
         self.estimate: Estimate | None = None
         self.weight = 0
         self.held_bytes = 0  # of its body, counted against QUEUE_BODY_BYTES until admitted

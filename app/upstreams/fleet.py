@@ -11,10 +11,10 @@ import socket
 from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
-from .admission import Admission, Pool
-from .asgi import Header
-from .settings import Settings
-from .upstream import Upstream, address_url
+from slotgate.asgi import Header
+from slotgate.gate.admission import Admission, Pool
+from slotgate.settings import Settings
+from slotgate.upstreams.upstream import Upstream, address_url
 
 log = logging.getLogger("slotgate.fleet")
 

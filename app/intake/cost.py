@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoints import Endpoint, Kind, output_limit
-from .errors import ContextExceeded
+from slotgate.errors import ContextExceeded
+from slotgate.intake.endpoints import Endpoint, Kind, output_limit
 
 #: Tokens a chat template adds around each message (role markers, turn delimiters); gemma's
 #: is 5 (`<start_of_turn>user\n` ... `<end_of_turn>\n`), ChatML's 4-5; counted generously.

@@ -16,7 +16,7 @@ teaches it before the first POST), and nothing for an Origin llama-server has no
 - What is learned lasts TTL_S unless llama-server says it again, and is forgotten at once when
   slotgate sees llama-server restart or change: a policy made stricter by a restart slotgate
   did not notice outlives it by TTL_S at most.
-- Who teaches is the relay's choice (app/relay.py): with API keys, only answers to requests
+- Who teaches is the relay's choice (app/proxy/relay.py): with API keys, only answers to requests
   whose key was checked; without, only answers on the generation routes.
 - Wherever an Origin is allowed, slotgate exposes the headers it sets (`EXPOSED`): a page may
   otherwise read none of Retry-After, x-should-retry or the request id, and the OpenAI SDK in a
@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from .asgi import Header
+from slotgate.asgi import Header
 
 #: Origins remembered (a browser app uses one or a few); see above for when it is full.
 MAX_ORIGINS = 256

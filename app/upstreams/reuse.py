@@ -1,4 +1,4 @@
-"""llama-server's connection reuse policy on top of the generic client (app/client.py):
+"""llama-server's connection reuse policy on top of the generic client (app/upstreams/client.py):
 whether a connection that carried an event stream may be pooled (learned by a probe), and
 spare connections opened ahead of need so a handed-on slot does not wait for a handshake.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .client import Client, ConnectFailed, Connection
+from slotgate.upstreams.client import Client, ConnectFailed, Connection
 
 #: Connections opened ahead of need after an exchange whose connection cannot be reused.
 WARM_CONNECTIONS = 2

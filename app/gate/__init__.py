@@ -1,0 +1,5 @@
+"""The admission core: pools of slots, tickets, the line (FIFO or fair between tenants), the
+choice of upstream among those with room, tenants and their shares, and the hold clock behind
+Retry-After. Standard library only: it knows nothing of HTTP, of the upstream client, of Redis or
+of settings; callers pass numbers in and get tickets or refusals out.
+"""
