@@ -383,6 +383,27 @@ async def _replay(ops: list[tuple[str, int, Any]]) -> None:
     assert admission.queued == 0
 
 
+@pytest.mark.xfail(strict=True, reason="the key's last upstream is taken even where the head waits")
+async def test_a_keys_last_upstream_is_not_taken_from_the_waiter_at_the_head_that_needs_it() -> (
+    None
+):
+    admission = fleet(2, 1, 3)
+    key = key_preferring(admission, 2)
+    first = admission.enter(affinity=key)
+    assert first.pool is admission.pools[2]  # the key's last upstream is now the 3-slot one
+    heavy = admission.enter(3)  # fits only there, once `first` ends
+    assert not heavy.granted
+    # Behind it, the key's next request may run only where the heavy one never can (the 2-slot
+    # or the 1-slot upstream), not in the 2 free slots it waits to fill.
+    light = admission.enter(affinity=key)
+    assert light.pool in admission.pools[:2]
+    first.release()
+    light.release()
+    await heavy.wait()
+    assert heavy.pool is admission.pools[2]
+    heavy.release()
+
+
 async def test_a_key_follows_its_prompt_to_where_its_last_request_ran() -> None:
     admission = fleet(1, 1, 1)
     key = key_preferring(admission, 0)
