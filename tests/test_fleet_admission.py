@@ -383,7 +383,6 @@ async def _replay(ops: list[tuple[str, int, Any]]) -> None:
     assert admission.queued == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the key's last upstream is taken even where the head waits")
 async def test_a_keys_last_upstream_is_not_taken_from_the_waiter_at_the_head_that_needs_it() -> (
     None
 ):

@@ -88,7 +88,9 @@ def choose(
 
         # The key's last pool first: most requests are a conversation's next turn, and then no
         # ranking needs computing.
-        if last is not None and last.capacity and within(last):
+        # Only among `pools`: a backfill offers the few upstreams the line's head can never
+        # use, and the key's last one may be the head's.
+        if last is not None and last.capacity and any(p is last for p in ready) and within(last):
             return last, True
         ranked = sorted(ready, key=lambda pool: score(key, pool.salt), reverse=True)
         for rank, pool in enumerate(ranked):
