@@ -2,7 +2,7 @@
 
     python -m bench.clients [--requests 2000] [--streams 20] [--tokens 64] [--rounds 3]
 
-Each client talks to the stand-in (tests/standin.py, another process, on the other core)
+Each client talks to the stand-in (tests/support/standin.py, another process, on the other core)
 over loopback, as slotgate talks to llama-server: one keep-alive connection, a POST of a small
 chat completion whose whole JSON answer (about 350 bytes) is read at once, and a streamed
 answer read chunk by chunk as it comes (one SSE event every `--token-delay-ms`, each stamped

@@ -36,7 +36,7 @@ def start_standin(logs: Path, extra_ports: int = 0, name: str = "standin") -> Se
     while len(ports) < 1 + extra_ports:
         if (port := free_port()) not in ports:
             ports.append(port)
-    command = [sys.executable, "-m", "tests.standin"]
+    command = [sys.executable, "-m", "tests.support.standin"]
     for each in ports:
         command += ["--port", str(each)]
     server = spawn(name, command, ports[0], CLIENT_CORE, logs, cwd=REPO)

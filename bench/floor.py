@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from tests.standin import BENCH, StandIn
+from tests.support.standin import BENCH, StandIn
 
 held = 0
 _OK = [(b"content-type", b"application/json")]

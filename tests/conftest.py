@@ -23,9 +23,9 @@ from slotgate.settings import Settings
 from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
-from tests.hostile import Hostile
-from tests.standin import StandIn
-from tests.valkey import Valkey
+from tests.support.hostile import Hostile
+from tests.support.standin import StandIn
+from tests.support.valkey import Valkey
 
 #: For tests that make slotgate choose its local engine (--model, --demo): it is chosen before
 #: the model, so without one they see "no llama.cpp engine" instead of what they test.
@@ -190,7 +190,7 @@ def valkey() -> Iterator[Valkey]:
 
 @pytest.fixture
 async def hostile() -> AsyncIterator[Hostile]:
-    """An upstream that misbehaves as the test scripts it (tests/hostile.py)."""
+    """An upstream that misbehaves as the test scripts it (tests/support/hostile.py)."""
     upstream = Hostile()
     await upstream.start()
     yield upstream

@@ -11,7 +11,7 @@ import pytest
 from slotgate.logs import JsonFormatter
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 
 async def test_healthz_answers_even_without_llama_server(

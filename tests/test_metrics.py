@@ -18,7 +18,7 @@ from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
 from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 ROUTE = "/v1/chat/completions"
 

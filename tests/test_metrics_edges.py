@@ -27,8 +27,8 @@ from slotgate.metrics import REASONS
 from slotgate.proxy import protocol
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
-from tests.test_relay import occupy
+from tests.proxy.test_relay import occupy
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

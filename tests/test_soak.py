@@ -18,7 +18,7 @@ import pytest
 
 from bench.procs import free_port
 from tests.conftest import chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 pytestmark = pytest.mark.soak
 

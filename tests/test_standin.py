@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 
-from tests.standin import BENCH, StandIn
+from tests.support.standin import BENCH, StandIn
 
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 

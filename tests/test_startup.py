@@ -12,7 +12,7 @@ import pytest
 
 from bench.procs import free_port
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

@@ -7,7 +7,7 @@ would not help.
 Issue 13, point 13: parsing a 32 MiB body stalled the event loop for up to 0.75 s, so every
 other client waited. Three bodies of about `--mib` MiB: a prompt of token ids, many short
 messages, one long string.
-- `gate`: slotgate runs in this process, as `slotgate` runs it, in front of tests/standin.py
+- `gate`: slotgate runs in this process, as `slotgate` runs it, in front of tests/support/standin.py
   in a process of its own (so only slotgate's work shows); a 1 ms ticker on slotgate's loop
   records the worst gap while each body is POSTed twice (the first also starts the worker
   pool). `--on-loop` sets `slotgate.intake.body.OFF_LOOP_BYTES` out of reach, so every body is

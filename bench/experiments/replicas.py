@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.contenders import configure_standin, standin_stats, start_slotgate, start_standin
 from bench.loadgen import chat_body, closed_loop, request_bytes
 from bench.procs import CLIENT_CORE, SERVER_CORE, Server
-from tests.valkey import Valkey, server_binary
+from tests.support.valkey import Valkey, server_binary
 
 CHAT = "/v1/chat/completions"
 

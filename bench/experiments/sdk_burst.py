@@ -12,7 +12,7 @@ to refuse whoever finds the slots busy, `STREAM_HEAD_AFTER=0` for the head at on
 issue 17). Prints, per SDK, how many succeeded, the failures, every `retry-after-ms` slotgate
 sent and its hold estimate afterwards.
 
-Upstreams: `standin` (tests/standin.py, 2 slots, `--max-tokens` tokens at 50 ms each),
+Upstreams: `standin` (tests/support/standin.py, 2 slots, `--max-tokens` tokens at 50 ms each),
 `engine` (the real llama.cpp through slotgate's own `--demo` engine: xllamacpp and the gemma3
 270M package, 2 slots, 1 thread) or the URL of a llama-server already running. The Node SDK
 runs when `node` and `npm` exist and `npm install openai` works in a temporary folder

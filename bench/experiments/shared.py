@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from slotgate.gate.admission import Admission, QueuePolicy
 from slotgate.replicas.shared import SharedAdmission
 
-from tests.valkey import Valkey
+from tests.support.valkey import Valkey
 
 
 def quantiles_ms(samples: list[float]) -> tuple[float, float]:

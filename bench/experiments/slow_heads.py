@@ -6,7 +6,7 @@
 
 Issue 13, point 12: heads trickled a byte at a time were bounded in size but not in time
 (2,200 such connections stayed open for 60 s). slotgate runs in this process under uvicorn
-as `slotgate` configures it, in front of tests/standin.py in a process of its own.
+as `slotgate` configures it, in front of tests/support/standin.py in a process of its own.
 - `loris` opens `--connections` connections that each send the start of a head and then one
   byte every half second. It prints how long opening them took, when the last was closed by
   slotgate (or how many were still open at `--timeout-s`), how many were answered 408, a

@@ -12,7 +12,7 @@ one FIFO line, as slotgate was before tenants (and still is without keys). Print
 the interactive client's time to first token (p50, max) and how many flood requests ended
 meanwhile.
 
-Upstreams: `standin` (tests/standin.py, 2 slots, `--max-tokens` tokens at 50 ms each),
+Upstreams: `standin` (tests/support/standin.py, 2 slots, `--max-tokens` tokens at 50 ms each),
 `engine` (the real llama.cpp through slotgate's own `--demo` engine: xllamacpp and the gemma3
 270M package, 2 slots, 1 thread) or the URL of a llama-server already running.
 """

@@ -27,7 +27,7 @@ from bench.procs import CLIENT_CORE, SERVER_CORE, Server, free_port, spawn
 
 LOGS = BENCH / "results" / "logs"
 
-#: tests/standin.py run on its own as llama-server behaves (stream connections closed, plain
+#: tests/support/standin.py run on its own as llama-server behaves (stream connections closed, plain
 #: token contents) rather than with the benchmark's settings.
 _LIKE_LLAMA_SERVER = {"close_after_stream": True, "stamps": False}
 
@@ -50,13 +50,21 @@ def logs() -> Path:
 
 
 def start_standin(**knobs: object) -> Server:
-    """tests/standin.py's StandIn with these knobs (total_slots, tokens, token_delay_s...)."""
+    """The stand-in (tests/support/standin.py) with these knobs (total_slots, tokens, ...)."""
     import json
 
     def start() -> Server:
         port = free_port()
         values = json.dumps({**_LIKE_LLAMA_SERVER, **knobs})
-        command = [sys.executable, "-m", "tests.standin", "--port", str(port), "--knobs", values]
+        command = [
+            sys.executable,
+            "-m",
+            "tests.support.standin",
+            "--port",
+            str(port),
+            "--knobs",
+            values,
+        ]
         server = spawn("standin", command, port, CLIENT_CORE, logs(), cwd=REPO)
         return await_ready(server, "/props", 30)
 
@@ -64,12 +72,12 @@ def start_standin(**knobs: object) -> Server:
 
 
 def start_hostile(answer: str, total_slots: int = 1, hold_s: float = 1.0) -> Server:
-    """tests/hostile.py misbehaving as `answer`; a request whose target ends in ?hold streams."""
+    """The hostile stand-in misbehaving as `answer`; a target ending in ?hold streams."""
 
     def start() -> Server:
         port = free_port()
         command = [
-            sys.executable, "-m", "tests.hostile", "--port", str(port), "--answer", answer,
+            sys.executable, "-m", "tests.support.hostile", "--port", str(port), "--answer", answer,
             "--total-slots", str(total_slots), "--hold-s", str(hold_s),
         ]  # fmt: skip
         server = spawn("hostile", command, port, CLIENT_CORE, logs(), cwd=REPO)

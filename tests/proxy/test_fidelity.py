@@ -8,7 +8,7 @@ import pytest
 import slotgate.proxy.relay
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

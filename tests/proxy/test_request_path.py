@@ -1,4 +1,4 @@
-"""The request path's own logic, in memory (tests/harness.py): the answer writer, the slot
+"""The request path's own logic, in memory (tests/support/harness.py): the answer writer, the slot
 scope, and the relay modes against a fake upstream."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from slotgate.gate.admission import Admission, QueuePolicy
 from slotgate.proxy.answer import Answer, AnswerStarted
 from slotgate.upstreams.client import Disconnected
 
-from tests.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
+from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 
 BROKEN = Refusal(502, "server_error", "upstream_failed", "llama-server broke off", "upstream_error")
 

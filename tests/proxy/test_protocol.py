@@ -15,7 +15,7 @@ from slotgate.proxy import relay as relay_module
 from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

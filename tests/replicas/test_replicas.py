@@ -17,9 +17,9 @@ import pytest
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve
-from tests.partition import Partition
-from tests.standin import StandIn
-from tests.valkey import Valkey
+from tests.support.partition import Partition
+from tests.support.standin import StandIn
+from tests.support.valkey import Valkey
 
 CHAT = "/v1/chat/completions"
 Gates = Callable[..., Any]

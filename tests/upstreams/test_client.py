@@ -17,8 +17,8 @@ from slotgate.upstreams import reuse as reuse_module
 from slotgate.upstreams.client import BodyTooLarge, ConnectFailed, Connection, ProtocolError, State
 from slotgate.upstreams.reuse import UpstreamClient as Client
 
-from tests.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
-from tests.standin import StandIn
+from tests.support.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
+from tests.support.standin import StandIn
 
 
 def client_for(standin: StandIn, keepalive_s: float = 4.0) -> Client:

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import httpx
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.hostile import MiB
-from tests.standin import StandIn
-from tests.test_edges_merged import BIG, CHAT, big_chat, restarting_gate, settled
+from tests.proxy.test_edges_merged import BIG, CHAT, big_chat, restarting_gate, settled
+from tests.support.hostile import MiB
+from tests.support.standin import StandIn
 
 
 def held(gate: RunningGate) -> int:

@@ -12,7 +12,7 @@ import pytest
 from slotgate.upstreams.cors import MAX_ORIGINS
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

@@ -1,5 +1,5 @@
-"""slotgate in front of a hostile upstream (tests/hostile.py): whatever comes from llama-server's
-side, each client gets its own answer or a clear error, and memory stays bounded."""
+"""slotgate in front of a hostile upstream (tests/support/hostile.py): whatever comes from
+llama-server's side, each client gets its own answer or a clear error, and memory stays bounded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.hostile import (
+from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
     SSE_HEAD,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import TENANTS, GateFactory, RunningGate, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

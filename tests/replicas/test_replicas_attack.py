@@ -23,8 +23,8 @@ from slotgate.settings import Settings
 
 from bench.procs import free_port
 from tests.conftest import RunningGate, chat, serve
-from tests.standin import StandIn
-from tests.valkey import Valkey
+from tests.support.standin import StandIn
+from tests.support.valkey import Valkey
 
 CHAT = "/v1/chat/completions"
 FLEET = "attack"

@@ -19,7 +19,7 @@ from slotgate.upstreams import upstream as upstream_module
 from slotgate.upstreams.upstream import Props
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

@@ -19,8 +19,8 @@ from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
-from tests.test_endpoints import OUTPUT_LIMITS
+from tests.intake.test_endpoints import OUTPUT_LIMITS
+from tests.support.standin import StandIn
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
 

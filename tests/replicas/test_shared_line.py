@@ -35,7 +35,7 @@ from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.replicas import lua as shared_lua
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 
-from .valkey import Valkey
+from tests.support.valkey import Valkey
 
 FLEET = "test"
 PREFIX = "slotgate:{test}:"

@@ -12,9 +12,9 @@ import orjson
 import pytest
 
 from tests.conftest import GateFactory
-from tests.standin import StandIn
-from tests.test_budget import words
-from tests.test_edges_merged import BIG, CHAT, big_chat, settled
+from tests.gate.test_budget import words
+from tests.proxy.test_edges_merged import BIG, CHAT, big_chat, settled
+from tests.support.standin import StandIn
 
 
 def loop_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:

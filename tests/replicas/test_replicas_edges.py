@@ -20,8 +20,8 @@ from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve
-from tests.standin import StandIn
-from tests.valkey import Valkey
+from tests.support.standin import StandIn
+from tests.support.valkey import Valkey
 
 CHAT = "/v1/chat/completions"
 Start = Callable[..., Any]

@@ -20,7 +20,7 @@ from slotgate.main import create_app
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, chat, serve
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 StandIns = Callable[..., Any]
 CHAT = "/v1/chat/completions"

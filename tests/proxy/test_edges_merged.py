@@ -18,7 +18,7 @@ from slotgate.intake.body import OFF_LOOP_BYTES, take_off_loop
 from slotgate.intake.endpoints import ENDPOINTS, Demand, demand
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.hostile import (
+from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
     SSE_HEAD,
@@ -33,7 +33,7 @@ from tests.hostile import (
     sends,
     stream,
 )
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 #: A body big enough to be parsed in the worker process (app/intake/body.py).

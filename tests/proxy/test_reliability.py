@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.hostile import Hostile, closes, sends
-from tests.standin import StandIn
+from tests.support.hostile import Hostile, closes, sends
+from tests.support.standin import StandIn
 
 CHAT = "/v1/chat/completions"
 

@@ -1,4 +1,4 @@
-"""The memory bounds the README states, held under the hostile stand-in (tests/hostile.py):
+"""The memory bounds the README states, held under the hostile stand-in (tests/support/hostile.py):
 whatever llama-server's side sends, slotgate holds at most its bound per request."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES
 
 from tests.conftest import GateFactory, RunningGate, chat
-from tests.hostile import (
+from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
     Answer,

@@ -7,7 +7,7 @@ the next answer in `script`, or `fallback` once the script is empty. An answer w
 it likes to the connection: a response too many, bytes on an idle connection, a head of
 megabytes, an endless error body, 1xx before the real answer, a 101, a stream cut mid-event.
 
-    python -m tests.hostile --port 9100 --answer huge_head
+    python -m tests.support.hostile --port 9100 --answer huge_head
 
 serves one misbehaviour for every request, for measuring slotgate from outside, except that a
 request with the query `?hold` gets a proper stream `--hold-s` seconds late: it holds a slot

@@ -3,7 +3,7 @@ knobs for faults, and counters a test reads (how many generations ran at once, w
 
 Tests start it in their own loop (`await StandIn().start()`, any number side by side: one
 listening socket each, no thread or process). The benchmark runs it on its own core as
-`python -m tests.standin --port P`, with the knobs in BENCH, configured over
+`python -m tests.support.standin --port P`, with the knobs in BENCH, configured over
 `POST /_bench/config` and read over `GET /_bench/stats`; there every streamed token carries,
 as its content, the monotonic clock in nanoseconds at the moment it was written (`stamps`).
 """
@@ -28,7 +28,7 @@ GENERATION_PATHS = frozenset((
     "/v1/reranking", "/v1/audio/transcriptions",
 ))  # fmt: skip
 
-#: The knobs `python -m tests.standin` starts with: slots enough never to be the limit, 16
+#: The knobs `python -m tests.support.standin` starts with: slots enough never to be the limit, 16
 #: tokens at once, stream connections kept open, nothing recorded, tokens stamped.
 BENCH: dict[str, Any] = {
     "total_slots": 1024, "tokens": 16, "token_delay_s": 0.0, "close_after_stream": False,

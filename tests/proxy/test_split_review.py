@@ -1,5 +1,5 @@
 """A review of the request path's split (issue 15): the answer writer, the access-log line and
-the upstream connection on the ways a request ends, in memory (tests/harness.py)."""
+the upstream connection on the ways a request ends, in memory (tests/support/harness.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from slotgate.errors import Refusal
 from slotgate.proxy.answer import Answer
 from slotgate.upstreams.client import Disconnected
 
-from tests.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
+from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 
 
 class SlowClient(Client):

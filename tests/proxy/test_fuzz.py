@@ -18,7 +18,7 @@ from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, serve
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 
 class Background:

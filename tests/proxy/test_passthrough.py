@@ -9,7 +9,7 @@ import pytest
 from slotgate.gate.tenants import label
 
 from tests.conftest import GateFactory, chat
-from tests.standin import StandIn
+from tests.support.standin import StandIn
 
 
 async def raw_request(port: int, request: bytes) -> bytes:
