@@ -156,6 +156,32 @@ def test_every_relative_link_reaches_a_file_and_its_heading(page: Path) -> None:
             )
 
 
+def cells(row: str) -> list[str]:
+    """A table row's cells; `\\|` is a pipe inside a cell."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_table_row_has_as_many_cells_as_its_header(page: Path) -> None:
+    lines = FENCE.sub("", page.read_text()).splitlines()
+    width = 0
+    for number, line in enumerate(lines, 1):
+        if not line.startswith("|"):
+            width = 0
+        elif width == 0:
+            width = len(cells(line))
+            rule = lines[number] if number < len(lines) else ""
+            assert re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", rule.strip()), (
+                f"{page.relative_to(ROOT)}:{number + 1}: a table's second line is its |---| rule"
+            )
+            assert len(cells(rule)) == width, f"{page.relative_to(ROOT)}:{number + 1}: rule width"
+        else:
+            assert len(cells(line)) == width, (
+                f"{page.relative_to(ROOT)}:{number}: {len(cells(line))} cells, the header has "
+                f"{width}: {line}"
+            )
+
+
 def test_the_readme_links_every_page_of_the_manual() -> None:
     linked = {(ROOT / target.partition("#")[0]).resolve() for target in links(ROOT / "README.md")}
     unlinked = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.resolve() not in linked)
