@@ -21,7 +21,7 @@ READ_ELSEWHERE = frozenset({"LLAMA_SERVER_BIN", "SLOTGATE_CACHE_DIR"})
 #: Variables the code reads that belong to the platform, not to slotgate.
 NOT_SLOTGATES = frozenset({"XDG_CACHE_HOME"})
 
-FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^ *```.*?^ *```", re.MULTILINE | re.DOTALL)
 ROW = re.compile(r"^\|(.*)\|\s*$")
 NAME = re.compile(r"^`([A-Z][A-Z0-9_]*)`$")
 
