@@ -26,6 +26,11 @@ ROW = re.compile(r"^\|(.*)\|\s*$")
 NAME = re.compile(r"^`([A-Z][A-Z0-9_]*)`$")
 
 
+def prose(page: Path) -> str:
+    """The page without its code blocks, each blanked line for line so numbers still match."""
+    return FENCE.sub(lambda block: "\n" * block.group(0).count("\n"), page.read_text())
+
+
 def environment_name(name: str) -> str:
     """The variable Settings reads for field `name`, as pydantic-settings names it."""
     field = Settings.model_fields[name]
@@ -47,7 +52,7 @@ def variable_rows(page: Path) -> list[tuple[str, str, str]]:
     tables: the documented entries. A row must name one variable, in a code span."""
     rows: list[tuple[str, str, str]] = []
     in_table = False
-    for number, line in enumerate(FENCE.sub("", page.read_text()).splitlines(), 1):
+    for number, line in enumerate(prose(page).splitlines(), 1):
         match = ROW.match(line)
         if match is None:
             in_table = False
@@ -129,7 +134,7 @@ def slug(heading: str) -> str:
 def anchors(page: Path) -> set[str]:
     seen: Counter[str] = Counter()
     found = set()
-    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*$", FENCE.sub("", page.read_text()), re.M):
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*$", prose(page), re.M):
         base = slug(heading)
         found.add(base if not seen[base] else f"{base}-{seen[base]}")
         seen[base] += 1
@@ -137,7 +142,7 @@ def anchors(page: Path) -> set[str]:
 
 
 def links(page: Path) -> list[str]:
-    text = re.sub(r"`[^`\n]*`", "", FENCE.sub("", page.read_text()))
+    text = re.sub(r"`[^`\n]*`", "", prose(page))
     return re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
 
 
@@ -163,7 +168,7 @@ def cells(row: str) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_table_row_has_as_many_cells_as_its_header(page: Path) -> None:
-    lines = FENCE.sub("", page.read_text()).splitlines()
+    lines = prose(page).splitlines()
     width = 0
     for number, line in enumerate(lines, 1):
         if not line.startswith("|"):
