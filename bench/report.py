@@ -348,7 +348,7 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     out += [f"- {note}" for note in meta["notes"]]
     out.append("")
-    out += ["## Targets (issue 6; the fleet's from issue 18)", ""]
+    out += ["## Targets", ""]
     out += _table(
         ["target", "value", "limit", "met"],
         [[t["target"], t["value"], t["limit"], t["met"]] for t in results["targets"]],

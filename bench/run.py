@@ -115,8 +115,8 @@ SMOKE = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="slotgate against a direct connection, nginx and LiteLLM, in one run "
-        "(issue 6). Installs nginx-light, wrk, LiteLLM and matplotlib when missing.",
+        description="slotgate against a direct connection, nginx and LiteLLM, in one run. "
+        "Installs nginx-light, wrk, LiteLLM and matplotlib when missing.",
     )
     parser.add_argument("--quick", action="store_true", help="short run (2 s per point)")
     parser.add_argument(
@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--scenarios",
         default=",".join(ALL_SCENARIOS),
         help=f"comma-separated subset of {','.join(ALL_SCENARIOS)} (the default), "
-        f"or of {','.join(FLEET_SCENARIOS)} (issue 18's fleet; `python -m bench.fleet`)",
+        f"or of {','.join(FLEET_SCENARIOS)} (the fleet's; `python -m bench.fleet`)",
     )
     parser.add_argument(
         "--fleet-contenders",

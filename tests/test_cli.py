@@ -505,11 +505,12 @@ def test_an_engine_that_dies_under_slotgate_stops_it_with_status_1_and_its_last_
     assert "Traceback" not in stderr
 
 
-def test_the_readme_s_commands_install_into_a_venv_and_run_slotgate_from_it() -> None:
-    readme = (APP.parent / "README.md").read_text()
+def test_the_documented_commands_install_into_a_venv_and_run_slotgate_from_it() -> None:
+    pages = [APP.parent / "README.md", *sorted((APP.parent / "docs").glob("*.md"))]
     commands = [
         command.strip()
-        for block in re.findall(r"```sh\n(.*?)```", readme, re.DOTALL)
+        for page in pages
+        for block in re.findall(r"```sh\n(.*?)```", page.read_text(), re.DOTALL)
         for line in block.splitlines()
         for command in line.split("#")[0].split("&&")
         if command.strip()

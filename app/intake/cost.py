@@ -7,7 +7,7 @@ fails all of them at once with 500 "Context size has been exceeded".
 The prompt is counted locally from the body, as an upper bound: one token per UTF-8 byte of
 every string a prompt is built from (tokenizers fall back to single bytes, and gemma spells
 numbers one digit per token, so nothing tighter is safe), plus the chat template's own tokens.
-Measured against llama.cpp (README, "KV-cache budget"), it costs about 6 us a request and is
+Measured against llama.cpp (docs/kv-budget.md), it costs about 6 us a request and is
 never below the real count, but up to 5 times above it for prose: so a chat or a text prompt
 is counted by llama-server itself (`/apply-template` + `/tokenize`, exact, two round trips of
 a few milliseconds), and the local bound is the fallback. None of it runs unless the budget

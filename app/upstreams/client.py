@@ -1,6 +1,7 @@
 """A small HTTP/1.1 client for one upstream: connections with an explicit state, a keep-alive
 pool, httptools parsing, streamed bodies, and a response that is closed (never pooled) when
-abandoned. What it costs against aiohttp and httpx: `python -m bench.clients` (README table).
+abandoned. What it costs against aiohttp and httpx: `python -m bench.clients`
+(bench/README.md).
 llama-server's own reuse policy (stream probe, warm spares) is app/upstreams/reuse.py's.
 """
 

@@ -10,8 +10,8 @@ over its 2 slots, so that turns of different conversations take turns on each sl
 llama.cpp swaps their caches through its host-memory prompt cache. It prints the share of
 prompt tokens reused (`timings.cache_n` over `cache_n + prompt_n`). Measured at e94f956 and
 488b9ef: 0.75 (4 turns of 16 tokens), 0.77 (8 of 16), 0.63 (5 of 64): below what the fleet
-reaches when each conversation keeps a slot (0.81-0.86 with affinity, README), which is why a
-saturated fleet reuses less whatever routes it.
+reaches when each conversation keeps a slot (0.81-0.86 with affinity, bench/README.md), which
+is why a saturated fleet reuses less whatever routes it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Issue 13, point 5: a 20 MB response head once added about 300 MB of RSS each tim
 200 MB error body was relayed into a waiting stream as one event. This starts
 the hostile stand-in (`python -m tests.support.hostile --answer ...`, one slot) and
 `python -m slotgate` in front of it, then sends `--requests` requests one after the other and
-prints the gate process's VmRSS and VmHWM (peak) from /proc before and after each, with the status and
-the bytes the client read (the whole answer, head included):
+prints the gate process's VmRSS and VmHWM (peak) from /proc before and after each, with the
+status and the bytes the client read (the whole answer, head included):
 - `huge_head`: a non-streamed chat completion, answered with a 20 MB head;
 - `huge_error`: a stream that holds the only slot for a second (`?hold`) and a second stream
   that waits behind it, its 200 head already out (`STREAM_HEAD_AFTER=0`), and then meets a

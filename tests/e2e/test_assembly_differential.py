@@ -32,7 +32,7 @@ HEADERS_LOOSE = frozenset(
      "transfer-encoding", "server"}
 )  # fmt: skip
 #: Options whose non-streamed answer a stream cannot reproduce: slotgate forwards requests
-#: carrying them as sent (README, "Non-streamed completions travel upstream as streams").
+#: carrying them as sent (docs/operating.md: non-streamed completions travel upstream as streams).
 #: `__verbose` comes from a llama-server started with --verbose or a body's `verbose`: such
 #: answers go as sent (tests/proxy/test_fidelity.py, and the verbose tests at the end of this file).
 FORWARDED_AS_SENT: frozenset[str] = frozenset()
@@ -122,15 +122,15 @@ def forwarded() -> frozenset[str]:
     return FORWARDED_AS_SENT
 
 
-async def test_every_option_is_in_the_matrix_or_forwarded_as_sent_and_the_readme_says_which(
+async def test_every_option_is_in_the_matrix_or_forwarded_as_sent_and_the_docs_say_which(
     forwarded: frozenset[str],
 ) -> None:
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "operating.md").read_text()
     for name in forwarded:
-        assert f"`{name}`" in readme
-    assert "__verbose" in readme
+        assert f"`{name}`" in page
+    assert "__verbose" in page
 
 
 @pytest.mark.parametrize(("route", "name"), CASES)

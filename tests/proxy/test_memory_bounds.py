@@ -1,5 +1,6 @@
-"""The memory bounds the README states, held under the hostile stand-in (tests/support/hostile.py):
-whatever llama-server's side sends, slotgate holds at most its bound per request."""
+"""The memory bounds docs/access-and-limits.md states, held under the hostile stand-in
+(tests/support/hostile.py): whatever llama-server's side sends, slotgate holds at most its
+bound per request."""
 
 from __future__ import annotations
 
