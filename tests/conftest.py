@@ -8,7 +8,7 @@ import importlib.util
 import os
 import shutil
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,5 +229,60 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+CHAT = "/v1/chat/completions"
+
+
 def chat(stream: bool = False, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"}], "stream": stream, **extra}
+
+
+def words(n: int, **extra: Any) -> dict[str, Any]:
+    """A chat whose prompt a counting stand-in weighs as `n` tokens."""
+    return chat(messages=[{"role": "user", "content": "w " * n}], **extra)
+
+
+def counting(standin: StandIn) -> StandIn:
+    """The stand-in with four slots, counting prompts (/apply-template, /tokenize) as
+    llama-server does, one token a word: for the KV-budget tests."""
+    standin.counts, standin.total_slots, standin.tokens = True, 4, 20
+    return standin
+
+
+async def hold_stream_of(
+    client: httpx.AsyncClient, gate: RunningGate, body: dict[str, Any], started: asyncio.Event
+) -> list[bytes]:
+    """Open a stream, signal once its first chunk arrived, then read it to the end."""
+    chunks: list[bytes] = []
+    async with client.stream("POST", gate.url + CHAT, json=body) as response:
+        async for chunk in response.aiter_raw():
+            chunks.append(chunk)
+            started.set()
+    return chunks
+
+
+async def occupy(client: httpx.AsyncClient, gate: RunningGate) -> asyncio.Task[list[bytes]]:
+    """Hold a slot with a stream; returns once its first chunk has arrived."""
+    started = asyncio.Event()
+    holder = asyncio.create_task(hold_stream_of(client, gate, chat(stream=True), started))
+    await started.wait()
+    return holder
+
+
+HeldGate = Callable[..., Awaitable[tuple[RunningGate, "asyncio.Task[list[bytes]]"]]]
+
+
+@pytest.fixture
+def one_slot_held(start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient) -> HeldGate:
+    """Start slotgate with the given settings before a one-slot stand-in, and hold that slot with
+    a stream of `tokens` tokens (0.05 s each) that runs until the test calls `standin.hurry()`:
+    the set-up of every test of what a request meets while it waits."""
+
+    async def start(
+        tokens: int = 20, **settings: Any
+    ) -> tuple[RunningGate, asyncio.Task[list[bytes]]]:
+        standin.tokens, standin.token_delay_s = tokens, 0.05
+        standin.total_slots = 1
+        gate: RunningGate = await start_gate(**settings)
+        return gate, await occupy(client, gate)
+
+    return start

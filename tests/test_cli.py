@@ -420,7 +420,7 @@ def test_the_start_up_line_gives_an_ipv6_address_as_a_url_that_answers(tmp_path:
 def fake_engine_env(tmp_path: Path, mode: str) -> tuple[Path, Path, dict[str, str]]:
     """A model file, where the fake llama-server records its call, and the environment that
     makes slotgate --model run that fake (tests/engine/test_engine.py's) on it."""
-    from tests.engine.test_engine import FAKE_SERVER
+    from tests.support.fake_engine import FAKE_SERVER
 
     model = tmp_path / "tiny.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
@@ -436,7 +436,7 @@ def fake_engine_env(tmp_path: Path, mode: str) -> tuple[Path, Path, dict[str, st
 def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
     tmp_path: Path,
 ) -> None:
-    from tests.engine.test_engine import wait_gone
+    from tests.support.fake_engine import wait_gone
 
     model, record, env = fake_engine_env(tmp_path, "mute")
     with subprocess.Popen(
@@ -584,7 +584,7 @@ def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
 ) -> None:
     from slotgate.engine.local import LocalFleet
 
-    from tests.engine.test_engine import health, running
+    from tests.support.fake_engine import health, running
 
     model, _, env = fake_engine_env(tmp_path, "serve")
     for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD", "FAKE_MODE", "PORT"):

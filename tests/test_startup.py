@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from bench.procs import free_port
-from tests.conftest import GateFactory, chat
+from tests.conftest import CHAT, GateFactory, chat
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
 
 
 async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_served(
@@ -249,3 +247,22 @@ async def test_a_props_read_that_times_out_while_llama_server_answers_requests_l
     served.set()
     await reading
     assert not upstream.ready
+
+
+async def test_restart_with_another_parallel_is_followed(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(startup_wait=0)  # 503 at once while away (tests/test_startup.py)
+    await standin.stop()
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
+    await gate.until(lambda: not gate.service.upstream.ready)
+    assert (await client.get(gate.url + "/readyz")).status_code == 503
+    restarted = StandIn(total_slots=3, port=standin.port, loading=True, shutdown_timeout_s=0.05)
+    await restarted.start()
+    try:
+        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
+        restarted.loading = False
+        await gate.until(lambda: gate.service.admission.capacity == 3)
+        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    finally:
+        await restarted.stop()

@@ -34,7 +34,8 @@ HEADERS_LOOSE = frozenset(
 #: Options whose non-streamed answer a stream cannot reproduce: slotgate forwards requests
 #: carrying them as sent (docs/operating.md: non-streamed completions travel upstream as streams).
 #: `__verbose` comes from a llama-server started with --verbose or a body's `verbose`: such
-#: answers go as sent (tests/proxy/test_fidelity.py, and the verbose tests at the end of this file).
+#: answers go as sent (tests/proxy/test_assembled_answers.py, and the verbose tests at the end of
+#: this file).
 FORWARDED_AS_SENT: frozenset[str] = frozenset()
 
 TOOL = {

@@ -23,12 +23,11 @@ import slotgate.engine.local
 from slotgate.engine.local import LocalEngine, free_port
 from slotgate.settings import Settings
 
-from tests.conftest import serve
+from tests.conftest import CHAT, serve
 from tests.e2e.conftest import POLL_S, PROMPT, Llama, Watch, chat, eventually
 
 pytestmark = pytest.mark.e2e
 
-CHAT = "/v1/chat/completions"
 RESTARTS = 3
 #: One request every TRICKLE_S seconds, a third of them streamed.
 TRICKLE_S = 0.2

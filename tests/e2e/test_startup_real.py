@@ -12,12 +12,10 @@ import slotgate.engine.local
 from slotgate.engine.local import LocalEngine, free_port
 from slotgate.settings import Settings
 
-from tests.conftest import serve
+from tests.conftest import CHAT, serve
 from tests.e2e.conftest import chat
 
 pytestmark = pytest.mark.e2e
-
-CHAT = "/v1/chat/completions"
 
 
 async def test_requests_while_llama_cpp_loads_wait_and_a_client_that_saw_health_is_served(

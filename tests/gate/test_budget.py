@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,8 @@ from slotgate.intake.cost import counted, estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
 
-from tests.conftest import GateFactory, chat
-from tests.intake.test_endpoints import OUTPUT_LIMITS
+from tests.conftest import GateFactory, counting, words
+from tests.support.limits import OUTPUT_LIMITS
 from tests.support.standin import StandIn
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
@@ -206,16 +205,8 @@ async def test_a_lower_cost_in_line_or_admitted_lets_the_line_move() -> None:
 
 
 @pytest.fixture
-async def standin() -> AsyncIterator[StandIn]:
-    # It counts prompts (/apply-template, /tokenize) as llama-server does, one token per word.
-    upstream = StandIn(total_slots=4, tokens=20, token_delay_s=0.02, counts=True)
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
-
-
-def words(n: int, **extra: Any) -> dict[str, Any]:
-    return chat(messages=[{"role": "user", "content": "w " * n}], **extra)
+def standin(standin: StandIn) -> StandIn:
+    return counting(standin)
 
 
 async def test_the_budget_set_shows_in_the_snapshot_and_the_metrics(

@@ -13,7 +13,7 @@ from slotgate.intake.pace import (
     generation_speed,
 )
 
-from tests.intake.test_endpoints import OUTPUT_LIMITS
+from tests.support.limits import OUTPUT_LIMITS
 
 #: llama-server's /metrics after one 64-token answer (xllamacpp build, 2026-11).
 LLAMA_METRICS = b"""# HELP llamacpp:prompt_seconds_total Total time spent processing prompts

@@ -1,19 +1,23 @@
 """QUEUE_BODY_BYTES covers a gated body from its first byte read until its request is admitted
 or leaves: while it is read, while it waits for (or is parsed in) the intake worker, and while
-it waits in line; every way out gives its bytes back (issue 13, item 13)."""
+it waits in line; every way out gives its bytes back."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import tracemalloc
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
+import orjson
+import pytest
 
-from tests.conftest import GateFactory, RunningGate, chat
-from tests.proxy.test_edges_merged import BIG, CHAT, big_chat, restarting_gate, settled
+from tests.conftest import CHAT, GateFactory, RunningGate, chat, words
 from tests.support.hostile import MiB
 from tests.support.standin import StandIn
+from tests.support.startup import BIG, big_chat, restarting_gate, settled
 
 
 def held(gate: RunningGate) -> int:
@@ -192,3 +196,58 @@ async def test_shutdown_gives_back_the_bytes_of_a_body_being_read(
     assert held(gate) == 0
     writer.close()
     del reader
+
+
+def loop_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sizes of the bodies over 1 MiB that orjson parses on the event loop's thread."""
+    sizes: list[int] = []
+    loads = orjson.loads
+    main = threading.main_thread()
+
+    def recording(data: Any) -> Any:
+        if len(data) > BIG // 2 and threading.current_thread() is main:
+            sizes.append(len(data))
+        return loads(data)
+
+    monkeypatch.setattr(orjson, "loads", recording)
+    return sizes
+
+
+async def test_a_big_body_is_not_parsed_on_the_loop_when_llama_server_becomes_known(
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = await start_gate()
+    await client.post(gate.url + CHAT, json={"messages": []})  # warm: a hold is observed
+    standin.loading = True
+    gate.service.upstream.poke()
+    await gate.until(lambda: gate.service.admission.capacity is None)
+    sizes = loop_parses(monkeypatch)
+    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    assert sizes == []
+    standin.loading = False
+    assert (await asked).status_code == 200
+    assert sizes == []  # today: [1114225], the weigh closure's demand() at resize
+    await gate.until(lambda: settled(gate))
+
+
+async def test_a_waiter_refused_because_its_prompt_never_fits_gives_back_its_body_bytes(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.counts, standin.tokens = True, 1000
+    gate = await start_gate(kv_budget_tokens=1000)
+    held = [
+        asyncio.create_task(client.post(gate.url + CHAT, json=words(10, max_tokens=50)))
+        for _ in range(2)
+    ]
+    await gate.until(lambda: gate.service.admission.active == 2)
+    for _ in range(3):
+        answer = await client.post(gate.url + CHAT, json=words(1200))
+        assert answer.json()["error"]["type"] == "exceed_context_size_error"
+    assert gate.service.admission.queued == 0
+    assert gate.service.proxy._held_bytes == 0  # today: 7,491 (3 x 2,497 bytes), never given back
+    for task in held:
+        task.cancel()

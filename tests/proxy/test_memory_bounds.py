@@ -12,7 +12,7 @@ import httpx
 import pytest
 from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES
 
-from tests.conftest import GateFactory, RunningGate, chat
+from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
@@ -27,8 +27,6 @@ from tests.support.hostile import (
     sends,
     stream,
 )
-
-CHAT = "/v1/chat/completions"
 
 
 async def gate_before(start_gate: GateFactory, hostile: Hostile) -> RunningGate:

@@ -14,10 +14,8 @@ import pytest
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
 
-from tests.conftest import GateFactory, RunningGate, chat
+from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
 
 
 async def send_then_read(port: int, start: bytes, endless: bytes) -> bytes:
@@ -371,3 +369,49 @@ async def test_a_request_that_is_not_http_gets_400_in_the_api_shape(
     assert status == b"HTTP/1.1 400 Bad Request"
     assert error["code"] == "invalid_request"
     assert standin.seen == []
+
+
+async def test_a_slow_body_sender_takes_no_slot_while_it_trickles(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    body = b'{"messages":[],"stream":false}'
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n")  # fmt: skip
+    for byte in body[:-1]:
+        writer.write(bytes([byte]))
+        await writer.drain()
+        await asyncio.sleep(0.005)
+        assert gate.service.admission.active == 0
+    writer.write(body[-1:])
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    writer.close()
+
+
+async def test_oversized_headers_get_431_and_never_reach_upstream(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 100_000})
+    assert response.status_code == 431
+    assert response.json()["error"]["code"] == "headers_too_large"
+    # Many lines, each within llama-server's 8 KiB per line, that add up past the total.
+    many = {f"X-Part-{i}": "a" * 8000 for i in range(9)}
+    response = await client.post(gate.url + CHAT, json=chat(), headers=many)
+    assert response.status_code == 431
+    assert standin.seen == []
+
+
+async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate()
+    response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8200})
+    assert response.status_code == 431
+    assert "x-big" in response.json()["error"]["message"]
+    assert standin.seen == []
+    fits = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8000})
+    assert fits.status_code == 200

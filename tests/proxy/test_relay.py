@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -11,42 +12,14 @@ import openai
 import pytest
 from slotgate.upstreams.cors import MAX_ORIGINS
 
-from tests.conftest import GateFactory, RunningGate, chat
+from tests.conftest import CHAT, GateFactory, HeldGate, RunningGate, chat, hold_stream_of, occupy
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
 
 
 async def admission(client: httpx.AsyncClient, gate: RunningGate) -> dict[str, Any]:
     response = await client.get(gate.url + "/admission")
     body: dict[str, Any] = response.json()
     return body
-
-
-async def hold_stream(
-    client: httpx.AsyncClient, gate: RunningGate, started: asyncio.Event
-) -> list[bytes]:
-    """Open a stream, signal once its first chunk arrived, then read it to the end."""
-    return await hold_stream_of(client, gate, chat(stream=True), started)
-
-
-async def hold_stream_of(
-    client: httpx.AsyncClient, gate: RunningGate, body: dict[str, Any], started: asyncio.Event
-) -> list[bytes]:
-    chunks: list[bytes] = []
-    async with client.stream("POST", gate.url + CHAT, json=body) as response:
-        async for chunk in response.aiter_raw():
-            chunks.append(chunk)
-            started.set()
-    return chunks
-
-
-async def occupy(client: httpx.AsyncClient, gate: RunningGate) -> asyncio.Task[list[bytes]]:
-    """Hold a slot with a stream; returns once its first chunk has arrived."""
-    started = asyncio.Event()
-    holder = asyncio.create_task(hold_stream(client, gate, started))
-    await started.wait()
-    return holder
 
 
 @pytest.mark.usefixtures("quiet_upstreams")
@@ -115,12 +88,9 @@ async def test_stream_is_relayed_as_it_is_produced(
 
 
 async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(max_queue=1)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(max_queue=1)
     waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
     response = await client.post(gate.url + CHAT, json=chat())
@@ -227,12 +197,9 @@ async def test_more_choices_than_slots_is_refused_before_upstream(
 
 
 async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_upstream(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(max_queue=1)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(max_queue=1)
     leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(leaver=True)))
     await gate.until(lambda: gate.service.admission.queued == 1)
     leaver.cancel()
@@ -292,12 +259,9 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
 
 
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(queue_timeout=0.2)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(queue_timeout=0.2)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "queue_timeout"
@@ -307,12 +271,9 @@ async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
 
 
 async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stream(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 8, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.1, stream_head_after=0)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(8, keepalive_interval=0.1, stream_head_after=0)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         chunks = response.aiter_raw()
@@ -325,12 +286,11 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 
 
 async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(
+        keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0
+    )
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
     assert response.status_code == 200
@@ -342,12 +302,9 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
 
 
 async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_servers_own_answer(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 8, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, stream_head_after=30)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(8, keepalive_interval=0.05, stream_head_after=30)
 
     async def read() -> tuple[int, bytes]:
         async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
@@ -365,12 +322,11 @@ async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_server
 
 
 async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(
+        40, keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30
+    )
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
@@ -382,12 +338,9 @@ async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
 
 
 async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keepalives(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 30, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, stream_head_after=0.2)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(30, keepalive_interval=0.05, stream_head_after=0.2)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         assert gate.service.admission.queued == 1  # the head is slotgate's: the stream still waits
@@ -547,12 +500,9 @@ async def test_with_admission_control_off_a_client_that_leaves_still_closes_upst
 
 
 async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0, queue_timeout=0.2)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(keepalive_interval=0, queue_timeout=0.2)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
@@ -579,12 +529,9 @@ async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
 
 
 async def test_transcription_without_v1_waits_for_a_slot_like_any_generation(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate()
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held()
     files = {"file": ("a.wav", b"RIFF....", "audio/wav")}
     waiter = asyncio.create_task(client.post(gate.url + "/audio/transcriptions", files=files))
     await gate.until(lambda: gate.service.admission.queued == 1)
@@ -681,12 +628,9 @@ async def test_without_keys_only_answers_on_generation_routes_teach_cors(
 
 
 async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_leave_it(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(queue_body_bytes=1000, max_queue=0)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(queue_body_bytes=1000, max_queue=0)
     big = chat(padding="x" * 500)
     first = asyncio.create_task(client.post(gate.url + CHAT, json=big))
     await gate.until(lambda: gate.service.admission.queued == 1)
@@ -758,3 +702,40 @@ async def test_the_openai_sdk_retries_a_timed_out_stream_only_when_its_head_was_
         assert outcomes.count("ok") > 6 - timed_out
     else:
         assert outcomes.count("in-stream error") == timed_out
+
+
+async def test_a_slow_reader_pushes_back_on_upstream_instead_of_filling_memory(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    # 64 MiB of stream, produced as fast as the sockets take it.
+    standin.tokens, standin.token_delay_s, standin.padding = 16_000, 0, 4096
+    total = standin.tokens * (4096 + 100)
+    gate = await start_gate()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gate.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    body = b'{"messages":[],"stream":true}'
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+    await writer.drain()
+    await reader.read(1024)
+    await asyncio.sleep(1.0)  # the client stops reading
+    stalled_at = standin.sent_bytes
+    await asyncio.sleep(0.5)
+    # The stand-in could not push more than the socket buffers along the way hold: the relay
+    # waits for the client instead of reading ahead into memory.
+    assert standin.sent_bytes == stalled_at
+    assert stalled_at < total / 4
+    received = 0
+    async with asyncio.timeout(60):
+        while chunk := await reader.read(1 << 20):
+            received += len(chunk)
+            if chunk.endswith(b"0\r\n\r\n"):
+                break
+    assert standin.sent_bytes > total * 0.99
+    writer.close()
+    await gate.until(lambda: gate.service.admission.active == 0)

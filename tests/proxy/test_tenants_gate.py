@@ -15,11 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import TENANTS, GateFactory, RunningGate, chat
+from tests.conftest import CHAT, TENANTS, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
-
 
 NEW = '\n[tenants.new]\nkey = "sk-new"\n'
 

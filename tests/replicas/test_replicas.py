@@ -16,12 +16,11 @@ import httpx
 import pytest
 from slotgate.settings import Settings
 
-from tests.conftest import RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, chat, serve
 from tests.support.partition import Partition
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
-CHAT = "/v1/chat/completions"
 Gates = Callable[..., Any]
 
 

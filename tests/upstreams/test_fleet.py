@@ -19,11 +19,10 @@ from slotgate.logs import JsonFormatter
 from slotgate.main import create_app
 from slotgate.settings import Settings
 
-from tests.conftest import RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, chat, serve
 from tests.support.standin import StandIn
 
 StandIns = Callable[..., Any]
-CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture

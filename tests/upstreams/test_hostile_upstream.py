@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import GateFactory, RunningGate, chat
+from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
@@ -20,6 +20,7 @@ from tests.support.hostile import (
     MiB,
     Peer,
     Request,
+    closes,
     held,
     huge_error,
     huge_head,
@@ -27,8 +28,6 @@ from tests.support.hostile import (
     sends,
     stream,
 )
-
-CHAT = "/v1/chat/completions"
 
 
 async def gate_before(start_gate: GateFactory, hostile: Hostile, **overrides: Any) -> RunningGate:
@@ -269,7 +268,7 @@ async def test_a_switching_protocols_answer_is_a_502_and_the_clients_connection_
         await writer.wait_closed()
 
 
-# -- issue 15: an IPv6 upstream ------------------------------------------------------------------
+# -- an IPv6 upstream ----------------------------------------------------------------------------
 
 
 async def test_an_ipv6_upstream_gets_its_host_header_in_brackets(start_gate: GateFactory) -> None:
@@ -284,3 +283,45 @@ async def test_an_ipv6_upstream_gets_its_host_header_in_brackets(start_gate: Gat
     finally:
         await hostile.stop()
     assert hostile.requests[0].headers[b"host"] == f"[::1]:{hostile.port}".encode()
+
+
+async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
+    hostile.fallback = closes(sends(b"\x16\x03\x01 this is not http\r\n\r\n"))
+    gate = await start_gate(llama_server_url=hostile.url)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_failed"
+    assert gate.service.admission.active == 0
+
+
+async def test_truncated_body_gets_502_and_frees_the_slot(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
+    hostile.fallback = closes(
+        sends(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+              b'Content-Length: 100\r\n\r\n{"choices": [')
+    )  # fmt: skip
+    gate = await start_gate(llama_server_url=hostile.url)
+    response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 502
+    assert gate.service.admission.active == 0
+
+
+async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+) -> None:
+    events = b'data: {"choices":[{"delta":{"content":"slow"}}]}\n\ndata: [DONE]\n\n'
+    trickle: list[bytes | float] = []
+    for byte in events:
+        trickle += [b"1\r\n%b\r\n" % bytes([byte]), 0.001]
+    hostile.fallback = closes(
+        sends(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n", *trickle, b"0\r\n\r\n")
+    )  # fmt: skip
+    gate = await start_gate(llama_server_url=hostile.url)
+    response = await client.post(gate.url + CHAT, json=chat(stream=True))
+    assert response.status_code == 200
+    assert response.content == events
+    assert gate.service.admission.active == 0

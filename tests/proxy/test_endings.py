@@ -1,5 +1,6 @@
-"""A review of the request path's split (issue 15): the answer writer, the access-log line and
-the upstream connection on the ways a request ends, in memory (tests/support/harness.py)."""
+"""The ways a request ends (a shutdown cut, a client leaving, an upstream failing mid-answer): what
+the answer writer sends, what the access-log line says and whether the upstream connection is
+pooled, in memory (tests/support/harness.py)."""
 
 from __future__ import annotations
 

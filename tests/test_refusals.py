@@ -26,11 +26,8 @@ from slotgate.intake.pace import generation_speed
 from slotgate.metrics import REASONS
 from slotgate.proxy import protocol
 
-from tests.conftest import GateFactory, chat
-from tests.proxy.test_relay import occupy
+from tests.conftest import CHAT, GateFactory, HeldGate, chat
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
 
 
 def _subclasses(cls: type[GateError]) -> list[type[GateError]]:
@@ -157,12 +154,9 @@ async def test_a_head_timeout_answer_carries_a_request_id(start_gate: GateFactor
 
 
 async def test_shutdown_while_a_stream_waits_for_its_head_is_a_503_with_retry_after(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 40, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, stream_head_after=30)
-    holder = await occupy(client, gate)
+    gate, holder = await one_slot_held(40, keepalive_interval=0.05, stream_head_after=30)
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
     await gate.until(lambda: gate.service.admission.queued == 1)
     gate.service.drain()

@@ -1,5 +1,5 @@
-"""Issues 13 and 14 together, on real sockets: a request that waits while llama-server starts
-holds a place, body bytes and KV-cache tokens at once, and every way out gives all three back."""
+"""Waiting while llama-server starts, on real sockets: a request that waits holds a place, body
+bytes and KV-cache tokens at once, and every way out gives all three back."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 from slotgate.errors import BadRequest
-from slotgate.intake.body import OFF_LOOP_BYTES, take_off_loop
+from slotgate.intake.body import take_off_loop
 from slotgate.intake.endpoints import ENDPOINTS, Demand, demand
 
-from tests.conftest import GateFactory, RunningGate, chat
+from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
@@ -34,40 +34,7 @@ from tests.support.hostile import (
     stream,
 )
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
-#: A body big enough to be parsed in the worker process (app/intake/body.py).
-BIG = OFF_LOOP_BYTES + 64 * 1024
-
-
-def big_chat(**extra: Any) -> dict[str, Any]:
-    return chat(**extra) | {"messages": [{"role": "user", "content": "x" * BIG}]}
-
-
-def settled(gate: RunningGate) -> bool:
-    """Nobody waits or holds anything: no place, no slot, no token, no body byte."""
-    admission = gate.service.admission
-    return (
-        admission.queued == 0
-        and admission.active == 0
-        and admission.committed_tokens == 0
-        and not admission._line
-        and gate.service.proxy._held_bytes == 0
-    )
-
-
-async def restarting_gate(
-    start_gate: GateFactory, standin: StandIn, **overrides: Any
-) -> RunningGate:
-    """slotgate that knew llama-server (2 slots, a KV budget) and now finds it loading again."""
-    values: dict[str, Any] = {"kv_budget_tokens": 100_000, "queue_body_bytes": 8 * BIG}
-    values |= overrides
-    gate: RunningGate = await start_gate(**values)
-    assert gate.service.admission.budget_tokens == values["kv_budget_tokens"]
-    standin.loading = True
-    gate.service.upstream.poke()
-    await gate.until(lambda: gate.service.admission.capacity is None)
-    return gate
+from tests.support.startup import BIG, big_chat, restarting_gate, settled
 
 
 async def waiting(gate: RunningGate, count: int = 1) -> None:

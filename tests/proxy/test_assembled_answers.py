@@ -7,10 +7,8 @@ import httpx
 import pytest
 import slotgate.proxy.relay
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import CHAT, GateFactory, chat
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
 
 
 async def test_merged_metrics_keep_llama_servers_process_start_time_header(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -18,22 +17,13 @@ from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.upstreams import upstream as upstream_module
 from slotgate.upstreams.upstream import Props
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import CHAT, GateFactory, counting, words
 from tests.support.standin import StandIn
-
-CHAT = "/v1/chat/completions"
-
-
-def words(n: int, **extra: Any) -> dict[str, Any]:
-    return chat(messages=[{"role": "user", "content": "w " * n}], **extra)
 
 
 @pytest.fixture
-async def standin() -> AsyncIterator[StandIn]:
-    upstream = StandIn(total_slots=4, tokens=20, token_delay_s=0.02, counts=True)
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
+def standin(standin: StandIn) -> StandIn:
+    return counting(standin)
 
 
 # -- the admission core -----------------------------------------------------------------------

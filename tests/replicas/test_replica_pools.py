@@ -22,11 +22,10 @@ from slotgate.replicas.replica import ReplicaAdmission, fleet_name
 from slotgate.settings import Settings
 
 from bench.procs import free_port
-from tests.conftest import RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, chat, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
-CHAT = "/v1/chat/completions"
 FLEET = "attack"
 Process = asyncio.subprocess.Process
 PREFIX = f"slotgate:{{{FLEET}}}:"

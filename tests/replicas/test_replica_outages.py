@@ -19,11 +19,10 @@ from slotgate.replicas.replica import ReplicaAdmission
 from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
 
-from tests.conftest import RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, chat, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
-CHAT = "/v1/chat/completions"
 Start = Callable[..., Any]
 
 
