@@ -147,6 +147,25 @@ async def standin() -> AsyncIterator[StandIn]:
     await upstream.stop()
 
 
+StartUpstreams = Callable[..., Awaitable[None]]
+
+
+@pytest.fixture
+async def start_upstreams() -> AsyncIterator[StartUpstreams]:
+    """Start the given stand-ins (more llama-servers than the one `standin` gives); each is
+    stopped at the test's end, before the slotgates a fixture requested earlier stops."""
+    running: list[StandIn] = []
+
+    async def start(*upstreams: StandIn) -> None:
+        for upstream in upstreams:
+            await upstream.start()
+            running.append(upstream)
+
+    yield start
+    for upstream in running:
+        await upstream.stop()
+
+
 @pytest.fixture
 def quiet_upstreams(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every llama-server is known to add no `__verbose` unasked, so a non-streamed request is
@@ -230,6 +249,13 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 
 CHAT = "/v1/chat/completions"
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` and wait until each has ended, however it ends."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def chat(stream: bool = False, **extra: Any) -> dict[str, Any]:

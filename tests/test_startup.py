@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.procs import free_port
-from tests.conftest import CHAT, GateFactory, chat
+from tests.conftest import CHAT, GateFactory, StartUpstreams, chat
 from tests.support.standin import StandIn
 
 
@@ -78,6 +78,9 @@ async def restart(standin: StandIn, down_s: float, loading_s: float) -> int:
     return cut
 
 
+# Slow: a race that shows in a few of a hundred restarts, so a hundred in a row (scripts/check
+# runs it); test_a_trickle_of_requests_across_restarts_gets_no_503 restarts in the fast tier.
+@pytest.mark.slow
 async def test_a_client_that_waits_for_health_then_generates_is_served_100_times_in_a_row(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -171,7 +174,7 @@ async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under
 
 
 async def test_a_llama_server_url_nobody_listens_on_is_refused_at_once_naming_it_and_why(
-    start_gate: GateFactory, client: httpx.AsyncClient
+    start_gate: GateFactory, client: httpx.AsyncClient, start_upstreams: StartUpstreams
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -192,14 +195,11 @@ async def test_a_llama_server_url_nobody_listens_on_is_refused_at_once_naming_it
     assert "refused" in ready.json()["reason"].lower()
     # It becomes ready as soon as llama-server comes up there.
     late = StandIn(port=port)
-    await late.start()
-    try:
-        async with asyncio.timeout(10):
-            while (await client.get(gate.url + "/readyz")).status_code != 200:
-                await asyncio.sleep(0.05)
-        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
-    finally:
-        await late.stop()
+    await start_upstreams(late)
+    async with asyncio.timeout(10):
+        while (await client.get(gate.url + "/readyz")).status_code != 200:
+            await asyncio.sleep(0.05)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
 
 
 async def test_a_llama_server_that_was_up_and_went_away_is_still_waited_for(
@@ -250,7 +250,10 @@ async def test_a_props_read_that_times_out_while_llama_server_answers_requests_l
 
 
 async def test_restart_with_another_parallel_is_followed(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    start_upstreams: StartUpstreams,
 ) -> None:
     gate = await start_gate(startup_wait=0)  # 503 at once while away (tests/test_startup.py)
     await standin.stop()
@@ -258,11 +261,8 @@ async def test_restart_with_another_parallel_is_followed(
     await gate.until(lambda: not gate.service.upstream.ready)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
     restarted = StandIn(total_slots=3, port=standin.port, loading=True, shutdown_timeout_s=0.05)
-    await restarted.start()
-    try:
-        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
-        restarted.loading = False
-        await gate.until(lambda: gate.service.admission.capacity == 3)
-        assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
-    finally:
-        await restarted.stop()
+    await start_upstreams(restarted)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
+    restarted.loading = False
+    await gate.until(lambda: gate.service.admission.capacity == 3)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200

@@ -7,7 +7,7 @@ import httpx
 import pytest
 import slotgate.proxy.relay
 
-from tests.conftest import CHAT, GateFactory, chat
+from tests.conftest import CHAT, GateFactory, StartUpstreams, chat
 from tests.support.standin import StandIn
 
 
@@ -96,7 +96,10 @@ async def test_a_body_that_sets_verbose_decides_whether_its_answer_is_assembled(
 
 
 async def test_a_llama_server_restarted_with_verbose_has_its_first_answer_carry_it(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    start_upstreams: StartUpstreams,
 ) -> None:
     gate = await start_gate(startup_wait=0)
     for _ in range(2):  # the first shows it adds no __verbose; the second is assembled
@@ -105,11 +108,8 @@ async def test_a_llama_server_restarted_with_verbose_has_its_first_answer_carry_
     await standin.stop()
     await gate.until(lambda: not gate.service.upstream.ready)
     restarted = StandIn(port=standin.port, verbose=True)
-    await restarted.start()
-    try:
-        await gate.until(lambda: gate.service.upstream.ready)
-        answer = await client.post(gate.url + CHAT, json=chat())
-        assert answer.status_code == 200
-        assert answer.json()["__verbose"] == {"stream": False}
-    finally:
-        await restarted.stop()
+    await start_upstreams(restarted)
+    await gate.until(lambda: gate.service.upstream.ready)
+    answer = await client.post(gate.url + CHAT, json=chat())
+    assert answer.status_code == 200
+    assert answer.json()["__verbose"] == {"stream": False}

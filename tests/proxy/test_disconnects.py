@@ -154,6 +154,9 @@ async def leave_mid_generation(gate: RunningGate, standin: StandIn, stream: bool
     await gate.until(lambda: standin.cancelled > cancelled)
 
 
+# Slow: three hundred clients at random moments, a chaos load (scripts/check runs it); the
+# other tests here and tests/proxy/test_relay.py leave at each moment in the fast tier.
+@pytest.mark.slow
 async def test_clients_dropping_at_random_moments_leak_nothing(
     start_gate: GateFactory, standin: StandIn
 ) -> None:

@@ -49,6 +49,19 @@ async def until(condition: Any) -> None:
             await asyncio.sleep(0.001)
 
 
+async def slot_held(
+    *more: FakeResponse, stream: bool = True, **settings: Any
+) -> tuple[Rig, asyncio.Event, asyncio.Future[None]]:
+    """A rig whose one slot a request holds until the event returned is set; `more` are
+    llama-server's answers after the holder's."""
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    rig = Rig(FakeUpstreamClient(held, *more), **settings)
+    holding = asyncio.ensure_future(rig.call(Client(chat_body(stream=stream))))
+    await until(lambda: rig.admission.active == 1)
+    return rig, finish, holding
+
+
 async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -72,12 +85,8 @@ async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it(
 async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    finish = asyncio.Event()
-    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
-    rig = Rig(FakeUpstreamClient(held), keepalive_interval=0)
-    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=False))
-    holding = asyncio.ensure_future(rig.call(holder))
-    await until(lambda: rig.admission.active == 1)
+    rig, finish, holding = await slot_held(keepalive_interval=0)
+    waiter = Client(chat_body(stream=False))
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))
         await until(lambda: rig.admission.queued == 1)
@@ -96,12 +105,8 @@ async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
 async def test_a_shutdown_cut_after_a_stream_head_counts_the_event_it_sent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    finish = asyncio.Event()
-    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
-    rig = Rig(FakeUpstreamClient(held), stream_head_after=0)
-    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
-    holding = asyncio.ensure_future(rig.call(holder))
-    await until(lambda: rig.admission.active == 1)
+    rig, finish, holding = await slot_held(stream_head_after=0)
+    waiter = Client(chat_body(stream=True))
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))
         await until(lambda: waiter.status == 200)  # the stream head went out while it waits
@@ -171,13 +176,10 @@ async def test_an_in_stream_upstream_failure_logs_the_200_head_and_every_byte_se
 async def test_a_client_that_leaves_during_the_exact_count_gives_back_its_place_and_bytes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    finish, never = asyncio.Event(), asyncio.Event()
-    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
+    never = asyncio.Event()
     counting = FakeResponse(200, [], [b'{"prompt": "hi"}'], hold=never)  # /apply-template hangs
-    rig = Rig(FakeUpstreamClient(held, counting), queue_body_bytes=1 << 20)
-    holder, waiter = Client(chat_body(stream=False)), Client(chat_body(stream=True))
-    holding = asyncio.ensure_future(rig.call(holder))
-    await until(lambda: rig.admission.active == 1)
+    rig, finish, holding = await slot_held(counting, stream=False, queue_body_bytes=1 << 20)
+    waiter = Client(chat_body(stream=True))
     rig.admission.resize_budget(4096)  # from now on requests are counted
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))
@@ -220,14 +222,10 @@ async def test_a_client_that_leaves_during_the_exact_count_gives_back_its_slot_a
 async def test_an_upstream_refusal_after_the_stream_head_is_an_event_and_pools_its_connection(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    finish = asyncio.Event()
-    held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
     error = b'{"error": {"code": 400, "message": "the prompt exceeds the context"}}'
     refused = FakeResponse(400, [(b"content-type", b"application/json")], [error])
-    rig = Rig(FakeUpstreamClient(held, refused), stream_head_after=0)
-    holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
-    holding = asyncio.ensure_future(rig.call(holder))
-    await until(lambda: rig.admission.active == 1)
+    rig, finish, holding = await slot_held(refused, stream_head_after=0)
+    waiter = Client(chat_body(stream=True))
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))
         await until(lambda: waiter.status == 200)

@@ -37,6 +37,13 @@ from tests.support.standin import StandIn
 from tests.support.startup import BIG, big_chat, restarting_gate, settled
 
 
+async def one_waiting(gate: RunningGate, client: httpx.AsyncClient) -> asyncio.Task[httpx.Response]:
+    """A big chat, once it waits in line holding its body and its tokens."""
+    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
+    await waiting(gate)
+    return asked
+
+
 async def waiting(gate: RunningGate, count: int = 1) -> None:
     """Until `count` requests wait in line, each holding its body and its tokens."""
     await gate.until(
@@ -52,8 +59,7 @@ async def test_a_client_that_leaves_while_llama_server_loads_gives_back_place_by
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await restarting_gate(start_gate, standin)
-    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
-    await waiting(gate)
+    asked = await one_waiting(gate, client)
     asked.cancel()
     await gate.until(lambda: settled(gate))
     standin.loading = False
@@ -106,8 +112,7 @@ async def test_a_body_past_the_line_s_byte_bound_while_llama_server_loads_is_ref
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await restarting_gate(start_gate, standin, queue_body_bytes=BIG + BIG // 2)
-    first = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
-    await waiting(gate)
+    first = await one_waiting(gate, client)
     second = await client.post(gate.url + CHAT, json=big_chat())
     assert second.status_code == 429
     assert second.json()["error"]["code"] == "queue_bytes_full"
@@ -121,8 +126,7 @@ async def test_shutdown_while_llama_server_loads_answers_waiters_and_gives_back_
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await restarting_gate(start_gate, standin)
-    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
-    await waiting(gate)
+    asked = await one_waiting(gate, client)
     await gate.stop()
     answer = await asked
     assert answer.status_code == 503
@@ -134,8 +138,7 @@ async def test_a_big_non_streamed_chat_that_waited_for_llama_server_is_assembled
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await restarting_gate(start_gate, standin)
-    asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
-    await waiting(gate)
+    asked = await one_waiting(gate, client)
     standin.loading = False
     answer = await asked
     assert answer.status_code == 200

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CHAT, TENANTS, GateFactory, RunningGate, chat
+from tests.conftest import CHAT, TENANTS, GateFactory, RunningGate, cancel_all, chat
 from tests.support.standin import StandIn
 
 NEW = '\n[tenants.new]\nkey = "sk-new"\n'
@@ -60,9 +60,7 @@ async def flooding(
     try:
         yield tasks
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
 
 
 async def test_an_interactive_key_is_served_next_although_another_keys_flood_waits(

@@ -19,7 +19,7 @@ from slotgate.replicas.replica import ReplicaAdmission
 from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -115,28 +115,24 @@ async def test_a_request_sent_back_while_every_upstream_is_down_is_refused_not_l
 
 
 async def test_a_waiting_streams_position_falls_as_the_fleets_line_ahead_of_it_is_served(
-    sharing: Start, client: httpx.AsyncClient
+    sharing: Start, client: httpx.AsyncClient, start_upstreams: StartUpstreams
 ) -> None:
-    standin = StandIn(total_slots=1, tokens=10)
-    standin.token_delay_s = 0.03
-    await standin.start()
-    try:
-        gate = await sharing([standin], keepalive_interval=0.05, stream_head_after=0)
-        ahead = [asyncio.create_task(client.post(gate.url + CHAT, json=chat())) for _ in range(2)]
-        await gate.until(lambda: view(gate)["this_replica"] == {"active": 1, "queued": 1})
-        async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as answer:
-            positions = [
-                int(line.split("=")[1].split()[0])
-                async for line in answer.aiter_lines()
-                if line.startswith(": queued position=")
-            ]
-        assert [a.status_code for a in await asyncio.gather(*ahead)] == [200, 200]
-        # Second in the line when it came, first once the request that ran before it ended.
-        assert positions[0] == 2
-        assert positions[-1] == 1
-        await redis_idle(gate)
-    finally:
-        await standin.stop()
+    standin = StandIn(total_slots=1, tokens=10, token_delay_s=0.03)
+    await start_upstreams(standin)
+    gate = await sharing([standin], keepalive_interval=0.05, stream_head_after=0)
+    ahead = [asyncio.create_task(client.post(gate.url + CHAT, json=chat())) for _ in range(2)]
+    await gate.until(lambda: view(gate)["this_replica"] == {"active": 1, "queued": 1})
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as answer:
+        positions = [
+            int(line.split("=")[1].split()[0])
+            async for line in answer.aiter_lines()
+            if line.startswith(": queued position=")
+        ]
+    assert [a.status_code for a in await asyncio.gather(*ahead)] == [200, 200]
+    # Second in the line when it came, first once the request that ran before it ended.
+    assert positions[0] == 2
+    assert positions[-1] == 1
+    await redis_idle(gate)
 
 
 def fallbacks(gate: RunningGate) -> int:
@@ -145,28 +141,23 @@ def fallbacks(gate: RunningGate) -> int:
 
 
 async def test_redis_paused_while_a_request_runs_and_one_waits_answers_both_and_falls_back_once(
-    sharing: Start, valkey: Valkey, client: httpx.AsyncClient
+    sharing: Start, valkey: Valkey, client: httpx.AsyncClient, start_upstreams: StartUpstreams
 ) -> None:
-    standin = StandIn(total_slots=1, tokens=20)
-    standin.token_delay_s = 0.02
-    await standin.start()
-    try:
-        first = await sharing([standin])
-        second = await sharing([standin])
-        running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
-        await first.until(lambda: standin.running == 1)
-        waiting = asyncio.create_task(client.post(second.url + CHAT, json=chat()))
-        await second.until(lambda: view(second)["this_replica"]["queued"] == 1)
-        valkey.pause()
-        await asyncio.sleep(1.0)
-        valkey.resume()
-        async with asyncio.timeout(5):
-            answers = await asyncio.gather(running, waiting)
-        assert [a.status_code for a in answers] == [200, 200]
-        # Shared again, and it stays so: one fallback per replica for the one pause.
-        await shared_again_after_one_fallback(client, (first, second))
-    finally:
-        await standin.stop()
+    standin = StandIn(total_slots=1, tokens=20, token_delay_s=0.02)
+    await start_upstreams(standin)
+    first, second = [await sharing([standin]) for _ in range(2)]
+    running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
+    await first.until(lambda: standin.running == 1)
+    waiting = asyncio.create_task(client.post(second.url + CHAT, json=chat()))
+    await second.until(lambda: view(second)["this_replica"]["queued"] == 1)
+    valkey.pause()
+    await asyncio.sleep(1.0)
+    valkey.resume()
+    async with asyncio.timeout(5):
+        answers = await asyncio.gather(running, waiting)
+    assert [a.status_code for a in answers] == [200, 200]
+    # Shared again, and it stays so: one fallback per replica for the one pause.
+    await shared_again_after_one_fallback(client, (first, second))
 
 
 def heard(gate: RunningGate, mode: str, capacity: int | None) -> bool:
@@ -193,33 +184,25 @@ async def shared_again_after_one_fallback(
 
 
 async def test_redis_restarted_empty_brings_shared_mode_back_with_one_fallback(
-    sharing: Start, valkey: Valkey, client: httpx.AsyncClient
+    sharing: Start, valkey: Valkey, client: httpx.AsyncClient, start_upstreams: StartUpstreams
 ) -> None:
-    standin = StandIn(total_slots=2, tokens=20)
-    standin.token_delay_s = 0.02
-    await standin.start()
-    try:
-        first = await sharing([standin])
-        second = await sharing([standin])
-        running = [
-            asyncio.create_task(client.post(g.url + CHAT, json=chat())) for g in (first, second)
-        ]
-        await first.until(lambda: standin.running == 2)
-        valkey.kill()
-        valkey.start()
-        async with asyncio.timeout(5):
-            answers = await asyncio.gather(*running)
-        assert [a.status_code for a in answers] == [200, 200]
-        await shared_again_after_one_fallback(client, (first, second), capacity=2)
-    finally:
-        await standin.stop()
+    standin = StandIn(total_slots=2, tokens=20, token_delay_s=0.02)
+    await start_upstreams(standin)
+    first, second = [await sharing([standin]) for _ in range(2)]
+    running = [asyncio.create_task(client.post(g.url + CHAT, json=chat())) for g in (first, second)]
+    await first.until(lambda: standin.running == 2)
+    valkey.kill()
+    valkey.start()
+    async with asyncio.timeout(5):
+        answers = await asyncio.gather(*running)
+    assert [a.status_code for a in answers] == [200, 200]
+    await shared_again_after_one_fallback(client, (first, second), capacity=2)
 
 
 async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keeps_its_grants(
     valkey: Valkey, client: httpx.AsyncClient
 ) -> None:
-    first = StandIn(total_slots=1, host="127.0.0.1", tokens=40)
-    first.token_delay_s = 0.02
+    first = StandIn(total_slots=1, host="127.0.0.1", tokens=40, token_delay_s=0.02)
     await first.start()
     second = StandIn(total_slots=1, host="127.0.0.2", port=first.port, tokens=3)
     addresses = ["127.0.0.1"]

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from slotgate.replicas.replica import ReplicaAdmission, fleet_name
 from slotgate.settings import Settings
 
 from bench.procs import free_port
-from tests.conftest import CHAT, RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -66,15 +67,41 @@ async def redis(valkey: Valkey) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def sharing(
-    gates: list[RunningGate], urls: Sequence[str], valkey: Valkey, slots: int, **overrides: Any
-) -> RunningGate:
-    """One more slotgate sharing `valkey`, once Redis has told it the fleet's `slots`."""
-    gate = await serve(settings_for(urls, valkey, **overrides))
-    gates.append(gate)
-    await gate.until(lambda: view(gate)["mode"] == "shared")
-    await gate.until(lambda: view(gate)["fleet"]["capacity"] == slots)
-    return gate
+@dataclass
+class Pools:
+    """The Valkey a test's replicas share, the slotgates it serves (stopped at its end) and
+    the stand-ins it starts."""
+
+    valkey: Valkey
+    gates: list[RunningGate]
+    start: StartUpstreams
+
+    async def share(self, urls: Sequence[str], slots: int, **overrides: Any) -> RunningGate:
+        """One more slotgate sharing `valkey`, once Redis has told it the fleet's `slots`."""
+        gate = await serve(settings_for(urls, self.valkey, **overrides))
+        self.gates.append(gate)
+        await gate.until(lambda: view(gate)["mode"] == "shared")
+        await gate.until(lambda: view(gate)["fleet"]["capacity"] == slots)
+        return gate
+
+    async def two(
+        self, urls: Sequence[str], slots: int, **overrides: Any
+    ) -> tuple[RunningGate, RunningGate]:
+        """Two slotgates sharing `valkey`, as `share` starts them."""
+        first = await self.share(urls, slots, **overrides)
+        return first, await self.share(urls, slots, **overrides)
+
+
+@pytest.fixture
+def pools(valkey: Valkey, gates: list[RunningGate], start_upstreams: StartUpstreams) -> Pools:
+    return Pools(valkey, gates, start_upstreams)
+
+
+async def until_counted(redis: aioredis.Redis, slots: int) -> None:
+    """Until Redis counts at least `slots` granted."""
+    async with asyncio.timeout(10):
+        while await counted(redis) < slots:
+            await asyncio.sleep(0.01)
 
 
 async def counted(redis: aioredis.Redis) -> int:
@@ -97,128 +124,91 @@ async def nothing_held(redis: aioredis.Redis) -> None:
 
 
 async def test_requests_of_several_choices_run_on_the_one_upstream_with_room_for_all_of_them(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
-    small, large = StandIn(total_slots=2, tokens=8), StandIn(total_slots=3, tokens=8)
-    for upstream in (small, large):
-        upstream.token_delay_s = 0.01
-        await upstream.start()
-    try:
-        urls = (small.url, large.url)
-        first = await sharing(gates, urls, valkey, 5)
-        second = await sharing(gates, urls, valkey, 5)
-        sent = [(first, second)[i % 2].url + CHAT for i in range(8)]
-        answers = await asyncio.gather(*(client.post(url, json=chat(n=3)) for url in sent))
-        assert [a.status_code for a in answers] == [200] * 8
-        assert small.started == 0  # two slots never hold a request of three
-        assert large.started == 8
-        assert large.max_running == 1  # each one fills all three
-        await nothing_held(redis)
-    finally:
-        for upstream in (small, large):
-            await upstream.stop()
+    small = StandIn(total_slots=2, tokens=8, token_delay_s=0.01)
+    large = StandIn(total_slots=3, tokens=8, token_delay_s=0.01)
+    await pools.start(small, large)
+    first, second = await pools.two((small.url, large.url), 5)
+    sent = [(first, second)[i % 2].url + CHAT for i in range(8)]
+    answers = await asyncio.gather(*(client.post(url, json=chat(n=3)) for url in sent))
+    assert [a.status_code for a in answers] == [200] * 8
+    assert small.started == 0  # two slots never hold a request of three
+    assert large.started == 8
+    assert large.max_running == 1  # each one fills all three
+    await nothing_held(redis)
 
 
 async def test_a_prompt_array_runs_on_a_smaller_upstream_holding_its_slots_in_redis(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
-    small, large = StandIn(total_slots=2, tokens=40), StandIn(total_slots=3, tokens=40)
-    small.token_delay_s, large.token_delay_s = 0.02, 0.1
-    for upstream in (small, large):
-        await upstream.start()
+    small = StandIn(total_slots=2, tokens=40, token_delay_s=0.02)
+    large = StandIn(total_slots=3, tokens=40, token_delay_s=0.1)
+    await pools.start(small, large)
+    first, second = await pools.two((small.url, large.url), 5)
+    # Three choices fill the large upstream for 4 s; five prompts then run on the small
+    # one, two at a time (llama-server works through them in the slots it has), and hold
+    # both of its slots, not the three they would hold on the large one.
+    busy = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
+    await until_counted(redis, 3)
+    array = asyncio.ensure_future(
+        client.post(second.url + "/v1/completions", json={"prompt": list("abcde")})
+    )
     try:
-        urls = (small.url, large.url)
-        first = await sharing(gates, urls, valkey, 5)
-        second = await sharing(gates, urls, valkey, 5)
-        # Three choices fill the large upstream for 4 s; five prompts then run on the small
-        # one, two at a time (llama-server works through them in the slots it has), and hold
-        # both of its slots, not the three they would hold on the large one.
-        busy = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
         async with asyncio.timeout(10):
-            while await counted(redis) < 3:
+            while await redis.hget(PREFIX + "active", fleet_name(small.url)) != b"2":
                 await asyncio.sleep(0.01)
-        array = asyncio.ensure_future(
-            client.post(second.url + "/v1/completions", json={"prompt": list("abcde")})
-        )
-        try:
-            async with asyncio.timeout(10):
-                while await redis.hget(PREFIX + "active", fleet_name(small.url)) != b"2":
-                    await asyncio.sleep(0.01)
-        finally:
-            answers = await asyncio.gather(busy, array)
-        assert [a.status_code for a in answers] == [200, 200]
-        assert small.started == large.started == 1
-        await nothing_held(redis)
     finally:
-        for upstream in (small, large):
-            await upstream.stop()
+        large.hurry()  # the three choices held it as long as needed
+        answers = await asyncio.gather(busy, array)
+    assert [a.status_code for a in answers] == [200, 200]
+    assert small.started == large.started == 1
+    await nothing_held(redis)
 
 
 async def test_one_slot_requests_behind_a_waiting_n3_run_at_once_on_the_one_slot_upstream(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
-    small, large = StandIn(total_slots=1, tokens=8), StandIn(total_slots=3, tokens=50)
-    small.token_delay_s, large.token_delay_s = 0.02, 0.1
-    for upstream in (small, large):
-        await upstream.start()
-    try:
-        urls = (small.url, large.url)
-        first = await sharing(gates, urls, valkey, 4)
-        second = await sharing(gates, urls, valkey, 4)
-        running = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
-        async with asyncio.timeout(10):
-            while await counted(redis) < 3:
-                await asyncio.sleep(0.01)
-        # The head of the line: it waits for the 3-slot upstream, 5 s away.
-        head = asyncio.ensure_future(client.post(second.url + CHAT, json=chat(n=3)))
-        async with asyncio.timeout(10):
-            while await redis.zcard(PREFIX + "line") < 1:
-                await asyncio.sleep(0.01)
-        # Behind it, on either replica: the 1-slot upstream's slot is one it can never use.
-        small_ones = await asyncio.gather(
-            *(client.post(gate.url + CHAT, json=chat()) for gate in (first, second, first))
-        )
-        assert [a.status_code for a in small_ones] == [200] * 3
-        assert small.started == 3
-        assert not running.done()
-        assert not head.done()
-        assert [(await running).status_code, (await head).status_code] == [200, 200]
-        assert large.started == 2
-        await nothing_held(redis)
-    finally:
-        for upstream in (small, large):
-            await upstream.stop()
+    small = StandIn(total_slots=1, tokens=8, token_delay_s=0.02)
+    large = StandIn(total_slots=3, tokens=50, token_delay_s=0.1)
+    await pools.start(small, large)
+    first, second = await pools.two((small.url, large.url), 4)
+    running = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
+    await until_counted(redis, 3)
+    # The head of the line: it waits for the 3-slot upstream, 5 s away.
+    head = asyncio.ensure_future(client.post(second.url + CHAT, json=chat(n=3)))
+    async with asyncio.timeout(10):
+        while await redis.zcard(PREFIX + "line") < 1:
+            await asyncio.sleep(0.01)
+    # Behind it, on either replica: the 1-slot upstream's slot is one it can never use.
+    small_ones = await asyncio.gather(
+        *(client.post(gate.url + CHAT, json=chat()) for gate in (first, second, first))
+    )
+    assert [a.status_code for a in small_ones] == [200] * 3
+    assert small.started == 3
+    assert not running.done()
+    assert not head.done()
+    large.hurry()  # seen: the n=3 streams need not run their 5 s each
+    assert [(await running).status_code, (await head).status_code] == [200, 200]
+    assert large.started == 2
+    await nothing_held(redis)
 
 
 async def test_more_choices_than_the_largest_upstream_has_slots_is_the_same_400_as_alone(
-    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+    pools: Pools, client: httpx.AsyncClient
 ) -> None:
     small, large = StandIn(total_slots=2), StandIn(total_slots=3)
-    for upstream in (small, large):
-        await upstream.start()
-    try:
-        urls = (small.url, large.url)
-        shared = await sharing(gates, urls, valkey, 5)
-        alone = await serve(settings_for(urls, None))
-        gates.append(alone)
-        await alone.until(lambda: alone.service.admission.largest == 3)
-        answers = [await client.post(g.url + CHAT, json=chat(n=4)) for g in (shared, alone)]
-        assert [a.status_code for a in answers] == [400, 400]
-        assert answers[0].json() == answers[1].json()
-        assert answers[0].json()["error"]["param"] == "n"
-        assert small.started == large.started == 0
-    finally:
-        for upstream in (small, large):
-            await upstream.stop()
+    await pools.start(small, large)
+    urls = (small.url, large.url)
+    shared = await pools.share(urls, 5)
+    alone = await serve(settings_for(urls, None))
+    pools.gates.append(alone)
+    await alone.until(lambda: alone.service.admission.largest == 3)
+    answers = [await client.post(g.url + CHAT, json=chat(n=4)) for g in (shared, alone)]
+    assert [a.status_code for a in answers] == [400, 400]
+    assert answers[0].json() == answers[1].json()
+    assert answers[0].json()["error"]["param"] == "n"
+    assert small.started == large.started == 0
 
 
 # -- 5. one upstream spelt two ways ------------------------------------------------------------
@@ -230,28 +220,21 @@ async def test_more_choices_than_the_largest_upstream_has_slots_is_the_same_400_
     ids=["host-case", "scheme-case-and-slash"],
 )
 async def test_one_upstream_spelt_two_ways_by_two_replicas_is_one_pool_in_redis(
-    spelling: str,
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, spelling: str, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=1, tokens=20)
     upstream.token_delay_s = 0.02
-    await upstream.start()
-    try:
-        plain = f"http://localhost:{upstream.port}"
-        first = await sharing(gates, [plain], valkey, 1)
-        second = await sharing(gates, [spelling.format(port=upstream.port)], valkey, 1)
-        assert len(await redis.hgetall(PREFIX + "pools")) == 1
-        answers = await asyncio.gather(
-            *(client.post(g.url + CHAT, json=chat()) for g in (first, second) * 2)
-        )
-        assert [a.status_code for a in answers] == [200] * 4
-        assert upstream.max_running == 1
-        await nothing_held(redis)
-    finally:
-        await upstream.stop()
+    await pools.start(upstream)
+    plain = f"http://localhost:{upstream.port}"
+    first = await pools.share([plain], 1)
+    second = await pools.share([spelling.format(port=upstream.port)], 1)
+    assert len(await redis.hgetall(PREFIX + "pools")) == 1
+    answers = await asyncio.gather(
+        *(client.post(g.url + CHAT, json=chat()) for g in (first, second) * 2)
+    )
+    assert [a.status_code for a in answers] == [200] * 4
+    assert upstream.max_running == 1
+    await nothing_held(redis)
 
 
 async def test_an_upstream_with_its_default_port_written_out_is_one_pool_with_it_omitted(
@@ -281,51 +264,44 @@ async def test_an_upstream_with_its_default_port_written_out_is_one_pool_with_it
 
 
 async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_shares_again(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=2, tokens=5)
     upstream.token_delay_s = 0.01
-    await upstream.start()
-    try:
-        # The default TTL: a second's sleep gives no replica up.
-        first = await sharing(gates, [upstream.url], valkey, 2, max_queue=4, redis_ttl=3)
-        second = await sharing(gates, [upstream.url], valkey, 2, max_queue=4, redis_ttl=3)
-        answers: list[httpx.Response] = []
-        stop = asyncio.Event()
+    await pools.start(upstream)
+    # The default TTL: a second's sleep gives no replica up.
+    first, second = await pools.two([upstream.url], 2, max_queue=4, redis_ttl=3)
+    answers: list[httpx.Response] = []
+    stop = asyncio.Event()
 
-        async def flow(gate: RunningGate) -> None:
-            while not stop.is_set():
-                # A request that hangs past the Redis timeouts and its own few tokens fails.
-                async with asyncio.timeout(5):
-                    answers.append(await client.post(gate.url + CHAT, json=chat()))
+    async def flow(gate: RunningGate) -> None:
+        while not stop.is_set():
+            # A request that hangs past the Redis timeouts and its own few tokens fails.
+            async with asyncio.timeout(5):
+                answers.append(await client.post(gate.url + CHAT, json=chat()))
 
-        flows = [asyncio.create_task(flow(g)) for g in (first, second) for _ in range(3)]
-        await asyncio.sleep(0.3)
-        # Its own connection: DEBUG SLEEP holds the whole server, this client's answer too.
-        await redis.execute_command("DEBUG", "SLEEP", "1")  # type: ignore[no-untyped-call]
-        await asyncio.sleep(0.5)
-        stop.set()
-        await asyncio.gather(*flows)
-        statuses = {a.status_code for a in answers}
-        assert statuses <= {200, 429, 503}, statuses
-        for answer in answers:
-            if answer.status_code != 200:
-                error = answer.json()["error"]
-                assert {"message", "type", "code"} <= error.keys()
-                assert float(answer.headers["retry-after"]) >= 1
-        # A replica whose requests all waited for grants through the sleep (no call of its own
-        # to time out) and whose heartbeat fell either side of it need not fall back.
-        assert sum(view(gate)["fallbacks"] for gate in (first, second)) >= 1
-        for gate in (first, second):
-            await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
-        more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in gates))
-        assert [a.status_code for a in more] == [200, 200]
-        await nothing_held(redis)
-    finally:
-        await upstream.stop()
+    flows = [asyncio.create_task(flow(g)) for g in (first, second) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    # Its own connection: DEBUG SLEEP holds the whole server, this client's answer too.
+    await redis.execute_command("DEBUG", "SLEEP", "1")  # type: ignore[no-untyped-call]
+    await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.gather(*flows)
+    statuses = {a.status_code for a in answers}
+    assert statuses <= {200, 429, 503}, statuses
+    for answer in answers:
+        if answer.status_code != 200:
+            error = answer.json()["error"]
+            assert {"message", "type", "code"} <= error.keys()
+            assert float(answer.headers["retry-after"]) >= 1
+    # A replica whose requests all waited for grants through the sleep (no call of its own
+    # to time out) and whose heartbeat fell either side of it need not fall back.
+    assert sum(view(gate)["fallbacks"] for gate in (first, second)) >= 1
+    for gate in (first, second):
+        await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
+    more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in pools.gates))
+    assert [a.status_code for a in more] == [200, 200]
+    await nothing_held(redis)
 
 
 # -- 4. a KV budget learned on one replica ------------------------------------------------------
@@ -336,36 +312,30 @@ def words(n: int) -> dict[str, Any]:
 
 
 async def test_a_kv_budget_learned_from_a_500_on_one_replica_binds_the_others_too(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=2, tokens=10)  # its slots' n_ctx: 1024 tokens
     upstream.token_delay_s = 0.02
-    await upstream.start()
-    try:
-        learner = await sharing(gates, [upstream.url], valkey, 2)
-        other = await sharing(gates, [upstream.url], valkey, 2)
-        upstream.fault = "out_of_cache"
-        failed = await client.post(learner.url + CHAT, json=words(10))
-        assert failed.status_code == 500
-        assert learner.service.admission.budget_tokens == 1024
-        upstream.fault = None
-        # One started since, whose first word on the upstream knows no budget yet.
-        late = await sharing(gates, [upstream.url], valkey, 2)
-        await asyncio.sleep(0.5)  # a few heartbeats and /props refreshes
-        for gate in (other, late):
-            assert gate.service.admission.budget_tokens == 1024
-            # Two prompts of 600 tokens do not fit one cache of 1024 together.
-            answers = await asyncio.gather(
-                *(client.post(gate.url + CHAT, json=words(600)) for _ in range(2))
-            )
-            assert [a.status_code for a in answers] == [200, 200]
-            assert upstream.max_running == 1
-        await nothing_held(redis)
-    finally:
-        await upstream.stop()
+    await pools.start(upstream)
+    learner = await pools.share([upstream.url], 2)
+    other = await pools.share([upstream.url], 2)
+    upstream.fault = "out_of_cache"
+    failed = await client.post(learner.url + CHAT, json=words(10))
+    assert failed.status_code == 500
+    assert learner.service.admission.budget_tokens == 1024
+    upstream.fault = None
+    # One started since, whose first word on the upstream knows no budget yet.
+    late = await pools.share([upstream.url], 2)
+    await asyncio.sleep(0.5)  # a few heartbeats and /props refreshes
+    for gate in (other, late):
+        assert gate.service.admission.budget_tokens == 1024
+        # Two prompts of 600 tokens do not fit one cache of 1024 together.
+        answers = await asyncio.gather(
+            *(client.post(gate.url + CHAT, json=words(600)) for _ in range(2))
+        )
+        assert [a.status_code for a in answers] == [200, 200]
+        assert upstream.max_running == 1
+    await nothing_held(redis)
 
 
 # -- 3. tenants reloaded -------------------------------------------------------------------------
@@ -381,71 +351,55 @@ key = "sk-chat"
 
 
 async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_free_slots(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
-    tmp_path: Path,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text(JOBS.format(max_active=1))
     upstream = StandIn(total_slots=3, tokens=60)
     upstream.token_delay_s = 0.02
-    await upstream.start()
-    try:
-        first = await sharing(gates, [upstream.url], valkey, 3, api_keys_file=keys)
-        second = await sharing(gates, [upstream.url], valkey, 3, api_keys_file=keys)
-        jobs = {"authorization": "Bearer sk-jobs"}
-        held = [
-            asyncio.create_task(client.post(g.url + CHAT, json=chat(), headers=jobs))
-            for g in (first, second, first)
-        ]
-        # One runs; two wait beside two free slots, for the tenant's one.
-        await first.until(lambda: view(first)["fleet"]["queued"] == 2)
-        assert upstream.running == 1
-        keys.write_text(JOBS.format(max_active=3))
-        for gate in (first, second):  # SIGHUP, as each replica's process takes it
-            assert gate.service.access.tenants.reload()
-        answers = await asyncio.gather(*held)
-        assert [a.status_code for a in answers] == [200] * 3
-        # The waiters ran at once on the free slots, beside the first.
-        assert upstream.max_running == 3
-        await nothing_held(redis)
-    finally:
-        await upstream.stop()
+    await pools.start(upstream)
+    first, second = await pools.two([upstream.url], 3, api_keys_file=keys)
+    jobs = {"authorization": "Bearer sk-jobs"}
+    held = [
+        asyncio.create_task(client.post(g.url + CHAT, json=chat(), headers=jobs))
+        for g in (first, second, first)
+    ]
+    # One runs; two wait beside two free slots, for the tenant's one.
+    await first.until(lambda: view(first)["fleet"]["queued"] == 2)
+    assert upstream.running == 1
+    keys.write_text(JOBS.format(max_active=3))
+    for gate in (first, second):  # SIGHUP, as each replica's process takes it
+        assert gate.service.access.tenants.reload()
+    answers = await asyncio.gather(*held)
+    assert [a.status_code for a in answers] == [200] * 3
+    # The waiters ran at once on the free slots, beside the first.
+    assert upstream.max_running == 3
+    await nothing_held(redis)
 
 
 async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_too_many_is_a_400(
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
-    tmp_path: Path,
+    pools: Pools, redis: aioredis.Redis, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text(JOBS.format(max_active=2))
     upstream = StandIn(total_slots=4, tokens=60)
     upstream.token_delay_s = 0.02
-    await upstream.start()
-    try:
-        first = await sharing(gates, [upstream.url], valkey, 4, api_keys_file=keys)
-        second = await sharing(gates, [upstream.url], valkey, 4, api_keys_file=keys)
-        jobs = {"authorization": "Bearer sk-jobs"}
-        refused = await client.post(first.url + CHAT, json=chat(n=3), headers=jobs)
-        assert refused.status_code == 400
-        assert "max_active=2" in refused.json()["error"]["message"]
-        one = asyncio.create_task(client.post(first.url + CHAT, json=chat(), headers=jobs))
-        await first.until(lambda: upstream.running == 1)
-        # Two slots would pass max_active with the one it holds: it waits beside free slots.
-        two = asyncio.create_task(client.post(second.url + CHAT, json=chat(n=2), headers=jobs))
-        await second.until(lambda: view(second)["fleet"]["queued"] == 1)
-        assert upstream.running == 1
-        answers = await asyncio.gather(one, two)
-        assert [a.status_code for a in answers] == [200, 200]
-        assert upstream.max_running == 1  # the two never ran together
-        await nothing_held(redis)
-    finally:
-        await upstream.stop()
+    await pools.start(upstream)
+    first, second = await pools.two([upstream.url], 4, api_keys_file=keys)
+    jobs = {"authorization": "Bearer sk-jobs"}
+    refused = await client.post(first.url + CHAT, json=chat(n=3), headers=jobs)
+    assert refused.status_code == 400
+    assert "max_active=2" in refused.json()["error"]["message"]
+    one = asyncio.create_task(client.post(first.url + CHAT, json=chat(), headers=jobs))
+    await first.until(lambda: upstream.running == 1)
+    # Two slots would pass max_active with the one it holds: it waits beside free slots.
+    two = asyncio.create_task(client.post(second.url + CHAT, json=chat(n=2), headers=jobs))
+    await second.until(lambda: view(second)["fleet"]["queued"] == 1)
+    assert upstream.running == 1
+    answers = await asyncio.gather(one, two)
+    assert [a.status_code for a in answers] == [200, 200]
+    assert upstream.max_running == 1  # the two never ran together
+    await nothing_held(redis)
 
 
 # -- 2. a replica process drained or killed ----------------------------------------------------
@@ -479,19 +433,15 @@ async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, s
     ],
 )
 async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_others_waiter(
-    how: signal.Signals,
-    valkey: Valkey,
-    redis: aioredis.Redis,
-    gates: list[RunningGate],
-    client: httpx.AsyncClient,
+    pools: Pools, how: signal.Signals, redis: aioredis.Redis, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=1, tokens=40)
     upstream.token_delay_s = 0.02
     await upstream.start()
     process = None
     try:
-        other = await sharing(gates, [upstream.url], valkey, 1, redis_ttl=1)
-        process, url = await replica_process(upstream, valkey)
+        other = await pools.share([upstream.url], 1, redis_ttl=1)
+        process, url = await replica_process(upstream, pools.valkey)
         await other.until(lambda: view(other)["fleet"]["replicas"] == 2)
         running = asyncio.create_task(client.post(url + CHAT, json=chat()))
         await other.until(lambda: upstream.running == 1)
@@ -526,50 +476,42 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
 
 
 async def test_a_request_of_all_an_upstreams_slots_while_redis_is_away_is_a_503_not_a_400(
-    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+    pools: Pools, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=2)
-    await upstream.start()
-    try:
-        first = await sharing(gates, [upstream.url], valkey, 2)
-        second = await sharing(gates, [upstream.url], valkey, 2)
-        for gate in (first, second):
-            await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
-        valkey.kill()
-        for gate in (first, second):
-            await gate.until(lambda g=gate: view(g)["mode"] == "degraded")  # type: ignore[misc]
-        # Valid in one process and in shared mode; gating alone on one slot of two, this
-        # replica cannot run it now: the client should retry it as it is, not change it.
-        answer = await client.post(first.url + CHAT, json=chat(n=2))
-        assert answer.status_code == 503
-        assert answer.json()["error"]["type"] == "unavailable_error"
-        assert float(answer.headers["retry-after"]) >= 1
-    finally:
-        await upstream.stop()
+    await pools.start(upstream)
+    first, second = await pools.two([upstream.url], 2)
+    for gate in (first, second):
+        await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+    pools.valkey.kill()
+    for gate in (first, second):
+        await gate.until(lambda g=gate: view(g)["mode"] == "degraded")  # type: ignore[misc]
+    # Valid in one process and in shared mode; gating alone on one slot of two, this
+    # replica cannot run it now: the client should retry it as it is, not change it.
+    answer = await client.post(first.url + CHAT, json=chat(n=2))
+    assert answer.status_code == 503
+    assert answer.json()["error"]["type"] == "unavailable_error"
+    assert float(answer.headers["retry-after"]) >= 1
 
 
 async def test_a_waiter_of_all_the_slots_when_redis_goes_away_is_turned_away_not_left_waiting(
-    valkey: Valkey, gates: list[RunningGate], client: httpx.AsyncClient
+    pools: Pools, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=2, tokens=150)
     upstream.token_delay_s = 0.02
-    await upstream.start()
-    try:
-        first = await sharing(gates, [upstream.url], valkey, 2)
-        second = await sharing(gates, [upstream.url], valkey, 2)
-        for gate in (first, second):
-            await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
-        running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
-        await first.until(lambda: upstream.running == 1)
-        waiting = asyncio.create_task(client.post(first.url + CHAT, json=chat(n=2)))
-        await first.until(lambda: view(first)["this_replica"]["queued"] == 1)
-        valkey.kill()
-        # Gating alone on one slot, it could never run, and everyone behind it would wait.
-        async with asyncio.timeout(10):
-            answer = await waiting
-        assert answer.status_code == 503
-        assert not running.done()
-        upstream.hurry()
-        assert (await running).status_code == 200
-    finally:
-        await upstream.stop()
+    await pools.start(upstream)
+    first, second = await pools.two([upstream.url], 2)
+    for gate in (first, second):
+        await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+    running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
+    await first.until(lambda: upstream.running == 1)
+    waiting = asyncio.create_task(client.post(first.url + CHAT, json=chat(n=2)))
+    await first.until(lambda: view(first)["this_replica"]["queued"] == 1)
+    pools.valkey.kill()
+    # Gating alone on one slot, it could never run, and everyone behind it would wait.
+    async with asyncio.timeout(10):
+        answer = await waiting
+    assert answer.status_code == 503
+    assert not running.done()
+    upstream.hurry()
+    assert (await running).status_code == 200

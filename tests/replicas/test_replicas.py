@@ -16,7 +16,7 @@ import httpx
 import pytest
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, chat, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, cancel_all, chat, serve
 from tests.support.partition import Partition
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
@@ -122,6 +122,7 @@ async def test_a_release_on_one_replica_hands_the_slot_to_a_waiter_on_the_other(
 ) -> None:
     _, second, running, waiting = await one_runs_one_waits(standin, replicas, client)
     assert not waiting.done()
+    standin.hurry()
     assert (await running).status_code == 200
     answer = await waiting
     assert answer.status_code == 200
@@ -218,48 +219,50 @@ async def test_redis_away_falls_back_to_this_replicas_share_and_readyz_stays_rea
 @pytest.mark.slow
 @pytest.mark.parametrize("failure_mode", ["local", "reject"])
 async def test_one_replica_cut_off_from_redis_never_lets_the_upstream_run_more_than_its_slots(
-    failure_mode: str, standin: StandIn, valkey: Valkey, replicas: Gates, client: httpx.AsyncClient
+    failure_mode: str,
+    standin: StandIn,
+    valkey: Valkey,
+    replicas: Gates,
+    client: httpx.AsyncClient,
+    start_upstreams: StartUpstreams,
 ) -> None:
     standin.total_slots = 4
     # Requests that outlast the TTL: some still run when Redis gives their replica up.
     standin.tokens = 40
     standin.token_delay_s = 0.05
     partition = Partition(valkey.port)
-    await partition.start()
-    try:
-        settings = {"redis_ttl": 1.0, "redis_failure_mode": failure_mode}
-        (cut,) = await replicas(1, redis_url=partition.url, **settings)
-        (other,) = await replicas(1, **settings)
-        for gate in (cut, other):
-            await gate.until(lambda g=gate: fleet(g)["replicas"] == 2)
-        load = asyncio.Event()
+    await start_upstreams(partition)
+    settings = {"redis_ttl": 1.0, "redis_failure_mode": failure_mode}
+    (cut,) = await replicas(1, redis_url=partition.url, **settings)
+    (other,) = await replicas(1, **settings)
+    for gate in (cut, other):
+        await gate.until(lambda g=gate: fleet(g)["replicas"] == 2)
+    load = asyncio.Event()
 
-        async def clients(gate: RunningGate) -> None:
-            while not load.is_set():
-                answer = await client.post(gate.url + CHAT, json=chat())
-                assert answer.status_code in (200, 429, 503)
-                if answer.status_code != 200:
-                    await asyncio.sleep(0.05)
-
-        busy = [asyncio.create_task(clients(g)) for g in (cut, other) for _ in range(4)]
-        try:
-            await other.until(lambda: standin.running == 4)
-            partition.cut()
-            await cut.until(lambda: mode(cut) != "shared")
-            # Past the cut-off replica's TTL: Redis has given it up, the other still serves.
-            await asyncio.sleep(3)
-            assert mode(other) == "shared"
-        finally:
-            load.set()
-            await asyncio.gather(*busy)
-        assert standin.max_running <= 4
-        partition.heal()
-        async with asyncio.timeout(10):
-            while mode(cut) != "shared":
+    async def clients(gate: RunningGate) -> None:
+        while not load.is_set():
+            answer = await client.post(gate.url + CHAT, json=chat())
+            assert answer.status_code in (200, 429, 503)
+            if answer.status_code != 200:
                 await asyncio.sleep(0.05)
-        await other.until(idle(other))
+
+    busy = [asyncio.create_task(clients(g)) for g in (cut, other) for _ in range(4)]
+    try:
+        await other.until(lambda: standin.running == 4)
+        partition.cut()
+        await cut.until(lambda: mode(cut) != "shared")
+        # Past the cut-off replica's TTL: Redis has given it up, the other still serves.
+        await asyncio.sleep(3)
+        assert mode(other) == "shared"
     finally:
-        await partition.stop()
+        load.set()
+        await asyncio.gather(*busy)
+    assert standin.max_running <= 4
+    partition.heal()
+    async with asyncio.timeout(10):
+        while mode(cut) != "shared":
+            await asyncio.sleep(0.05)
+    await other.until(idle(other))
 
 
 async def test_reject_mode_answers_503_and_is_not_ready_while_redis_is_away(
@@ -282,6 +285,7 @@ async def test_a_waiter_that_leaves_on_one_replica_leaks_nothing_in_the_fleet(
     first, second, running, leaving = await one_runs_one_waits(standin, replicas, client)
     leaving.cancel()
     await second.until(lambda: queued(second) == 0)
+    standin.hurry()
     assert (await running).status_code == 200
     for gate in (first, second):
         await gate.until(idle(gate))
@@ -298,6 +302,7 @@ async def test_a_draining_replica_turns_its_waiters_away_and_its_place_leaves_th
     assert answer.json()["error"]["type"] == "unavailable_error"
     refused = await client.post(second.url + CHAT, json=chat())
     assert refused.status_code == 503
+    standin.hurry()
     assert (await running).status_code == 200
     await first.until(idle(first))
     assert standin.started == 1
@@ -346,9 +351,7 @@ async def test_a_tenants_chat_on_one_replica_goes_ahead_of_anothers_flood_on_the
             # Behind about 50 of the flood in the fleet's line, yet the next slot is its own.
             assert seen.index(f"chat {n}") <= standin.total_slots, seen
     finally:
-        for task in flood:
-            task.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
+        await cancel_all(flood)
 
 
 async def test_a_tenants_max_queued_holds_across_replicas(
@@ -372,9 +375,7 @@ async def test_a_tenants_max_queued_holds_across_replicas(
         other = await client.post(second.url + CHAT, **said("chat", "sk-chat"))
         assert other.status_code == 200
     finally:
-        for task in held:
-            task.cancel()
-        await asyncio.gather(*held, return_exceptions=True)
+        await cancel_all(held)
 
 
 async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refused_by_a_replica(

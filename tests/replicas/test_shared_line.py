@@ -313,6 +313,8 @@ async def kill_a_replica_holding_grants_and_waiters(
     return reissued_s
 
 
+# Slow: it waits out a real TTL and the kept grants after it (scripts/check runs it).
+@pytest.mark.slow
 async def test_a_killed_replicas_places_come_back_within_its_ttl_and_its_slots_once_kept(
     valkey: Valkey, redis_client: aioredis.Redis
 ) -> None:
@@ -415,9 +417,11 @@ async def load(
 @pytest.mark.parametrize(
     ("failure", "down_s"),
     [
-        ("restarted empty", 1.5),
+        # One short outage in the fast tier; Redis restarted empty and asleep under DEBUG SLEEP
+        # there are tests/replicas/test_replica_outages.py's and test_replica_pools.py's.
+        pytest.param("restarted empty", 1.5, marks=pytest.mark.slow),
         ("paused", 1.5),
-        ("debug sleep", 1.5),
+        pytest.param("debug sleep", 1.5, marks=pytest.mark.slow),
         pytest.param("restarted empty", 10.0, marks=pytest.mark.slow),
         pytest.param("paused", 10.0, marks=pytest.mark.slow),
     ],

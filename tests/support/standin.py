@@ -181,11 +181,14 @@ class StandIn:
                 conn.drop()
 
     def hurry(self) -> None:
-        """Let running and later streams finish at once: for a test that has seen what it held
-        a slot for (a running stream reads the delay before each token)."""
+        """Let running and later generations finish at once: for a test that has seen what it
+        held a slot for (a running stream reads the delay before each token; a non-streamed
+        answer waits on one timer for all of its tokens, which this cuts short)."""
         self.token_delay_s = 0.0
         for conn in list(self._streams):
             conn.pump()
+        for conn in list(self._connections):
+            conn.answer_now()
 
     def connections(self) -> int:
         """Connections open at the stand-in right now."""
@@ -662,6 +665,13 @@ class Connection(asyncio.Protocol):
         elif fault is None and not self.cors:
             self._end(standin.answer("completion"))
         else:
+            self._complete()
+
+    def answer_now(self) -> None:
+        """A non-streamed answer waiting out its tokens' time goes at once."""
+        if self.timer is not None and self.busy and not self.streaming:
+            self.timer.cancel()
+            self.timer = None
             self._complete()
 
     def _complete(self) -> None:

@@ -198,12 +198,18 @@ async def test_an_upstream_that_closes_after_streams_never_gets_a_stream_connect
     client.close()
 
 
-async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused(
-    standin: StandIn, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def keeping(standin: StandIn, monkeypatch: pytest.MonkeyPatch) -> Client:
+    """A client of a stand-in that keeps its connections after streams, probed quickly."""
     monkeypatch.setattr(reuse_module, "STREAM_PROBE_S", 0.05)
     standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
-    client = client_for(standin)
+    return client_for(standin)
+
+
+async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused(
+    keeping: Client,
+) -> None:
+    client = keeping
     probed = await stream(client)
     assert probed._conn not in client._idle  # held aside while the client learns
     assert await verdict(client) is True
@@ -215,11 +221,9 @@ async def test_an_upstream_that_keeps_connections_after_streams_gets_them_reused
 
 
 async def test_an_upstream_that_starts_closing_after_streams_revokes_the_verdict(
-    standin: StandIn, monkeypatch: pytest.MonkeyPatch
+    standin: StandIn, keeping: Client
 ) -> None:
-    monkeypatch.setattr(reuse_module, "STREAM_PROBE_S", 0.05)
-    standin.tokens, standin.token_delay_s, standin.close_after_stream = 2, 0, False
-    client = client_for(standin)
+    client = keeping
     await stream(client)
     assert await verdict(client) is True
     standin.close_after_stream = True  # as if restarted as a llama-server build
