@@ -129,6 +129,7 @@ async def test_a_body_admitted_at_once_stops_counting_while_it_runs(
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
     assert held(gate) > BIG
+    standin.hurry()
     assert [(await t).status_code for t in (running, waiting)] == [200, 200]
     await gate.until(lambda: settled(gate))
 
@@ -170,6 +171,7 @@ async def test_a_request_refused_429_gives_back_its_bytes_and_keeps_the_others(
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "queue_bytes_full"
     assert held(gate) == before
+    standin.hurry()
     assert [(await t).status_code for t in (holder, first)] == [200, 200]
     await gate.until(lambda: settled(gate))
 

@@ -324,40 +324,41 @@ async def test_a_request_waiting_in_line_is_not_cut_by_the_head_timeout(
     writer.close()
 
 
+UPGRADES = [
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+    b"Upgrade: websocket\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+    b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
+    b"CONNECT 127.0.0.1:8080 HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n",
+]
+NOT_HTTP = [
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+    b"\x16\x03\x01",
+]
+
+
 @pytest.mark.parametrize(
-    "head",
+    ("request_bytes", "code"),
     [
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
-        b"Upgrade: websocket\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
-        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
-        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n",
-        b"CONNECT 127.0.0.1:8080 HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n",
+        *(
+            pytest.param(head, "upgrade_not_supported", id=name)
+            for head, name in zip(
+                UPGRADES, ["websocket-post", "websocket", "h2c", "connect"], strict=True
+            )
+        ),
+        *(
+            pytest.param(data, "invalid_request", id=name)
+            for data, name in zip(
+                NOT_HTTP, ["h2-prior-knowledge", "bad-header", "tls-hello"], strict=True
+            )
+        ),
     ],
 )
-async def test_an_upgrade_is_refused_at_once_in_the_api_shape(
-    start_gate: GateFactory, standin: StandIn, head: bytes
-) -> None:
-    gate = await start_gate()
-    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
-    writer.write(head)
-    try:
-        status, error = await read_answer(reader)
-    finally:
-        writer.close()
-    assert status == b"HTTP/1.1 400 Bad Request"
-    assert error["code"] == "upgrade_not_supported"
-    assert standin.seen == []
-
-
-@pytest.mark.parametrize(
-    "request_bytes",
-    [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", b"\x16\x03\x01"],
-    ids=["h2-prior-knowledge", "bad-header", "tls-hello"],
-)
-async def test_a_request_that_is_not_http_gets_400_in_the_api_shape(
-    start_gate: GateFactory, standin: StandIn, request_bytes: bytes
+async def test_an_upgrade_or_a_request_that_is_not_http_is_refused_400_at_once_in_the_api_shape(
+    start_gate: GateFactory, standin: StandIn, request_bytes: bytes, code: str
 ) -> None:
     gate = await start_gate()
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
@@ -367,7 +368,7 @@ async def test_a_request_that_is_not_http_gets_400_in_the_api_shape(
     finally:
         writer.close()
     assert status == b"HTTP/1.1 400 Bad Request"
-    assert error["code"] == "invalid_request"
+    assert error["code"] == code
     assert standin.seen == []
 
 

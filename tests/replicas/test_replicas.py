@@ -372,6 +372,7 @@ async def test_a_tenants_max_queued_holds_across_replicas(
         error = refused.json()["error"]
         assert error["code"] == "tenant_queue_full"
         assert error["admission"]["tenant"]["name"] == "jobs"
+        standin.hurry()
         other = await client.post(second.url + CHAT, **said("chat", "sk-chat"))
         assert other.status_code == 200
     finally:

@@ -16,6 +16,7 @@ from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
     SSE_HEAD,
+    Answer,
     Hostile,
     MiB,
     Peer,
@@ -56,18 +57,25 @@ def error_of(event: bytes) -> dict[str, Any]:
     return error
 
 
-async def waiting_behind_a_held_slot(
-    gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient
-) -> tuple[asyncio.Event, asyncio.Task[bytes], asyncio.Task[bytes]]:
-    """The only slot held by a stream the upstream answers on release; a second stream waits
-    in line, its 200 head already out (STREAM_HEAD_AFTER=0). Returns (release, holder, waiter)."""
+async def answered_after_waiting(
+    gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient, answer: Answer
+) -> bytes:
+    """What a stream gets that waited in line, its 200 head already out (STREAM_HEAD_AFTER=0),
+    while a stream held the only slot, and that llama-server then answers with `answer`."""
     release = asyncio.Event()
     hostile.script.append(held(release, stream(*CHAT_STREAM)))
     holder = asyncio.create_task(read_stream(client, gate.url + CHAT))
     await gate.until(lambda: len(hostile.served()) == 1)
     waiter = asyncio.create_task(read_stream(client, gate.url + CHAT))
     await gate.until(lambda: gate.service.admission.queued == 1)
-    return release, holder, waiter
+    hostile.script.append(answer)
+    release.set()
+    await holder
+    return await waiter
+
+
+async def waiting_gate(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
+    return await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
 
 
 # -- item 4: a connection that sent too much is never reused ------------------------------------
@@ -113,12 +121,8 @@ async def test_a_twenty_megabyte_response_head_gets_a_502_in_the_apis_shape(
 async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
-    release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
-    hostile.script.append(huge_head(20 * MiB))
-    release.set()
-    await holder
-    last = events(await waiter)[-1]
+    gate = await waiting_gate(start_gate, hostile)
+    last = events(await answered_after_waiting(gate, hostile, client, huge_head(20 * MiB)))[-1]
     assert error_of(last)["code"] == "upstream_failed"
     assert "head is over" in error_of(last)["message"]
 
@@ -126,12 +130,8 @@ async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
 async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
-    release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
-    hostile.script.append(huge_error(200 * MiB))
-    release.set()
-    await holder
-    body = await waiter
+    gate = await waiting_gate(start_gate, hostile)
+    body = await answered_after_waiting(gate, hostile, client, huge_error(200 * MiB))
     assert len(body) < 4096  # not the 200 MB, nor the 64 KiB read of it
     error = error_of(events(body)[-1])
     assert error["code"] == "upstream_failed"
@@ -143,13 +143,12 @@ async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_ev
 async def test_a_small_error_body_for_a_waiting_stream_is_relayed_as_its_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
-    release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
+    gate = await waiting_gate(start_gate, hostile)
     refused = {"error": {"code": 400, "message": "too long", "type": "exceed_context_size_error"}}
-    hostile.script.append(sends(reply(400, json.dumps(refused).encode())))
-    release.set()
-    await holder
-    assert error_of(events(await waiter)[-1]) == refused["error"]
+    body = await answered_after_waiting(
+        gate, hostile, client, sends(reply(400, json.dumps(refused).encode()))
+    )
+    assert error_of(events(body)[-1]) == refused["error"]
 
 
 async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
@@ -169,14 +168,10 @@ async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
 async def test_an_upstream_cut_mid_event_gets_its_error_on_a_new_event_boundary(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, waiting: bool
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
+    gate = await waiting_gate(start_gate, hostile)
     cut = stream(*CHAT_STREAM[:2], cut=PARTIAL_EVENT)
     if waiting:
-        release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
-        hostile.script.append(cut)
-        release.set()
-        await holder
-        body = await waiter
+        body = await answered_after_waiting(gate, hostile, client, cut)
     else:
         hostile.script.append(cut)
         body = await read_stream(client, gate.url + CHAT)
