@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 import uvicorn
 from hypothesis import settings as hypothesis_settings
 from slotgate.cli import uvicorn_config
@@ -214,6 +215,31 @@ async def hostile() -> AsyncIterator[Hostile]:
     await upstream.start()
     yield upstream
     await upstream.stop()
+
+
+@pytest.fixture
+async def redis(valkey: Valkey) -> AsyncIterator[aioredis.Redis]:
+    """A client of the test's valkey-server."""
+    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5, socket_connect_timeout=5)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[list[RunningGate]]:
+    """The slotgates a test serves (it appends them); stopped at its end."""
+    running: list[RunningGate] = []
+    yield running
+    for gate in running:
+        await gate.stop()
+
+
+def replica_view(gate: RunningGate) -> dict[str, Any]:
+    """What a slotgate sharing a Redis line has heard of the fleet and holds itself."""
+    replica = gate.service.replica
+    assert replica is not None
+    heard: dict[str, Any] = replica.view()
+    return heard
 
 
 GateFactory = Callable[..., Any]

@@ -62,7 +62,7 @@ async def slot_held(
     return rig, finish, holding
 
 
-async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it(
+async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it_logged_served(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     done = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"])
@@ -79,6 +79,7 @@ async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it(
     assert client.body == b"data: 1\n\ndata: [DONE]\n\n"
     assert len(final_messages(client)) == 1
     assert line["bytes_out"] == len(client.body)
+    assert line["outcome"] == "served"
     assert rig.admission.active == 0
 
 
@@ -292,22 +293,6 @@ async def test_an_answer_cut_while_its_end_is_sent_says_so_and_is_ended_as_meant
     assert len(final_messages(client)) == 1
     await answer.final_words(cut, "openai", [])  # nothing after the end
     assert len(client.sent) == 3
-
-
-async def test_a_stream_whole_but_for_its_end_when_cut_is_logged_served(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    done = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"])
-    rig = Rig(FakeUpstreamClient(done))
-    client = SlowClient(chat_body(stream=True))
-    with caplog.at_level(logging.INFO, logger="slotgate.access"):
-        task = asyncio.ensure_future(rig.call(client))
-        await until(client.at_end.is_set)
-        task.cancel()
-        await asyncio.wait((task,), timeout=5)
-        line = access_line(caplog)
-    assert client.body == b"data: 1\n\ndata: [DONE]\n\n"
-    assert line["outcome"] == "served"
 
 
 async def test_a_plain_answer_whole_but_for_its_end_when_cut_is_ended_not_truncated() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -19,7 +19,7 @@ from slotgate.replicas.replica import ReplicaAdmission
 from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, replica_view, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -27,10 +27,9 @@ Start = Callable[..., Any]
 
 
 @pytest.fixture
-async def sharing(valkey: Valkey) -> AsyncIterator[Start]:
+def sharing(valkey: Valkey, served: list[RunningGate]) -> Start:
     """Start one slotgate sharing `valkey` in front of the given stand-ins; waits until Redis
     knows every upstream's slots."""
-    running: list[RunningGate] = []
 
     async def start(upstreams: Sequence[StandIn], **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
@@ -41,21 +40,12 @@ async def sharing(valkey: Valkey) -> AsyncIterator[Start]:
         }  # fmt: skip
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
-        running.append(gate)
+        served.append(gate)
         slots = sum(u.total_slots for u in upstreams)
-        await gate.until(lambda: view(gate)["fleet"]["capacity"] == slots)
+        await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == slots)
         return gate
 
-    yield start
-    for gate in running:
-        await gate.stop()
-
-
-def view(gate: RunningGate) -> dict[str, Any]:
-    replica = gate.service.replica
-    assert replica is not None
-    heard: dict[str, Any] = replica.view()
-    return heard
+    return start
 
 
 async def redis_idle(gate: RunningGate) -> None:
@@ -64,7 +54,7 @@ async def redis_idle(gate: RunningGate) -> None:
     assert replica is not None
 
     def idle() -> bool:
-        heard = view(gate)
+        heard = replica_view(gate)
         return bool(
             heard["fleet"]["active"] == 0
             and heard["fleet"]["queued"] == 0
@@ -121,7 +111,7 @@ async def test_a_waiting_streams_position_falls_as_the_fleets_line_ahead_of_it_i
     await start_upstreams(standin)
     gate = await sharing([standin], keepalive_interval=0.05, stream_head_after=0)
     ahead = [asyncio.create_task(client.post(gate.url + CHAT, json=chat())) for _ in range(2)]
-    await gate.until(lambda: view(gate)["this_replica"] == {"active": 1, "queued": 1})
+    await gate.until(lambda: replica_view(gate)["this_replica"] == {"active": 1, "queued": 1})
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as answer:
         positions = [
             int(line.split("=")[1].split()[0])
@@ -136,7 +126,7 @@ async def test_a_waiting_streams_position_falls_as_the_fleets_line_ahead_of_it_i
 
 
 def fallbacks(gate: RunningGate) -> int:
-    count: int = view(gate)["fallbacks"]
+    count: int = replica_view(gate)["fallbacks"]
     return count
 
 
@@ -149,7 +139,7 @@ async def test_redis_paused_while_a_request_runs_and_one_waits_answers_both_and_
     running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
     await first.until(lambda: standin.running == 1)
     waiting = asyncio.create_task(client.post(second.url + CHAT, json=chat()))
-    await second.until(lambda: view(second)["this_replica"]["queued"] == 1)
+    await second.until(lambda: replica_view(second)["this_replica"]["queued"] == 1)
     valkey.pause()
     await asyncio.sleep(1.0)
     valkey.resume()
@@ -162,7 +152,7 @@ async def test_redis_paused_while_a_request_runs_and_one_waits_answers_both_and_
 
 def heard(gate: RunningGate, mode: str, capacity: int | None) -> bool:
     """`gate` is in `mode`, and Redis told it the fleet's `capacity` (if given)."""
-    seen = view(gate)
+    seen = replica_view(gate)
     return bool(seen["mode"] == mode and capacity in (None, seen["fleet"]["capacity"]))
 
 
@@ -178,7 +168,7 @@ async def shared_again_after_one_fallback(
     )
     assert [a.status_code for a in more] == [200] * 3 * len(gates)
     for gate in gates:
-        assert view(gate)["mode"] == "shared"
+        assert replica_view(gate)["mode"] == "shared"
         assert fallbacks(gate) == 1
         await redis_idle(gate)
 
@@ -220,11 +210,11 @@ async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keep
     try:
         await second.start()
         gate = await serve(settings, create_app(settings, resolver))
-        await gate.until(lambda: view(gate)["fleet"]["capacity"] == 1)
+        await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == 1)
         running = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
         await gate.until(lambda: first.running == 1)
         addresses.append("127.0.0.2")  # the name's one server is one of two now
-        await gate.until(lambda: view(gate)["fleet"]["capacity"] == 2)
+        await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == 2)
         more = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(3)))
         assert [a.status_code for a in more] == [200] * 3
         assert (await running).status_code == 200
@@ -240,9 +230,9 @@ async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keep
 
 
 async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_back_in_full(
-    valkey: Valkey,
+    valkey: Valkey, redis: aioredis.Redis
 ) -> None:
-    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    client = redis
     renaming = SharedAdmission(valkey.url, "rekey", replica="r0", heartbeat_s=0.2, ttl_s=1.0)
     other = SharedAdmission(valkey.url, "rekey", replica="r1", heartbeat_s=0.2, ttl_s=1.0)
     prefix = "slotgate:{rekey}:"
@@ -267,15 +257,14 @@ async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_
     finally:
         for admission in (renaming, other):
             await admission.close()
-        await client.aclose()
 
 
 async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fleets_pools(
-    sharing: Start, valkey: Valkey
+    sharing: Start, redis: aioredis.Redis
 ) -> None:
     standin = StandIn(total_slots=2)
     await standin.start()
-    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    client = redis
     pubsub = client.pubsub()
     try:
         await sharing([standin])
@@ -291,14 +280,13 @@ async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fle
         assert b"hdel" not in events, events
     finally:
         await pubsub.aclose()  # type: ignore[no-untyped-call]
-        await client.aclose()
         await standin.stop()
 
 
 async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_last_grant_ends(
-    valkey: Valkey,
+    valkey: Valkey, redis: aioredis.Redis
 ) -> None:
-    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
+    client = redis
     admission = SharedAdmission(valkey.url, "gone", replica="r0", heartbeat_s=0.2, ttl_s=1.0)
     try:
         await admission.start()
@@ -313,7 +301,6 @@ async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_l
         assert await client.hgetall("slotgate:{gone}:active") == {}
     finally:
         await admission.close()
-        await client.aclose()
 
 
 async def test_upstreams_that_leave_dns_one_after_another_are_not_remembered_by_the_replica(
@@ -361,15 +348,15 @@ async def test_two_replicas_behind_one_name_count_its_one_server_once(
     try:
         early = await serve(settings, create_app(settings, scaled))
         gates.append(early)
-        await early.until(lambda: view(early)["fleet"]["capacity"] == 2)
+        await early.until(lambda: replica_view(early)["fleet"]["capacity"] == 2)
         addresses.remove("127.0.0.2")  # scaled down to one server
         await second.stop()
-        await early.until(lambda: view(early)["fleet"]["capacity"] == 1)
+        await early.until(lambda: replica_view(early)["fleet"]["capacity"] == 1)
         late = await serve(settings, create_app(settings, one))  # started after the scale-down
         gates.append(late)
         await late.until(lambda: late.service.admission.capacity == 1)
         await asyncio.sleep(0.5)  # a few heartbeats
-        assert view(late)["fleet"]["capacity"] == 1
+        assert replica_view(late)["fleet"]["capacity"] == 1
     finally:
         for gate in gates:
             await gate.stop()

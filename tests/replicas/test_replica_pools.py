@@ -10,7 +10,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from slotgate.replicas.replica import ReplicaAdmission, fleet_name
 from slotgate.settings import Settings
 
 from bench.procs import free_port
-from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, replica_view, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -44,29 +44,6 @@ def settings_for(urls: Sequence[str], valkey: Valkey | None, **overrides: Any) -
     return Settings(_env_file=None, **values)
 
 
-def view(gate: RunningGate) -> dict[str, Any]:
-    replica = gate.service.replica
-    assert replica is not None
-    heard: dict[str, Any] = replica.view()
-    return heard
-
-
-@pytest.fixture
-async def gates() -> AsyncIterator[list[RunningGate]]:
-    """The slotgates a test serves; stopped at its end."""
-    running: list[RunningGate] = []
-    yield running
-    for gate in running:
-        await gate.stop()
-
-
-@pytest.fixture
-async def redis(valkey: Valkey) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(valkey.url, socket_timeout=5)
-    yield client
-    await client.aclose()
-
-
 @dataclass
 class Pools:
     """The Valkey a test's replicas share, the slotgates it serves (stopped at its end) and
@@ -80,8 +57,8 @@ class Pools:
         """One more slotgate sharing `valkey`, once Redis has told it the fleet's `slots`."""
         gate = await serve(settings_for(urls, self.valkey, **overrides))
         self.gates.append(gate)
-        await gate.until(lambda: view(gate)["mode"] == "shared")
-        await gate.until(lambda: view(gate)["fleet"]["capacity"] == slots)
+        await gate.until(lambda: replica_view(gate)["mode"] == "shared")
+        await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == slots)
         return gate
 
     async def two(
@@ -93,8 +70,8 @@ class Pools:
 
 
 @pytest.fixture
-def pools(valkey: Valkey, gates: list[RunningGate], start_upstreams: StartUpstreams) -> Pools:
-    return Pools(valkey, gates, start_upstreams)
+def pools(valkey: Valkey, served: list[RunningGate], start_upstreams: StartUpstreams) -> Pools:
+    return Pools(valkey, served, start_upstreams)
 
 
 async def until_counted(redis: aioredis.Redis, slots: int) -> None:
@@ -296,9 +273,9 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
             assert float(answer.headers["retry-after"]) >= 1
     # A replica whose requests all waited for grants through the sleep (no call of its own
     # to time out) and whose heartbeat fell either side of it need not fall back.
-    assert sum(view(gate)["fallbacks"] for gate in (first, second)) >= 1
+    assert sum(replica_view(gate)["fallbacks"] for gate in (first, second)) >= 1
     for gate in (first, second):
-        await gate.until(lambda g=gate: view(g)["mode"] == "shared")  # type: ignore[misc]
+        await gate.until(lambda g=gate: replica_view(g)["mode"] == "shared")  # type: ignore[misc]
     more = await asyncio.gather(*(client.post(g.url + CHAT, json=chat()) for g in pools.gates))
     assert [a.status_code for a in more] == [200, 200]
     await nothing_held(redis)
@@ -365,7 +342,7 @@ async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_f
         for g in (first, second, first)
     ]
     # One runs; two wait beside two free slots, for the tenant's one.
-    await first.until(lambda: view(first)["fleet"]["queued"] == 2)
+    await first.until(lambda: replica_view(first)["fleet"]["queued"] == 2)
     assert upstream.running == 1
     keys.write_text(JOBS.format(max_active=3))
     for gate in (first, second):  # SIGHUP, as each replica's process takes it
@@ -394,7 +371,7 @@ async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_
     await first.until(lambda: upstream.running == 1)
     # Two slots would pass max_active with the one it holds: it waits beside free slots.
     two = asyncio.create_task(client.post(second.url + CHAT, json=chat(n=2), headers=jobs))
-    await second.until(lambda: view(second)["fleet"]["queued"] == 1)
+    await second.until(lambda: replica_view(second)["fleet"]["queued"] == 1)
     assert upstream.running == 1
     answers = await asyncio.gather(one, two)
     assert [a.status_code for a in answers] == [200, 200]
@@ -442,13 +419,13 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
     try:
         other = await pools.share([upstream.url], 1, redis_ttl=1)
         process, url = await replica_process(upstream, pools.valkey)
-        await other.until(lambda: view(other)["fleet"]["replicas"] == 2)
+        await other.until(lambda: replica_view(other)["fleet"]["replicas"] == 2)
         running = asyncio.create_task(client.post(url + CHAT, json=chat()))
         await other.until(lambda: upstream.running == 1)
         theirs = asyncio.create_task(client.post(url + CHAT, json=chat()))
-        await other.until(lambda: view(other)["fleet"]["queued"] == 1)
+        await other.until(lambda: replica_view(other)["fleet"]["queued"] == 1)
         mine = asyncio.create_task(client.post(other.url + CHAT, json=chat()))
-        await other.until(lambda: view(other)["this_replica"]["queued"] == 1)
+        await other.until(lambda: replica_view(other)["this_replica"]["queued"] == 1)
         process.send_signal(how)
         # Killed, its grant is kept 10 x REDIS_TTL past its TTL (it might be cut off, not dead).
         async with asyncio.timeout(45 if how is signal.SIGKILL else 30):
@@ -463,8 +440,8 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
         assert upstream.max_running == 1
         await nothing_held(redis)
         # Nothing of the stopped replica is left in Redis (once its heartbeat is reaped).
-        await other.until(lambda: view(other)["fleet"]["replicas"] == 1)
-        me = view(other)["replica"]
+        await other.until(lambda: replica_view(other)["fleet"]["replicas"] == 1)
+        me = replica_view(other)["replica"]
         held = set(await redis.keys(PREFIX + "r:*")) | set(await redis.keys(PREFIX + "hb:*"))
         assert held <= {f"{PREFIX}hb:{me}".encode(), f"{PREFIX}r:{me}".encode()}
         assert await redis.zrange(PREFIX + "replicas", 0, -1) == [me.encode()]
@@ -482,10 +459,10 @@ async def test_a_request_of_all_an_upstreams_slots_while_redis_is_away_is_a_503_
     await pools.start(upstream)
     first, second = await pools.two([upstream.url], 2)
     for gate in (first, second):
-        await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+        await gate.until(lambda g=gate: replica_view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
     pools.valkey.kill()
     for gate in (first, second):
-        await gate.until(lambda g=gate: view(g)["mode"] == "degraded")  # type: ignore[misc]
+        await gate.until(lambda g=gate: replica_view(g)["mode"] == "degraded")  # type: ignore[misc]
     # Valid in one process and in shared mode; gating alone on one slot of two, this
     # replica cannot run it now: the client should retry it as it is, not change it.
     answer = await client.post(first.url + CHAT, json=chat(n=2))
@@ -502,11 +479,11 @@ async def test_a_waiter_of_all_the_slots_when_redis_goes_away_is_turned_away_not
     await pools.start(upstream)
     first, second = await pools.two([upstream.url], 2)
     for gate in (first, second):
-        await gate.until(lambda g=gate: view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
+        await gate.until(lambda g=gate: replica_view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
     running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
     await first.until(lambda: upstream.running == 1)
     waiting = asyncio.create_task(client.post(first.url + CHAT, json=chat(n=2)))
-    await first.until(lambda: view(first)["this_replica"]["queued"] == 1)
+    await first.until(lambda: replica_view(first)["this_replica"]["queued"] == 1)
     pools.valkey.kill()
     # Gating alone on one slot, it could never run, and everyone behind it would wait.
     async with asyncio.timeout(10):

@@ -8,7 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, StartUpstreams, cancel_all, chat, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, cancel_all, chat, replica_view, serve
 from tests.support.partition import Partition
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
@@ -25,10 +25,9 @@ Gates = Callable[..., Any]
 
 
 @pytest.fixture
-async def replicas(standin: StandIn, valkey: Valkey) -> AsyncIterator[Gates]:
+def replicas(standin: StandIn, valkey: Valkey, served: list[RunningGate]) -> Gates:
     """Start `n` slotgates sharing `valkey` in front of the stand-in; each waits until it is
     in shared mode and Redis knows the stand-in's slots."""
-    running: list[RunningGate] = []
 
     async def start(n: int = 2, **overrides: Any) -> list[RunningGate]:
         values: dict[str, Any] = {
@@ -43,21 +42,17 @@ async def replicas(standin: StandIn, valkey: Valkey) -> AsyncIterator[Gates]:
         made = []
         for _ in range(n):
             gate = await serve(Settings(_env_file=None, **values))
-            running.append(gate)
+            served.append(gate)
             made.append(gate)
         for gate in made:
             await gate.until(knows(gate, standin.total_slots))
         return made
 
-    yield start
-    for gate in running:
-        await gate.stop()
+    return start
 
 
 def fleet(gate: RunningGate) -> dict[str, Any]:
-    replica = gate.service.replica
-    assert replica is not None
-    view: dict[str, Any] = replica.view()["fleet"]
+    view: dict[str, Any] = replica_view(gate)["fleet"]
     return view
 
 
@@ -136,9 +131,7 @@ async def test_a_release_on_one_replica_hands_the_slot_to_a_waiter_on_the_other(
 
 
 def queued(gate: RunningGate) -> int:
-    replica = gate.service.replica
-    assert replica is not None
-    count: int = replica.view()["this_replica"]["queued"]
+    count: int = replica_view(gate)["this_replica"]["queued"]
     return count
 
 
