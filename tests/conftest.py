@@ -277,6 +277,13 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 CHAT = "/v1/chat/completions"
 
 
+def assert_not_ready(response: httpx.Response) -> None:
+    """A 503 saying llama-server is not ready yet, to be asked again in a second."""
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "upstream_not_ready"
+
+
 async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
     """Cancel `tasks` and wait until each has ended, however it ends."""
     for task in tasks:
@@ -324,17 +331,28 @@ HeldGate = Callable[..., Awaitable[tuple[RunningGate, "asyncio.Task[list[bytes]]
 
 
 @pytest.fixture
-def one_slot_held(start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient) -> HeldGate:
-    """Start slotgate with the given settings before a one-slot stand-in, and hold that slot with
-    a stream of `tokens` tokens (0.05 s each) that runs until the test calls `standin.hurry()`:
-    the set-up of every test of what a request meets while it waits."""
+def one_slot(start_gate: GateFactory, standin: StandIn) -> GateFactory:
+    """Start slotgate with the given settings before a one-slot stand-in whose generations are
+    `tokens` tokens of 0.05 s each (until the test calls `standin.hurry()`)."""
+
+    async def start(tokens: int = 20, **settings: Any) -> RunningGate:
+        standin.tokens, standin.token_delay_s = tokens, 0.05
+        standin.total_slots = 1
+        gate: RunningGate = await start_gate(**settings)
+        return gate
+
+    return start
+
+
+@pytest.fixture
+def one_slot_held(one_slot: GateFactory, client: httpx.AsyncClient) -> HeldGate:
+    """`one_slot`, with that slot held by a stream: the set-up of every test of what a request
+    meets while it waits."""
 
     async def start(
         tokens: int = 20, **settings: Any
     ) -> tuple[RunningGate, asyncio.Task[list[bytes]]]:
-        standin.tokens, standin.token_delay_s = tokens, 0.05
-        standin.total_slots = 1
-        gate: RunningGate = await start_gate(**settings)
+        gate: RunningGate = await one_slot(tokens, **settings)
         return gate, await occupy(client, gate)
 
     return start

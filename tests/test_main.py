@@ -54,11 +54,9 @@ async def test_a_llama_server_that_wants_a_key_is_named_in_readyz_until_slotgate
 
 
 async def test_admission_shows_the_live_pool(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(max_queue=3)
+    gate = await one_slot(max_queue=3)
     tasks = [
         asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
         for _ in range(2)
@@ -84,11 +82,9 @@ async def test_unbounded_line_shows_a_null_limit(
 
 
 async def test_metrics_show_both_sides_of_the_gate(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 10, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(max_queue=1)
+    gate = await one_slot(10, max_queue=1)
     first = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
     await gate.until(lambda: gate.service.admission.active == 1)
     second = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))

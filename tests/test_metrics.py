@@ -208,11 +208,9 @@ def test_the_minute_of_slot_time_counts_each_tenants_part_and_forgets_what_is_ol
 
 
 async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 10_000, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(queue_timeout=0.3)
+    gate = await one_slot(10_000, queue_timeout=0.3)
     pool = gate.service.admission
     holder = asyncio.create_task(client.post(gate.url + ROUTE, json=chat(stream=True)))
     try:

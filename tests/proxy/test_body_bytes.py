@@ -31,6 +31,22 @@ def head(length: int | None) -> bytes:
     ).encode()
 
 
+async def one_slot_two_bodies(start_gate: GateFactory, standin: StandIn) -> RunningGate:
+    """slotgate before a one-slot stand-in, with room in line for one big body and a half."""
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 40, 0.02
+    gate: RunningGate = await start_gate(queue_body_bytes=BIG + BIG // 2)
+    return gate
+
+
+async def running_alone(
+    gate: RunningGate, client: httpx.AsyncClient, body: dict[str, Any]
+) -> asyncio.Task[httpx.Response]:
+    """`body` posted, once it runs in the one slot."""
+    task = asyncio.create_task(client.post(gate.url + CHAT, json=body))
+    await gate.until(lambda: gate.service.admission.active == 1)
+    return task
+
+
 def chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
@@ -120,10 +136,8 @@ async def test_a_chunked_body_counts_as_it_arrives_and_is_refused_past_the_bound
 async def test_a_body_admitted_at_once_stops_counting_while_it_runs(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 40, 0.02
-    gate = await start_gate(queue_body_bytes=BIG + BIG // 2)
-    running = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat(stream=True)))
-    await gate.until(lambda: gate.service.admission.active == 1)
+    gate = await one_slot_two_bodies(start_gate, standin)
+    running = await running_alone(gate, client, big_chat(stream=True))
     assert held(gate) == 0
     # So another big body may still wait in line beside it.
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
@@ -160,10 +174,8 @@ async def test_an_invalid_big_body_gives_its_bytes_back_with_its_400(
 async def test_a_request_refused_429_gives_back_its_bytes_and_keeps_the_others(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 40, 0.02
-    gate = await start_gate(queue_body_bytes=BIG + BIG // 2)
-    holder = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
-    await gate.until(lambda: gate.service.admission.active == 1)
+    gate = await one_slot_two_bodies(start_gate, standin)
+    holder = await running_alone(gate, client, chat(stream=True))
     first = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
     before = held(gate)

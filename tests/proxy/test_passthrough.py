@@ -41,11 +41,9 @@ async def test_other_paths_pass_through_with_method_query_and_body(
 
 
 async def test_tokenize_is_never_queued(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 20, 0.05
-    standin.total_slots = 1
-    gate = await start_gate(max_queue=1)
+    gate = await one_slot(max_queue=1)
     busy = [asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))]
     await gate.until(lambda: gate.service.admission.active == 1)
     busy.append(asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat())))

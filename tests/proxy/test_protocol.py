@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -120,6 +121,15 @@ def generation(stream: bool, request_id: str = "queued", padding: int = 0) -> by
     )
 
 
+async def only_slot_held(
+    start_gate: GateFactory, standin: StandIn, **settings: Any
+) -> tuple[RunningGate, asyncio.StreamWriter]:
+    """slotgate before a one-slot stand-in, that slot held by `hold_the_only_slot`."""
+    standin.total_slots = 1
+    gate: RunningGate = await start_gate(**settings)
+    return gate, await hold_the_only_slot(gate, standin)
+
+
 async def hold_the_only_slot(gate: RunningGate, standin: StandIn) -> asyncio.StreamWriter:
     """A streaming generation that keeps the stand-in's one slot busy until it is closed."""
     standin.tokens, standin.token_delay_s = 100_000, 0.05
@@ -160,9 +170,7 @@ def hang_up(writer: asyncio.StreamWriter, how: str) -> None:
 async def test_a_pipelined_client_that_hangs_up_takes_its_queued_generation_out_of_line(
     start_gate: GateFactory, standin: StandIn, how: str, then: bytes, apart: bool
 ) -> None:
-    standin.total_slots = 1
-    gate = await start_gate()
-    holder = await hold_the_only_slot(gate, standin)
+    gate, holder = await only_slot_held(start_gate, standin)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
         second = then
@@ -200,9 +208,7 @@ async def test_a_request_waiting_in_line_learns_of_its_client_leaving_from_the_c
     # No pending receive() as a task of its own: a waiting request is the one task uvicorn
     # runs it in, and its connection's end still takes it out of line at once.
     monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.0)
-    standin.total_slots = 1
-    gate = await start_gate()
-    holder = await hold_the_only_slot(gate, standin)
+    gate, holder = await only_slot_held(start_gate, standin)
     try:
         before = asyncio.all_tasks()
         writers = []
@@ -229,9 +235,7 @@ async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_ou
 ) -> None:
     # The connection ended while nothing watched it: the watch, once it starts, finds it so.
     monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.5)
-    standin.total_slots = 1
-    gate = await start_gate()
-    holder = await hold_the_only_slot(gate, standin)
+    gate, holder = await only_slot_held(start_gate, standin)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
         writer.write(generation(stream=False))
@@ -309,9 +313,7 @@ async def test_every_connection_that_never_finishes_its_head_is_swept(
 async def test_a_request_waiting_in_line_is_not_cut_by_the_head_timeout(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    standin.total_slots = 1
-    gate = await start_gate(head_timeout_s=0.2)
-    holder = await hold_the_only_slot(gate, standin)
+    gate, holder = await only_slot_held(start_gate, standin, head_timeout_s=0.2)
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     # The next request's head begins behind it, and waits as long as the first one does.
     writer.write(generation(stream=False) + b"GET /health HT")

@@ -12,7 +12,16 @@ import openai
 import pytest
 from slotgate.upstreams.cors import MAX_ORIGINS
 
-from tests.conftest import CHAT, GateFactory, HeldGate, RunningGate, chat, hold_stream_of, occupy
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    HeldGate,
+    RunningGate,
+    assert_not_ready,
+    chat,
+    hold_stream_of,
+    occupy,
+)
 from tests.support.standin import StandIn
 
 
@@ -211,11 +220,9 @@ async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_ups
 
 
 async def test_client_that_leaves_mid_stream_closes_upstream_then_frees_its_slot(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.tokens, standin.token_delay_s = 200, 0.05
-    standin.total_slots = 1
-    gate = await start_gate()
+    gate = await one_slot(200)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         chunks = response.aiter_raw()  # held: dropping the iterator would close the stream
         await anext(chunks)
@@ -247,9 +254,7 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
     standin.loading = True
     gate = await start_gate(ready=False, startup_wait=0)
     response = await client.post(gate.url + CHAT, json=chat())
-    assert response.status_code == 503
-    assert response.headers["retry-after"] == "1"
-    assert response.json()["error"]["code"] == "upstream_not_ready"
+    assert_not_ready(response)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
     assert standin.seen == []
     standin.loading = False
