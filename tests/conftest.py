@@ -277,6 +277,12 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 CHAT = "/v1/chat/completions"
 
 
+def assert_lines(text: str, *lines: str) -> None:
+    """Each of `lines` stands in `text` (a /metrics exposition, say); all that do not, named."""
+    missing = [line for line in lines if line not in text]
+    assert not missing, missing
+
+
 def assert_not_ready(response: httpx.Response) -> None:
     """A 503 saying llama-server is not ready yet, to be asked again in a second."""
     assert response.status_code == 503

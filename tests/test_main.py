@@ -10,7 +10,7 @@ import httpx
 import pytest
 from slotgate.logs import JsonFormatter
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import GateFactory, assert_lines, chat
 from tests.support.standin import StandIn
 
 
@@ -92,22 +92,28 @@ async def test_metrics_show_both_sides_of_the_gate(
     refused = await client.post(gate.url + "/v1/chat/completions", json=chat())
     assert refused.status_code == 429
     mid = (await client.get(gate.url + "/metrics")).text
-    assert "slotgate_slots_capacity 1.0" in mid
-    assert "slotgate_slots_active 1.0" in mid
-    assert "slotgate_queue_depth 1.0" in mid
-    assert "slotgate_queue_limit 1.0" in mid
-    assert "slotgate_upstream_ready 1.0" in mid
-    assert 'slotgate_requests_rejected_total{family="chat",reason="queue_full"} 1.0' in mid
-    assert "llamacpp:requests_processing 1" in mid
+    assert_lines(
+        mid,
+        "slotgate_slots_capacity 1.0",
+        "slotgate_slots_active 1.0",
+        "slotgate_queue_depth 1.0",
+        "slotgate_queue_limit 1.0",
+        "slotgate_upstream_ready 1.0",
+        'slotgate_requests_rejected_total{family="chat",reason="queue_full"} 1.0',
+        "llamacpp:requests_processing 1",
+    )
     standin.hurry()
     await asyncio.gather(first, second)
     bad = await client.post(gate.url + "/v1/chat/completions", content=b"{")
     assert bad.status_code == 400
     after = (await client.get(gate.url + "/metrics")).text
-    assert 'slotgate_requests_admitted_total{family="chat"} 2.0' in after
-    assert 'slotgate_requests_rejected_total{family="chat",reason="bad_request"} 1.0' in after
-    assert 'slotgate_queue_wait_seconds_count{family="chat",outcome="admitted"} 2.0' in after
-    assert 'slotgate_slot_hold_seconds_count{family="chat"} 2.0' in after
+    assert_lines(
+        after,
+        'slotgate_requests_admitted_total{family="chat"} 2.0',
+        'slotgate_requests_rejected_total{family="chat",reason="bad_request"} 1.0',
+        'slotgate_queue_wait_seconds_count{family="chat",outcome="admitted"} 2.0',
+        'slotgate_slot_hold_seconds_count{family="chat"} 2.0',
+    )
 
 
 async def test_every_request_gets_one_structured_log_line(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -125,6 +125,26 @@ async def test_a_waiting_streams_position_falls_as_the_fleets_line_ahead_of_it_i
     await redis_idle(gate)
 
 
+SharedLine = Callable[[str, str], Awaitable[SharedAdmission]]
+
+
+@pytest.fixture
+async def shared_line(valkey: Valkey) -> AsyncIterator[SharedLine]:
+    """Start a replica's line shared on `valkey` (its fleet's name, its own), without a
+    slotgate around it; each is closed at the test's end."""
+    opened: list[SharedAdmission] = []
+
+    async def start(fleet: str, replica: str) -> SharedAdmission:
+        admission = SharedAdmission(valkey.url, fleet, replica=replica, heartbeat_s=0.2, ttl_s=1.0)
+        opened.append(admission)
+        await admission.start()
+        return admission
+
+    yield start
+    for admission in opened:
+        await admission.close()
+
+
 def fallbacks(gate: RunningGate) -> int:
     count: int = replica_view(gate)["fallbacks"]
     return count
@@ -230,33 +250,27 @@ async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keep
 
 
 async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_back_in_full(
-    valkey: Valkey, redis: aioredis.Redis
+    shared_line: SharedLine, redis: aioredis.Redis
 ) -> None:
     client = redis
-    renaming = SharedAdmission(valkey.url, "rekey", replica="r0", heartbeat_s=0.2, ttl_s=1.0)
-    other = SharedAdmission(valkey.url, "rekey", replica="r1", heartbeat_s=0.2, ttl_s=1.0)
+    renaming = await shared_line("rekey", "r0")
+    other = await shared_line("rekey", "r1")
     prefix = "slotgate:{rekey}:"
-    try:
-        for admission in (renaming, other):
-            await admission.start()
-        await renaming.resize("name", 2, budget=100)
-        mine = await renaming.enter(cost=30)
-        theirs = await other.enter(cost=40)
-        assert (mine.upstream, theirs.upstream) == ("name", "name")
-        await renaming.rekey("name", "address")
-        await renaming.resize("address", 2, budget=100)
-        assert mine.upstream == "address"
-        active = await client.hgetall(prefix + "active")
-        assert (active[b"name"], active[b"address"]) == (b"1", b"1")
-        assert await client.hget(prefix + "tokens", "address") == b"30"
-        # The new name has one slot left, not two.
-        assert (await renaming.enter()).granted
-        assert not (await renaming.enter()).granted
-        for ticket in (mine, theirs):
-            await ticket.aclose()
-    finally:
-        for admission in (renaming, other):
-            await admission.close()
+    await renaming.resize("name", 2, budget=100)
+    mine = await renaming.enter(cost=30)
+    theirs = await other.enter(cost=40)
+    assert (mine.upstream, theirs.upstream) == ("name", "name")
+    await renaming.rekey("name", "address")
+    await renaming.resize("address", 2, budget=100)
+    assert mine.upstream == "address"
+    active = await client.hgetall(prefix + "active")
+    assert (active[b"name"], active[b"address"]) == (b"1", b"1")
+    assert await client.hget(prefix + "tokens", "address") == b"30"
+    # The new name has one slot left, not two.
+    assert (await renaming.enter()).granted
+    assert not (await renaming.enter()).granted
+    for ticket in (mine, theirs):
+        await ticket.aclose()
 
 
 async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fleets_pools(
@@ -284,23 +298,19 @@ async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fle
 
 
 async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_last_grant_ends(
-    valkey: Valkey, redis: aioredis.Redis
+    shared_line: SharedLine, redis: aioredis.Redis
 ) -> None:
     client = redis
-    admission = SharedAdmission(valkey.url, "gone", replica="r0", heartbeat_s=0.2, ttl_s=1.0)
-    try:
-        await admission.start()
-        # A fleet behind a DNS name whose addresses come and go (pods rolled): each one seen
-        # once would stay a field read by every script call for good.
-        for n in range(3):
-            await admission.resize(f"http://10.0.0.{n}:8080", 1)
-            ticket = await admission.enter()
-            await admission.resize(f"http://10.0.0.{n}:8080", None)
-            await ticket.aclose()
-        await admission.resize("http://10.0.0.9:8080", 1)
-        assert await client.hgetall("slotgate:{gone}:active") == {}
-    finally:
-        await admission.close()
+    admission = await shared_line("gone", "r0")
+    # A fleet behind a DNS name whose addresses come and go (pods rolled): each one seen
+    # once would stay a field read by every script call for good.
+    for n in range(3):
+        await admission.resize(f"http://10.0.0.{n}:8080", 1)
+        ticket = await admission.enter()
+        await admission.resize(f"http://10.0.0.{n}:8080", None)
+        await ticket.aclose()
+    await admission.resize("http://10.0.0.9:8080", 1)
+    assert await client.hgetall("slotgate:{gone}:active") == {}
 
 
 async def test_upstreams_that_leave_dns_one_after_another_are_not_remembered_by_the_replica(

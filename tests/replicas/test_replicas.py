@@ -16,7 +16,16 @@ import httpx
 import pytest
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, StartUpstreams, cancel_all, chat, replica_view, serve
+from tests.conftest import (
+    CHAT,
+    RunningGate,
+    StartUpstreams,
+    assert_lines,
+    cancel_all,
+    chat,
+    replica_view,
+    serve,
+)
 from tests.support.partition import Partition
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
@@ -151,10 +160,13 @@ async def test_admission_metrics_and_readyz_show_the_shared_line_and_this_replic
     assert ready.status_code == 200
     assert ready.json()["replication"] == "shared"
     metrics = (await client.get(gate.url + "/metrics?source=slotgate")).text
-    assert 'slotgate_replication_mode{mode="shared"} 1.0' in metrics
-    assert 'slotgate_replication_mode{mode="degraded"} 0.0' in metrics
-    assert "slotgate_replication_fallbacks_total 0.0" in metrics
-    assert "slotgate_fleet_capacity 3.0" in metrics
+    assert_lines(
+        metrics,
+        'slotgate_replication_mode{mode="shared"} 1.0',
+        'slotgate_replication_mode{mode="degraded"} 0.0',
+        "slotgate_replication_fallbacks_total 0.0",
+        "slotgate_fleet_capacity 3.0",
+    )
 
 
 async def test_without_redis_url_admission_says_this_process_admits_alone(
