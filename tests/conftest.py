@@ -333,9 +333,6 @@ async def occupy(client: httpx.AsyncClient, gate: RunningGate) -> asyncio.Task[l
     return holder
 
 
-HeldGate = Callable[..., Awaitable[tuple[RunningGate, "asyncio.Task[list[bytes]]"]]]
-
-
 @pytest.fixture
 def one_slot(start_gate: GateFactory, standin: StandIn) -> GateFactory:
     """Start slotgate with the given settings before a one-slot stand-in whose generations are
@@ -351,14 +348,19 @@ def one_slot(start_gate: GateFactory, standin: StandIn) -> GateFactory:
 
 
 @pytest.fixture
-def one_slot_held(one_slot: GateFactory, client: httpx.AsyncClient) -> HeldGate:
+async def one_slot_held(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> AsyncIterator[GateFactory]:
     """`one_slot`, with that slot held by a stream: the set-up of every test of what a request
-    meets while it waits."""
+    meets while it waits. At the test's end the stream is hurried and must end well."""
+    holders: list[asyncio.Task[list[bytes]]] = []
 
-    async def start(
-        tokens: int = 20, **settings: Any
-    ) -> tuple[RunningGate, asyncio.Task[list[bytes]]]:
+    async def start(tokens: int = 20, **settings: Any) -> RunningGate:
         gate: RunningGate = await one_slot(tokens, **settings)
-        return gate, await occupy(client, gate)
+        holders.append(await occupy(client, gate))
+        return gate
 
-    return start
+    yield start
+    standin.hurry()
+    for holder in holders:
+        await holder

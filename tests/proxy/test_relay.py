@@ -15,7 +15,6 @@ from slotgate.upstreams.cors import MAX_ORIGINS
 from tests.conftest import (
     CHAT,
     GateFactory,
-    HeldGate,
     RunningGate,
     assert_not_ready,
     chat,
@@ -97,9 +96,10 @@ async def test_stream_is_relayed_as_it_is_produced(
 
 
 async def test_full_line_gets_429_with_retry_headers_and_a_snapshot(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(max_queue=1)
+    gate = await one_slot(max_queue=1)
+    holder = await occupy(client, gate)
     waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
     response = await client.post(gate.url + CHAT, json=chat())
@@ -206,9 +206,10 @@ async def test_more_choices_than_slots_is_refused_before_upstream(
 
 
 async def test_client_that_leaves_the_line_frees_its_place_and_never_reaches_upstream(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(max_queue=1)
+    gate = await one_slot(max_queue=1)
+    holder = await occupy(client, gate)
     leaver = asyncio.create_task(client.post(gate.url + CHAT, json=chat(leaver=True)))
     await gate.until(lambda: gate.service.admission.queued == 1)
     leaver.cancel()
@@ -264,21 +265,19 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
 
 
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(queue_timeout=0.2)
+    gate = await one_slot_held(queue_timeout=0.2)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "queue_timeout"
     assert "retry-after" in response.headers
-    standin.hurry()
-    await holder
 
 
 async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stream(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(8, keepalive_interval=0.1, stream_head_after=0)
+    gate = await one_slot_held(8, keepalive_interval=0.1, stream_head_after=0)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         chunks = response.aiter_raw()
@@ -287,29 +286,24 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
         body = first + b"".join([c async for c in chunks])
     assert body.count(b": queued") >= 2
     assert body.endswith(b"data: [DONE]\n\n")
-    await holder
 
 
 async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(
-        keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0
-    )
+    gate = await one_slot_held(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
     assert response.status_code == 200
     last = body.strip().split(b"\n\n")[-1]
     assert last.startswith(b"data: ")
     assert json.loads(last[len(b"data: ") :])["error"]["code"] == "queue_timeout"
-    standin.hurry()
-    await holder
 
 
 async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_servers_own_answer(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(8, keepalive_interval=0.05, stream_head_after=30)
+    gate = await one_slot_held(8, keepalive_interval=0.05, stream_head_after=30)
 
     async def read() -> tuple[int, bytes]:
         async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
@@ -323,29 +317,24 @@ async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_server
     assert b": queued" not in body
     assert body.startswith(b"data: ")
     assert body.endswith(b"data: [DONE]\n\n")
-    await holder
 
 
 async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(
-        40, keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30
-    )
+    gate = await one_slot_held(40, keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
     assert response.headers["x-should-retry"] == "true"
     assert int(response.headers["retry-after-ms"]) >= 1000
     assert response.json()["error"]["code"] == "queue_timeout"
-    standin.hurry()
-    await holder
 
 
 async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keepalives(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(30, keepalive_interval=0.05, stream_head_after=0.2)
+    gate = await one_slot_held(30, keepalive_interval=0.05, stream_head_after=0.2)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         assert gate.service.admission.queued == 1  # the head is slotgate's: the stream still waits
@@ -353,7 +342,6 @@ async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keep
         body = b"".join([c async for c in response.aiter_raw()])
     assert body.startswith(b": queued position=1 eta_s=")
     assert body.endswith(b"data: [DONE]\n\n")
-    await holder
 
 
 async def test_upstream_error_keeps_its_status_and_body(
@@ -505,15 +493,13 @@ async def test_with_admission_control_off_a_client_that_leaves_still_closes_upst
 
 
 async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(keepalive_interval=0, queue_timeout=0.2)
+    gate = await one_slot_held(keepalive_interval=0, queue_timeout=0.2)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
     assert response.json()["error"]["code"] == "queue_timeout"
-    standin.hurry()
-    await holder
 
 
 async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
@@ -534,9 +520,10 @@ async def test_request_with_n_cmpl_takes_n_cmpl_slots_whatever_n_says(
 
 
 async def test_transcription_without_v1_waits_for_a_slot_like_any_generation(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held()
+    gate = await one_slot()
+    holder = await occupy(client, gate)
     files = {"file": ("a.wav", b"RIFF....", "audio/wav")}
     waiter = asyncio.create_task(client.post(gate.url + "/audio/transcriptions", files=files))
     await gate.until(lambda: gate.service.admission.queued == 1)
@@ -633,9 +620,10 @@ async def test_without_keys_only_answers_on_generation_routes_teach_cors(
 
 
 async def test_bodies_held_in_line_are_bounded_and_released_when_their_requests_leave_it(
-    one_slot_held: HeldGate, standin: StandIn, client: httpx.AsyncClient
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate, holder = await one_slot_held(queue_body_bytes=1000, max_queue=0)
+    gate = await one_slot(queue_body_bytes=1000, max_queue=0)
+    holder = await occupy(client, gate)
     big = chat(padding="x" * 500)
     first = asyncio.create_task(client.post(gate.url + CHAT, json=big))
     await gate.until(lambda: gate.service.admission.queued == 1)
