@@ -97,7 +97,7 @@ async def nothing_held(redis: aioredis.Redis) -> None:
             await asyncio.sleep(0.02)
 
 
-# -- 1. requests that take several slots --------------------------------------------------------
+# -- requests that take several slots --------------------------------------------------------------
 
 
 async def test_requests_of_several_choices_run_on_the_one_upstream_with_room_for_all_of_them(
@@ -188,7 +188,7 @@ async def test_more_choices_than_the_largest_upstream_has_slots_is_the_same_400_
     assert small.started == large.started == 0
 
 
-# -- 5. one upstream spelt two ways ------------------------------------------------------------
+# -- one upstream spelt two ways -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -237,7 +237,7 @@ async def test_an_upstream_with_its_default_port_written_out_is_one_pool_with_it
             await replica.close()
 
 
-# -- 6. Valkey busy in a DEBUG SLEEP -----------------------------------------------------------
+# -- Valkey busy in a DEBUG SLEEP ------------------------------------------------------------------
 
 
 async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_shares_again(
@@ -281,7 +281,7 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
     await nothing_held(redis)
 
 
-# -- 4. a KV budget learned on one replica ------------------------------------------------------
+# -- a KV budget learned on one replica ------------------------------------------------------------
 
 
 def words(n: int) -> dict[str, Any]:
@@ -315,7 +315,7 @@ async def test_a_kv_budget_learned_from_a_500_on_one_replica_binds_the_others_to
     await nothing_held(redis)
 
 
-# -- 3. tenants reloaded -------------------------------------------------------------------------
+# -- tenants reloaded ------------------------------------------------------------------------------
 
 JOBS = """
 [tenants.jobs]
@@ -379,7 +379,7 @@ async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_
     await nothing_held(redis)
 
 
-# -- 2. a replica process drained or killed ----------------------------------------------------
+# -- a replica process drained or killed -----------------------------------------------------------
 
 
 async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, str]:

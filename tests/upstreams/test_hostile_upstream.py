@@ -78,7 +78,7 @@ async def waiting_gate(start_gate: GateFactory, hostile: Hostile) -> RunningGate
     return await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
 
 
-# -- item 4: a connection that sent too much is never reused ------------------------------------
+# -- a connection that sent too much is never reused -----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ async def test_a_response_too_many_never_reaches_the_next_client(
     assert (second.status_code, second.content) == (200, b'{"n":2}')
 
 
-# -- item 5: bounded heads and error bodies -----------------------------------------------------
+# -- bounded heads and error bodies ----------------------------------------------------------------
 
 
 async def test_a_twenty_megabyte_response_head_gets_a_502_in_the_apis_shape(
@@ -161,7 +161,7 @@ async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
     assert hostile.sent < 200 * MiB
 
 
-# -- item 9: an error after a cut starts on an event boundary -----------------------------------
+# -- an error after a cut starts on an event boundary ----------------------------------------------
 
 
 @pytest.mark.parametrize("waiting", [False, True], ids=["relayed", "relayed-after-waiting"])
@@ -202,7 +202,7 @@ async def test_a_stream_cut_by_shutdown_mid_event_ends_with_its_error_on_a_new_b
     assert error_of(last)["code"] == "shutting_down"
 
 
-# -- item 10: 1xx skipped, 101 refused -----------------------------------------------------------
+# -- 1xx skipped, 101 refused ----------------------------------------------------------------------
 
 
 async def test_interim_answers_are_skipped_and_the_final_one_relayed(
