@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import slotgate.errors as errors
@@ -128,6 +130,19 @@ def test_anything_without_a_row_is_an_internal_error_that_leaks_no_text(
         INTERNAL.status, INTERNAL.type, INTERNAL.code, INTERNAL.reason,
     )  # fmt: skip
     assert r.message == "slotgate failed internally"
+
+
+def test_errors_imports_nothing_but_the_standard_library() -> None:
+    """So that the admission core, standard library only, may raise its refusals from it."""
+    probe = (
+        "import sys; before = set(sys.modules); import slotgate.errors; "
+        "new = set(sys.modules) - before; "
+        "print(sorted(m for m in new if m.partition('.')[0] not in sys.stdlib_module_names))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "['slotgate', 'slotgate.errors']"
 
 
 @pytest.mark.parametrize(
