@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from slotgate.asgi import Message, Receive, Scope, Send
-from slotgate.errors import BadRequest, GateError, refusal, render, route_refusal
+from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
+from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
 from slotgate.proxy.request import id_headers, request_id
 from slotgate.settings import Settings

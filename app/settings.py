@@ -11,8 +11,9 @@ from urllib.parse import urlsplit
 from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from slotgate.errors import InvalidTenantsFile
 from slotgate.gate.admission import QueuePolicy
-from slotgate.gate.tenants import InvalidTenantsFile, roster
+from slotgate.gate.tenants import roster
 
 MIB = 1024 * 1024
 

@@ -17,15 +17,21 @@ from urllib.parse import quote
 import orjson
 from slotgate.asgi import Headers, Message, Receive, Scope, Send
 from slotgate.errors import (
+    AdmissionError,
+    BodyTooLarge,
+    ClientGone,
+    ExchangeFailed,
     GateError,
+    NotReady,
     QueueBytesFull,
     Refusal,
+    TenantTooLarge,
     UpstreamFailed,
+    UpstreamStarting,
     UpstreamUnavailable,
     refusal,
-    stream_event,
 )
-from slotgate.gate.admission import Admission, AdmissionError, Claim, NotReady, TenantTooLarge
+from slotgate.gate.admission import Admission, Claim
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.logs import Client
@@ -35,8 +41,8 @@ from slotgate.proxy.access import OPEN_PATHS, Access
 from slotgate.proxy.answer import Answer
 from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES, Assembly
 from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
+from slotgate.proxy.refusals import stream_event
 from slotgate.proxy.request import (
-    ClientGone,
     Head,
     Request,
     checked_path,
@@ -45,10 +51,9 @@ from slotgate.proxy.request import (
     read_body,
 )
 from slotgate.settings import Settings
-from slotgate.upstreams.client import BodyTooLarge, ExchangeFailed, Response
+from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
 from slotgate.upstreams.fleet import Fleet
-from slotgate.upstreams.upstream import UpstreamStarting
 
 if TYPE_CHECKING:
     # Imported only with REDIS_URL set (app/main.py): without it no Redis code is loaded.

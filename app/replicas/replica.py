@@ -19,15 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from slotgate.gate.admission import (
-    Admission,
-    NotReady,
-    Pool,
-    ShuttingDown,
-    TenantTooLarge,
-    Ticket,
-    TooLarge,
-)
+from slotgate.errors import NotReady, ShuttingDown, TenantTooLarge, TooLarge
+from slotgate.gate.admission import Admission, Pool, Ticket
 from slotgate.gate.routing import score
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket

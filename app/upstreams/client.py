@@ -18,6 +18,14 @@ from typing import cast
 
 import httptools
 from slotgate.asgi import Header
+from slotgate.errors import (
+    BodyTooLarge,
+    ConnectFailed,
+    Disconnected,
+    ExchangeFailed,
+    ProtocolError,
+    Stalled,
+)
 
 #: Body bytes buffered from a connection before it stops reading from the socket; beyond this
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
@@ -27,30 +35,6 @@ _SSE = "text/event-stream"
 #: few hundred bytes; this is slotgate's own bound on request heads (relay.MAX_HEADER_BYTES),
 #: and it is counted before the parser sees the bytes, so a huge head costs no more than this.
 MAX_HEAD_BYTES = 64 * 1024
-
-
-class ExchangeFailed(Exception):
-    """The exchange with the upstream failed."""
-
-
-class ConnectFailed(ExchangeFailed):
-    """No connection could be made (refused, unreachable, or too slow)."""
-
-
-class Disconnected(ExchangeFailed):
-    """The upstream closed the connection before the response was complete."""
-
-
-class ProtocolError(ExchangeFailed):
-    """The upstream answered something that is not HTTP/1.1."""
-
-
-class Stalled(ExchangeFailed, TimeoutError):
-    """The upstream sent nothing for longer than the stall timeout."""
-
-
-class BodyTooLarge(ExchangeFailed):
-    """A body read whole is longer than the caller's limit."""
 
 
 class _Surplus(Exception):

@@ -13,12 +13,19 @@ from urllib.parse import SplitResult, urlsplit
 
 import orjson
 from slotgate.asgi import Header
-from slotgate.errors import UpstreamFailed, UpstreamUnavailable
+from slotgate.errors import (
+    ConnectFailed,
+    Disconnected,
+    ExchangeFailed,
+    Stalled,
+    UpstreamFailed,
+    UpstreamStarting,
+)
 from slotgate.gate.admission import Claim, Pool
 from slotgate.intake.cost import Estimate, counted
 from slotgate.intake.pace import generation_speed
 from slotgate.settings import Settings
-from slotgate.upstreams.client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
+from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
 from slotgate.upstreams.reuse import UpstreamClient
 
@@ -87,17 +94,6 @@ def address_url(parts: SplitResult, address: str) -> str:
     host = f"[{address}]" if ":" in address else address
     netloc = host if parts.port is None else f"{host}:{parts.port}"
     return parts._replace(netloc=netloc).geturl()
-
-
-class UpstreamStarting(UpstreamUnavailable):
-    """llama-server is not there or still loading, and did not answer the request: it may be
-    sent again once llama-server is back. `sent`: it may have reached a llama-server that
-    then went away (a connection closed before any answer), so it is sent again once only,
-    in case it was what made llama-server fall over."""
-
-    def __init__(self, message: str, *, sent: bool = False) -> None:
-        super().__init__(message)
-        self.sent = sent
 
 
 class Exchange:

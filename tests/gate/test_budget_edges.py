@@ -12,7 +12,8 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from slotgate.gate.admission import Admission, AdmissionError, QueuePolicy, Ticket
+from slotgate.errors import AdmissionError
+from slotgate.gate.admission import Admission, QueuePolicy, Ticket
 from slotgate.intake.cost import local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.upstreams import upstream as upstream_module

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 from slotgate.asgi import Message
-from slotgate.errors import Refusal
+from slotgate.errors import Disconnected, Refusal
 from slotgate.proxy.answer import Answer
-from slotgate.upstreams.client import Disconnected
 
 from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import orjson
 from slotgate.asgi import Header, Message, Scope
+from slotgate.errors import ExchangeFailed
 from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
 from slotgate.proxy.relay import Proxy
 from slotgate.settings import Settings
-from slotgate.upstreams.client import ExchangeFailed
 from slotgate.upstreams.fleet import Fleet
 
 

@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import pytest
 import uvloop
+from slotgate.errors import BodyTooLarge, ConnectFailed, ProtocolError
 from slotgate.upstreams import client as client_module
 from slotgate.upstreams import reuse as reuse_module
-from slotgate.upstreams.client import BodyTooLarge, ConnectFailed, Connection, ProtocolError, State
+from slotgate.upstreams.client import Connection, State
 from slotgate.upstreams.reuse import UpstreamClient as Client
 
 from tests.support.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
