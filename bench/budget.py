@@ -25,7 +25,8 @@ import httpx
 import orjson
 import uvicorn
 from slotgate.cli import uvicorn_config
-from slotgate.engine.local import LocalEngine, demo_model
+from slotgate.engine.model import demo_model
+from slotgate.engine.process import LocalEngine
 from slotgate.intake.cost import estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.main import Service, create_app

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine
+from slotgate.engine.process import LocalEngine
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, serve

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine, demo_model, free_port
+from slotgate.engine.model import demo_model
+from slotgate.engine.process import LocalEngine, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import serve

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine, demo_model, find_binary
+from slotgate.engine.model import demo_model
+from slotgate.engine.process import LocalEngine, find_binary
 from slotgate.settings import Settings
 
 from tests.conftest import serve

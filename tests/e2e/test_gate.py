@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine
+from slotgate.engine.process import LocalEngine
 
 from tests.e2e.conftest import POLL_S, GateFactory, Llama, Watch, chat, eventually
 

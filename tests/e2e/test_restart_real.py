@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import slotgate.engine.local
-from slotgate.engine.local import LocalEngine, free_port
+import slotgate.engine.process
+from slotgate.engine.process import LocalEngine, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import serve
@@ -62,7 +62,7 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
 ) -> None:
     port = free_port()
     monkeypatch.setattr(
-        slotgate.engine.local, "free_port", lambda: port
+        slotgate.engine.process, "free_port", lambda: port
     )  # every engine on one port
     local = engine()
     await asyncio.to_thread(local.start)
@@ -189,7 +189,7 @@ async def test_a_prompt_array_waiting_while_llama_cpp_restarts_larger_holds_all_
     """A prompt array read while llama.cpp had one slot is counted at four once it runs on a
     restarted llama.cpp of four: nobody else is sent beside it, so llama.cpp defers nothing."""
     port = free_port()
-    monkeypatch.setattr(slotgate.engine.local, "free_port", lambda: port)
+    monkeypatch.setattr(slotgate.engine.process, "free_port", lambda: port)
     local = LocalEngine.from_args(model=None, demo=True, parallel=1, ctx_size=2048, threads=1)
     await asyncio.to_thread(local.start)
     gate = await serve(
