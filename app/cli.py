@@ -28,6 +28,7 @@ from slotgate.settings import (
     export_engine_variables,
     misspelt,
     mistyped,
+    renamed,
 )
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def _positive(text: str) -> int:
 class Server(uvicorn.Server):
     """uvicorn's server, told to drain the gate the moment a stop signal arrives.
 
-    uvicorn closes its listeners on the signal and waits up to DRAIN_TIMEOUT for running
+    uvicorn closes its listeners on the signal and waits up to DRAIN_TIMEOUT_S for running
     requests; the gate meanwhile turns new work and the queue away with 503.
     """
 
@@ -197,7 +198,7 @@ class Server(uvicorn.Server):
         left = engines.running
         for number, code in news:
             # Its slots are gone now: /readyz and the pool must not wait for a /props read to
-            # find out (PROPS_REFRESH_INTERVAL later).
+            # find out (PROPS_REFRESH_INTERVAL_S later).
             for upstream in self._service.fleet.upstreams:
                 if upstream.url == engines[number - 1].url:
                     upstream.stopped(f"the local llama.cpp engine {ended(code)}")
@@ -237,7 +238,7 @@ class Server(uvicorn.Server):
             return
         # uvicorn stops waiting at a second Ctrl-C but then skips the app's shutdown, and the
         # loop's end cancels the app's lifespan, which logs that as a failed shutdown with a
-        # traceback. Cut the running requests as at the end of DRAIN_TIMEOUT instead, then shut
+        # traceback. Cut the running requests as at the end of DRAIN_TIMEOUT_S instead, then shut
         # the app down as usual (a replica gives back what Redis counts for it).
         tasks = list(self.server_state.tasks)
         for task in tasks:
@@ -285,7 +286,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         proxy_headers=False,
         log_config=None,
         # 0 = no drain (uvicorn cancels at once); None would make it wait forever.
-        timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s),
     )
 
 
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(settings.log_level, settings.log_format)
     if args.engine_log == "all":  # asked for by name: every engine line, whatever LOG_LEVEL says
         logging.getLogger("slotgate.engine").setLevel(logging.DEBUG)
-    for warning in misspelt():
+    for warning in [*renamed(), *misspelt()]:
         log.warning("%s", warning)
     # SIGHUP's default ends the process. With API_KEYS_FILE the app reloads it while it
     # serves (app/gate/tenants.py); at any other moment, or without the file, it is only told.

@@ -186,7 +186,7 @@ def _admission_refusal(exc: AdmissionError) -> Refusal:
             exc.retry_after_s, snap,
         )  # fmt: skip
     if isinstance(exc, QueueTimeout):
-        message = f"request waited longer than QUEUE_TIMEOUT for a free slot ({counts})"
+        message = f"request waited longer than QUEUE_TIMEOUT_S for a free slot ({counts})"
         return Refusal(
             503, "unavailable_error", "queue_timeout", message, "queue_timeout", None,
             exc.retry_after_s, snap,

@@ -69,8 +69,8 @@ class Service:
         self.settings = settings
         self.admission = Admission(
             settings.queue_policy,
-            queue_timeout_s=settings.queue_timeout,
-            startup_wait_s=settings.startup_wait,
+            queue_timeout_s=settings.queue_timeout_s,
+            startup_wait_s=settings.startup_wait_s,
             epsilon=settings.routing_epsilon,
         )
         self.fleet = Fleet(settings, self.admission, resolver)

@@ -212,16 +212,30 @@ def test_the_demo_on_a_busy_port_fails_before_it_touches_its_model(
     assert not cache.exists()  # the model was not even assembled
 
 
-def test_a_misspelt_dotenv_key_is_warned_about_naming_the_right_one(
-    busy_port: int, tmp_path: Path
+@pytest.mark.parametrize(
+    ("dotenv", "warning"),
+    [
+        (
+            "QUEUES_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n",
+            ".env sets QUEUES_PER_SLOTS, which slotgate does not read; "
+            "did you mean QUEUE_PER_SLOT?",
+        ),
+        (
+            "DRAIN_TIMEOUT=4\n",
+            "DRAIN_TIMEOUT (in .env) is deprecated: rename it DRAIN_TIMEOUT_S "
+            "(read as DRAIN_TIMEOUT_S meanwhile)",
+        ),
+    ],
+    ids=["misspelt", "renamed"],
+)
+def test_a_misspelt_or_renamed_dotenv_key_is_warned_about_naming_the_right_one(
+    busy_port: int, tmp_path: Path, dotenv: str, warning: str
 ) -> None:
-    (tmp_path / ".env").write_text("QUEUES_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n")
+    (tmp_path / ".env").write_text(dotenv)
     result = run({"PORT": str(busy_port)}, cwd=tmp_path)  # stops right after the warnings
     warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1
-    assert warnings[0].endswith(
-        ".env sets QUEUES_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?"
-    )
+    assert warnings[0].endswith(warning)
 
 
 def test_the_engine_s_variables_are_read_from_dotenv_too(tmp_path: Path) -> None:
@@ -275,7 +289,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
     port = free_port()
     env = {
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url,
-        "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "1", "LOG_LEVEL": "warning",
+        "PROPS_REFRESH_INTERVAL_S": "0.2", "DRAIN_TIMEOUT_S": "1", "LOG_LEVEL": "warning",
         **getattr(request, "param", {}),
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
@@ -299,7 +313,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
 async def test_sigterm_lets_running_streams_finish_then_exits_zero(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, within DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, within DRAIN_TIMEOUT_S=1
     async with (
         httpx.AsyncClient(timeout=10) as client,
         client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
@@ -319,7 +333,7 @@ async def test_sigterm_lets_running_streams_finish_then_exits_zero(
 async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT_S=1
     async with (
         httpx.AsyncClient(timeout=20) as client,
         client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
@@ -349,7 +363,7 @@ async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
 async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_refused(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, well within DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, well within DRAIN_TIMEOUT_S=1
     seen: list[int] = []
     limits = httpx.Limits(max_keepalive_connections=0)  # each probe a new connection
     async with (
@@ -670,7 +684,7 @@ def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_
 ) -> None:
     model, _, env = fake_engine_env(tmp_path, "serve")
     port = free_port()
-    env.update(PORT=str(port), PROPS_REFRESH_INTERVAL="0.2", LOG_LEVEL="warning")
+    env.update(PORT=str(port), PROPS_REFRESH_INTERVAL_S="0.2", LOG_LEVEL="warning")
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "slotgate.log"
 
@@ -793,7 +807,7 @@ async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_on
     try:
         # No /props read for a minute: whatever changes readiness is the engine's death.
         settings = Settings(_env_file=None, llama_server_url=",".join(local.urls),
-                            props_refresh_interval=60, log_level="error")  # fmt: skip
+                            props_refresh_interval_s=60, log_level="error")  # fmt: skip
         gate = await serve(settings)
         await gate.until(lambda: gate is not None and gate.service.admission.capacity == 2)
         server = cli.Server(uvicorn.Config(lambda: None), gate.service, local)

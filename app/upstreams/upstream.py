@@ -149,7 +149,7 @@ class Upstream:
         self.configured = parts.geturl()
         self._root = parts.path
         self.pool = pool
-        self._refresh_s = settings.props_refresh_interval
+        self._refresh_s = settings.props_refresh_interval_s
         self._kv_budget_tokens = settings.kv_budget_tokens
         # Known before llama-server is: requests that wait for it to start are weighed by it.
         pool.resize_budget(settings.kv_budget_tokens)
@@ -164,7 +164,7 @@ class Upstream:
             tls=tls,
             connect_timeout_s=CONNECT_TIMEOUT_S,
             keepalive_s=KEEPALIVE_S,
-            stall_s=settings.upstream_stall_timeout or None,
+            stall_s=settings.upstream_stall_timeout_s or None,
             address=address,
         )
         key = settings.llama_api_key
@@ -183,7 +183,7 @@ class Upstream:
         #: Why it cannot be reached, while nothing has ever answered there since slotgate
         #: started: an address nobody listens on (a wrong LLAMA_SERVER_URL) is not a
         #: llama-server that is loading, so requests are refused at once instead of waiting
-        #: STARTUP_WAIT for it. None once anything answered there, or before the first try.
+        #: STARTUP_WAIT_S for it. None once anything answered there, or before the first try.
         self.unreached: str | None = None
         self._answered = False
         #: Response heads it has sent to requests: a /props read that times out while this
@@ -249,7 +249,7 @@ class Upstream:
             ) from None
         except Stalled:
             raise UpstreamFailed(
-                "llama-server did not answer within UPSTREAM_STALL_TIMEOUT"
+                "llama-server did not answer within UPSTREAM_STALL_TIMEOUT_S"
             ) from None
         except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
@@ -343,7 +343,7 @@ class Upstream:
             if self.ready and self.answers != answers:
                 # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
                 # server that answers is there, and marking it down would turn every waiter
-                # into a 503 once STARTUP_WAIT ran out. It is read again at the next tick.
+                # into a 503 once STARTUP_WAIT_S ran out. It is read again at the next tick.
                 log.info("llama-server was slow to answer /props while busy url=%s", self.url)
                 return
             self._mark_not_ready(self.unreached or "TimeoutError()")

@@ -160,7 +160,7 @@ async def start_gate(engine: LocalEngine, llama: Llama) -> AsyncIterator[GateFac
         values: dict[str, Any] = {
             "llama_server_url": engine.url,
             "max_queue": 2,
-            "keepalive_interval": 0,
+            "keepalive_interval_s": 0,
             "log_level": "warning",
         }
         values.update(overrides)

@@ -49,7 +49,7 @@ async def fleet_gate(
         _env_file=None,
         llama_server_url=",".join(e.url for e in engines),
         max_queue=0,
-        keepalive_interval=0,
+        keepalive_interval_s=0,
         log_level="warning",
     )
     gate = await serve(settings)

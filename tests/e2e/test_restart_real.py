@@ -72,8 +72,8 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
             llama_server_url=local.url,
             # Bounds each wait for the restarted engine; generous, since loading the model
             # on a loaded 2-core machine can take several times its usual few seconds.
-            startup_wait=60,
-            keepalive_interval=1,
+            startup_wait_s=60,
+            keepalive_interval_s=1,
             # The line's limit is not the question here: on a loaded machine the trickle
             # can outrun a 1-thread engine, and a 429 would hide what the test is about.
             max_queue=500,
@@ -196,7 +196,7 @@ async def test_a_prompt_array_waiting_while_llama_cpp_restarts_larger_holds_all_
         Settings(
             _env_file=None,
             llama_server_url=local.url,
-            startup_wait=120,
+            startup_wait_s=120,
             max_queue=50,
             log_level="warning",
         )

@@ -28,8 +28,8 @@ async def test_requests_while_llama_cpp_loads_wait_and_a_client_that_saw_health_
     settings = Settings(
         _env_file=None,
         llama_server_url=f"http://127.0.0.1:{port}",
-        startup_wait=180,
-        keepalive_interval=0,
+        startup_wait_s=180,
+        keepalive_interval_s=0,
         log_level="warning",
     )
     gate = await serve(settings)
