@@ -207,7 +207,7 @@ class LocalEngine:
         return self.ctx_size if self.kv_unified and self.parallel > 1 else 0
 
     @property
-    def slot_ctx(self) -> int:
+    def slot_ctx_tokens(self) -> int:
         """One slot's context, as llama-server gives it: with an explicit -np and no unified
         cache, -c split among the slots, rounded up to a multiple of 256 (-c 4096 -np 2: 2048);
         with a unified cache each slot may take the whole of it."""
@@ -224,7 +224,7 @@ class LocalEngine:
         if self.kv_unified:
             return f"{self.parallel} slots sharing one context of {self.ctx_size} tokens"
         return (
-            f"{self.parallel} slots with a context of {self.slot_ctx} tokens each "
+            f"{self.parallel} slots with a context of {self.slot_ctx_tokens} tokens each "
             f"({self.ctx_size} split among them)"
         )
 

@@ -377,10 +377,10 @@ class Upstream:
             self._on_ready()
         # The budget first: the resize lets in whoever waited for the capacity, and they
         # must be weighed by the budget too.
-        self.pool.resize_budget(self.kv_budget(props))
+        self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
 
-    def kv_budget(self, props: Props) -> int | None:
+    def kv_budget_tokens(self, props: Props) -> int | None:
         """The KV-cache tokens the slots share, when that binds admission; else None.
 
         llama-server shows neither its total context nor whether its cache is unified (not in
@@ -414,7 +414,7 @@ class Upstream:
             return
         self.shared_cache_seen = True
         if self._kv_budget_tokens is None and self.props is not None:
-            budget = self.kv_budget(self.props)
+            budget = self.kv_budget_tokens(self.props)
             log.warning(
                 "%s: its slots share one cache; admitting by a budget of %s tokens from now on "
                 "(set KV_BUDGET_TOKENS to say so from the start)",
@@ -506,11 +506,11 @@ class Upstream:
             self._poke.clear()
             await self.refresh()
             if self.ready:
-                interval = self._refresh_s
+                interval_s = self._refresh_s
             elif self.pool.awaiting_capacity:
-                interval = STARTING_POLL_S
+                interval_s = STARTING_POLL_S
             else:
-                interval = min(self._refresh_s, NOT_READY_RETRY_S)
+                interval_s = min(self._refresh_s, NOT_READY_RETRY_S)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout(interval_s):
                     await self._poke.wait()
