@@ -1,4 +1,4 @@
-"""The `slotgate` command: settings from the environment, one uvicorn worker, one pool."""
+"""The `slotgate` command: settings from the environment, one uvicorn worker, one gate."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ class Server(uvicorn.Server):
             self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs as a signal handler, between any two bytecodes: touch the pool only from the loop.
+        # Runs as a signal handler, between any two bytecodes: touch the gate only from the loop.
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._service.drain)
         # Unlike uvicorn's own, do not re-raise the signal after shutdown: a drained stop
@@ -275,7 +275,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         app,
         host=settings.host,
         port=settings.port,
-        # One worker, always: each process would hold its own pool and multiply the slots.
+        # One worker, always: each process would hold its own gate and multiply the slots.
         workers=1,
         loop="uvloop",
         http=bounded_head_protocol(settings.head_timeout_s),

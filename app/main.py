@@ -280,7 +280,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
 
     @app.get("/admission", dependencies=[Depends(authorized)])
     async def admission() -> dict[str, Any]:
-        """The live pool: capacity, active, queued, free, queue_limit and the upstream."""
+        """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
         return service.snapshot()
 
     @app.get("/metrics", dependencies=[Depends(authorized)])

@@ -49,7 +49,7 @@ def server_args(
     """A llama-server command line; only flags that every recent llama-server accepts.
 
     An explicit `-np` gives each slot `ctx_size / parallel` of context, with no shared
-    (unified) pool that every request could exhaust at once. `chat_template` is a Jinja
+    (unified) cache that every request could exhaust at once. `chat_template` is a Jinja
     template's file, for a model that carries none; `alias` the model's id in answers.
     """
     command = [

@@ -1,4 +1,4 @@
-"""The only code that talks to llama-server: its connection pool and the capacity follower."""
+"""The only code that talks to llama-server: its connections and the capacity follower."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ class Exchange:
 
 
 class Upstream:
-    """llama-server behind one connection pool, and what slotgate knows of its state."""
+    """llama-server behind one client, and what slotgate knows of its state."""
 
     def __init__(
         self,
@@ -156,7 +156,7 @@ class Upstream:
         #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
         self.shared_cache_seen = False
         tls = parts.scheme == "https"
-        # The pool has no connection limit: the admission pool bounds concurrent generations,
+        # The client has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
         self._client = UpstreamClient(
             parts.hostname or "127.0.0.1",
@@ -384,10 +384,10 @@ class Upstream:
         """The KV-cache tokens the slots share, when that binds admission; else None.
 
         llama-server shows neither its total context nor whether its cache is unified (not in
-        /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole pool when
+        /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole cache when
         unified and its share otherwise), so the budget is KV_BUDGET_TOKENS, which slotgate
         sets itself for an engine it starts. Unset, it binds once llama-server has been seen
-        to run out of a shared cache (`check_failure`): then the slot's n_ctx is the pool.
+        to run out of a shared cache (`check_failure`): then the slot's n_ctx is the whole cache.
         """
         configured = self._kv_budget_tokens
         if configured is None and self.shared_cache_seen:
