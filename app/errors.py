@@ -208,7 +208,7 @@ class QueueTimeout(AdmissionError):
 
     @property
     def message(self) -> str:
-        return f"request waited longer than QUEUE_TIMEOUT for a free slot ({self.counts})"
+        return f"request waited longer than QUEUE_TIMEOUT_S for a free slot ({self.counts})"
 
 
 class TooLarge(AdmissionError):

@@ -70,8 +70,8 @@ class Service:
         self.settings = settings
         self.admission = Admission(
             settings.queue_policy,
-            queue_timeout_s=settings.queue_timeout,
-            startup_wait_s=settings.startup_wait,
+            queue_timeout_s=settings.queue_timeout_s,
+            startup_wait_s=settings.startup_wait_s,
             epsilon=settings.routing_epsilon,
         )
         self.fleet = Fleet(settings, self.admission, resolver)
@@ -281,7 +281,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
 
     @app.get("/admission", dependencies=[Depends(authorized)])
     async def admission() -> dict[str, Any]:
-        """The live pool: capacity, active, queued, free, queue_limit and the upstream."""
+        """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
         return service.snapshot()
 
     @app.get("/metrics", dependencies=[Depends(authorized)])

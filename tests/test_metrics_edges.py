@@ -134,7 +134,7 @@ async def test_shutdown_while_a_stream_waits_for_its_head_is_a_503_with_retry_af
 ) -> None:
     standin.tokens, standin.token_delay_s = 40, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, stream_head_after=30)
+    gate = await start_gate(keepalive_interval_s=0.05, stream_head_after_s=30)
     holder = await occupy(client, gate)
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
     await gate.until(lambda: gate.service.admission.queued == 1)

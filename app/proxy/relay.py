@@ -185,9 +185,9 @@ class Proxy:
         # waits, and the queue may be long.
         self._queue_body_bytes = settings.queue_body_bytes
         self._held_bytes = 0
-        self._keepalive_s = settings.keepalive_interval
-        self._head_after_s = settings.stream_head_after
-        self._startup_wait_s = settings.startup_wait
+        self._keepalive_s = settings.keepalive_interval_s
+        self._head_after_s = settings.stream_head_after_s
+        self._startup_wait_s = settings.startup_wait_s
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
         self._drop = {*_HOP_BY_HOP, b"x-request-id"}
@@ -385,7 +385,7 @@ class Proxy:
 
     async def _forward_when_up(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Forward; while llama-server is restarting (and did not take the request), keep the
-        slot and send it again once llama-server is back, within STARTUP_WAIT of the first
+        slot and send it again once llama-server is back, within STARTUP_WAIT_S of the first
         refusal (the restarted server runs it in one)."""
         back_by: float | None = None
         resent = False
@@ -441,7 +441,7 @@ class Proxy:
         return ticket.wait()
 
     async def _wait_streaming(self, request: Request, answer: Answer, ticket: Claim) -> None:
-        """Wait; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it
+        """Wait; once the wait has lasted STREAM_HEAD_AFTER_S, send the stream's head (unless it
         went out) and tell the client where it stands every keep-alive interval.
 
         The head keeps clients and proxies with idle timeouts from cutting a long wait, but
@@ -761,7 +761,7 @@ class Proxy:
 
 def _upstream_failure(exc: BaseException) -> UpstreamFailed:
     if isinstance(exc, TimeoutError):
-        return UpstreamFailed("llama-server went silent for longer than UPSTREAM_STALL_TIMEOUT")
+        return UpstreamFailed("llama-server went silent for longer than UPSTREAM_STALL_TIMEOUT_S")
     if isinstance(exc, BodyTooLarge):
         return UpstreamFailed(f"llama-server's error could not be relayed: {exc}")
     return UpstreamFailed(f"llama-server broke off the response ({type(exc).__name__})")

@@ -1079,7 +1079,7 @@ class SharedAdmission:
             return
         shares = self._shares()
         if not shares:
-            # Cut off holding nothing: its waiters keep their places (QUEUE_TIMEOUT bounds
+            # Cut off holding nothing: its waiters keep their places (QUEUE_TIMEOUT_S bounds
             # them) for Redis to answer again, or for the keeping to run out.
             return
         largest = max(shares.values())

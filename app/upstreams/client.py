@@ -347,19 +347,19 @@ class Response:
                 raise conn.error
             await conn.wait(self._client.stall_s)
 
-    async def read(self, limit: int | None = None) -> bytes:
+    async def read(self, limit_bytes: int | None = None) -> bytes:
         """The whole body, waking once at its end rather than at every chunk.
 
         An assembled answer from llama-server comes one token per chunk: woken for each, the
         reader would spend a task switch per token on bytes it only needs at the end.
-        A body longer than `limit` raises BodyTooLarge once that much has arrived.
+        A body longer than `limit_bytes` raises BodyTooLarge once that much has arrived.
         """
         conn = self._conn
         if self._head_only:
             return b""
         length = self.content_length
-        if limit is not None and length is not None and length > limit:
-            raise BodyTooLarge(f"the {self.status} answer is {length} bytes, over {limit}")
+        if limit_bytes is not None and length is not None and length > limit_bytes:
+            raise BodyTooLarge(f"the {self.status} answer is {length} bytes, over {limit_bytes}")
         parts = []
         size = 0
         conn.lazy = True
@@ -368,8 +368,8 @@ class Response:
                 if conn._chunks:
                     part = conn.take()
                     size += len(part)
-                    if limit is not None and size > limit:
-                        raise BodyTooLarge(f"the {self.status} answer is over {limit} bytes")
+                    if limit_bytes is not None and size > limit_bytes:
+                        raise BodyTooLarge(f"the {self.status} answer is over {limit_bytes} bytes")
                     parts.append(part)
                 if conn.complete:
                     return b"".join(parts)

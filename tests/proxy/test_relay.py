@@ -278,7 +278,7 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, startup_wait=0)
+    gate = await start_gate(ready=False, startup_wait_s=0)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
@@ -296,7 +296,7 @@ async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
 ) -> None:
     standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
-    gate = await start_gate(queue_timeout=0.2)
+    gate = await start_gate(queue_timeout_s=0.2)
     holder = await occupy(client, gate)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
@@ -311,7 +311,7 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 ) -> None:
     standin.tokens, standin.token_delay_s = 8, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.1, stream_head_after=0)
+    gate = await start_gate(keepalive_interval_s=0.1, stream_head_after_s=0)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
@@ -329,7 +329,7 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
 ) -> None:
     standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0)
+    gate = await start_gate(keepalive_interval_s=0.05, queue_timeout_s=0.2, stream_head_after_s=0)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
@@ -346,7 +346,7 @@ async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_server
 ) -> None:
     standin.tokens, standin.token_delay_s = 8, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, stream_head_after=30)
+    gate = await start_gate(keepalive_interval_s=0.05, stream_head_after_s=30)
     holder = await occupy(client, gate)
 
     async def read() -> tuple[int, bytes]:
@@ -369,7 +369,7 @@ async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
 ) -> None:
     standin.tokens, standin.token_delay_s = 40, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30)
+    gate = await start_gate(keepalive_interval_s=0.05, queue_timeout_s=0.2, stream_head_after_s=30)
     holder = await occupy(client, gate)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
@@ -386,7 +386,7 @@ async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keep
 ) -> None:
     standin.tokens, standin.token_delay_s = 30, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0.05, stream_head_after=0.2)
+    gate = await start_gate(keepalive_interval_s=0.05, stream_head_after_s=0.2)
     holder = await occupy(client, gate)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
@@ -427,10 +427,10 @@ async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.fault = "hang"
-    gate = await start_gate(upstream_stall_timeout=0.3)
+    gate = await start_gate(upstream_stall_timeout_s=0.3)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
-    assert "UPSTREAM_STALL_TIMEOUT" in response.json()["error"]["message"]
+    assert "UPSTREAM_STALL_TIMEOUT_S" in response.json()["error"]["message"]
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
         body = b"".join([c async for c in streamed.aiter_raw()])
     assert b'"upstream_failed"' in body
@@ -440,7 +440,7 @@ async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot
 async def test_refused_connection_answers_503_and_marks_not_ready(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate(startup_wait=0)
+    gate = await start_gate(startup_wait_s=0)
     await standin.stop()
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
@@ -454,7 +454,7 @@ async def test_anthropic_messages_are_refused_in_anthropics_shape(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, startup_wait=0)
+    gate = await start_gate(ready=False, startup_wait_s=0)
     response = await client.post(
         gate.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []}
     )
@@ -551,7 +551,7 @@ async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
 ) -> None:
     standin.tokens, standin.token_delay_s = 20, 0.05
     standin.total_slots = 1
-    gate = await start_gate(keepalive_interval=0, queue_timeout=0.2)
+    gate = await start_gate(keepalive_interval_s=0, queue_timeout_s=0.2)
     holder = await occupy(client, gate)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
@@ -731,8 +731,8 @@ async def test_the_openai_sdk_retries_a_timed_out_stream_only_when_its_head_was_
     # 6 streams on 2 slots that each hold 0.5 s: the last two in line wait 1 s, past the
     # 0.7 s queue timeout, however fast the machine is.
     standin.tokens, standin.token_delay_s = 10, 0.05
-    gate = await start_gate(keepalive_interval=0.1, queue_timeout=0.7,
-                            stream_head_after=head_after_s)  # fmt: skip
+    gate = await start_gate(keepalive_interval_s=0.1, queue_timeout_s=0.7,
+                            stream_head_after_s=head_after_s)  # fmt: skip
     sdk = openai.AsyncOpenAI(base_url=gate.url + "/v1", api_key="unused", timeout=30)
 
     async def call() -> str:

@@ -221,7 +221,7 @@ async def test_clients_that_pipeline_and_leave_while_the_slots_are_busy_all_leav
 async def test_restart_with_another_parallel_is_followed(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate(startup_wait=0)  # 503 at once while away (tests/test_startup.py)
+    gate = await start_gate(startup_wait_s=0)  # 503 at once while away (tests/test_startup.py)
     await standin.stop()
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
     await gate.until(lambda: not gate.service.upstream.ready)

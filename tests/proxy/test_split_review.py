@@ -72,7 +72,7 @@ async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
 ) -> None:
     finish = asyncio.Event()
     held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
-    rig = Rig(FakeUpstreamClient(held), keepalive_interval=0)
+    rig = Rig(FakeUpstreamClient(held), keepalive_interval_s=0)
     holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=False))
     holding = asyncio.ensure_future(rig.call(holder))
     await until(lambda: rig.admission.active == 1)
@@ -96,7 +96,7 @@ async def test_a_shutdown_cut_after_a_stream_head_counts_the_event_it_sent(
 ) -> None:
     finish = asyncio.Event()
     held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
-    rig = Rig(FakeUpstreamClient(held), stream_head_after=0)
+    rig = Rig(FakeUpstreamClient(held), stream_head_after_s=0)
     holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
     holding = asyncio.ensure_future(rig.call(holder))
     await until(lambda: rig.admission.active == 1)
@@ -222,7 +222,7 @@ async def test_an_upstream_refusal_after_the_stream_head_is_an_event_and_pools_i
     held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
     error = b'{"error": {"code": 400, "message": "the prompt exceeds the context"}}'
     refused = FakeResponse(400, [(b"content-type", b"application/json")], [error])
-    rig = Rig(FakeUpstreamClient(held, refused), stream_head_after=0)
+    rig = Rig(FakeUpstreamClient(held, refused), stream_head_after_s=0)
     holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
     holding = asyncio.ensure_future(rig.call(holder))
     await until(lambda: rig.admission.active == 1)

@@ -468,7 +468,7 @@ async def test_a_body_read_whole_stops_at_its_limit(hostile: Hostile, chunked: b
     response = await client.request("POST", "/tokenize", [], b"{}")
     assert response.status == 500
     with pytest.raises(BodyTooLarge, match="65536"):
-        await response.read(limit=65536)
+        await response.read(limit_bytes=65536)
     response.release()  # an unfinished body: its connection is closed
     assert not client._idle
     assert hostile.sent < 200 * MiB

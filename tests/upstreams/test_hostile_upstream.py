@@ -34,7 +34,7 @@ CHAT = "/v1/chat/completions"
 async def gate_before(start_gate: GateFactory, hostile: Hostile, **overrides: Any) -> RunningGate:
     # /props read once, at the start: a poll in the middle of a test would take pooled
     # connections the test is watching.
-    values: dict[str, Any] = {"props_refresh_interval": 60, **overrides}
+    values: dict[str, Any] = {"props_refresh_interval_s": 60, **overrides}
     gate: RunningGate = await start_gate(llama_server_url=hostile.url, **values)
     return gate
 
@@ -61,7 +61,7 @@ async def waiting_behind_a_held_slot(
     gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient
 ) -> tuple[asyncio.Event, asyncio.Task[bytes], asyncio.Task[bytes]]:
     """The only slot held by a stream the upstream answers on release; a second stream waits
-    in line, its 200 head already out (STREAM_HEAD_AFTER=0). Returns (release, holder, waiter)."""
+    in line, its 200 head already out (STREAM_HEAD_AFTER_S=0). Returns (release, holder, waiter)."""
     release = asyncio.Event()
     hostile.script.append(held(release, stream(*CHAT_STREAM)))
     holder = asyncio.create_task(read_stream(client, gate.url + CHAT))
@@ -114,7 +114,7 @@ async def test_a_twenty_megabyte_response_head_gets_a_502_in_the_apis_shape(
 async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
+    gate = await gate_before(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
     release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
     hostile.script.append(huge_head(20 * MiB))
     release.set()
@@ -127,7 +127,7 @@ async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
 async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
+    gate = await gate_before(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
     release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
     hostile.script.append(huge_error(200 * MiB))
     release.set()
@@ -144,7 +144,7 @@ async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_ev
 async def test_a_small_error_body_for_a_waiting_stream_is_relayed_as_its_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
+    gate = await gate_before(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
     release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
     refused = {"error": {"code": 400, "message": "too long", "type": "exceed_context_size_error"}}
     hostile.script.append(sends(reply(400, json.dumps(refused).encode())))
@@ -170,7 +170,7 @@ async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
 async def test_an_upstream_cut_mid_event_gets_its_error_on_a_new_event_boundary(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, waiting: bool
 ) -> None:
-    gate = await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
+    gate = await gate_before(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
     cut = stream(*CHAT_STREAM[:2], cut=PARTIAL_EVENT)
     if waiting:
         release, holder, waiter = await waiting_behind_a_held_slot(gate, hostile, client)
