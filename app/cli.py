@@ -1,4 +1,4 @@
-"""The `slotgate` command: settings from the environment, one uvicorn worker, one pool."""
+"""The `slotgate` command: settings from the environment, one uvicorn worker, one gate."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from slotgate.settings import (
     export_engine_variables,
     misspelt,
     mistyped,
+    renamed,
 )
 
 if TYPE_CHECKING:
-    from slotgate.engine.local import LocalFleet
+    from slotgate.engine.engines import Engines
 
 log = logging.getLogger("slotgate")
 
@@ -168,14 +169,14 @@ def _positive(text: str) -> int:
 class Server(uvicorn.Server):
     """uvicorn's server, told to drain the gate the moment a stop signal arrives.
 
-    uvicorn closes its listeners on the signal and waits up to DRAIN_TIMEOUT for running
+    uvicorn closes its listeners on the signal and waits up to DRAIN_TIMEOUT_S for running
     requests; the gate meanwhile turns new work and the queue away with 503.
     """
 
-    def __init__(self, config: uvicorn.Config, service: Service, fleet: LocalFleet | None) -> None:
+    def __init__(self, config: uvicorn.Config, service: Service, engines: Engines | None) -> None:
         super().__init__(config)
         self._service = service
-        self._fleet = fleet
+        self._engines = engines
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_died = False
 
@@ -184,40 +185,40 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        if self._fleet is not None:  # each tick (0.1 s): one waitid per engine, cheap
-            self._watch(self._fleet)
+        if self._engines is not None:  # each tick (0.1 s): one waitid per engine, cheap
+            self._watch(self._engines)
         return await super().on_tick(counter)
 
-    def _watch(self, fleet: LocalFleet) -> None:
+    def _watch(self, engines: Engines) -> None:
         """An engine that ended leaves the rest serving (the gate routes around it); slotgate
         stops, with status 1, once none is left."""
-        from slotgate.engine.local import ended
+        from slotgate.engine.process import ended
 
-        news = fleet.ended()
-        left = fleet.running
+        news = engines.ended()
+        left = engines.running
         for number, code in news:
             # Its slots are gone now: /readyz and the pool must not wait for a /props read to
-            # find out (PROPS_REFRESH_INTERVAL later).
+            # find out (PROPS_REFRESH_INTERVAL_S later).
             for upstream in self._service.fleet.upstreams:
-                if upstream.url == fleet.engines[number - 1].url:
+                if upstream.url == engines[number - 1].url:
                     upstream.stopped(f"the local llama.cpp engine {ended(code)}")
         for index, (number, code) in enumerate(news):
             # Told one by one, as if apart: of two found ended at once, the first is not the last.
             rest = left + len(news) - 1 - index
-            if len(fleet.engines) == 1:
+            if len(engines) == 1:
                 log.error("the local llama.cpp engine %s; slotgate stops", ended(code))
             elif rest:
                 log.error("local llama.cpp engine %s %s; slotgate serves on the other %d",
-                          fleet.name(number), ended(code), rest)  # fmt: skip
+                          engines.name(number), ended(code), rest)  # fmt: skip
             else:
                 log.error("local llama.cpp engine %s %s, the last one; slotgate stops",
-                          fleet.name(number), ended(code))  # fmt: skip
+                          engines.name(number), ended(code))  # fmt: skip
         if not left:
             self.engine_died = True
             self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Runs as a signal handler, between any two bytecodes: touch the pool only from the loop.
+        # Runs as a signal handler, between any two bytecodes: touch the gate only from the loop.
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._service.drain)
         # Unlike uvicorn's own, do not re-raise the signal after shutdown: a drained stop
@@ -237,7 +238,7 @@ class Server(uvicorn.Server):
             return
         # uvicorn stops waiting at a second Ctrl-C but then skips the app's shutdown, and the
         # loop's end cancels the app's lifespan, which logs that as a failed shutdown with a
-        # traceback. Cut the running requests as at the end of DRAIN_TIMEOUT instead, then shut
+        # traceback. Cut the running requests as at the end of DRAIN_TIMEOUT_S instead, then shut
         # the app down as usual (a replica gives back what Redis counts for it).
         tasks = list(self.server_state.tasks)
         for task in tasks:
@@ -274,7 +275,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         app,
         host=settings.host,
         port=settings.port,
-        # One worker, always: each process would hold its own pool and multiply the slots.
+        # One worker, always: each process would hold its own gate and multiply the slots.
         workers=1,
         loop="uvloop",
         http=bounded_head_protocol(settings.head_timeout_s),
@@ -285,7 +286,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         proxy_headers=False,
         log_config=None,
         # 0 = no drain (uvicorn cancels at once); None would make it wait forever.
-        timeout_graceful_shutdown=math.ceil(settings.drain_timeout),
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s),
     )
 
 
@@ -345,11 +346,11 @@ def base_url(host: str, port: int) -> str:
 
 def serve(
     settings: Settings,
-    fleet: LocalFleet | None = None,
+    engines: Engines | None = None,
     sockets: list[socket.socket] | None = None,
 ) -> int:
     app = create_app(settings)
-    server = Server(uvicorn_config(app, settings), app.state.service, fleet)
+    server = Server(uvicorn_config(app, settings), app.state.service, engines)
     # Everything built so far (FastAPI, pydantic, uvicorn, the app) lives as long as the
     # process: out of the collector's sight, a full collection no longer walks it, which under
     # a storm of 1,000 clients cut the open-loop p99 time to a 429 from 2-13 ms to under 1 ms.
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(settings.log_level, settings.log_format)
     if args.engine_log == "all":  # asked for by name: every engine line, whatever LOG_LEVEL says
         logging.getLogger("slotgate.engine").setLevel(logging.DEBUG)
-    for warning in misspelt():
+    for warning in [*renamed(), *misspelt()]:
         log.warning("%s", warning)
     # SIGHUP's default ends the process. With API_KEYS_FILE the app reloads it while it
     # serves (app/gate/tenants.py); at any other moment, or without the file, it is only told.
@@ -403,14 +404,14 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("LLAMA_SERVER_URL=%s is ignored: --model/--demo front their own engine",
                         settings.llama_server_url)  # fmt: skip
         export_engine_variables()
-        with _local_fleet(args) as fleet:
-            update: dict[str, object] = {"llama_server_url": ",".join(fleet.urls)}
+        with _local_engines(args) as engines:
+            update: dict[str, object] = {"llama_server_url": ",".join(engines.urls)}
             if settings.kv_budget_tokens is None:
                 # It knows whether its slots share a cache; every replica is alike.
-                update["kv_budget_tokens"] = fleet.kv_budget_tokens
+                update["kv_budget_tokens"] = engines.kv_budget_tokens
             settings = settings.model_copy(update=update)
             _print_usage(settings, port)
-            return serve(settings, fleet, sockets)
+            return serve(settings, engines, sockets)
     except KeyboardInterrupt:
         # Ctrl-C before uvicorn took the signal over (assembling the demo model, loading one):
         # the engine has been stopped on the way out; a traceback would say nothing more.
@@ -422,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _local_fleet(args: argparse.Namespace) -> Iterator[LocalFleet]:
-    from slotgate.engine.local import EngineFailed, EngineMisconfigured, LocalFleet  # stdlib only
+def _local_engines(args: argparse.Namespace) -> Iterator[Engines]:
+    from slotgate.engine.engines import Engines  # stdlib only
+    from slotgate.engine.model import EngineFailed, EngineMisconfigured
 
     try:
-        fleet = LocalFleet.from_args(
+        engines = Engines.from_args(
             model=args.model,
             demo=args.demo,
             parallel=args.parallel,
@@ -436,15 +438,15 @@ def _local_fleet(args: argparse.Namespace) -> Iterator[LocalFleet]:
             replicas=args.replicas,
             gpus=args.gpus,
         )
-        fleet.start()
+        engines.start()
     except EngineFailed as exc:
         print(f"slotgate: {exc}", file=sys.stderr)  # noqa: T201 - start-up failure, one line
         # A bad flag or variable exits 2, as a bad setting does; an engine that fails, 1.
         raise SystemExit(2 if isinstance(exc, EngineMisconfigured) else 1) from None
     try:
-        yield fleet
+        yield engines
     finally:
-        fleet.stop()
+        engines.stop()
 
 
 _EXAMPLE = '{"messages":[{"role":"user","content":"Say hello"}],"max_tokens":32,"stream":true}'

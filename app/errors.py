@@ -1,123 +1,129 @@
-"""The one place where a refusal becomes an HTTP answer, in the shape the client's API speaks.
+"""slotgate's exceptions, in one tree, and the one table that says how each refusal is answered.
 
-OpenAI routes get `{"error": {"message", "type", "code", "param"}}`; Anthropic's
-`/v1/messages` gets `{"type": "error", "error": {"type", "message"}}`. Both carry the pool's
-snapshot under `admission` when the refusal came from the gate, and a Retry-After when a retry
-can succeed.
+    SlotgateError                 anything slotgate raises on purpose
+    ├── GateError                 a request slotgate answers itself: one row of ANSWERS each
+    │   ├── ClientError           the request as sent cannot pass; sent again as is, it fails
+    │   │   ├── BadRequest
+    │   │   │   └── UpgradeRefused
+    │   │   ├── Unauthorized
+    │   │   ├── PayloadTooLarge
+    │   │   ├── HeadersTooLarge
+    │   │   ├── UnsupportedMediaType
+    │   │   ├── HeadTimeout
+    │   │   └── ContextExceeded
+    │   ├── AdmissionError        not admitted: the pool's Snapshot and a retry estimate
+    │   │   ├── NotReady
+    │   │   ├── ShuttingDown
+    │   │   ├── QueueFull
+    │   │   │   └── TenantQueueFull
+    │   │   ├── QueueBytesFull
+    │   │   ├── QueueTimeout
+    │   │   └── TooLarge
+    │   │       └── TenantTooLarge
+    │   └── UpstreamError         llama-server could not give its answer
+    │       ├── UpstreamUnavailable
+    │       │   └── UpstreamStarting
+    │       └── UpstreamFailed
+    ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
+    │   ├── ConnectFailed
+    │   ├── Disconnected
+    │   ├── ProtocolError
+    │   ├── Stalled               (also a TimeoutError)
+    │   └── BodyTooLarge
+    ├── ClientGone                the client left: nobody is left to answer
+    ├── AnswerStarted             a second head for one answer: a bug (also a RuntimeError)
+    ├── Down                      Redis did not answer: the replica gates on its own share
+    ├── Stale                     a Redis answer that a degrade or a rejoin took back
+    └── InvalidTenantsFile        API_KEYS_FILE unusable, at start-up (also a ValueError)
+
+Only a GateError becomes an answer (`refusal`), by its row of ANSWERS; anything else that
+reaches an answer is a 500 whose text is not leaked. ExchangeFailed and the last five never
+become an answer as they are: the upstream and the relay turn a failed exchange into an
+UpstreamError, and the others are signals between parts of slotgate, each caught where it
+means something (a client that left is counted, not answered). The managed engine's own
+errors (`EngineFailed` in app/engine/local.py) stay in the engine: it runs as a script of its
+own, standard library only, that imports nothing of slotgate.
+
+Standard library only, so that the admission core may raise these; the bytes of an answer
+are written where HTTP lives (app/proxy/refusals.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import orjson
-from slotgate.asgi import Headers
-from slotgate.gate.admission import (
-    AdmissionError,
-    NotReady,
-    QueueFull,
-    QueueTimeout,
-    ShuttingDown,
-    Snapshot,
-    TenantQueueFull,
-    TenantTooLarge,
-    TooLarge,
-)
+if TYPE_CHECKING:
+    # For annotations only: the gate imports this module, never the reverse at run time.
+    from slotgate.gate.admission import Snapshot
+    from slotgate.gate.tenants import Tenant
 
 Flavor = Literal["openai", "anthropic"]
 
 
-class GateError(Exception):
+class SlotgateError(Exception):
+    """Anything slotgate raises on purpose."""
+
+
+# -- answered: a request slotgate answers itself ---------------------------------------------
+
+
+class GateError(SlotgateError):
     """A request slotgate answers itself, without (or instead of) llama-server's answer."""
 
-    status = 500
-    type = "server_error"
-    code = "internal_error"
-    reason = "internal"
+    #: The request field the refusal names (OpenAI's `param`).
+    param: str | None = None
+    #: When a retry may pass, in seconds (sent only where the row says a retry can pass).
+    retry_after_s: float | None = None
+    #: llama-server's own fields beside its error's, for an answer in its words.
+    extra: dict[str, Any] | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
-        self.param = param
+        if param is not None:
+            self.param = param
+
+    @property
+    def message(self) -> str:
+        """What the client reads."""
+        return str(self.args[0])
 
 
-class BadRequest(GateError):
-    status = 400
-    type = "invalid_request_error"
-    code = "invalid_request"
-    reason = "bad_request"
+class ClientError(GateError):
+    """The request as sent cannot pass: sent again unchanged, it is refused again."""
 
 
-class Unauthorized(GateError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
-    reason = "unauthorized"
+class BadRequest(ClientError):
+    pass
 
 
-class PayloadTooLarge(GateError):
-    status = 413
-    type = "invalid_request_error"
-    code = "body_too_large"
-    reason = "bad_request"
+class UpgradeRefused(BadRequest):
+    """A request to switch protocols (WebSocket, h2c): slotgate relays HTTP/1.1 only."""
 
 
-class HeadersTooLarge(GateError):
-    status = 431
-    type = "invalid_request_error"
-    code = "headers_too_large"
-    reason = "bad_request"
+class Unauthorized(ClientError):
+    pass
 
 
-class UnsupportedMediaType(GateError):
-    status = 415
-    type = "invalid_request_error"
-    code = "unsupported_media_type"
-    reason = "bad_request"
+class PayloadTooLarge(ClientError):
+    pass
 
 
-class UpstreamUnavailable(GateError):
-    """llama-server cannot be reached or is not ready; a retry may succeed."""
-
-    status = 503
-    type = "unavailable_error"
-    code = "upstream_unavailable"
-    reason = "upstream_unavailable"
+class HeadersTooLarge(ClientError):
+    pass
 
 
-class UpstreamFailed(GateError):
-    """llama-server broke off, stalled or answered something that is not HTTP."""
-
-    status = 502
-    type = "server_error"
-    code = "upstream_failed"
-    reason = "upstream_failed"
+class UnsupportedMediaType(ClientError):
+    pass
 
 
-class QueueBytesFull(GateError):
-    """The requests in the queue already hold QUEUE_BODY_BYTES of bodies; a retry may pass."""
-
-    status = 429
-    type = "rate_limit_error"
-    code = "queue_bytes_full"
-    reason = "queue_bytes_full"
-
-    def __init__(self, message: str, snapshot: Snapshot, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.snapshot = snapshot
-        self.retry_after_s = retry_after_s
+class HeadTimeout(ClientError):
+    """The request head took longer than HEAD_TIMEOUT_S to arrive."""
 
 
-class ContextExceeded(GateError):
+class ContextExceeded(ClientError):
     """The prompt alone is longer than llama-server's KV cache: it could never run. Said in
     llama-server's own words and shape, before the request waits for anything."""
-
-    status = 400
-    type = "exceed_context_size_error"
-    code = "exceed_context_size_error"
-    reason = "bad_request"
 
     def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
         super().__init__(
@@ -125,6 +131,257 @@ class ContextExceeded(GateError):
             f"({n_ctx} tokens), try increasing it"
         )
         self.extra = {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}
+
+
+class AdmissionError(GateError):
+    """A request was not admitted; `snapshot` shows the pool at that moment. The message is
+    made only when an answer reads it."""
+
+    retry_after_s: float
+
+    def __init__(self, snapshot: Snapshot, retry_after_s: float) -> None:
+        Exception.__init__(self, snapshot, retry_after_s)
+        self.snapshot = snapshot
+        self.retry_after_s = retry_after_s
+
+    @property
+    def counts(self) -> str:
+        snap = self.snapshot
+        return f"active={snap.active}, queued={snap.queued}, capacity={snap.capacity}"
+
+
+class NotReady(AdmissionError):
+    """The pool's capacity is not known yet (llama-server down, loading or restarting)."""
+
+    @property
+    def message(self) -> str:
+        return (
+            "llama-server is not ready (starting, loading the model or unreachable); retry shortly"
+        )
+
+
+class ShuttingDown(AdmissionError):
+    """The gate is draining for shutdown and takes no new work."""
+
+    @property
+    def message(self) -> str:
+        return "slotgate is shutting down; retry shortly"
+
+
+class QueueFull(AdmissionError):
+    """The line is at its limit."""
+
+    @property
+    def message(self) -> str:
+        return f"llama-server generation queue is full ({self.counts}); retry after Retry-After"
+
+
+class TenantQueueFull(QueueFull):
+    """The request's tenant has max_queued waiters in the line already; others still get in.
+    Its snapshot carries the tenant's share."""
+
+    @property
+    def message(self) -> str:
+        own = self.snapshot.tenant
+        if own is None:
+            return super().message
+        return (
+            f"tenant {own.name} has {own.queued} requests waiting already, its limit "
+            f"(max_queued; active={own.active}); retry after Retry-After"
+        )
+
+
+class QueueBytesFull(AdmissionError):
+    """The requests in the queue already hold QUEUE_BODY_BYTES of bodies; a retry may pass."""
+
+    def __init__(self, message: str, snapshot: Snapshot, retry_after_s: float) -> None:
+        super().__init__(snapshot, retry_after_s)
+        self._message = message
+
+    @property
+    def message(self) -> str:
+        return self._message
+
+
+class QueueTimeout(AdmissionError):
+    """The request waited longer than the queue timeout."""
+
+    @property
+    def message(self) -> str:
+        return f"request waited longer than QUEUE_TIMEOUT_S for a free slot ({self.counts})"
+
+
+class TooLarge(AdmissionError):
+    """The request needs more slots than the pool has, so it could never be admitted."""
+
+    param = "n"
+
+    def __init__(self, snapshot: Snapshot, weight: int, largest: int | None = None) -> None:
+        super().__init__(snapshot, 0.0)
+        self.weight = weight
+        #: The most slots one upstream has (a request runs in one): the fleet's, when one.
+        self.largest = snapshot.capacity if largest is None else largest
+
+    @property
+    def message(self) -> str:
+        return (
+            f"request needs {self.weight} slots but llama-server has {self.largest}; "
+            "ask for fewer choices (n)"
+        )
+
+
+class TenantTooLarge(TooLarge):
+    """The request needs more slots than its tenant may hold at once (its max_active)."""
+
+    def __init__(self, snapshot: Snapshot, weight: int, tenant: Tenant) -> None:
+        super().__init__(snapshot, weight)
+        self.tenant = tenant.name
+        self.limit = tenant.max_active
+
+    @property
+    def message(self) -> str:
+        return (
+            f"request needs {self.weight} slots but tenant {self.tenant} may hold at most "
+            f"{self.limit} at once (max_active={self.limit}); ask for fewer choices (n) or send "
+            "fewer prompts in one request"
+        )
+
+
+class UpstreamError(GateError):
+    """llama-server could not give its answer."""
+
+
+class UpstreamUnavailable(UpstreamError):
+    """llama-server cannot be reached or is not ready; a retry may succeed."""
+
+    #: Its start-up is not estimated: a second is a short wait that a client honours.
+    retry_after_s = 1.0
+
+
+class UpstreamStarting(UpstreamUnavailable):
+    """llama-server is not there or still loading, and did not answer the request: it may be
+    sent again once llama-server is back. `sent`: it may have reached a llama-server that
+    then went away (a connection closed before any answer), so it is sent again once only,
+    in case it was what made llama-server fall over."""
+
+    def __init__(self, message: str, *, sent: bool = False) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class UpstreamFailed(UpstreamError):
+    """llama-server broke off, stalled or answered something that is not HTTP."""
+
+
+# -- the upstream client's ---------------------------------------------------------------------
+
+
+class ExchangeFailed(SlotgateError):
+    """The exchange with the upstream failed."""
+
+
+class ConnectFailed(ExchangeFailed):
+    """No connection could be made (refused, unreachable, or too slow)."""
+
+
+class Disconnected(ExchangeFailed):
+    """The upstream closed the connection before the response was complete."""
+
+
+class ProtocolError(ExchangeFailed):
+    """The upstream answered something that is not HTTP/1.1."""
+
+
+class Stalled(ExchangeFailed, TimeoutError):
+    """The upstream sent nothing for longer than the stall timeout."""
+
+
+class BodyTooLarge(ExchangeFailed):
+    """A body read whole is longer than the caller's limit."""
+
+
+# -- signals that never become an answer -------------------------------------------------------
+
+
+class ClientGone(SlotgateError):
+    """The client closed its connection; nobody is left to answer."""
+
+
+class AnswerStarted(SlotgateError, RuntimeError):
+    """A second head for an answer whose head went out already."""
+
+
+class Down(SlotgateError):
+    """Redis did not answer in time, or not at all."""
+
+
+class Stale(SlotgateError):
+    """An answer from before a degrade or a rejoin: what it gave, the rejoin took back."""
+
+
+class InvalidTenantsFile(SlotgateError, ValueError):
+    """API_KEYS_FILE cannot be used; the message is one line naming the file, the tenant and
+    the field."""
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """How one kind of refusal is answered."""
+
+    status: int
+    #: OpenAI's error type (Anthropic's follows from it: `anthropic_type`) and code.
+    type: str
+    code: str
+    #: The outcome label of the metrics' series and of the access log.
+    reason: str
+    #: A retry can pass: Retry-After headers, and the pool's snapshot when the refusal has one.
+    retry: bool = False
+
+
+_BAD = "invalid_request_error"
+_RATE = "rate_limit_error"
+_AWAY = "unavailable_error"
+
+#: Every GateError that can be raised, and its answer: the one place a refusal's status, type,
+#: code, reason and Retry-After are chosen. Keyed by the exact class: a subclass is a row.
+# fmt: off
+ANSWERS: dict[type[GateError], Shape] = {
+    BadRequest:           Shape(400, _BAD, "invalid_request", "bad_request"),
+    UpgradeRefused:       Shape(400, _BAD, "upgrade_not_supported", "bad_request"),
+    Unauthorized:         Shape(401, "authentication_error", "invalid_api_key", "unauthorized"),
+    PayloadTooLarge:      Shape(413, _BAD, "body_too_large", "bad_request"),
+    HeadersTooLarge:      Shape(431, _BAD, "headers_too_large", "bad_request"),
+    UnsupportedMediaType: Shape(415, _BAD, "unsupported_media_type", "bad_request"),
+    HeadTimeout:          Shape(408, _BAD, "request_timeout", "bad_request"),
+    ContextExceeded:      Shape(400, "exceed_context_size_error", "exceed_context_size_error",
+                                "bad_request"),
+    NotReady:             Shape(503, _AWAY, "upstream_not_ready", "upstream_unavailable", True),
+    ShuttingDown:         Shape(503, _AWAY, "shutting_down", "upstream_unavailable", True),
+    QueueFull:            Shape(429, _RATE, "queue_full", "queue_full", True),
+    TenantQueueFull:      Shape(429, _RATE, "tenant_queue_full", "tenant_queue_full", True),
+    QueueBytesFull:       Shape(429, _RATE, "queue_bytes_full", "queue_bytes_full", True),
+    QueueTimeout:         Shape(503, _AWAY, "queue_timeout", "queue_timeout", True),
+    TooLarge:             Shape(400, _BAD, "too_many_slots", "bad_request"),
+    TenantTooLarge:       Shape(400, _BAD, "too_many_slots", "bad_request"),
+    UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
+    UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
+    UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
+}
+# fmt: on
+
+#: Anything without a row: a 500 whose text is not leaked.
+INTERNAL = Shape(500, "server_error", "internal_error", "internal")
+
+#: OpenAI's error types in Anthropic's words; the others are the same in both.
+_ANTHROPIC_TYPES = {"unavailable_error": "overloaded_error", "server_error": "api_error"}
+
+
+def anthropic_type(openai_type: str) -> str:
+    """The error type an Anthropic client reads for OpenAI's `openai_type`."""
+    return _ANTHROPIC_TYPES.get(openai_type, openai_type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,152 +399,20 @@ class Refusal:
     extra: dict[str, Any] | None = None  # llama-server's own fields beside its error's
 
 
-def refusal(exc: Exception) -> Refusal:
-    """Classify a domain exception; anything unknown is a 500 whose text is not leaked."""
-    if isinstance(exc, QueueBytesFull):
-        return Refusal(
-            exc.status, exc.type, exc.code, exc.message, exc.reason, None,
-            exc.retry_after_s, exc.snapshot,
-        )  # fmt: skip
-    if isinstance(exc, GateError):
-        retry = 1.0 if isinstance(exc, UpstreamUnavailable) else None
-        extra = exc.extra if isinstance(exc, ContextExceeded) else None
-        return Refusal(
-            exc.status, exc.type, exc.code, exc.message, exc.reason, exc.param, retry, None, extra
-        )
-    if isinstance(exc, AdmissionError):
-        return _admission_refusal(exc)
-    return Refusal(500, "server_error", "internal_error", "slotgate failed internally", "internal")
+def refusal(exc: BaseException) -> Refusal:
+    """Classify an exception by its row of ANSWERS; anything else is INTERNAL."""
+    if not isinstance(exc, GateError) or (shape := ANSWERS.get(type(exc))) is None:
+        s = INTERNAL
+        return Refusal(s.status, s.type, s.code, "slotgate failed internally", s.reason)
+    retry_after_s = exc.retry_after_s if shape.retry else None
+    snapshot = exc.snapshot if shape.retry and isinstance(exc, AdmissionError) else None
+    return Refusal(
+        shape.status, shape.type, shape.code, exc.message, shape.reason, exc.param,
+        retry_after_s, snapshot, exc.extra,
+    )  # fmt: skip
 
 
 def route_refusal(status: int, message: str) -> Refusal:
     """An answer the web framework chose for one of slotgate's own routes (405, 404)."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
-    return Refusal(status, "invalid_request_error", code, message, "bad_request")
-
-
-def _admission_refusal(exc: AdmissionError) -> Refusal:
-    snap = exc.snapshot
-    counts = f"active={snap.active}, queued={snap.queued}, capacity={snap.capacity}"
-    if isinstance(exc, TenantQueueFull) and snap.tenant is not None:
-        own = snap.tenant
-        message = (
-            f"tenant {own.name} has {own.queued} requests waiting already, its limit "
-            f"(max_queued; active={own.active}); retry after Retry-After"
-        )
-        return Refusal(
-            429, "rate_limit_error", "tenant_queue_full", message, "tenant_queue_full", None,
-            exc.retry_after_s, snap,
-        )  # fmt: skip
-    if isinstance(exc, QueueFull):
-        message = f"llama-server generation queue is full ({counts}); retry after Retry-After"
-        return Refusal(
-            429, "rate_limit_error", "queue_full", message, "queue_full", None,
-            exc.retry_after_s, snap,
-        )  # fmt: skip
-    if isinstance(exc, QueueTimeout):
-        message = f"request waited longer than QUEUE_TIMEOUT for a free slot ({counts})"
-        return Refusal(
-            503, "unavailable_error", "queue_timeout", message, "queue_timeout", None,
-            exc.retry_after_s, snap,
-        )  # fmt: skip
-    if isinstance(exc, TenantTooLarge):
-        message = (
-            f"request needs {exc.weight} slots but tenant {exc.tenant} may hold at most "
-            f"{exc.limit} at once (max_active={exc.limit}); ask for fewer choices (n) or send "
-            "fewer prompts in one request"
-        )
-        return Refusal(400, "invalid_request_error", "too_many_slots", message, "bad_request", "n")
-    if isinstance(exc, TooLarge):
-        message = (
-            f"request needs {exc.weight} slots but llama-server has {exc.largest}; "
-            "ask for fewer choices (n)"
-        )
-        return Refusal(400, "invalid_request_error", "too_many_slots", message, "bad_request", "n")
-    if isinstance(exc, ShuttingDown):
-        return Refusal(
-            503, "unavailable_error", "shutting_down", "slotgate is shutting down; retry shortly",
-            "upstream_unavailable", None, exc.retry_after_s, snap,
-        )  # fmt: skip
-    assert isinstance(exc, NotReady)  # noqa: S101 - the hierarchy is closed
-    return Refusal(
-        503, "unavailable_error", "upstream_not_ready",
-        "llama-server is not ready (starting, loading the model or unreachable); retry shortly",
-        "upstream_unavailable", None, exc.retry_after_s, snap,
-    )  # fmt: skip
-
-
-def admission_body(snapshot: Snapshot, retry_after_s: float | None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "capacity": snapshot.capacity,
-        "active": snapshot.active,
-        "queued": snapshot.queued,
-        "free": snapshot.free,
-        "queue_limit": snapshot.queue_limit,
-    }
-    if snapshot.budget_tokens is not None:
-        body["budget_tokens"] = snapshot.budget_tokens
-        body["committed_tokens"] = snapshot.committed_tokens
-        body["free_tokens"] = snapshot.free_tokens
-    if snapshot.tenant is not None:
-        own = snapshot.tenant
-        body["tenant"] = {"name": own.name, "active": own.active, "queued": own.queued}
-    if retry_after_s is not None:
-        body["retry_after_s"] = round(retry_after_s, 3)
-    return body
-
-
-def error_object(r: Refusal, flavor: Flavor) -> dict[str, Any]:
-    if flavor == "anthropic":
-        anthropic_type = {
-            "rate_limit_error": "rate_limit_error",
-            "unavailable_error": "overloaded_error",
-            "server_error": "api_error",
-            "not_found_error": "not_found_error",
-        }.get(r.type, r.type)
-        inner: dict[str, Any] = {"type": anthropic_type, "message": r.message, "code": r.code}
-    else:
-        inner = {"message": r.message, "type": r.type, "code": r.code, "param": r.param}
-    if r.extra is not None:
-        inner.update(r.extra)
-    if r.snapshot is not None:
-        inner["admission"] = admission_body(r.snapshot, r.retry_after_s)
-    if flavor == "anthropic":
-        return {"type": "error", "error": inner}
-    return {"error": inner}
-
-
-def retry_headers(retry_after_s: float | None) -> Headers:
-    """Retry-After in whole seconds, rounded half up to the nearest (at least 1), so that it
-    is within half a second of retry-after-ms, which carries the estimate to the millisecond.
-    """
-    if retry_after_s is None:
-        return []
-    return [
-        (b"retry-after", str(max(1, math.floor(retry_after_s + 0.5))).encode()),
-        (b"retry-after-ms", str(max(1, round(retry_after_s * 1000))).encode()),
-        (b"x-should-retry", b"true"),
-    ]
-
-
-def render(r: Refusal, flavor: Flavor) -> tuple[int, Headers, bytes]:
-    """Status, headers and body of a complete error answer."""
-    body = orjson.dumps(error_object(r, flavor))
-    headers: Headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *retry_headers(r.retry_after_s),
-    ]
-    return r.status, headers, body
-
-
-def stream_event(r: Refusal, flavor: Flavor) -> bytes:
-    """The same error as an SSE event, for a stream whose head has already gone out.
-
-    The OpenAI shape mirrors llama-server's own in-stream error (`data: {"error": ...}`);
-    Anthropic clients expect an `event: error` line.
-    """
-    payload = orjson.dumps(error_object(r, flavor)).decode()
-    if flavor == "anthropic":
-        return f"event: error\ndata: {payload}\n\n".encode()
-    return f"data: {payload}\n\n".encode()
+    return Refusal(status, _BAD, code, message, "bad_request")

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from slotgate.asgi import Message, Receive, Scope, Send
-from slotgate.errors import BadRequest, GateError, refusal, render, route_refusal
+from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
+from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
 from slotgate.proxy.request import id_headers, request_id
 from slotgate.settings import Settings
@@ -69,8 +70,8 @@ class Service:
         self.settings = settings
         self.admission = Admission(
             settings.queue_policy,
-            queue_timeout_s=settings.queue_timeout,
-            startup_wait_s=settings.startup_wait,
+            queue_timeout_s=settings.queue_timeout_s,
+            startup_wait_s=settings.startup_wait_s,
             epsilon=settings.routing_epsilon,
         )
         self.fleet = Fleet(settings, self.admission, resolver)
@@ -280,7 +281,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
 
     @app.get("/admission", dependencies=[Depends(authorized)])
     async def admission() -> dict[str, Any]:
-        """The live pool: capacity, active, queued, free, queue_limit and the upstream."""
+        """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
         return service.snapshot()
 
     @app.get("/metrics", dependencies=[Depends(authorized)])

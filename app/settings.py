@@ -5,14 +5,22 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+from slotgate.errors import InvalidTenantsFile
 from slotgate.gate.admission import QueuePolicy
-from slotgate.gate.tenants import InvalidTenantsFile, roster
+from slotgate.gate.tenants import roster
 
 MIB = 1024 * 1024
 
@@ -27,6 +35,43 @@ ENGINE_VARIABLES = {
         "$XDG_CACHE_HOME/slotgate, else ~/.cache/slotgate",
     ),
 }
+
+#: Variables renamed to carry their unit, by their old names. An old name is still read when
+#: the new one is not set (anywhere), and start-up names it in a warning (see `renamed`).
+RENAMED = {
+    "QUEUE_TIMEOUT": "QUEUE_TIMEOUT_S",
+    "STARTUP_WAIT": "STARTUP_WAIT_S",
+    "KEEPALIVE_INTERVAL": "KEEPALIVE_INTERVAL_S",
+    "STREAM_HEAD_AFTER": "STREAM_HEAD_AFTER_S",
+    "PROPS_REFRESH_INTERVAL": "PROPS_REFRESH_INTERVAL_S",
+    "UPSTREAM_STALL_TIMEOUT": "UPSTREAM_STALL_TIMEOUT_S",
+    "DRAIN_TIMEOUT": "DRAIN_TIMEOUT_S",
+    "REDIS_TIMEOUT": "REDIS_TIMEOUT_S",
+    "REDIS_TTL": "REDIS_TTL_S",
+}
+
+
+class _OldNames(PydanticBaseSettingsSource):
+    """The renamed variables under their old names, from the environment, else from the
+    .env file; ranked below both, so that a new name set anywhere wins."""
+
+    def __init__(self, settings_cls: type[BaseSettings], *sources: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        # An EnvSettingsSource (the .env one too) holds every variable it read, lower-cased.
+        self._read = [
+            source.env_vars for source in sources if isinstance(source, EnvSettingsSource)
+        ]
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads them all at once
+
+    def __call__(self) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for old, new in RENAMED.items():
+            values = [value for read in self._read if (value := read.get(old.lower()))]
+            if values:
+                found[new.lower()] = values[0]
+        return found
 
 
 class Settings(BaseSettings):
@@ -74,30 +119,30 @@ class Settings(BaseSettings):
         ge=0,
         description="Floor under QUEUE_PER_SLOT x slots (default 64 with the default multiplier).",
     )
-    queue_timeout: float = Field(
+    queue_timeout_s: float = Field(
         0.0,
         ge=0,
         le=86400,
         description="Seconds a request may wait in the queue; 0 = indefinitely.",
     )
-    startup_wait: float = Field(
+    startup_wait_s: float = Field(
         30.0,
         ge=0,
         le=3600,
         description="Seconds a request may wait in the queue while llama-server starts or restarts "
         "(its slot count unknown); 0 = answer 503 at once.",
     )
-    keepalive_interval: float = Field(
+    keepalive_interval_s: float = Field(
         5.0, ge=0, le=3600, description="Seconds between SSE comments to a waiting stream; 0 = off."
     )
-    stream_head_after: float = Field(
+    stream_head_after_s: float = Field(
         10.0,
         ge=0,
         le=3600,
         description="Seconds a streamed request waits in the queue before it gets its 200 head and "
         "keep-alive comments (until then a refusal keeps its status); 0 = at once.",
     )
-    props_refresh_interval: float = Field(
+    props_refresh_interval_s: float = Field(
         10.0, gt=0, le=3600, description="Seconds between reads of llama-server's /props."
     )
     kv_budget_tokens: int | None = Field(
@@ -134,7 +179,7 @@ class Settings(BaseSettings):
         description="Total bytes of generation request bodies not yet admitted (being read, "
         "parsed or waiting in the queue); past it 429 queue_bytes_full; 0 = unbounded.",
     )
-    upstream_stall_timeout: float = Field(
+    upstream_stall_timeout_s: float = Field(
         600.0,
         ge=0,
         le=86400,
@@ -143,7 +188,7 @@ class Settings(BaseSettings):
     head_timeout_s: float = Field(
         10.0, ge=0, le=3600, description="Seconds a request head may take to arrive; 0 = forever."
     )
-    drain_timeout: float = Field(
+    drain_timeout_s: float = Field(
         30.0, ge=0, le=3600, description="Seconds running streams may finish after SIGTERM."
     )
     stream_upstream: bool = Field(
@@ -172,14 +217,14 @@ class Settings(BaseSettings):
         description="Name of the line in Redis: the replicas in front of the same llama-servers "
         "share one.",
     )
-    redis_timeout: float = Field(
+    redis_timeout_s: float = Field(
         0.25,
         gt=0,
         le=10,
         description="Seconds a Redis call may take before this replica falls back "
         "(REDIS_FAILURE_MODE).",
     )
-    redis_ttl: float = Field(
+    redis_ttl_s: float = Field(
         3.0,
         ge=0.3,
         le=300,
@@ -190,6 +235,18 @@ class Settings(BaseSettings):
         "info", description="Log level."
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        old_names = _OldNames(settings_cls, env_settings, dotenv_settings)
+        return init_settings, env_settings, dotenv_settings, old_names, file_secret_settings
 
     @field_validator("llama_server_url")
     @classmethod
@@ -293,7 +350,34 @@ def export_engine_variables(env_file: Path | str = ".env") -> None:
 
 
 def _known() -> list[str]:
-    return [name.upper() for name in Settings.model_fields] + list(ENGINE_VARIABLES)
+    return [name.upper() for name in Settings.model_fields] + list(ENGINE_VARIABLES) + list(RENAMED)
+
+
+def _set(env_file: Path | str) -> tuple[set[str], set[str]]:
+    """The variables set (not empty) in the environment, and in `env_file`, upper-cased."""
+    environment = {key.upper() for key, value in os.environ.items() if value}
+    in_file = {key.upper() for key, value in dotenv_values(env_file).items() if value}
+    return environment, in_file
+
+
+def renamed(env_file: Path | str = ".env") -> list[str]:
+    """A warning for each variable set under its old name (see RENAMED), in the environment
+    or in `env_file`, naming the new one."""
+    environment, in_file = _set(env_file)
+    said = []
+    for old, new in RENAMED.items():
+        if old not in environment | in_file:
+            continue
+        where = "the environment" if old in environment else str(env_file)
+        if new in environment | in_file:
+            said.append(
+                f"{old} (in {where}) is ignored: {new}, its new name, is set too; remove {old}"
+            )
+        else:
+            said.append(
+                f"{old} (in {where}) is deprecated: rename it {new} (read as {new} meanwhile)"
+            )
+    return said
 
 
 #: Names other programs commonly read from the environment that are also near misses of a
@@ -320,7 +404,7 @@ def near_miss(name: str) -> str | None:
         if letters == theirs or (
             min(len(letters), len(theirs)) >= _NEAR_MISS_LETTERS and _one_edit(letters, theirs)
         ):
-            return setting
+            return RENAMED.get(setting, setting)
     return None
 
 
@@ -382,14 +466,16 @@ def describe(error: ValidationError, env_file: Path | str = ".env") -> str:
     there rather than the environment) and what is accepted."""
     first = error.errors()[0]
     name = str(first["loc"][0]).upper() if first["loc"] else "configuration"
+    environment, in_file = _set(env_file)
+    old = {new: old for old, new in RENAMED.items()}.get(name)
+    if old is not None and name not in environment | in_file and old in environment | in_file:
+        name = old  # the value came under the old name: name the variable the user set
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f"={value!s}"
     if name in ("LLAMA_API_KEY", "API_KEYS") or (
         name in ("LLAMA_SERVER_URL", "REDIS_URL") and "@" in shown
     ):
         shown = ""  # a secret, or a URL that may carry one
-    in_environment = any(key.upper() == name for key, text in os.environ.items() if text)
-    in_file = any(key.upper() == name for key in dotenv_values(env_file))
-    where = f" in {env_file}" if in_file and not in_environment else ""
+    where = f" in {env_file}" if name in in_file and name not in environment else ""
     message = str(first["msg"]).removeprefix("Value error, ")  # pydantic's, for a ValueError
     return f"slotgate: invalid {name}{shown}{where}: {message}"

@@ -25,7 +25,8 @@ import httpx
 import orjson
 import uvicorn
 from slotgate.cli import uvicorn_config
-from slotgate.engine.local import LocalEngine, demo_model
+from slotgate.engine.model import demo_model
+from slotgate.engine.process import LocalEngine
 from slotgate.intake.cost import estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.main import Service, create_app
@@ -84,7 +85,7 @@ async def engine_and_gates(**budgets: int) -> AsyncIterator[tuple[str, dict[str,
             settings = Settings(_env_file=None, llama_server_url=engine.url,
                                 kv_budget_tokens=budget if budget >= 0 else None,
                                 log_level="error",
-                                keepalive_interval=0, host="127.0.0.1", port=0)  # fmt: skip
+                                keepalive_interval_s=0, host="127.0.0.1", port=0)  # fmt: skip
             app = create_app(settings)
             server = uvicorn.Server(uvicorn_config(app, settings))
             task = asyncio.create_task(server.serve())

@@ -192,7 +192,7 @@ def serve(
     swa_full: bool = False,
 ) -> None:
     import xllamacpp
-    from slotgate.engine.local import demo_model
+    from slotgate.engine.model import demo_model
 
     # Several engines start at once (bench.fleet): the demo's own assembly writes under a
     # temporary name and renames, where the package's assemble() lets one engine read the

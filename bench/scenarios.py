@@ -54,6 +54,9 @@ class Sizes:
     stream_throughput_delay_s: float = 0.001
     storm_clients: int = 1000
     storm_queue: int = 64
+    # The open loop's offered rate of refused requests per second; 0: half the closed loop's
+    # rate. Set it to compare two trees at one offered load (their closed-loop rates differ).
+    storm_rate: float = 0.0
     handoff_clients: int = 16
     handoff_hold_s: float = 0.002
     waiters: int = 10_000
@@ -276,7 +279,7 @@ def storm(ctx: Context) -> dict[str, Any]:
                 closed = await closed_loop(server.port, raw, sizes.storm_clients, sizes.duration_s)
                 cpu = server.cpu_s() - cpu_before
                 rate = closed.statuses[429] / closed.duration_s
-                offered = max(rate * 0.5, 1.0)
+                offered = sizes.storm_rate or max(rate * 0.5, 1.0)
                 opened, starved = await loadgen.open_loop(
                     server.port, raw, sizes.storm_clients, offered, sizes.duration_s
                 )

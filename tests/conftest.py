@@ -252,8 +252,8 @@ async def start_gate(standin: StandIn) -> AsyncIterator[GateFactory]:
 
     async def start(*, ready: bool = True, **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
-            "llama_server_url": standin.url, "props_refresh_interval": 0.2,
-            "keepalive_interval": 0, "log_level": "warning",
+            "llama_server_url": standin.url, "props_refresh_interval_s": 0.2,
+            "keepalive_interval_s": 0, "log_level": "warning",
         }  # fmt: skip
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))

@@ -212,16 +212,30 @@ def test_the_demo_on_a_busy_port_fails_before_it_touches_its_model(
     assert not cache.exists()  # the model was not even assembled
 
 
-def test_a_misspelt_dotenv_key_is_warned_about_naming_the_right_one(
-    busy_port: int, tmp_path: Path
+@pytest.mark.parametrize(
+    ("dotenv", "warning"),
+    [
+        (
+            "QUEUES_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n",
+            ".env sets QUEUES_PER_SLOTS, which slotgate does not read; "
+            "did you mean QUEUE_PER_SLOT?",
+        ),
+        (
+            "DRAIN_TIMEOUT=4\n",
+            "DRAIN_TIMEOUT (in .env) is deprecated: rename it DRAIN_TIMEOUT_S "
+            "(read as DRAIN_TIMEOUT_S meanwhile)",
+        ),
+    ],
+    ids=["misspelt", "renamed"],
+)
+def test_a_misspelt_or_renamed_dotenv_key_is_warned_about_naming_the_right_one(
+    busy_port: int, tmp_path: Path, dotenv: str, warning: str
 ) -> None:
-    (tmp_path / ".env").write_text("QUEUES_PER_SLOTS=4\nLLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=x\n")
+    (tmp_path / ".env").write_text(dotenv)
     result = run({"PORT": str(busy_port)}, cwd=tmp_path)  # stops right after the warnings
     warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
     assert len(warnings) == 1
-    assert warnings[0].endswith(
-        ".env sets QUEUES_PER_SLOTS, which slotgate does not read; did you mean QUEUE_PER_SLOT?"
-    )
+    assert warnings[0].endswith(warning)
 
 
 def test_the_engine_s_variables_are_read_from_dotenv_too(tmp_path: Path) -> None:
@@ -275,7 +289,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
     port = free_port()
     env = {
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url,
-        "PROPS_REFRESH_INTERVAL": "0.2", "DRAIN_TIMEOUT": "1", "LOG_LEVEL": "warning",
+        "PROPS_REFRESH_INTERVAL_S": "0.2", "DRAIN_TIMEOUT_S": "1", "LOG_LEVEL": "warning",
         **getattr(request, "param", {}),
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
@@ -299,7 +313,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
 async def test_sigterm_lets_running_streams_finish_then_exits_zero(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, within DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, within DRAIN_TIMEOUT_S=1
     async with (
         httpx.AsyncClient(timeout=10) as client,
         client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
@@ -319,7 +333,7 @@ async def test_sigterm_lets_running_streams_finish_then_exits_zero(
 async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT_S=1
     async with (
         httpx.AsyncClient(timeout=20) as client,
         client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
@@ -349,7 +363,7 @@ async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
 async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_refused(
     slotgate: Process, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, well within DRAIN_TIMEOUT=1
+    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, well within DRAIN_TIMEOUT_S=1
     seen: list[int] = []
     limits = httpx.Limits(max_keepalive_connections=0)  # each probe a new connection
     async with (
@@ -582,7 +596,7 @@ def test_gpus_alone_start_one_replica_for_each() -> None:
 def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slotgate.engine.local import LocalFleet
+    from slotgate.engine.engines import Engines
 
     from tests.support.fake_engine import health, running
 
@@ -591,10 +605,10 @@ def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
         monkeypatch.setenv(name, env[name])
     monkeypatch.delenv("LLAMA_SERVER_URL", raising=False)
     monkeypatch.chdir(tmp_path)
-    seen: list[tuple[Settings, LocalFleet, list[int]]] = []
+    seen: list[tuple[Settings, Engines, list[int]]] = []
 
-    def serve(settings: Settings, fleet: LocalFleet, sockets: object) -> int:
-        seen.append((settings, fleet, [health(url) for url in fleet.urls]))
+    def serve(settings: Settings, local: Engines, sockets: object) -> int:
+        seen.append((settings, local, [health(url) for url in local.urls]))
         return 0
 
     monkeypatch.setattr(cli, "serve", serve)
@@ -602,12 +616,12 @@ def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
 
     assert cli.main(["--model", str(model), "--replicas", "3", "--threads", "1"]) == 0
 
-    [(settings, fleet, statuses)] = seen
-    assert settings.llama_server_url == ",".join(fleet.urls)
-    assert len(set(fleet.urls)) == 3
+    [(settings, local, statuses)] = seen
+    assert settings.llama_server_url == ",".join(local.urls)
+    assert len(set(local.urls)) == 3
     assert statuses == [200, 200, 200]
     assert settings.kv_budget_tokens == 0  # each engine's, as with one
-    pids = [engine.pid for engine in fleet.engines]
+    pids = [engine.pid for engine in local]
     assert None not in pids
     assert not [pid for pid in pids if pid is not None and running(pid)]
 
@@ -619,16 +633,17 @@ def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
     caplog: pytest.LogCaptureFixture,
     together: bool,
 ) -> None:
-    from slotgate.engine.local import LocalEngine, LocalFleet
+    from slotgate.engine.engines import Engines
+    from slotgate.engine.process import LocalEngine
 
     model, _, env = fake_engine_env(tmp_path, "serve")
     for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
         monkeypatch.setenv(name, env[name])
-    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+    local = Engines.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
                                  threads=1, replicas=2)  # fmt: skip
     # A gate without upstreams: what it tells them is another test's.
     gate = cast("Service", SimpleNamespace(fleet=SimpleNamespace(upstreams=[])))
-    server = cli.Server(uvicorn.Config(lambda: None), gate, fleet)
+    server = cli.Server(uvicorn.Config(lambda: None), gate, local)
 
     def die(*engines: LocalEngine) -> list[str]:
         """Kill the engines, then let slotgate look once they have all ended."""
@@ -640,24 +655,24 @@ def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
             assert time.monotonic() < deadline
             time.sleep(0.02)
         caplog.clear()
-        server._watch(fleet)
+        server._watch(local)
         return [r.getMessage() for r in caplog.records]
 
     try:
-        fleet.start()
+        local.start()
         with caplog.at_level(logging.ERROR, logger="slotgate"):
             if together:
-                said = die(*fleet.engines)
+                said = die(*local)
             else:
-                said = die(fleet.engines[0])
+                said = die(local[0])
                 assert not server.should_exit
-                said += die(fleet.engines[1])
+                said += die(local[1])
     finally:
-        fleet.stop()
+        local.stop()
     assert said == [
-        f"local llama.cpp engine 1 of 2 at {fleet.urls[0]} was killed by SIGKILL; "
+        f"local llama.cpp engine 1 of 2 at {local.urls[0]} was killed by SIGKILL; "
         "slotgate serves on the other 1",
-        f"local llama.cpp engine 2 of 2 at {fleet.urls[1]} was killed by SIGKILL, the last "
+        f"local llama.cpp engine 2 of 2 at {local.urls[1]} was killed by SIGKILL, the last "
         "one; slotgate stops",
     ]
     assert server.should_exit
@@ -669,7 +684,7 @@ def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_
 ) -> None:
     model, _, env = fake_engine_env(tmp_path, "serve")
     port = free_port()
-    env.update(PORT=str(port), PROPS_REFRESH_INTERVAL="0.2", LOG_LEVEL="warning")
+    env.update(PORT=str(port), PROPS_REFRESH_INTERVAL_S="0.2", LOG_LEVEL="warning")
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "slotgate.log"
 
@@ -780,31 +795,31 @@ def test_a_misspelt_setting_in_the_environment_stops_start_up_with_one_line(
 async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slotgate.engine.local import LocalFleet
+    from slotgate.engine.engines import Engines
 
     model, _, env = fake_engine_env(tmp_path, "serve")
     for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
         monkeypatch.setenv(name, env[name])
-    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+    local = Engines.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
                                  threads=1, replicas=2)  # fmt: skip
-    fleet.start()
+    local.start()
     gate = None
     try:
         # No /props read for a minute: whatever changes readiness is the engine's death.
-        settings = Settings(_env_file=None, llama_server_url=",".join(fleet.urls),
-                            props_refresh_interval=60, log_level="error")  # fmt: skip
+        settings = Settings(_env_file=None, llama_server_url=",".join(local.urls),
+                            props_refresh_interval_s=60, log_level="error")  # fmt: skip
         gate = await serve(settings)
         await gate.until(lambda: gate is not None and gate.service.admission.capacity == 2)
-        server = cli.Server(uvicorn.Config(lambda: None), gate.service, fleet)
-        dead = fleet.engines[0]
+        server = cli.Server(uvicorn.Config(lambda: None), gate.service, local)
+        dead = local[0]
         assert dead.pid is not None
         os.kill(dead.pid, signal.SIGKILL)
         async with asyncio.timeout(10):
             while dead.poll() is None:
                 await asyncio.sleep(0.02)
-        server._watch(fleet)
+        server._watch(local)
         assert gate.service.admission.capacity == 1
-        (lost,) = [u for u in gate.service.fleet.upstreams if u.url == fleet.urls[0]]
+        (lost,) = [u for u in gate.service.fleet.upstreams if u.url == local.urls[0]]
         assert not lost.ready
         assert "killed by SIGKILL" in lost.reason
         async with httpx.AsyncClient() as client:
@@ -813,4 +828,4 @@ async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_on
     finally:
         if gate is not None:
             await gate.stop()
-        fleet.stop()
+        local.stop()

@@ -265,7 +265,7 @@ def test_the_fleet_s_gpu_lines_give_each_llama_server_a_gpu_of_its_own(tmp_path:
 
 
 def test_compose_waits_longer_than_slotgates_drain_before_killing_it() -> None:
-    drain_s = Settings.model_fields["drain_timeout"].default
+    drain_s = Settings.model_fields["drain_timeout_s"].default
     for path in (COMPOSE, SIDECAR, FLEET):
         grace = service(path, "slotgate")["stop_grace_period"]
         assert seconds(default(grace)) > drain_s, path.name
@@ -437,7 +437,7 @@ def test_the_balancer_relays_streams_unbuffered_and_passes_slotgate_s_answers_th
     assert not balancer("proxy_ignore_headers")
     # A request waits in the line and generates with nothing sent: slotgate bounds that itself.
     (read_timeout,) = balancer("proxy_read_timeout")
-    assert seconds(read_timeout[0]) > Settings.model_fields["upstream_stall_timeout"].default
+    assert seconds(read_timeout[0]) > Settings.model_fields["upstream_stall_timeout_s"].default
     # slotgate's body limit answers first, in the API's error shape.
     (body,) = balancer("client_max_body_size", "server")
     assert nginx_bytes(body[0]) == Settings.model_fields["max_body_bytes"].default

@@ -210,12 +210,12 @@ def test_the_minute_of_slot_time_counts_each_tenants_part_and_forgets_what_is_ol
 async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
     one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot(10_000, queue_timeout=0.3)
+    gate = await one_slot(10_000, queue_timeout_s=0.3)
     pool = gate.service.admission
     holder = asyncio.create_task(client.post(gate.url + ROUTE, json=chat(stream=True)))
     try:
         await gate.until(lambda: pool.active == 1)
-        # One waits out QUEUE_TIMEOUT, one gives up while waiting.
+        # One waits out QUEUE_TIMEOUT_S, one gives up while waiting.
         timed_out = await client.post(gate.url + ROUTE, json=chat())
         assert timed_out.status_code == 503
         leaver = asyncio.create_task(client.post(gate.url + ROUTE, json=chat()))
@@ -234,7 +234,7 @@ async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
     timeout = 'slotgate_queue_wait_seconds_count{family="chat",outcome="queue_timeout"}'
     assert sample(text, timeout) == 1
     assert sample(text, counts) == 1
-    # The one that timed out waited its QUEUE_TIMEOUT: it is past the 0.25 s bucket.
+    # The one that timed out waited its QUEUE_TIMEOUT_S: it is past the 0.25 s bucket.
     bucket = 'slotgate_queue_wait_seconds_bucket{family="chat",le="0.25",outcome="queue_timeout"}'
     assert sample(text, bucket) == 0
     # An outcome nobody has had yet has no series; admitted is there from the start.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from slotgate.settings import Settings, describe, misspelt, mistyped, near_miss
+from slotgate.settings import RENAMED, Settings, describe, misspelt, mistyped, near_miss, renamed
 
 
 def test_defaults_match_the_documented_ones() -> None:
@@ -12,9 +12,9 @@ def test_defaults_match_the_documented_ones() -> None:
     assert settings.llama_server_url == "http://127.0.0.1:8080"
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
     assert settings.queue_policy.limit(2) == 64
-    assert settings.queue_timeout == 0
-    assert settings.keepalive_interval == 5
-    assert settings.props_refresh_interval == 10
+    assert settings.queue_timeout_s == 0
+    assert settings.keepalive_interval_s == 5
+    assert settings.props_refresh_interval_s == 10
     assert settings.admission_control is True
     assert settings.api_keys == ()
     assert settings.max_body_bytes == 32 * 1024 * 1024
@@ -25,13 +25,13 @@ def test_environment_and_dotenv_are_read(
 ) -> None:
     env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text("MAX_QUEUE=7\nAPI_KEYS= a, b ,,\nLLAMA_SERVER_URL=http://llama:8080/\n")
-    monkeypatch.setenv("QUEUE_TIMEOUT", "2.5")
+    monkeypatch.setenv("QUEUE_TIMEOUT_S", "2.5")
     monkeypatch.setenv("LOG_LEVEL", "DEBUG")
     settings = Settings(_env_file=env)
     assert settings.max_queue == 7
     assert settings.api_keys == ("a", "b")
     assert settings.llama_server_url == "http://llama:8080"
-    assert settings.queue_timeout == 2.5
+    assert settings.queue_timeout_s == 2.5
     assert settings.log_level == "debug"
 
 
@@ -47,9 +47,9 @@ def test_empty_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
         ("QUEUE_PER_SLOT", "lots", "QUEUE_PER_SLOT=lots"),
         ("MIN_QUEUE", "-5", "MIN_QUEUE=-5"),
         ("PORT", "70000", "PORT=70000"),
-        ("QUEUE_TIMEOUT", "-1", "QUEUE_TIMEOUT=-1"),
-        ("KEEPALIVE_INTERVAL", "soon", "KEEPALIVE_INTERVAL=soon"),
-        ("PROPS_REFRESH_INTERVAL", "0", "PROPS_REFRESH_INTERVAL=0"),
+        ("QUEUE_TIMEOUT_S", "-1", "QUEUE_TIMEOUT_S=-1"),
+        ("KEEPALIVE_INTERVAL_S", "soon", "KEEPALIVE_INTERVAL_S=soon"),
+        ("PROPS_REFRESH_INTERVAL_S", "0", "PROPS_REFRESH_INTERVAL_S=0"),
         ("ADMISSION_CONTROL", "maybe", "ADMISSION_CONTROL=maybe"),
         ("MAX_BODY_BYTES", "0", "MAX_BODY_BYTES=0"),
         ("LLAMA_SERVER_URL", "localhost:8080", "LLAMA_SERVER_URL=localhost:8080"),
@@ -59,11 +59,11 @@ def test_empty_values_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
         ("LLAMA_SERVER_URL", "http://llama:8080?x=1", "query"),
         ("LOG_LEVEL", "loud", "LOG_LEVEL=loud"),
         ("LOG_FORMAT", "xml", "LOG_FORMAT=xml"),
-        ("DRAIN_TIMEOUT", "1e9", "DRAIN_TIMEOUT"),
-        ("DRAIN_TIMEOUT", "nan", "DRAIN_TIMEOUT=nan: Input should be a finite number"),
-        ("QUEUE_TIMEOUT", "inf", "QUEUE_TIMEOUT=inf: Input should be a finite number"),
-        ("UPSTREAM_STALL_TIMEOUT", "-inf", "finite number"),
-        ("KEEPALIVE_INTERVAL", "NaN", "finite number"),
+        ("DRAIN_TIMEOUT_S", "1e9", "DRAIN_TIMEOUT_S"),
+        ("DRAIN_TIMEOUT_S", "nan", "DRAIN_TIMEOUT_S=nan: Input should be a finite number"),
+        ("QUEUE_TIMEOUT_S", "inf", "QUEUE_TIMEOUT_S=inf: Input should be a finite number"),
+        ("UPSTREAM_STALL_TIMEOUT_S", "-inf", "finite number"),
+        ("KEEPALIVE_INTERVAL_S", "NaN", "finite number"),
     ],
 )
 def test_a_bad_value_is_described_in_one_line_naming_the_variable(
@@ -197,7 +197,7 @@ def test_redis_settings_accept_the_urls_valkey_takes_and_refuse_a_fleet_name_wit
         ("MAXQUEUE", "MAX_QUEUE"),
         ("max_queu", None),  # too short a name for a letter off to be sure
         ("Queue_Per_Slots", "QUEUE_PER_SLOT"),
-        ("QUEUE_TIMOEUT", "QUEUE_TIMEOUT"),
+        ("QUEUE_TIMOEUT", "QUEUE_TIMEOUT_S"),
         ("LLAMASERVERURL", "LLAMA_SERVER_URL"),
         ("KV_BUDGET_TOKEN", "KV_BUDGET_TOKENS"),
         ("MAX_QUEUE", None),  # read as it is
@@ -228,7 +228,7 @@ def test_a_misspelt_setting_in_the_environment_or_dotenv_is_one_line_naming_it(
     assert mistyped(env) is None
     env.write_text("QUEUETIMEOUT=5\n")
     assert mistyped(env) == (
-        f"slotgate: {env} sets QUEUETIMEOUT, but slotgate reads QUEUE_TIMEOUT: rename it "
+        f"slotgate: {env} sets QUEUETIMEOUT, but slotgate reads QUEUE_TIMEOUT_S: rename it "
         "(or unset it, if it is not meant for slotgate)"
     )
 
@@ -245,3 +245,51 @@ def test_loglevel_in_the_environment_is_left_to_the_programs_that_read_it_but_no
         f"slotgate: {env} sets LOGLEVEL, but slotgate reads LOG_LEVEL: rename it "
         "(or unset it, if it is not meant for slotgate)"
     )
+
+
+@pytest.mark.parametrize(("old", "new"), RENAMED.items())
+def test_a_renamed_setting_is_still_read_under_its_old_name_and_warned_about(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory, old: str, new: str
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    monkeypatch.setenv(old, "7")
+    assert getattr(Settings(_env_file=env), new.lower()) == 7
+    assert near_miss(old) is None  # a name slotgate reads, not a slip
+    assert mistyped(env) is None
+    assert renamed(env) == [
+        f"{old} (in the environment) is deprecated: rename it {new} (read as {new} meanwhile)"
+    ]
+
+
+def test_a_renamed_setting_under_its_new_name_wins_wherever_either_is_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    env.write_text("QUEUE_TIMEOUT_S=2\nREDIS_TTL=4\n")
+    monkeypatch.setenv("QUEUE_TIMEOUT", "9")
+    settings = Settings(_env_file=env)
+    assert settings.queue_timeout_s == 2
+    assert settings.redis_ttl_s == 4  # from .env, under its old name
+    assert renamed(env) == [
+        "QUEUE_TIMEOUT (in the environment) is ignored: QUEUE_TIMEOUT_S, its new name, is set "
+        "too; remove QUEUE_TIMEOUT",
+        f"REDIS_TTL (in {env}) is deprecated: rename it REDIS_TTL_S (read as REDIS_TTL_S "
+        "meanwhile)",
+    ]
+    assert misspelt(env) == []
+
+
+def test_a_bad_value_under_an_old_name_names_the_variable_as_it_was_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    env = tmp_path / ".env"  # type: ignore[operator]
+    env.write_text("STARTUP_WAIT=-1\n")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=env)
+    assert describe(caught.value, env) == (
+        f"slotgate: invalid STARTUP_WAIT=-1 in {env}: Input should be greater than or equal to 0"
+    )
+
+
+def test_a_near_miss_of_an_old_name_points_at_the_new_one() -> None:
+    assert near_miss("DRAINTIMEOUT") == "DRAIN_TIMEOUT_S"

@@ -43,7 +43,7 @@ async def test_soak_keeps_memory_descriptors_and_the_pool_flat(
     port = free_port()
     env = {
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": standin.url, "MAX_QUEUE": "16",
-        "PROPS_REFRESH_INTERVAL": "0.5", "LOG_LEVEL": "warning", "KEEPALIVE_INTERVAL": "0.5",
+        "PROPS_REFRESH_INTERVAL_S": "0.5", "LOG_LEVEL": "warning", "KEEPALIVE_INTERVAL_S": "0.5",
     }  # fmt: skip
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "slotgate", env=env)
     url = f"http://127.0.0.1:{port}"

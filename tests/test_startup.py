@@ -20,7 +20,7 @@ async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_serv
 ) -> None:
     standin.loading = True
     gate = await start_gate(
-        ready=False, props_refresh_interval=30, keepalive_interval=5, stream_head_after=0
+        ready=False, props_refresh_interval_s=30, keepalive_interval_s=5, stream_head_after_s=0
     )
     plain = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
@@ -43,7 +43,7 @@ async def test_past_the_startup_wait_the_request_gets_503_with_retry_after(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, startup_wait=0.3)
+    gate = await start_gate(ready=False, startup_wait_s=0.3)
     response = await client.post(gate.url + CHAT, json=chat())
     assert_not_ready(response)
     assert [seen.path for seen in standin.seen if seen.path == CHAT] == []
@@ -85,7 +85,7 @@ async def test_a_client_that_waits_for_health_then_generates_is_served_100_times
     standin.tokens, standin.token_delay_s = 2, 0.0
     # The default refresh interval: slotgate learns the slot count from the /health answer
     # it passes through, not from its timer.
-    gate = await start_gate(props_refresh_interval=10)
+    gate = await start_gate(props_refresh_interval_s=10)
     rng = random.Random(14)
     served = 0
     for _ in range(100):
@@ -112,7 +112,7 @@ async def test_a_trickle_of_requests_across_restarts_gets_no_503(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.tokens, standin.token_delay_s = 2, 0.005
-    gate = await start_gate(props_refresh_interval=10)
+    gate = await start_gate(props_refresh_interval_s=10)
     statuses: list[int] = []
     failures: list[bytes] = []
     cut = 0
@@ -150,7 +150,7 @@ async def test_an_admitted_stream_that_finds_llama_server_restarting_waits_under
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate(
-        props_refresh_interval=30, keepalive_interval=0.05, stream_head_after=0.2
+        props_refresh_interval_s=30, keepalive_interval_s=0.05, stream_head_after_s=0.2
     )
     standin.shutdown_timeout_s = 0.05
     await standin.stop()
@@ -176,12 +176,12 @@ async def test_a_llama_server_url_nobody_listens_on_is_refused_at_once_naming_it
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    gate = await start_gate(ready=False, llama_server_url=url, startup_wait=60)
+    gate = await start_gate(ready=False, llama_server_url=url, startup_wait_s=60)
     await gate.until(lambda: "refused" in gate.service.fleet.reason.lower())
     for body in (chat(), chat(stream=True)):
         started = time.monotonic()
         response = await client.post(gate.url + CHAT, json=body)
-        assert time.monotonic() - started < 10  # not STARTUP_WAIT's 60 s
+        assert time.monotonic() - started < 10  # not STARTUP_WAIT_S's 60 s
         assert response.status_code == 503
         assert response.headers["retry-after"] == "1"
         message = response.json()["error"]["message"]
@@ -203,7 +203,7 @@ async def test_a_llama_server_url_nobody_listens_on_is_refused_at_once_naming_it
 async def test_a_llama_server_that_was_up_and_went_away_is_still_waited_for(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate(startup_wait=60)
+    gate = await start_gate(startup_wait_s=60)
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
     await standin.stop()
     await gate.until(lambda: not gate.service.fleet.ready)
@@ -218,7 +218,7 @@ async def test_a_props_read_that_times_out_while_llama_server_answers_requests_l
     start_gate: GateFactory, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Read by hand below, not by the follower meanwhile.
-    gate = await start_gate(props_refresh_interval=3600)
+    gate = await start_gate(props_refresh_interval_s=3600)
     upstream = gate.service.upstream
     request = upstream._client.request
     served = asyncio.Event()
@@ -253,7 +253,7 @@ async def test_restart_with_another_parallel_is_followed(
     client: httpx.AsyncClient,
     start_upstreams: StartUpstreams,
 ) -> None:
-    gate = await start_gate(startup_wait=0)  # 503 at once while away (tests/test_startup.py)
+    gate = await start_gate(startup_wait_s=0)  # 503 at once while away (tests/test_startup.py)
     await standin.stop()
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 503
     await gate.until(lambda: not gate.service.upstream.ready)

@@ -31,6 +31,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from slotgate.errors import (
+    AdmissionError,
+    NotReady,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    TenantQueueFull,
+    TenantTooLarge,
+    TooLarge,
+)
 from slotgate.gate.fairline import FairLine, Share
 from slotgate.gate.routing import choose, stable_hash
 from slotgate.gate.tenants import EVERYONE, Tenant
@@ -83,54 +93,6 @@ class Snapshot:
         if self.budget_tokens is None:
             return None
         return max(self.budget_tokens - self.committed_tokens, 0)
-
-
-class AdmissionError(Exception):
-    """A request was not admitted; `snapshot` shows the pool at that moment."""
-
-    def __init__(self, snapshot: Snapshot, retry_after_s: float) -> None:
-        super().__init__(snapshot, retry_after_s)
-        self.snapshot = snapshot
-        self.retry_after_s = retry_after_s
-
-
-class NotReady(AdmissionError):
-    """The pool's capacity is not known yet (llama-server down, loading or restarting)."""
-
-
-class ShuttingDown(AdmissionError):
-    """The gate is draining for shutdown and takes no new work."""
-
-
-class QueueFull(AdmissionError):
-    """The line is at its limit."""
-
-
-class TenantQueueFull(QueueFull):
-    """The request's tenant has max_queued waiters in the line already; others still get in."""
-
-
-class QueueTimeout(AdmissionError):
-    """The request waited longer than the queue timeout."""
-
-
-class TooLarge(AdmissionError):
-    """The request needs more slots than the pool has, so it could never be admitted."""
-
-    def __init__(self, snapshot: Snapshot, weight: int, largest: int | None = None) -> None:
-        super().__init__(snapshot, 0.0)
-        self.weight = weight
-        #: The most slots one upstream has (a request runs in one): the fleet's, when one.
-        self.largest = snapshot.capacity if largest is None else largest
-
-
-class TenantTooLarge(TooLarge):
-    """The request needs more slots than its tenant may hold at once (its max_active)."""
-
-    def __init__(self, snapshot: Snapshot, weight: int, tenant: Tenant) -> None:
-        super().__init__(snapshot, weight)
-        self.tenant = tenant.name
-        self.limit = tenant.max_active
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +365,7 @@ class Ticket:
             if admission._capacity is None and (admission._startup_wait_s or self._known_by):
                 await admission._until_known(self)
             if admission._queue_timeout_s is None or self._known_by is not None:
-                # No scope at all without QUEUE_TIMEOUT (the default): an idle timeout scope
+                # No scope at all without QUEUE_TIMEOUT_S (the default): an idle timeout scope
                 # costs more than the whole hand-off it would wrap. A ticket sent back by its
                 # upstream waits at the head of the line, not under the queue timeout again.
                 await future

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slotgate.errors import InvalidTenantsFile
+
 log = logging.getLogger("slotgate")
 
 BATCH = 0
@@ -103,11 +105,6 @@ def credentials(authorization: bytes | None, api_key: bytes | None) -> bytes | N
         if scheme.lower() == b"bearer":
             presented = token.strip()
     return presented
-
-
-class InvalidTenantsFile(ValueError):
-    """API_KEYS_FILE cannot be used; the message is one line naming the file, the tenant and
-    the field."""
 
 
 class Roster:

@@ -27,7 +27,7 @@ from slotgate.intake.endpoints import (
     parse_json,
 )
 from slotgate.intake.pace import expected_hold_of
-from slotgate.proxy.assembly import streaming_request
+from slotgate.intake.rewrite import streaming_request
 
 #: Bodies above this go to the worker: at most ~15 ms of parsing stays on the loop.
 OFF_LOOP_BYTES = 1024 * 1024

@@ -11,16 +11,13 @@ import logging
 from collections.abc import Awaitable
 
 from slotgate.asgi import Headers, Send
-from slotgate.errors import Flavor, Refusal, render, stream_event
+from slotgate.errors import AnswerStarted, Flavor, Refusal
+from slotgate.proxy.refusals import render, stream_event
 
 log = logging.getLogger("slotgate.relay")
 
 _START = "http.response.start"
 _BODY = "http.response.body"
-
-
-class AnswerStarted(RuntimeError):
-    """A second head for an answer whose head went out already."""
 
 
 class Answer:

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from slotgate.intake.endpoints import Kind
+from slotgate.intake.rewrite import dump
 
 #: The most an assembled answer may take: the stream is held until its end, so past this the
 #: request is cut (its upstream connection closed) and answered 502, rather than holding
@@ -140,13 +141,13 @@ class Assembly:
         if self.error is not None:
             code = self.error.get("error", {}).get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
-            return status, _dump(self.error)
+            return status, dump(self.error)
         if self._native:
             answers = [a.result() for _, a in sorted(self._native_answers.items())] or [
                 _NativeAnswer(self._return_tokens).result()
             ]
             # As llama-server answers: one object for one prompt, else an array in prompt order.
-            return 200, _dump(answers[0] if len(answers) == 1 else answers)
+            return 200, dump(answers[0] if len(answers) == 1 else answers)
         answer: dict[str, Any] = {
             key: self._head[key]
             for key in ("id", "created", "model", "system_fingerprint")
@@ -155,7 +156,7 @@ class Assembly:
         answer["object"] = "chat.completion" if self._chat else "text_completion"
         answer["choices"] = [self._final(c) for _, c in sorted(self._choices.items())]
         answer.update(self._last)
-        return 200, _dump(answer)
+        return 200, dump(answer)
 
     def _final(self, choice: dict[str, Any]) -> dict[str, Any]:
         final: dict[str, Any] = {
@@ -212,40 +213,8 @@ class _NativeAnswer:
         return answer
 
 
-def streaming_body(body: bytes) -> bytes:
-    """The request body asking llama-server for a stream, with usage in its last events."""
-    return streaming_request(body)[0]
-
-
-def streaming_request(body: bytes) -> tuple[bytes, dict[str, Any]]:
-    """The body asking llama-server for a stream with usage in its last events (a
-    non-streamed answer always has usage, whatever `stream_options` says), and the payload."""
-    payload = orjson.loads(body)
-    asked = dict(payload)
-    asked["stream"] = True
-    options = payload.get("stream_options")
-    asked["stream_options"] = {
-        **(options if isinstance(options, dict) else {}),
-        "include_usage": True,
-    }
-    return _dump(asked), payload
-
-
 def _extend(into: dict[str, Any], logprobs: Any) -> None:
     if isinstance(logprobs, dict):
         for key, value in logprobs.items():
             if isinstance(value, list):
                 into.setdefault(key, []).extend(value)
-
-
-#: Up to this size a dump is copied out of orjson's buffer (see `_dump`); a copy this small
-#: costs less than a microsecond.
-_COPY_BELOW_BYTES = 64 * 1024
-
-
-def _dump(value: Any) -> bytes:
-    out = orjson.dumps(value)
-    # orjson hands back its whole write buffer, 4 KiB at the least, for a short output: a
-    # rewritten request body that waits in the queue would hold that much for its few bytes
-    # (measured: 4,089 B per waiter, half of slotgate's own share). Keep what was written.
-    return bytes(memoryview(out)) if len(out) < _COPY_BELOW_BYTES else out

@@ -47,7 +47,15 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from slotgate.asgi import Receive
-from slotgate.errors import BadRequest, GateError, HeadersTooLarge, refusal, render
+from slotgate.errors import (
+    BadRequest,
+    GateError,
+    HeadersTooLarge,
+    HeadTimeout,
+    UpgradeRefused,
+    refusal,
+)
+from slotgate.proxy.refusals import render
 from slotgate.proxy.request import id_headers, request_id
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -70,17 +78,6 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header 
 
 #: One pending sweep per server (uvicorn's ServerState), while it has connections.
 _sweeps: weakref.WeakKeyDictionary[ServerState, asyncio.TimerHandle] = weakref.WeakKeyDictionary()
-
-
-class UpgradeRefused(BadRequest):
-    code = "upgrade_not_supported"
-
-
-class HeadTimeout(GateError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-    reason = "bad_request"
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):

@@ -17,15 +17,21 @@ from urllib.parse import quote
 import orjson
 from slotgate.asgi import Headers, Message, Receive, Scope, Send
 from slotgate.errors import (
+    AdmissionError,
+    BodyTooLarge,
+    ClientGone,
+    ExchangeFailed,
     GateError,
+    NotReady,
     QueueBytesFull,
     Refusal,
+    TenantTooLarge,
     UpstreamFailed,
+    UpstreamStarting,
     UpstreamUnavailable,
     refusal,
-    stream_event,
 )
-from slotgate.gate.admission import Admission, AdmissionError, Claim, NotReady, TenantTooLarge
+from slotgate.gate.admission import Admission, Claim
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.logs import Client
@@ -35,8 +41,8 @@ from slotgate.proxy.access import OPEN_PATHS, Access
 from slotgate.proxy.answer import Answer
 from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES, Assembly
 from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
+from slotgate.proxy.refusals import stream_event
 from slotgate.proxy.request import (
-    ClientGone,
     Head,
     Request,
     checked_path,
@@ -45,10 +51,9 @@ from slotgate.proxy.request import (
     read_body,
 )
 from slotgate.settings import Settings
-from slotgate.upstreams.client import BodyTooLarge, ExchangeFailed, Response
+from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
 from slotgate.upstreams.fleet import Fleet
-from slotgate.upstreams.upstream import UpstreamStarting
 
 if TYPE_CHECKING:
     # Imported only with REDIS_URL set (app/main.py): without it no Redis code is loaded.
@@ -180,9 +185,9 @@ class Proxy:
         # waits, and the queue may be long.
         self._queue_body_bytes = settings.queue_body_bytes
         self._held_bytes = 0
-        self._keepalive_s = settings.keepalive_interval
-        self._head_after_s = settings.stream_head_after
-        self._startup_wait_s = settings.startup_wait
+        self._keepalive_s = settings.keepalive_interval_s
+        self._head_after_s = settings.stream_head_after_s
+        self._startup_wait_s = settings.startup_wait_s
         self._assemble = settings.stream_upstream
         # The request id llama-server logs is slotgate's: the client's own when it is valid.
         self._drop = {*_HOP_BY_HOP, b"x-request-id"}
@@ -380,7 +385,7 @@ class Proxy:
 
     async def _forward_when_up(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Forward; while llama-server is restarting (and did not take the request), keep the
-        slot and send it again once llama-server is back, within STARTUP_WAIT of the first
+        slot and send it again once llama-server is back, within STARTUP_WAIT_S of the first
         refusal (the restarted server runs it in one)."""
         back_by: float | None = None
         resent = False
@@ -436,7 +441,7 @@ class Proxy:
         return ticket.wait()
 
     async def _wait_streaming(self, request: Request, answer: Answer, ticket: Claim) -> None:
-        """Wait; once the wait has lasted STREAM_HEAD_AFTER, send the stream's head (unless it
+        """Wait; once the wait has lasted STREAM_HEAD_AFTER_S, send the stream's head (unless it
         went out) and tell the client where it stands every keep-alive interval.
 
         The head keeps clients and proxies with idle timeouts from cutting a long wait, but
@@ -756,7 +761,7 @@ class Proxy:
 
 def _upstream_failure(exc: BaseException) -> UpstreamFailed:
     if isinstance(exc, TimeoutError):
-        return UpstreamFailed("llama-server went silent for longer than UPSTREAM_STALL_TIMEOUT")
+        return UpstreamFailed("llama-server went silent for longer than UPSTREAM_STALL_TIMEOUT_S")
     if isinstance(exc, BodyTooLarge):
         return UpstreamFailed(f"llama-server's error could not be relayed: {exc}")
     return UpstreamFailed(f"llama-server broke off the response ({type(exc).__name__})")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from slotgate.asgi import Headers, Receive, Scope
-from slotgate.errors import BadRequest, Flavor, HeadersTooLarge, PayloadTooLarge
+from slotgate.errors import BadRequest, ClientGone, Flavor, HeadersTooLarge, PayloadTooLarge
 from slotgate.gate.admission import Claim
 from slotgate.gate.tenants import EVERYONE
 from slotgate.intake.cost import Estimate
@@ -36,10 +36,6 @@ _id_prefix = secrets.token_hex(4)
 DECIDING = frozenset({b"authorization", b"x-api-key", b"origin"})
 #: Shared by every request whose Connection header names nothing.
 _NONE_NAMED: frozenset[bytes] = frozenset()
-
-
-class ClientGone(Exception):
-    """The client closed its connection; nobody is left to answer."""
 
 
 class Request:

@@ -19,15 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from slotgate.gate.admission import (
-    Admission,
-    NotReady,
-    Pool,
-    ShuttingDown,
-    TenantTooLarge,
-    Ticket,
-    TooLarge,
-)
+from slotgate.errors import NotReady, ShuttingDown, TenantTooLarge, TooLarge
+from slotgate.gate.admission import Admission, Pool, Ticket
 from slotgate.gate.routing import score
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
@@ -157,7 +150,7 @@ class ReplicaTicket:
         local.release()
         self.rerouted = True
         # Sent back by its upstream: it waits at the head of the shared line, and is refused
-        # (NotReady) if no upstream is known by `known_by` (STARTUP_WAIT after the refusal).
+        # (NotReady) if no upstream is known by `known_by` (STARTUP_WAIT_S after the refusal).
         self._shared.reroute(known_by)
 
     def recost(self, cost: int) -> None:
@@ -198,14 +191,14 @@ class ReplicaAdmission:
             settings.redis_fleet,
             policy=settings.queue_policy,
             epsilon=settings.routing_epsilon,
-            queue_timeout_s=settings.queue_timeout or None,
-            timeout_s=settings.redis_timeout,
-            heartbeat_s=settings.redis_ttl / 3,
-            ttl_s=settings.redis_ttl,
+            queue_timeout_s=settings.queue_timeout_s or None,
+            timeout_s=settings.redis_timeout_s,
+            heartbeat_s=settings.redis_ttl_s / 3,
+            ttl_s=settings.redis_ttl_s,
             failure_mode=settings.redis_failure_mode,
         )
         self.failure_mode = settings.redis_failure_mode
-        self._timeout_s = settings.redis_timeout
+        self._timeout_s = settings.redis_timeout_s
         self._affinity = settings.routing == "affinity"
         #: The key, capacity and budget each pool is known by in Redis, as last told.
         self._told: dict[Pool, tuple[str, int | None, int | None]] = {}

@@ -53,18 +53,22 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
+from slotgate.errors import (
+    Down,
+    NotReady,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    Stale,
+    TenantQueueFull,
+    TooLarge,
+)
 from slotgate.gate.admission import (
     HOLD_EWMA_ALPHA,
     INITIAL_HOLD_S,
     RETRY_AFTER_CAP_S,
-    NotReady,
-    QueueFull,
     QueuePolicy,
-    QueueTimeout,
-    ShuttingDown,
     Snapshot,
-    TenantQueueFull,
-    TooLarge,
 )
 from slotgate.gate.fairline import Share
 from slotgate.replicas import lua as shared_lua
@@ -77,14 +81,6 @@ class Mode(enum.Enum):
     SHARED = "shared"
     #: Redis is away; the replica gates on its share (or refuses, with failure_mode "reject").
     DEGRADED = "degraded"
-
-
-class Down(Exception):
-    """Redis did not answer in time, or not at all."""
-
-
-class Stale(Exception):
-    """An answer from before a degrade or a rejoin: what it gave, the rejoin took back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1083,7 +1079,7 @@ class SharedAdmission:
             return
         shares = self._shares()
         if not shares:
-            # Cut off holding nothing: its waiters keep their places (QUEUE_TIMEOUT bounds
+            # Cut off holding nothing: its waiters keep their places (QUEUE_TIMEOUT_S bounds
             # them) for Redis to answer again, or for the keeping to run out.
             return
         largest = max(shares.values())
@@ -1135,7 +1131,6 @@ def _refused(exc: BaseException, closed: bool) -> bool:
 
 
 __all__ = [
-    "Down",
     "Fleet",
     "Mode",
     "SharedAdmission",

@@ -18,6 +18,14 @@ from typing import cast
 
 import httptools
 from slotgate.asgi import Header
+from slotgate.errors import (
+    BodyTooLarge,
+    ConnectFailed,
+    Disconnected,
+    ExchangeFailed,
+    ProtocolError,
+    Stalled,
+)
 
 #: Body bytes buffered from a connection before it stops reading from the socket; beyond this
 #: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
@@ -27,30 +35,6 @@ _SSE = "text/event-stream"
 #: few hundred bytes; this is slotgate's own bound on request heads (relay.MAX_HEADER_BYTES),
 #: and it is counted before the parser sees the bytes, so a huge head costs no more than this.
 MAX_HEAD_BYTES = 64 * 1024
-
-
-class ExchangeFailed(Exception):
-    """The exchange with the upstream failed."""
-
-
-class ConnectFailed(ExchangeFailed):
-    """No connection could be made (refused, unreachable, or too slow)."""
-
-
-class Disconnected(ExchangeFailed):
-    """The upstream closed the connection before the response was complete."""
-
-
-class ProtocolError(ExchangeFailed):
-    """The upstream answered something that is not HTTP/1.1."""
-
-
-class Stalled(ExchangeFailed, TimeoutError):
-    """The upstream sent nothing for longer than the stall timeout."""
-
-
-class BodyTooLarge(ExchangeFailed):
-    """A body read whole is longer than the caller's limit."""
 
 
 class _Surplus(Exception):
@@ -363,19 +347,19 @@ class Response:
                 raise conn.error
             await conn.wait(self._client.stall_s)
 
-    async def read(self, limit: int | None = None) -> bytes:
+    async def read(self, limit_bytes: int | None = None) -> bytes:
         """The whole body, waking once at its end rather than at every chunk.
 
         An assembled answer from llama-server comes one token per chunk: woken for each, the
         reader would spend a task switch per token on bytes it only needs at the end.
-        A body longer than `limit` raises BodyTooLarge once that much has arrived.
+        A body longer than `limit_bytes` raises BodyTooLarge once that much has arrived.
         """
         conn = self._conn
         if self._head_only:
             return b""
         length = self.content_length
-        if limit is not None and length is not None and length > limit:
-            raise BodyTooLarge(f"the {self.status} answer is {length} bytes, over {limit}")
+        if limit_bytes is not None and length is not None and length > limit_bytes:
+            raise BodyTooLarge(f"the {self.status} answer is {length} bytes, over {limit_bytes}")
         parts = []
         size = 0
         conn.lazy = True
@@ -384,8 +368,8 @@ class Response:
                 if conn._chunks:
                     part = conn.take()
                     size += len(part)
-                    if limit is not None and size > limit:
-                        raise BodyTooLarge(f"the {self.status} answer is over {limit} bytes")
+                    if limit_bytes is not None and size > limit_bytes:
+                        raise BodyTooLarge(f"the {self.status} answer is over {limit_bytes} bytes")
                     parts.append(part)
                 if conn.complete:
                     return b"".join(parts)

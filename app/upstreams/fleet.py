@@ -268,7 +268,7 @@ class Fleet:
 
     async def _rediscover(self) -> None:
         while True:
-            await asyncio.sleep(self._settings.props_refresh_interval)
+            await asyncio.sleep(self._settings.props_refresh_interval_s)
             await self.discover()
 
     def _add(self, source: _Source, address: str | None) -> Upstream:
@@ -310,7 +310,7 @@ class Fleet:
         """Close a retired upstream once its last request has ended."""
         # A retired pool's last release sets no event of its own; a look per refresh is enough.
         while upstream.pool.active:  # noqa: ASYNC110
-            await asyncio.sleep(self._settings.props_refresh_interval)
+            await asyncio.sleep(self._settings.props_refresh_interval_s)
         self._by_pool.pop(upstream.pool, None)
         await upstream.close()
 

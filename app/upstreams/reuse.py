@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from slotgate.upstreams.client import Client, ConnectFailed, Connection
+from slotgate.errors import ConnectFailed
+from slotgate.upstreams.client import Client, Connection
 
 #: Connections opened ahead of need after an exchange whose connection cannot be reused.
 WARM_CONNECTIONS = 2

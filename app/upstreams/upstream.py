@@ -1,4 +1,4 @@
-"""The only code that talks to llama-server: its connection pool and the capacity follower."""
+"""The only code that talks to llama-server: its connections and the capacity follower."""
 
 from __future__ import annotations
 
@@ -13,12 +13,19 @@ from urllib.parse import SplitResult, urlsplit
 
 import orjson
 from slotgate.asgi import Header
-from slotgate.errors import UpstreamFailed, UpstreamUnavailable
+from slotgate.errors import (
+    ConnectFailed,
+    Disconnected,
+    ExchangeFailed,
+    Stalled,
+    UpstreamFailed,
+    UpstreamStarting,
+)
 from slotgate.gate.admission import Claim, Pool
 from slotgate.intake.cost import Estimate, counted
 from slotgate.intake.pace import generation_speed
 from slotgate.settings import Settings
-from slotgate.upstreams.client import ConnectFailed, Disconnected, ExchangeFailed, Response, Stalled
+from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
 from slotgate.upstreams.reuse import UpstreamClient
 
@@ -89,17 +96,6 @@ def address_url(parts: SplitResult, address: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
-class UpstreamStarting(UpstreamUnavailable):
-    """llama-server is not there or still loading, and did not answer the request: it may be
-    sent again once llama-server is back. `sent`: it may have reached a llama-server that
-    then went away (a connection closed before any answer), so it is sent again once only,
-    in case it was what made llama-server fall over."""
-
-    def __init__(self, message: str, *, sent: bool = False) -> None:
-        super().__init__(message)
-        self.sent = sent
-
-
 class Exchange:
     """One request to llama-server as a scope: the response lives until the block ends.
 
@@ -132,7 +128,7 @@ class Exchange:
 
 
 class Upstream:
-    """llama-server behind one connection pool, and what slotgate knows of its state."""
+    """llama-server behind one client, and what slotgate knows of its state."""
 
     def __init__(
         self,
@@ -149,14 +145,14 @@ class Upstream:
         self.configured = parts.geturl()
         self._root = parts.path
         self.pool = pool
-        self._refresh_s = settings.props_refresh_interval
+        self._refresh_s = settings.props_refresh_interval_s
         self._kv_budget_tokens = settings.kv_budget_tokens
         # Known before llama-server is: requests that wait for it to start are weighed by it.
         pool.resize_budget(settings.kv_budget_tokens)
         #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
         self.shared_cache_seen = False
         tls = parts.scheme == "https"
-        # The pool has no connection limit: the admission pool bounds concurrent generations,
+        # The client has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
         self._client = UpstreamClient(
             parts.hostname or "127.0.0.1",
@@ -164,7 +160,7 @@ class Upstream:
             tls=tls,
             connect_timeout_s=CONNECT_TIMEOUT_S,
             keepalive_s=KEEPALIVE_S,
-            stall_s=settings.upstream_stall_timeout or None,
+            stall_s=settings.upstream_stall_timeout_s or None,
             address=address,
         )
         key = settings.llama_api_key
@@ -183,7 +179,7 @@ class Upstream:
         #: Why it cannot be reached, while nothing has ever answered there since slotgate
         #: started: an address nobody listens on (a wrong LLAMA_SERVER_URL) is not a
         #: llama-server that is loading, so requests are refused at once instead of waiting
-        #: STARTUP_WAIT for it. None once anything answered there, or before the first try.
+        #: STARTUP_WAIT_S for it. None once anything answered there, or before the first try.
         self.unreached: str | None = None
         self._answered = False
         #: Response heads it has sent to requests: a /props read that times out while this
@@ -249,7 +245,7 @@ class Upstream:
             ) from None
         except Stalled:
             raise UpstreamFailed(
-                "llama-server did not answer within UPSTREAM_STALL_TIMEOUT"
+                "llama-server did not answer within UPSTREAM_STALL_TIMEOUT_S"
             ) from None
         except ExchangeFailed as exc:
             raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
@@ -343,7 +339,7 @@ class Upstream:
             if self.ready and self.answers != answers:
                 # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
                 # server that answers is there, and marking it down would turn every waiter
-                # into a 503 once STARTUP_WAIT ran out. It is read again at the next tick.
+                # into a 503 once STARTUP_WAIT_S ran out. It is read again at the next tick.
                 log.info("llama-server was slow to answer /props while busy url=%s", self.url)
                 return
             self._mark_not_ready(self.unreached or "TimeoutError()")
@@ -377,17 +373,17 @@ class Upstream:
             self._on_ready()
         # The budget first: the resize lets in whoever waited for the capacity, and they
         # must be weighed by the budget too.
-        self.pool.resize_budget(self.kv_budget(props))
+        self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
 
-    def kv_budget(self, props: Props) -> int | None:
+    def kv_budget_tokens(self, props: Props) -> int | None:
         """The KV-cache tokens the slots share, when that binds admission; else None.
 
         llama-server shows neither its total context nor whether its cache is unified (not in
-        /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole pool when
+        /props, /slots, /metrics or /v1/models: each slot's n_ctx is the whole cache when
         unified and its share otherwise), so the budget is KV_BUDGET_TOKENS, which slotgate
         sets itself for an engine it starts. Unset, it binds once llama-server has been seen
-        to run out of a shared cache (`check_failure`): then the slot's n_ctx is the pool.
+        to run out of a shared cache (`check_failure`): then the slot's n_ctx is the whole cache.
         """
         configured = self._kv_budget_tokens
         if configured is None and self.shared_cache_seen:
@@ -414,7 +410,7 @@ class Upstream:
             return
         self.shared_cache_seen = True
         if self._kv_budget_tokens is None and self.props is not None:
-            budget = self.kv_budget(self.props)
+            budget = self.kv_budget_tokens(self.props)
             log.warning(
                 "%s: its slots share one cache; admitting by a budget of %s tokens from now on "
                 "(set KV_BUDGET_TOKENS to say so from the start)",
@@ -506,11 +502,11 @@ class Upstream:
             self._poke.clear()
             await self.refresh()
             if self.ready:
-                interval = self._refresh_s
+                interval_s = self._refresh_s
             elif self.pool.awaiting_capacity:
-                interval = STARTING_POLL_S
+                interval_s = STARTING_POLL_S
             else:
-                interval = min(self._refresh_s, NOT_READY_RETRY_S)
+                interval_s = min(self._refresh_s, NOT_READY_RETRY_S)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout(interval_s):
                     await self._poke.wait()

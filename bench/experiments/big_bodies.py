@@ -88,7 +88,7 @@ async def gate(args: argparse.Namespace, upstream_url: str) -> None:
         intake.OFF_LOOP_BYTES = 10**12  # everything on the loop
     server, task = await serve(
         upstream_url, max_body_bytes=(args.mib + 8) * MIB, queue_body_bytes=0,
-        props_refresh_interval=0.2,
+        props_refresh_interval_s=0.2,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port_of(server)}"

@@ -49,7 +49,7 @@ async def latency(server: Server, seconds: float) -> list[int]:
 async def gaps(standin: Server, servers: list[Server], seconds: float) -> list[int]:
     """Two clients over one slot, client i through servers[i % len(servers)]."""
     configure_standin(standin, slots=1, tokens=4, token_delay_s=0.002, record_gaps=True)
-    await asyncio.sleep(0.5)  # every slotgate reads the one slot (PROPS_REFRESH_INTERVAL)
+    await asyncio.sleep(0.5)  # every slotgate reads the one slot (PROPS_REFRESH_INTERVAL_S)
     raw = [request_bytes(s.port, CHAT, chat_body(stream=False, max_tokens=4)) for s in servers]
     await asyncio.gather(
         *(closed_loop(servers[i % len(servers)].port, raw[i % len(raw)], 1, seconds)
@@ -98,7 +98,7 @@ async def main() -> None:
     standin = start_standin(logs)
     configure_standin(standin, slots=64, tokens=1, token_delay_s=0.0, stamps=False)
     url = f"http://127.0.0.1:{standin.port}"
-    fast = {"PROPS_REFRESH_INTERVAL": "0.2", "KEEPALIVE_INTERVAL": "0"}
+    fast = {"PROPS_REFRESH_INTERVAL_S": "0.2", "KEEPALIVE_INTERVAL_S": "0"}
     shared = {**fast, "REDIS_URL": valkey.url, "REDIS_FLEET": "bench"}
     alone = start_slotgate("slotgate-alone", url, logs, fast)
     cores = {"one": (SERVER_CORE, SERVER_CORE), "apart": (SERVER_CORE, CLIENT_CORE),

@@ -1,14 +1,14 @@
 """A burst of clients through slotgate with each SDK's default retries: how many succeed.
 
     python -m bench.experiments.sdk_burst [--sdk openai,anthropic,node] [--burst 8]
-        [--stream] [--max-tokens 20] [--env STREAM_HEAD_AFTER=0] [--pythonpath DIR]
+        [--stream] [--max-tokens 20] [--env STREAM_HEAD_AFTER_S=0] [--pythonpath DIR]
         [--upstream standin|engine|URL]
 
 Issue 17, points 1 and 2: a cold gate's Retry-After estimate and a streamed request's early
 200 head decide whether an SDK's own retries rescue a burst. Each SDK fires `--burst` chat
 requests at once (Anthropic: /v1/messages streams) at a fresh slotgate in front of 2 slots,
 with its default retry policy, and the line as `--env` sets it (for instance `MAX_QUEUE=0`
-to refuse whoever finds the slots busy, `STREAM_HEAD_AFTER=0` for the head at once, as before
+to refuse whoever finds the slots busy, `STREAM_HEAD_AFTER_S=0` for the head at once, as before
 issue 17). Prints, per SDK, how many succeeded, the failures, every `retry-after-ms` slotgate
 sent and its hold estimate afterwards.
 
@@ -178,7 +178,7 @@ def upstream(args: argparse.Namespace) -> tuple[str, Callable[[], None]]:
         standin: Server = start_standin(total_slots=2, tokens=args.max_tokens, token_delay_s=0.05)
         return f"http://127.0.0.1:{standin.port}", standin.stop
     if args.upstream == "engine":
-        from slotgate.engine.local import LocalEngine
+        from slotgate.engine.process import LocalEngine
 
         engine = LocalEngine.from_args(
             model=None, demo=True, parallel=2, ctx_size=2048, threads=1

@@ -38,7 +38,7 @@ def upstream(args: argparse.Namespace) -> tuple[str, Callable[[], None]]:
         standin: Server = start_standin(total_slots=2, tokens=args.max_tokens, token_delay_s=0.05)
         return f"http://127.0.0.1:{standin.port}", standin.stop
     if args.upstream == "engine":
-        from slotgate.engine.local import LocalEngine
+        from slotgate.engine.process import LocalEngine
 
         engine = LocalEngine.from_args(model=None, demo=True, parallel=2, ctx_size=2048, threads=1)
         engine.start()

@@ -11,7 +11,7 @@ prints the gate process's VmRSS and VmHWM (peak) from /proc before and after eac
 status and the bytes the client read (the whole answer, head included):
 - `huge_head`: a non-streamed chat completion, answered with a 20 MB head;
 - `huge_error`: a stream that holds the only slot for a second (`?hold`) and a second stream
-  that waits behind it, its 200 head already out (`STREAM_HEAD_AFTER=0`), and then meets a
+  that waits behind it, its 200 head already out (`STREAM_HEAD_AFTER_S=0`), and then meets a
   200 MB error body.
 """
 
@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     hostile = start_hostile(args.answer, total_slots=1, hold_s=1.0)
     try:
         env = {
-            "PROPS_REFRESH_INTERVAL": "60",
-            "KEEPALIVE_INTERVAL": "0.5",
-            "STREAM_HEAD_AFTER": "0",
+            "PROPS_REFRESH_INTERVAL_S": "60",
+            "KEEPALIVE_INTERVAL_S": "0.5",
+            "STREAM_HEAD_AFTER_S": "0",
         }
         gate = start_gate(f"http://127.0.0.1:{hostile.port}", env, args.pythonpath)
         try:

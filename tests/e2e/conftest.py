@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine
+from slotgate.engine.process import LocalEngine
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, serve
@@ -160,7 +160,7 @@ async def start_gate(engine: LocalEngine, llama: Llama) -> AsyncIterator[GateFac
         values: dict[str, Any] = {
             "llama_server_url": engine.url,
             "max_queue": 2,
-            "keepalive_interval": 0,
+            "keepalive_interval_s": 0,
             "log_level": "warning",
         }
         values.update(overrides)

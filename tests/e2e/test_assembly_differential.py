@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine, demo_model, free_port
+from slotgate.engine.model import demo_model
+from slotgate.engine.process import LocalEngine, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import serve
@@ -221,7 +222,7 @@ async def test_a_verbose_llama_servers_first_non_streamed_chat_through_slotgate_
     verbose_url: str, client: httpx.AsyncClient
 ) -> None:
     settings = Settings(
-        _env_file=None, llama_server_url=verbose_url, keepalive_interval=0, log_level="warning"
+        _env_file=None, llama_server_url=verbose_url, keepalive_interval_s=0, log_level="warning"
     )
     gate = await serve(settings)
     try:

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine, demo_model, find_binary
+from slotgate.engine.model import demo_model
+from slotgate.engine.process import LocalEngine, find_binary
 from slotgate.settings import Settings
 
 from tests.conftest import serve
@@ -60,7 +61,7 @@ async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_th
 
         settings = Settings(
             _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
-            keepalive_interval=0, log_level="warning",
+            keepalive_interval_s=0, log_level="warning",
         )  # fmt: skip
         gate = await serve(settings)
         try:
@@ -98,7 +99,7 @@ async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed
     }
     settings = Settings(
         _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
-        keepalive_interval=0, log_level="warning",
+        keepalive_interval_s=0, log_level="warning",
     )  # fmt: skip
     gate = await serve(settings)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine
+from slotgate.engine.process import LocalEngine
 
 from tests.e2e.conftest import GateFactory
 

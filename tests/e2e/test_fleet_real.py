@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine
+from slotgate.engine.process import LocalEngine
 from slotgate.settings import Settings
 
 from tests.conftest import RunningGate, serve
@@ -49,7 +49,7 @@ async def fleet_gate(
         _env_file=None,
         llama_server_url=",".join(e.url for e in engines),
         max_queue=0,
-        keepalive_interval=0,
+        keepalive_interval_s=0,
         log_level="warning",
     )
     gate = await serve(settings)

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine
+from slotgate.engine.process import LocalEngine
 
 from tests.e2e.conftest import POLL_S, GateFactory, Llama, Watch, chat, eventually
 
@@ -213,7 +213,7 @@ async def test_a_client_leaving_the_line_never_reaches_llama_cpp(
 async def test_a_prompt_longer_than_a_slot_gets_llama_cpp_own_400_unchanged(
     engine: LocalEngine, start_gate: GateFactory, client: httpx.AsyncClient, stream: bool
 ) -> None:
-    gate = await start_gate(keepalive_interval=5)
+    gate = await start_gate(keepalive_interval_s=5)
     body = chat(8, stream=stream, content="word " * 1500)
 
     direct = await fetch(client, engine.url, body)

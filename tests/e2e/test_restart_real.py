@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import slotgate.engine.local
-from slotgate.engine.local import LocalEngine, free_port
+import slotgate.engine.process
+from slotgate.engine.process import LocalEngine, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import CHAT, serve
@@ -61,7 +61,7 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
 ) -> None:
     port = free_port()
     monkeypatch.setattr(
-        slotgate.engine.local, "free_port", lambda: port
+        slotgate.engine.process, "free_port", lambda: port
     )  # every engine on one port
     local = engine()
     await asyncio.to_thread(local.start)
@@ -71,8 +71,8 @@ async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health
             llama_server_url=local.url,
             # Bounds each wait for the restarted engine; generous, since loading the model
             # on a loaded 2-core machine can take several times its usual few seconds.
-            startup_wait=60,
-            keepalive_interval=1,
+            startup_wait_s=60,
+            keepalive_interval_s=1,
             # The line's limit is not the question here: on a loaded machine the trickle
             # can outrun a 1-thread engine, and a 429 would hide what the test is about.
             max_queue=500,
@@ -188,14 +188,14 @@ async def test_a_prompt_array_waiting_while_llama_cpp_restarts_larger_holds_all_
     """A prompt array read while llama.cpp had one slot is counted at four once it runs on a
     restarted llama.cpp of four: nobody else is sent beside it, so llama.cpp defers nothing."""
     port = free_port()
-    monkeypatch.setattr(slotgate.engine.local, "free_port", lambda: port)
+    monkeypatch.setattr(slotgate.engine.process, "free_port", lambda: port)
     local = LocalEngine.from_args(model=None, demo=True, parallel=1, ctx_size=2048, threads=1)
     await asyncio.to_thread(local.start)
     gate = await serve(
         Settings(
             _env_file=None,
             llama_server_url=local.url,
-            startup_wait=120,
+            startup_wait_s=120,
             max_queue=50,
             log_level="warning",
         )

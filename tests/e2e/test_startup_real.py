@@ -8,8 +8,8 @@ import contextlib
 
 import httpx
 import pytest
-import slotgate.engine.local
-from slotgate.engine.local import LocalEngine, free_port
+import slotgate.engine.process
+from slotgate.engine.process import LocalEngine, free_port
 from slotgate.settings import Settings
 
 from tests.conftest import CHAT, serve
@@ -22,12 +22,12 @@ async def test_requests_while_llama_cpp_loads_wait_and_a_client_that_saw_health_
     client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = free_port()
-    monkeypatch.setattr(slotgate.engine.local, "free_port", lambda: port)
+    monkeypatch.setattr(slotgate.engine.process, "free_port", lambda: port)
     settings = Settings(
         _env_file=None,
         llama_server_url=f"http://127.0.0.1:{port}",
-        startup_wait=180,
-        keepalive_interval=0,
+        startup_wait_s=180,
+        keepalive_interval_s=0,
         log_level="warning",
     )
     gate = await serve(settings)

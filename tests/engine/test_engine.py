@@ -24,24 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slotgate.engine import local as engine_module
-from slotgate.engine.local import (
+from slotgate.engine import engines as engines_module
+from slotgate.engine.child import server_args
+from slotgate.engine.engines import Engines, split_threads
+from slotgate.engine.model import (
     DEMO_CHAT_TEMPLATE,
     DEMO_PACKAGE,
     EngineFailed,
     EngineMisconfigured,
-    LocalEngine,
-    LocalFleet,
     cache_dir,
     checked_model,
-    default_threads,
     demo_model,
+    resolve_model,
+)
+from slotgate.engine.process import (
+    LocalEngine,
+    default_threads,
     find_binary,
     free_ports,
     parse_log_line,
-    resolve_model,
-    server_args,
-    split_threads,
 )
 
 from tests.conftest import needs_engine
@@ -601,7 +602,7 @@ def test_poll_reports_an_engine_that_died_and_stop_still_cleans_up(
 PARENT = """\
 import sys
 from pathlib import Path
-from slotgate.engine.local import LocalEngine, find_binary
+from slotgate.engine.process import LocalEngine, find_binary
 engine = LocalEngine(Path(sys.argv[1]), parallel=1, ctx_size=512, threads=1,
                      binary=find_binary())
 engine.start()
@@ -674,7 +675,7 @@ def test_the_engine_and_its_llama_server_go_when_slotgate_is_killed(
     assert not running(recorded(fake_server)["pid"])
 
 
-# -- a fleet of replicas (fake llama-server) ----------------------------------------------------
+# -- replicas side by side (fake llama-server) ---------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -693,154 +694,154 @@ def test_ports_chosen_together_are_distinct() -> None:
 
 
 @pytest.fixture
-def fleets() -> Iterator[list[LocalFleet]]:
-    """Fleets a test starts, stopped even when the test fails half-way."""
-    started: list[LocalFleet] = []
+def engine_sets() -> Iterator[list[Engines]]:
+    """Engines a test starts side by side, stopped even when the test fails half-way."""
+    started: list[Engines] = []
     yield started
-    for fleet in started:
-        fleet.stop()
+    for local in started:
+        local.stop()
 
 
-def fake_fleet(
-    model: Path, tmp_path: Path, fleets: list[LocalFleet], replicas: int = 2, **options: Any
-) -> tuple[LocalFleet, list[Path]]:
-    """A fleet of fake llama-servers, each recording its call in a file of its own."""
-    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=3, ctx_size=1536,
+def fake_engines(
+    model: Path, tmp_path: Path, engine_sets: list[Engines], replicas: int = 2, **options: Any
+) -> tuple[Engines, list[Path]]:
+    """Fake llama-servers side by side, each recording its call in a file of its own."""
+    local = Engines.from_args(model=str(model), demo=False, parallel=3, ctx_size=1536,
                                  replicas=replicas, **options)  # fmt: skip
     records = [tmp_path / f"record-{number}.json" for number in range(1, replicas + 1)]
-    for engine, record in zip(fleet.engines, records, strict=True):
+    for engine, record in zip(local, records, strict=True):
         engine.env["FAKE_RECORD"] = str(record)
-    fleets.append(fleet)
-    return fleet, records
+    engine_sets.append(local)
+    return local, records
 
 
 def test_replicas_run_each_on_its_own_port_with_its_thread_share_gpu_and_log(
     model: Path,
     fake_server: Path,
     tmp_path: Path,
-    fleets: list[LocalFleet],
+    engine_sets: list[Engines],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(engine_module, "default_threads", lambda: 3)
-    fleet, records = fake_fleet(model, tmp_path, fleets, threads=None, gpus=("1", "0"))
+    monkeypatch.setattr(engines_module, "default_threads", lambda: 3)
+    local, records = fake_engines(model, tmp_path, engine_sets, threads=None, gpus=("1", "0"))
 
     with caplog.at_level(logging.INFO, logger="slotgate.engine"):
-        fleet.start()
+        local.start()
 
     calls = [recorded(record) for record in records]
     ports = [call["argv"][call["argv"].index("--port") + 1] for call in calls]
-    assert fleet.urls == [f"http://127.0.0.1:{port}" for port in ports]
+    assert local.urls == [f"http://127.0.0.1:{port}" for port in ports]
     assert len(set(ports)) == 2
     assert [call["argv"][call["argv"].index("-t") + 1] for call in calls] == ["2", "1"]
     assert [call["argv"][call["argv"].index("-np") + 1] for call in calls] == ["3", "3"]
     assert [call["env"]["CUDA_VISIBLE_DEVICES"] for call in calls] == ["1", "0"]
-    assert [health(url) for url in fleet.urls] == [200, 200]
+    assert [health(url) for url in local.urls] == [200, 200]
     ready = {(r.name, r.getMessage()) for r in caplog.records if "is ready" in r.getMessage()}
     assert ready == {
-        ("slotgate.engine.1", f"llama.cpp is ready at {fleet.urls[0]}"),
-        ("slotgate.engine.2", f"llama.cpp is ready at {fleet.urls[1]}"),
+        ("slotgate.engine.1", f"llama.cpp is ready at {local.urls[0]}"),
+        ("slotgate.engine.2", f"llama.cpp is ready at {local.urls[1]}"),
     }
-    assert fleet.kv_budget_tokens == 0
+    assert local.kv_budget_tokens == 0
 
-    fleet.stop()
+    local.stop()
 
-    for call, engine in zip(calls, fleet.engines, strict=True):
+    for call, engine in zip(calls, local, strict=True):
         assert engine.pid is not None
         assert not running(engine.pid)
         assert not running(call["pid"])
 
 
 def test_an_explicit_thread_count_is_each_replica_s_own(
-    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
 ) -> None:
-    fleet, _ = fake_fleet(model, tmp_path, fleets, replicas=3, threads=2)
-    assert [engine.threads for engine in fleet.engines] == [2, 2, 2]
+    local, _ = fake_engines(model, tmp_path, engine_sets, replicas=3, threads=2)
+    assert [engine.threads for engine in local] == [2, 2, 2]
     # Without --gpus each sees what slotgate sees.
-    assert not [engine for engine in fleet.engines if "CUDA_VISIBLE_DEVICES" in engine.env]
+    assert not [engine for engine in local if "CUDA_VISIBLE_DEVICES" in engine.env]
 
 
 def test_one_replica_keeps_today_s_log_name_and_environment(model: Path, fake_server: Path) -> None:
-    fleet = LocalFleet.from_args(model=str(model), demo=False, parallel=2, ctx_size=64,
+    local = Engines.from_args(model=str(model), demo=False, parallel=2, ctx_size=64,
                                  threads=None)  # fmt: skip
-    [engine] = fleet.engines
+    [engine] = local
     assert engine.log.name == "slotgate.engine"
     assert engine.env == {}
     assert engine.threads == default_threads()
 
 
 def test_replicas_start_side_by_side_not_one_after_another(
-    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
 ) -> None:
-    fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
+    local, records = fake_engines(model, tmp_path, engine_sets, threads=1)
     # The first answers /health only once the second has started: one after the other,
-    # the fleet would wait on the first until its start timeout.
-    first = fleet.engines[0]
+    # the local would wait on the first until its start timeout.
+    first = local[0]
     first.env["FAKE_AWAIT"] = str(records[1])
     first.start_timeout_s = 10
 
-    fleet.start()
+    local.start()
 
-    assert [health(url) for url in fleet.urls] == [200, 200]
+    assert [health(url) for url in local.urls] == [200, 200]
 
 
 def test_a_replica_that_fails_to_start_is_named_and_the_others_are_stopped(
-    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
 ) -> None:
-    fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
+    local, records = fake_engines(model, tmp_path, engine_sets, threads=1)
     # The second fails only once the first has recorded its call: it is running by then.
-    fleet.engines[1].env.update(FAKE_MODE="fail", FAKE_AWAIT=str(records[0]))
+    local[1].env.update(FAKE_MODE="fail", FAKE_AWAIT=str(records[0]))
 
     with pytest.raises(EngineFailed) as failed:
-        fleet.start()
+        local.start()
 
     assert str(failed.value) == (
-        f"replica 2 of 2 at {fleet.urls[1]}: llama.cpp exited with code 1 before it was ready: "
+        f"replica 2 of 2 at {local.urls[1]}: llama.cpp exited with code 1 before it was ready: "
         "load_model: failed to load model 'x'"
     )
     first = recorded(records[0])["pid"]
     assert not running(first)
-    assert all(engine.pid is not None and not running(engine.pid) for engine in fleet.engines)
+    assert all(engine.pid is not None and not running(engine.pid) for engine in local)
 
 
 def test_a_replica_that_dies_is_reported_once_while_the_others_keep_serving(
-    model: Path, fake_server: Path, tmp_path: Path, fleets: list[LocalFleet]
+    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
 ) -> None:
-    fleet, records = fake_fleet(model, tmp_path, fleets, replicas=3, threads=1)
-    fleet.start()
-    assert fleet.ended() == []
+    local, records = fake_engines(model, tmp_path, engine_sets, replicas=3, threads=1)
+    local.start()
+    assert local.ended() == []
 
     os.kill(recorded(records[1])["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while not (ended := fleet.ended()):
+    while not (ended := local.ended()):
         assert time.monotonic() < deadline
         time.sleep(0.02)
 
     assert ended == [(2, 128 + signal.SIGKILL)]
-    assert fleet.ended() == []  # reported once
-    assert fleet.running == 2
-    assert fleet.name(2) == f"2 of 3 at {fleet.urls[1]}"
-    assert [health(fleet.urls[0]), health(fleet.urls[2])] == [200, 200]
+    assert local.ended() == []  # reported once
+    assert local.running == 2
+    assert local.name(2) == f"2 of 3 at {local.urls[1]}"
+    assert [health(local.urls[0]), health(local.urls[2])] == [200, 200]
 
 
 def test_stop_asks_every_replica_before_waiting_for_any(
     model: Path,
     fake_server: Path,
     tmp_path: Path,
-    fleets: list[LocalFleet],
+    engine_sets: list[Engines],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("FAKE_MODE", "stubborn")
-    fleet, records = fake_fleet(model, tmp_path, fleets, threads=1)
-    for engine in fleet.engines:
+    local, records = fake_engines(model, tmp_path, engine_sets, threads=1)
+    for engine in local:
         engine.stop_grace_s = 0.3
-    fleet.start()
+    local.start()
     servers = [recorded(record)["pid"] for record in records]
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="slotgate.engine"):
-        fleet.stop()
+        local.stop()
 
     said = [(r.name[-1], r.getMessage().split(" (")[0]) for r in caplog.records
             if r.name.startswith("slotgate.engine.")
@@ -857,7 +858,7 @@ def test_stop_asks_every_replica_before_waiting_for_any(
 
 def test_gpus_that_do_not_match_the_replicas_are_refused(model: Path, fake_server: Path) -> None:
     with pytest.raises(EngineMisconfigured, match=r"--gpus names 1 GPU for 2 replicas"):
-        LocalFleet.from_args(model=str(model), demo=False, parallel=1, ctx_size=64, threads=1,
+        Engines.from_args(model=str(model), demo=False, parallel=1, ctx_size=64, threads=1,
                              replicas=2, gpus=("0",))  # fmt: skip
 
 

@@ -8,18 +8,9 @@ import random
 import time
 
 import pytest
+from slotgate.errors import NotReady, QueueFull, QueueTimeout, ShuttingDown, TooLarge
 from slotgate.gate import admission as admission_module
-from slotgate.gate.admission import (
-    RETRY_AFTER_CAP_S,
-    Admission,
-    NotReady,
-    QueueFull,
-    QueuePolicy,
-    QueueTimeout,
-    ShuttingDown,
-    Ticket,
-    TooLarge,
-)
+from slotgate.gate.admission import RETRY_AFTER_CAP_S, Admission, QueuePolicy, Ticket
 
 
 def pool(capacity: int | None = 2, **policy: int | None) -> Admission:

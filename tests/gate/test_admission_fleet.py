@@ -12,16 +12,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from slotgate.errors import refusal
-from slotgate.gate.admission import (
-    Admission,
-    AdmissionError,
-    NotReady,
-    Pool,
-    QueuePolicy,
-    Ticket,
-    TooLarge,
-)
+from slotgate.errors import AdmissionError, NotReady, TooLarge, refusal
+from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
 from slotgate.gate.routing import choose, score, stable_hash
 from slotgate.gate.tenants import BATCH, Tenant
 

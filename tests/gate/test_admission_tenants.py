@@ -8,16 +8,8 @@ import random
 import time
 
 import pytest
-from slotgate.errors import refusal
-from slotgate.gate.admission import (
-    Admission,
-    QueueFull,
-    QueuePolicy,
-    ShuttingDown,
-    TenantQueueFull,
-    Ticket,
-    TooLarge,
-)
+from slotgate.errors import QueueFull, ShuttingDown, TenantQueueFull, TooLarge, refusal
+from slotgate.gate.admission import Admission, QueuePolicy, Ticket
 from slotgate.gate.tenants import BATCH, Tenant
 
 FLOOD = Tenant("flood")

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.engine.local import LocalEngine, LocalFleet
+from slotgate.engine.engines import Engines
+from slotgate.engine.process import LocalEngine
 from slotgate.errors import ContextExceeded
 from slotgate.gate.admission import Admission, QueuePolicy
 from slotgate.intake.cost import counted, estimate, local
@@ -351,8 +352,8 @@ def test_slotgate_tells_the_gate_what_its_own_engine_shares_unless_told_otherwis
 
     engine = LocalEngine(Path("m.gguf"), parallel=4, ctx_size=1024, threads=1, kv_unified=True)
     monkeypatch.setattr(LocalEngine, "from_args", classmethod(lambda cls, **_: engine))
-    monkeypatch.setattr(LocalFleet, "start", lambda self: None)
-    monkeypatch.setattr(LocalFleet, "stop", lambda self: None)
+    monkeypatch.setattr(Engines, "start", lambda self: None)
+    monkeypatch.setattr(Engines, "stop", lambda self: None)
     engine.url = "http://127.0.0.1:9"
     seen: list[Settings] = []
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from slotgate.gate.admission import Admission, AdmissionError, QueuePolicy, Ticket
+from slotgate.errors import AdmissionError
+from slotgate.gate.admission import Admission, QueuePolicy, Ticket
 from slotgate.intake.cost import local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.upstreams import upstream as upstream_module
@@ -81,7 +82,7 @@ async def test_requests_that_arrive_while_llama_server_starts_are_admitted_by_th
     start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, kv_budget_tokens=1000, startup_wait=10)
+    gate = await start_gate(ready=False, kv_budget_tokens=1000, startup_wait_s=10)
     waiting = [
         asyncio.create_task(client.post(gate.url + CHAT, json=words(300, max_tokens=80)))
         for _ in range(4)

@@ -10,15 +10,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from slotgate.gate.tenants import (
-    BATCH,
-    EVERYONE,
-    INTERACTIVE,
-    InvalidTenantsFile,
-    Tenant,
-    Tenants,
-    roster,
-)
+from slotgate.errors import InvalidTenantsFile
+from slotgate.gate.tenants import BATCH, EVERYONE, INTERACTIVE, Tenant, Tenants, roster
 
 FILE = """
 [tenants.chat]

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from slotgate.errors import BadRequest
 from slotgate.intake.endpoints import ENDPOINTS, MAX_JSON_DEPTH, demand, parse_json, route_of
-from slotgate.proxy.assembly import streaming_body
+from slotgate.intake.rewrite import streaming_body
 
 
 def weight(path: str, body: dict[str, Any], capacity: int = 8) -> int:

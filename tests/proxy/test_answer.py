@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from slotgate.errors import Refusal
+from slotgate.errors import AnswerStarted, Disconnected, Refusal
 from slotgate.gate.admission import Admission, QueuePolicy
-from slotgate.proxy.answer import Answer, AnswerStarted
-from slotgate.upstreams.client import Disconnected
+from slotgate.proxy.answer import Answer
 
 from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 
@@ -107,7 +106,7 @@ async def test_a_relayed_answer_releases_its_connection_and_slot() -> None:
 
 
 async def test_an_upstream_that_cannot_be_reached_is_a_503_and_frees_the_slot() -> None:
-    from slotgate.upstreams.client import ConnectFailed
+    from slotgate.errors import ConnectFailed
 
     rig = Rig(FakeUpstreamClient(ConnectFailed("refused")))
     client = Client(chat_body(stream=True))
@@ -120,7 +119,7 @@ async def test_an_upstream_that_cannot_be_reached_is_a_503_and_frees_the_slot() 
 async def test_a_client_that_leaves_while_queued_frees_its_place_and_the_holder_its_slot() -> None:
     finish = asyncio.Event()
     held = FakeResponse(200, SSE, [b"data: [DONE]\n\n"], hold=finish)
-    rig = Rig(FakeUpstreamClient(held), keepalive_interval=0)
+    rig = Rig(FakeUpstreamClient(held), keepalive_interval_s=0)
     holder, waiter = Client(chat_body(stream=True)), Client(chat_body(stream=True))
     holding = asyncio.ensure_future(rig.call(holder))
     while rig.admission.active == 0:

@@ -101,7 +101,7 @@ async def test_a_llama_server_restarted_with_verbose_has_its_first_answer_carry_
     client: httpx.AsyncClient,
     start_upstreams: StartUpstreams,
 ) -> None:
-    gate = await start_gate(startup_wait=0)
+    gate = await start_gate(startup_wait_s=0)
     for _ in range(2):  # the first shows it adds no __verbose; the second is assembled
         assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
     assert b'"stream":true' in standin.seen[-1].body

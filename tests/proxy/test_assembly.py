@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 from slotgate.intake.endpoints import Kind
-from slotgate.proxy.assembly import Assembly, streaming_body
+from slotgate.intake.rewrite import streaming_body
+from slotgate.proxy.assembly import Assembly
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
 

@@ -191,7 +191,7 @@ async def test_a_request_refused_429_gives_back_its_bytes_and_keeps_the_others(
 async def test_a_startup_wait_that_runs_out_gives_back_the_bytes_it_counted(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await restarting_gate(start_gate, standin, startup_wait=0.5, queue_timeout=0.5)
+    gate = await restarting_gate(start_gate, standin, startup_wait_s=0.5, queue_timeout_s=0.5)
     asked = asyncio.create_task(client.post(gate.url + CHAT, json=big_chat()))
     await gate.until(lambda: held(gate) > BIG)
     assert (await asked).status_code == 503

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 from slotgate.asgi import Message
-from slotgate.errors import Refusal
+from slotgate.errors import Disconnected, Refusal
 from slotgate.proxy.answer import Answer
-from slotgate.upstreams.client import Disconnected
 
 from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body
 
@@ -86,7 +85,7 @@ async def test_a_shutdown_cut_while_a_whole_stream_waits_to_end_just_ends_it_log
 async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    rig, finish, holding = await slot_held(keepalive_interval=0)
+    rig, finish, holding = await slot_held(keepalive_interval_s=0)
     waiter = Client(chat_body(stream=False))
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))
@@ -106,7 +105,7 @@ async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
 async def test_a_shutdown_cut_after_a_stream_head_counts_the_event_it_sent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    rig, finish, holding = await slot_held(stream_head_after=0)
+    rig, finish, holding = await slot_held(stream_head_after_s=0)
     waiter = Client(chat_body(stream=True))
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))
@@ -225,7 +224,7 @@ async def test_an_upstream_refusal_after_the_stream_head_is_an_event_and_pools_i
 ) -> None:
     error = b'{"error": {"code": 400, "message": "the prompt exceeds the context"}}'
     refused = FakeResponse(400, [(b"content-type", b"application/json")], [error])
-    rig, finish, holding = await slot_held(refused, stream_head_after=0)
+    rig, finish, holding = await slot_held(refused, stream_head_after_s=0)
     waiter = Client(chat_body(stream=True))
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         waiting = asyncio.ensure_future(rig.call(waiter))

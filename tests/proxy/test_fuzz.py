@@ -41,7 +41,7 @@ class Background:
                 _env_file=None,
                 llama_server_url=self.standin.url,
                 log_level="error",
-                keepalive_interval=0,
+                keepalive_interval_s=0,
                 max_queue=0,
             )
         )

@@ -31,8 +31,8 @@ from tests.support.hostile import (
 
 async def gate_before(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
     gate: RunningGate = await start_gate(
-        llama_server_url=hostile.url, props_refresh_interval=60, keepalive_interval=1,
-        stream_head_after=0,
+        llama_server_url=hostile.url, props_refresh_interval_s=60, keepalive_interval_s=1,
+        stream_head_after_s=0,
     )  # fmt: skip
     return gate
 

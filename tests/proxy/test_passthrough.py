@@ -263,7 +263,7 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0
-    gate = await start_gate(max_queue=1, keepalive_interval=5, stream_head_after=0)
+    gate = await start_gate(max_queue=1, keepalive_interval_s=5, stream_head_after_s=0)
     # The answer is assembled from llama-server's stream, and keeps its CORS header: from it
     # slotgate learns what llama-server gives this Origin.
     assembled = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=ORIGIN)
@@ -350,7 +350,7 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
 ) -> None:
     standin.cors_origins = {"http://trusted.example"}  # as llama-server --cors-origins
     standin.total_slots, standin.tokens, standin.token_delay_s = 1, 20, 0
-    gate = await start_gate(max_queue=0, keepalive_interval=1, stream_head_after=0)
+    gate = await start_gate(max_queue=0, keepalive_interval_s=1, stream_head_after_s=0)
     evil = {"Origin": "http://evil.example"}
     first = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=evil)
     assert allowed_origins(first) == ["http://trusted.example"]  # llama-server's own answer

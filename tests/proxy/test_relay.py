@@ -253,7 +253,7 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, startup_wait=0)
+    gate = await start_gate(ready=False, startup_wait_s=0)
     response = await client.post(gate.url + CHAT, json=chat())
     assert_not_ready(response)
     assert (await client.get(gate.url + "/readyz")).status_code == 503
@@ -267,7 +267,7 @@ async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(queue_timeout=0.2)
+    gate = await one_slot_held(queue_timeout_s=0.2)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "queue_timeout"
@@ -277,7 +277,7 @@ async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
 async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stream(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(8, keepalive_interval=0.1, stream_head_after=0)
+    gate = await one_slot_held(8, keepalive_interval_s=0.1, stream_head_after_s=0)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         chunks = response.aiter_raw()
@@ -291,7 +291,9 @@ async def test_waiting_stream_gets_its_head_and_keepalive_comments_then_the_stre
 async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=0)
+    gate = await one_slot_held(
+        keepalive_interval_s=0.05, queue_timeout_s=0.2, stream_head_after_s=0
+    )
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         body = b"".join([c async for c in response.aiter_raw()])
     assert response.status_code == 200
@@ -303,7 +305,7 @@ async def test_queue_timeout_after_the_head_went_out_is_an_in_stream_error(
 async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_servers_own_answer(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(8, keepalive_interval=0.05, stream_head_after=30)
+    gate = await one_slot_held(8, keepalive_interval_s=0.05, stream_head_after_s=30)
 
     async def read() -> tuple[int, bytes]:
         async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
@@ -322,7 +324,9 @@ async def test_a_stream_that_waits_less_than_stream_head_after_gets_llama_server
 async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(40, keepalive_interval=0.05, queue_timeout=0.2, stream_head_after=30)
+    gate = await one_slot_held(
+        40, keepalive_interval_s=0.05, queue_timeout_s=0.2, stream_head_after_s=30
+    )
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
@@ -334,7 +338,7 @@ async def test_a_queue_timeout_before_the_stream_head_is_a_503_with_retry_after(
 async def test_a_stream_that_waits_past_stream_head_after_gets_the_head_and_keepalives(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(30, keepalive_interval=0.05, stream_head_after=0.2)
+    gate = await one_slot_held(30, keepalive_interval_s=0.05, stream_head_after_s=0.2)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         assert gate.service.admission.queued == 1  # the head is slotgate's: the stream still waits
@@ -373,10 +377,10 @@ async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.fault = "hang"
-    gate = await start_gate(upstream_stall_timeout=0.3)
+    gate = await start_gate(upstream_stall_timeout_s=0.3)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
-    assert "UPSTREAM_STALL_TIMEOUT" in response.json()["error"]["message"]
+    assert "UPSTREAM_STALL_TIMEOUT_S" in response.json()["error"]["message"]
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as streamed:
         body = b"".join([c async for c in streamed.aiter_raw()])
     assert b'"upstream_failed"' in body
@@ -386,7 +390,7 @@ async def test_silent_upstream_is_cut_after_the_stall_timeout_and_frees_the_slot
 async def test_refused_connection_answers_503_and_marks_not_ready(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate(startup_wait=0)
+    gate = await start_gate(startup_wait_s=0)
     await standin.stop()
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 503
@@ -400,7 +404,7 @@ async def test_anthropic_messages_are_refused_in_anthropics_shape(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.loading = True
-    gate = await start_gate(ready=False, startup_wait=0)
+    gate = await start_gate(ready=False, startup_wait_s=0)
     response = await client.post(
         gate.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []}
     )
@@ -495,7 +499,7 @@ async def test_with_admission_control_off_a_client_that_leaves_still_closes_upst
 async def test_with_keepalive_off_a_waiting_stream_keeps_exact_status_codes(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(keepalive_interval=0, queue_timeout=0.2)
+    gate = await one_slot_held(keepalive_interval_s=0, queue_timeout_s=0.2)
     response = await client.post(gate.url + CHAT, json=chat(stream=True))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
@@ -668,8 +672,8 @@ async def test_the_openai_sdk_retries_a_timed_out_stream_only_when_its_head_was_
     # 6 streams on 2 slots that each hold 0.5 s: the last two in line wait 1 s, past the
     # 0.7 s queue timeout, however fast the machine is.
     standin.tokens, standin.token_delay_s = 10, 0.05
-    gate = await start_gate(keepalive_interval=0.1, queue_timeout=0.7,
-                            stream_head_after=head_after_s)  # fmt: skip
+    gate = await start_gate(keepalive_interval_s=0.1, queue_timeout_s=0.7,
+                            stream_head_after_s=head_after_s)  # fmt: skip
     sdk = openai.AsyncOpenAI(base_url=gate.url + "/v1", api_key="unused", timeout=30)
 
     async def call() -> str:

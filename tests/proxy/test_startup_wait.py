@@ -70,7 +70,7 @@ async def test_a_client_that_leaves_while_llama_server_loads_gives_back_place_by
 async def test_a_startup_wait_that_runs_out_gives_back_place_bytes_and_tokens(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await restarting_gate(start_gate, standin, startup_wait=0.5)
+    gate = await restarting_gate(start_gate, standin, startup_wait_s=0.5)
     answers = await asyncio.gather(
         client.post(gate.url + CHAT, json=big_chat()),
         client.post(gate.url + CHAT, json=big_chat(stream=True)),
@@ -83,7 +83,7 @@ async def test_a_startup_wait_that_runs_out_gives_back_place_bytes_and_tokens(
 async def test_a_queue_timeout_shorter_than_the_startup_wait_gives_back_everything(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await restarting_gate(start_gate, standin, queue_timeout=0.4, startup_wait=30)
+    gate = await restarting_gate(start_gate, standin, queue_timeout_s=0.4, startup_wait_s=30)
     answer = await client.post(gate.url + CHAT, json=big_chat())
     assert answer.status_code == 503
     assert settled(gate)
@@ -274,8 +274,9 @@ async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_
     starting = Starting(hostile)
     hostile.props = starting
     gate: RunningGate = await start_gate(
-        llama_server_url=hostile.url, ready=False, props_refresh_interval=60,
-        keepalive_interval=0.05, stream_head_after=0, startup_wait=10, queue_body_bytes=4 * BIG,
+        llama_server_url=hostile.url, ready=False, props_refresh_interval_s=60,
+        keepalive_interval_s=0.05, stream_head_after_s=0, startup_wait_s=10,
+        queue_body_bytes=4 * BIG,
     )  # fmt: skip
     hostile.script.append(MISBEHAVIOURS[misbehaviour])
 
@@ -354,7 +355,7 @@ async def test_a_native_answer_assembled_from_a_big_body_keeps_its_tokens_as_ask
     starting = Starting(hostile)
     hostile.props = starting
     gate: RunningGate = await start_gate(
-        llama_server_url=hostile.url, ready=False, props_refresh_interval=60
+        llama_server_url=hostile.url, ready=False, props_refresh_interval_s=60
     )
     payload = {"prompt": "x" * size, "return_tokens": return_tokens}
     asked = asyncio.create_task(client.post(gate.url + "/completion", json=payload))

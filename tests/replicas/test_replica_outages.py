@@ -34,9 +34,9 @@ def sharing(valkey: Valkey, served: list[RunningGate]) -> Start:
     async def start(upstreams: Sequence[StandIn], **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
             "llama_server_url": ",".join(u.url for u in upstreams),
-            "props_refresh_interval": 0.2, "keepalive_interval": 0, "log_level": "warning",
-            "redis_url": valkey.url, "redis_fleet": "edges", "redis_ttl": 0.6,
-            "redis_timeout": 0.3,
+            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
+            "redis_url": valkey.url, "redis_fleet": "edges", "redis_ttl_s": 0.6,
+            "redis_timeout_s": 0.3,
         }  # fmt: skip
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
@@ -75,7 +75,7 @@ async def test_a_request_refused_by_its_upstream_runs_on_the_other_and_leaves_no
     held = socket.socket()
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its closed connections
     try:
-        gate = await sharing([alive, dead], props_refresh_interval=30, startup_wait=0)
+        gate = await sharing([alive, dead], props_refresh_interval_s=30, startup_wait_s=0)
         await dead.stop()
         held.bind((dead.host, dead.port))
         bodies = [chat(messages=[{"role": "user", "content": str(n)}]) for n in range(12)]
@@ -95,7 +95,7 @@ async def test_a_request_sent_back_while_every_upstream_is_down_is_refused_not_l
     dead = StandIn(total_slots=1, tokens=3)
     await dead.start()
     # Heartbeats a second apart: the fleet's figures the replica holds are older than the wait.
-    gate = await sharing([dead], props_refresh_interval=30, startup_wait=0.2, redis_ttl=3)
+    gate = await sharing([dead], props_refresh_interval_s=30, startup_wait_s=0.2, redis_ttl_s=3)
     await dead.stop()
     async with asyncio.timeout(5):
         answer = await client.post(gate.url + CHAT, json=chat())
@@ -109,7 +109,7 @@ async def test_a_waiting_streams_position_falls_as_the_fleets_line_ahead_of_it_i
 ) -> None:
     standin = StandIn(total_slots=1, tokens=10, token_delay_s=0.03)
     await start_upstreams(standin)
-    gate = await sharing([standin], keepalive_interval=0.05, stream_head_after=0)
+    gate = await sharing([standin], keepalive_interval_s=0.05, stream_head_after_s=0)
     ahead = [asyncio.create_task(client.post(gate.url + CHAT, json=chat())) for _ in range(2)]
     await gate.until(lambda: replica_view(gate)["this_replica"] == {"active": 1, "queued": 1})
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as answer:
@@ -223,8 +223,8 @@ async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keep
     settings = Settings(
         _env_file=None,
         llama_server_url=f"http://localhost:{first.port}",
-        props_refresh_interval=0.1, keepalive_interval=0, log_level="warning",
-        redis_url=valkey.url, redis_fleet="edges", redis_ttl=0.6, redis_timeout=0.3,
+        props_refresh_interval_s=0.1, keepalive_interval_s=0, log_level="warning",
+        redis_url=valkey.url, redis_fleet="edges", redis_ttl_s=0.6, redis_timeout_s=0.3,
     )  # fmt: skip
     gate = None
     try:
@@ -351,8 +351,8 @@ async def test_two_replicas_behind_one_name_count_its_one_server_once(
     settings = Settings(
         _env_file=None,
         llama_server_url=f"http://localhost:{first.port}",
-        props_refresh_interval=0.1, keepalive_interval=0, log_level="warning",
-        redis_url=valkey.url, redis_fleet="edges", redis_ttl=0.6, redis_timeout=0.3,
+        props_refresh_interval_s=0.1, keepalive_interval_s=0, log_level="warning",
+        redis_url=valkey.url, redis_fleet="edges", redis_ttl_s=0.6, redis_timeout_s=0.3,
     )  # fmt: skip
     gates: list[RunningGate] = []
     try:

@@ -34,9 +34,9 @@ PREFIX = f"slotgate:{{{FLEET}}}:"
 
 def settings_for(urls: Sequence[str], valkey: Valkey | None, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
-        "llama_server_url": ",".join(urls), "props_refresh_interval": 0.2,
-        "keepalive_interval": 0, "log_level": "warning", "redis_fleet": FLEET,
-        "redis_ttl": 0.6, "redis_timeout": 0.3,
+        "llama_server_url": ",".join(urls), "props_refresh_interval_s": 0.2,
+        "keepalive_interval_s": 0, "log_level": "warning", "redis_fleet": FLEET,
+        "redis_ttl_s": 0.6, "redis_timeout_s": 0.3,
     }  # fmt: skip
     if valkey is not None:
         values["redis_url"] = valkey.url
@@ -247,7 +247,7 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
     upstream.token_delay_s = 0.01
     await pools.start(upstream)
     # The default TTL: a second's sleep gives no replica up.
-    first, second = await pools.two([upstream.url], 2, max_queue=4, redis_ttl=3)
+    first, second = await pools.two([upstream.url], 2, max_queue=4, redis_ttl_s=3)
     answers: list[httpx.Response] = []
     stop = asyncio.Event()
 
@@ -387,9 +387,9 @@ async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, s
     port = free_port()
     env = {
         **os.environ, "PORT": str(port), "LLAMA_SERVER_URL": upstream.url,
-        "PROPS_REFRESH_INTERVAL": "0.2", "KEEPALIVE_INTERVAL": "0", "DRAIN_TIMEOUT": "5",
+        "PROPS_REFRESH_INTERVAL_S": "0.2", "KEEPALIVE_INTERVAL_S": "0", "DRAIN_TIMEOUT_S": "5",
         "LOG_LEVEL": "warning", "REDIS_URL": valkey.url, "REDIS_FLEET": FLEET,
-        "REDIS_TTL": "1", "REDIS_TIMEOUT": "0.3",
+        "REDIS_TTL_S": "1", "REDIS_TIMEOUT_S": "0.3",
     }  # fmt: skip
     process = await asyncio.create_subprocess_exec(sys.executable, "-m", "slotgate", env=env)
     url = f"http://127.0.0.1:{port}"
@@ -405,7 +405,7 @@ async def replica_process(upstream: StandIn, valkey: Valkey) -> tuple[Process, s
     "how",
     [
         pytest.param(signal.SIGTERM, id="drained"),
-        # Slow (a killed replica's grants are kept 10 x REDIS_TTL): scripts/check runs it.
+        # Slow (a killed replica's grants are kept 10 x REDIS_TTL_S): scripts/check runs it.
         pytest.param(signal.SIGKILL, id="killed", marks=pytest.mark.slow),
     ],
 )
@@ -417,7 +417,7 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
     await upstream.start()
     process = None
     try:
-        other = await pools.share([upstream.url], 1, redis_ttl=1)
+        other = await pools.share([upstream.url], 1, redis_ttl_s=1)
         process, url = await replica_process(upstream, pools.valkey)
         await other.until(lambda: replica_view(other)["fleet"]["replicas"] == 2)
         running = asyncio.create_task(client.post(url + CHAT, json=chat()))
@@ -427,7 +427,7 @@ async def test_a_replica_process_that_stops_under_load_hands_the_slot_to_the_oth
         mine = asyncio.create_task(client.post(other.url + CHAT, json=chat()))
         await other.until(lambda: replica_view(other)["this_replica"]["queued"] == 1)
         process.send_signal(how)
-        # Killed, its grant is kept 10 x REDIS_TTL past its TTL (it might be cut off, not dead).
+        # Killed, its grant is kept 10 x REDIS_TTL_S past its TTL (it might be cut off, not dead).
         async with asyncio.timeout(45 if how is signal.SIGKILL else 30):
             answer = await mine
             assert answer.status_code == 200

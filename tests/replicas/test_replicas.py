@@ -40,9 +40,9 @@ def replicas(standin: StandIn, valkey: Valkey, served: list[RunningGate]) -> Gat
 
     async def start(n: int = 2, **overrides: Any) -> list[RunningGate]:
         values: dict[str, Any] = {
-            "llama_server_url": standin.url, "props_refresh_interval": 0.2,
-            "keepalive_interval": 0, "log_level": "warning", "redis_url": valkey.url,
-            "redis_fleet": "test", "redis_ttl": 1.5, "redis_timeout": 1.0,
+            "llama_server_url": standin.url, "props_refresh_interval_s": 0.2,
+            "keepalive_interval_s": 0, "log_level": "warning", "redis_url": valkey.url,
+            "redis_fleet": "test", "redis_ttl_s": 1.5, "redis_timeout_s": 1.0,
         }  # fmt: skip
         # Redis calls may take a second on a loaded machine: a replica that fell back holding
         # nothing would answer 503 (the partition's safety), which only the tests of falling
@@ -237,7 +237,7 @@ async def test_one_replica_cut_off_from_redis_never_lets_the_upstream_run_more_t
     standin.token_delay_s = 0.05
     partition = Partition(valkey.port)
     await start_upstreams(partition)
-    settings = {"redis_ttl": 1.0, "redis_failure_mode": failure_mode}
+    settings = {"redis_ttl_s": 1.0, "redis_failure_mode": failure_mode}
     (cut,) = await replicas(1, redis_url=partition.url, **settings)
     (other,) = await replicas(1, **settings)
     for gate in (cut, other):
@@ -340,7 +340,7 @@ async def test_a_tenants_chat_on_one_replica_goes_ahead_of_anothers_flood_on_the
     # A loaded machine must not push a replica into its fallback, where (holding nothing) it
     # would turn the flood away: this is about the shared line.
     first, second = await replicas(
-        2, api_keys_file=keys_file, max_queue=0, redis_timeout=1.0, redis_ttl=1.5
+        2, api_keys_file=keys_file, max_queue=0, redis_timeout_s=1.0, redis_ttl_s=1.5
     )
     flood = [
         asyncio.create_task(client.post(first.url + CHAT, **said(f"flood {n}", "sk-flood")))

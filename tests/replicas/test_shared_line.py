@@ -18,18 +18,15 @@ from typing import cast
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from slotgate.gate.admission import (
-    Admission,
+from slotgate.errors import (
     NotReady,
-    Pool,
     QueueFull,
-    QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     TenantQueueFull,
-    Ticket,
     TooLarge,
 )
+from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
 from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.replicas import lua as shared_lua

@@ -10,11 +10,11 @@ from typing import Any
 
 import orjson
 from slotgate.asgi import Header, Message, Scope
+from slotgate.errors import ExchangeFailed
 from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
 from slotgate.proxy.relay import Proxy
 from slotgate.settings import Settings
-from slotgate.upstreams.client import ExchangeFailed
 from slotgate.upstreams.fleet import Fleet
 
 
@@ -145,7 +145,7 @@ class Rig:
     """A `Proxy` over a ready fake llama-server with `slots` slots."""
 
     def __init__(self, client: FakeUpstreamClient, slots: int = 1, **settings: Any) -> None:
-        values: dict[str, Any] = {"llama_server_url": "http://127.0.0.1:9", "startup_wait": 0}
+        values: dict[str, Any] = {"llama_server_url": "http://127.0.0.1:9", "startup_wait_s": 0}
         values.update(settings)
         self.settings = Settings(_env_file=None, **values)
         self.admission = Admission(self.settings.queue_policy)

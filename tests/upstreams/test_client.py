@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import pytest
 import uvloop
+from slotgate.errors import BodyTooLarge, ConnectFailed, ProtocolError
 from slotgate.upstreams import client as client_module
 from slotgate.upstreams import reuse as reuse_module
-from slotgate.upstreams.client import BodyTooLarge, ConnectFailed, Connection, ProtocolError, State
+from slotgate.upstreams.client import Connection, State
 from slotgate.upstreams.reuse import UpstreamClient as Client
 
 from tests.support.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
@@ -471,7 +472,7 @@ async def test_a_body_read_whole_stops_at_its_limit(hostile: Hostile, chunked: b
     response = await client.request("POST", "/tokenize", [], b"{}")
     assert response.status == 500
     with pytest.raises(BodyTooLarge, match="65536"):
-        await response.read(limit=65536)
+        await response.read(limit_bytes=65536)
     response.release()  # an unfinished body: its connection is closed
     assert not client._idle
     assert hostile.sent < 200 * MiB

@@ -52,7 +52,7 @@ async def gates() -> AsyncIterator[Callable[..., Any]]:
     async def start(upstreams: Sequence[StandIn], **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
             "llama_server_url": ",".join(u.url for u in upstreams),
-            "props_refresh_interval": 0.2, "keepalive_interval": 0, "log_level": "warning",
+            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
         }  # fmt: skip
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
@@ -132,7 +132,7 @@ async def test_two_thousand_requests_over_eight_upstreams_survive_resizes_kills_
     standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
 ) -> None:
     upstreams = await standins([1, 2, 3, 4, 1, 2, 3, 4], [0.002 * (1 + n % 4) for n in range(8)])
-    gate = await gates(upstreams, max_queue=600, startup_wait=5)
+    gate = await gates(upstreams, max_queue=600, startup_wait_s=5)
 
     async def trouble() -> None:
         await asyncio.sleep(0.3)
@@ -157,7 +157,7 @@ async def test_a_refused_connection_goes_to_another_upstream_and_nothing_is_lost
 ) -> None:
     alive, dead = await standins([2, 2])
     # slotgate reads /props rarely here, so it learns of the death from a refused request.
-    gate = await gates([alive, dead], props_refresh_interval=30, startup_wait=0)
+    gate = await gates([alive, dead], props_refresh_interval_s=30, startup_wait_s=0)
     await dead.stop()
     answers = await asyncio.gather(
         *(client.post(gate.url + CHAT, json=chat(messages=[{"role": "user", "content": str(n)}]))
@@ -174,7 +174,7 @@ async def test_a_down_upstream_is_back_in_rotation_soon_after_it_answers_again(
     standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
 ) -> None:
     first, second = await standins([1, 1])
-    gate = await gates([first, second], props_refresh_interval=5)
+    gate = await gates([first, second], props_refresh_interval_s=5)
     await second.stop()
     gate.service.fleet.upstreams[1].lost("stopped by the test")
     assert gate.service.admission.capacity == 1
@@ -182,7 +182,7 @@ async def test_a_down_upstream_is_back_in_rotation_soon_after_it_answers_again(
     loop = asyncio.get_running_loop()
     began = loop.time()
     await gate.until(lambda: gate.service.admission.capacity == 2)
-    # Looked at every NOT_READY_RETRY_S (1 s) while down, not every PROPS_REFRESH_INTERVAL.
+    # Looked at every NOT_READY_RETRY_S (1 s) while down, not every PROPS_REFRESH_INTERVAL_S.
     assert loop.time() - began < 2.0
     answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(4)))
     assert [a.status_code for a in answers] == [200] * 4
@@ -260,7 +260,7 @@ async def test_a_name_that_resolves_to_several_addresses_is_one_upstream_per_add
     settings = Settings(
         _env_file=None,
         llama_server_url=f"http://llama.fleet.test:{first.port}",
-        props_refresh_interval=0.1,
+        props_refresh_interval_s=0.1,
         log_level="warning",
     )
     gate = None
@@ -368,10 +368,10 @@ async def first_upstream_dead_and_held(
     dead, alive = await standins([1, 1], [0.01, 0.2])
     gate = await gates(
         [dead, alive],
-        props_refresh_interval=30,
-        keepalive_interval=0.05,
-        stream_head_after=0,
-        startup_wait=0,
+        props_refresh_interval_s=30,
+        keepalive_interval_s=0.05,
+        stream_head_after_s=0,
+        startup_wait_s=0,
     )
     admission = gate.service.admission
     await dead.stop()

@@ -24,7 +24,7 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 def settings_for(url: str) -> Settings:
     return Settings(
-        _env_file=None, llama_server_url=url, props_refresh_interval=0.05, log_level="warning"
+        _env_file=None, llama_server_url=url, props_refresh_interval_s=0.05, log_level="warning"
     )
 
 

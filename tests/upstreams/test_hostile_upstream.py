@@ -34,7 +34,7 @@ from tests.support.hostile import (
 async def gate_before(start_gate: GateFactory, hostile: Hostile, **overrides: Any) -> RunningGate:
     # /props read once, at the start: a poll in the middle of a test would take pooled
     # connections the test is watching.
-    values: dict[str, Any] = {"props_refresh_interval": 60, **overrides}
+    values: dict[str, Any] = {"props_refresh_interval_s": 60, **overrides}
     gate: RunningGate = await start_gate(llama_server_url=hostile.url, **values)
     return gate
 
@@ -60,7 +60,7 @@ def error_of(event: bytes) -> dict[str, Any]:
 async def answered_after_waiting(
     gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient, answer: Answer
 ) -> bytes:
-    """What a stream gets that waited in line, its 200 head already out (STREAM_HEAD_AFTER=0),
+    """What a stream gets that waited in line, its 200 head already out (STREAM_HEAD_AFTER_S=0),
     while a stream held the only slot, and that llama-server then answers with `answer`."""
     release = asyncio.Event()
     hostile.script.append(held(release, stream(*CHAT_STREAM)))
@@ -75,7 +75,7 @@ async def answered_after_waiting(
 
 
 async def waiting_gate(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
-    return await gate_before(start_gate, hostile, keepalive_interval=1, stream_head_after=0)
+    return await gate_before(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
 
 
 # -- a connection that sent too much is never reused -----------------------------------------------
