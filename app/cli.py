@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 from slotgate import __version__, logs
-from slotgate.main import Service, create_app
 from slotgate.proxy.protocol import bounded_head_protocol
 from slotgate.settings import (
     ENGINE_VARIABLES,
@@ -33,6 +32,7 @@ from slotgate.settings import (
 
 if TYPE_CHECKING:
     from slotgate.engine.engines import Engines
+    from slotgate.main import Service
 
 log = logging.getLogger("slotgate")
 
@@ -349,6 +349,10 @@ def serve(
     engines: Engines | None = None,
     sockets: list[socket.socket] | None = None,
 ) -> int:
+    # The app (FastAPI and the whole request path) is imported only to serve: `--help` and a
+    # start-up refused for its settings answer in a fraction of the time.
+    from slotgate.main import create_app
+
     app = create_app(settings)
     server = Server(uvicorn_config(app, settings), app.state.service, engines)
     # Everything built so far (FastAPI, pydantic, uvicorn, the app) lives as long as the
