@@ -1,19 +1,19 @@
 """Admission shared by several replicas through Redis or Valkey: one pool per upstream and one
 bounded line, whichever replica a request came to.
 
-The state lives in Redis (app/replicas/lua.py lists the keys) and changes only inside server-side
-scripts, so that every decision (a free slot, a place in the line, the line bound, the hand-off
-to the head of the line) is one atomic step, and taking a free slot is one round trip. A
-release hands the slots to the head of the line inside the same script and publishes the grant
-on the waiter's replica's channel: one subscription per replica, no polling, no other waiter
-woken.
+The state lives in Redis (app/replicas/lua/__init__.py lists the keys) and changes only inside
+server-side scripts, so that every decision (a free slot, a place in the line, the line bound,
+the hand-off to the head of the line) is one atomic step, and taking a free slot is one round
+trip. A release hands the slots to the head of the line inside the same script and publishes the
+grant on the waiter's replica's channel: one subscription per replica, no polling, no other
+waiter woken.
 
 The line is a sorted set ordered by band (a higher band first), then a tag, then the arrival
-number. The script computes the tag: for a named tenant, its virtual start time under
-start-time fair queuing over slot-seconds (app/replicas/lua.py says how), so that tenants share
+number. The script computes the tag: for a named tenant, its virtual start time under start-time
+fair queuing over slot-seconds (app/replicas/lua/__init__.py says how), so that tenants share
 the slots by their shares across the replicas; without a tenant, the arrival number itself, so
-the order is exact FIFO. A tenant's `max_queued` is checked and its `max_active` kept inside
-the scripts too, and each upstream's KV-cache token budget as in app/gate/admission.py's `Pool`.
+the order is exact FIFO. A tenant's `max_queued` is checked and its `max_active` kept inside the
+scripts too, and each upstream's KV-cache token budget as in app/gate/admission.py's `Pool`.
 
 When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
 with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
@@ -751,17 +751,18 @@ class SharedAdmission:
 
     async def _script(self, name: str, args: tuple[str | int | float, ...]) -> Any:
         function = shared_lua.FUNCTIONS[name]
+        policy = shared_lua.POLICY
         client = self._client
         try:
             async with asyncio.timeout(self._timeout_s):
                 try:
-                    return await client.fcall(function, 1, self._prefix, *args)
+                    return await client.fcall(function, 1, self._prefix, *policy, *args)
                 except ResponseError as exc:
                     # Not loaded yet, or Redis restarted empty: load the library, call again.
                     if "function not found" not in str(exc).lower():
                         raise
                     await client.function_load(shared_lua.LIBRARY, replace=True)
-                    return await client.fcall(function, 1, self._prefix, *args)
+                    return await client.fcall(function, 1, self._prefix, *policy, *args)
         except (RedisError, OSError, TimeoutError) as exc:
             # A script error too (ResponseError): Redis is not usable as it is, so gate
             # locally rather than fail requests; `last_error` says why.

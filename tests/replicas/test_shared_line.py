@@ -870,8 +870,8 @@ async def test_a_tenants_max_active_counts_every_slot_of_a_request_even_when_it_
             await first.enter(weight=3, tenant="t", max_active=2)
         # Redis refuses it too, whoever asks (a replica's own check aside).
         reply = await redis_client.fcall(
-            shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, "r1", "x.1", 3, 0, "", 1.0, 0, "",
-            -1, -1, -1, "t", "1.0", 2, -1, 0,
+            shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, *shared_lua.POLICY,
+            "r1", "x.1", 3, 0, "", 1.0, 0, "", -1, -1, -1, "t", "1.0", 2, -1, 0,
         )  # fmt: skip
         assert reply[0] == b"large"
         held = await first.enter(weight=2, tenant="t", max_active=2)
@@ -1061,7 +1061,7 @@ class Reroute:
 Step = tuple[Enter | Release | Resize | Reroute, dict[str, tuple[str, int] | None]]
 
 #: Scenarios that the in-process core (app/gate/admission.py) and the shared line's script
-#: (app/replicas/lua.py) must play alike: a policy written twice gives the same grants.
+#: (app/replicas/lua/) must play alike: a policy written twice gives the same grants.
 SCENARIOS: dict[str, list[Step]] = {
     "a prompt array waiting while its upstream grows holds the slots it grew to": [
         (Resize("a", 1), {}),
