@@ -56,8 +56,7 @@ async def replicas(standin: StandIn, valkey: Valkey) -> AsyncIterator[Gates]:
 
 
 def fleet(gate: RunningGate) -> dict[str, Any]:
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     view: dict[str, Any] = replica.view()["fleet"]
     return view
 
@@ -73,8 +72,7 @@ def idle(gate: RunningGate) -> Callable[[], bool]:
 
 
 def mode(gate: RunningGate) -> str:
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     return replica.mode
 
 
@@ -136,8 +134,7 @@ async def test_a_release_on_one_replica_hands_the_slot_to_a_waiter_on_the_other(
 
 
 def queued(gate: RunningGate) -> int:
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     count: int = replica.view()["this_replica"]["queued"]
     return count
 

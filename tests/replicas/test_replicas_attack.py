@@ -45,8 +45,7 @@ def settings_for(urls: Sequence[str], valkey: Valkey | None, **overrides: Any) -
 
 
 def view(gate: RunningGate) -> dict[str, Any]:
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     heard: dict[str, Any] = replica.view()
     return heard
 

@@ -53,16 +53,13 @@ async def sharing(valkey: Valkey) -> AsyncIterator[Start]:
 
 
 def view(gate: RunningGate) -> dict[str, Any]:
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     heard: dict[str, Any] = replica.view()
     return heard
 
 
 async def redis_idle(gate: RunningGate) -> None:
     """Wait until Redis holds nothing of the fleet's and this replica holds nothing."""
-    replica = gate.service.replica
-    assert replica is not None
 
     def idle() -> bool:
         heard = view(gate)
