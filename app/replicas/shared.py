@@ -38,9 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import itertools
-import math
 import os
 import secrets
 import time
@@ -48,11 +46,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 from slotgate.gate.admission import (
     HOLD_EWMA_ALPHA,
     INITIAL_HOLD_S,
@@ -60,27 +53,18 @@ from slotgate.gate.admission import (
     NotReady,
     QueueFull,
     QueuePolicy,
-    QueueTimeout,
     ShuttingDown,
     Snapshot,
     TenantQueueFull,
     TooLarge,
 )
 from slotgate.gate.fairline import Share
-from slotgate.replicas import lua as shared_lua
+from slotgate.replicas.alone import Alone
+from slotgate.replicas.ticket import Figures, Mode, SharedTicket
+from slotgate.replicas.transport import Down, Transport, stop
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
 KEPT_TTLS = 10
-
-
-class Mode(enum.Enum):
-    SHARED = "shared"
-    #: Redis is away; the replica gates on its share (or refuses, with failure_mode "reject").
-    DEGRADED = "degraded"
-
-
-class Down(Exception):
-    """Redis did not answer in time, or not at all."""
 
 
 class Stale(Exception):
@@ -88,196 +72,15 @@ class Stale(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Fleet:
-    """What Redis last said of the whole fleet."""
-
-    capacity: int = 0
-    active: int = 0
-    queued: int = 0
-    hold_s: float | None = None
-    replicas: int = 1
-    #: Grants made so far, fleet-wide.
-    granted: int = 0
-
-    @classmethod
-    def parse(cls, raw: Sequence[bytes]) -> Fleet:
-        hold = float(raw[3])
-        return cls(
-            int(raw[0]), int(raw[1]), int(raw[2]), hold if hold >= 0 else None, int(raw[4]),
-            int(raw[5]),
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
 class SharedSnapshot:
     mode: Mode
-    fleet: Fleet
+    fleet: Figures
     #: This replica's part: slots it holds and requests of its own in the line.
     active: int
     queued: int
     #: The capacities this replica's own followers see.
     capacities: dict[str, int] = field(default_factory=dict)
     fallbacks: int = 0
-
-
-class SharedTicket:
-    """One request's claim; `async with ticket:` releases it on every way out."""
-
-    __slots__ = (
-        "_admission", "_future", "_known_by", "_released", "admitted_at", "band", "cost",
-        "entered_at", "grant_no", "id", "least", "max_active", "max_queued", "member", "order",
-        "position", "ranking", "reason", "rerouted", "share", "since", "tag", "tasks",
-        "tenant", "upstream", "weight",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        admission: SharedAdmission,
-        id: str,
-        order: int,
-        weight: int,
-        cost: int,
-        ranking: Sequence[str],
-        band: int,
-        tag: float | None,
-        tenant: str = "",
-        share: float = 1.0,
-        max_active: int | None = None,
-        max_queued: int | None = None,
-        tasks: int = 0,
-    ) -> None:
-        self._admission = admission
-        self.id = id
-        #: This replica's own arrival number: the order of its waiters when they rejoin.
-        self.order = order
-        #: The fewest slots it runs in; a prompt array's tasks (0 for any other request). The
-        #: slots it holds (`weight`) are known once granted: its least until then.
-        self.least = weight
-        self.tasks = tasks
-        self.weight = weight
-        self.cost = cost
-        self.ranking = tuple(ranking)
-        self.band = band
-        self.tag = tag
-        # Tabs and newlines separate the fields of a ticket in Redis.
-        self.tenant = tenant.replace("\t", " ").replace("\n", " ")
-        self.share = share
-        self.max_active = max_active
-        self.max_queued = max_queued
-        #: Its 1-based place in the fleet's line as last known (the ENTER reply's); 0 once
-        #: granted.
-        self.position = 0
-        #: The fleet's grants so far when `position` was read: each grant since moves it up.
-        self.since = 0
-        #: `<seq>|<id>` while Redis knows the ticket; a new one each time it (re)joins.
-        self.member: str | None = None
-        self.upstream: str | None = None
-        self.reason = ""
-        #: The grant's place among all grants of the fleet (0: granted locally).
-        self.grant_no = 0
-        self.entered_at = time.monotonic()
-        self.admitted_at: float | None = None
-        self._future: asyncio.Future[None] | None = None
-        self._released = False
-        #: Sent back by its upstream (`reroute`), and until when it may wait for one known.
-        self.rerouted = False
-        self._known_by: float | None = None
-
-    def weighs(self, capacity: int) -> int:
-        """The slots it holds on an upstream of `capacity` (as the core's Ticket.weighs)."""
-        tasks = self.tasks
-        return self.least if not tasks else max(self.least, min(tasks, capacity))
-
-    @property
-    def seq(self) -> int:
-        """The fleet-wide arrival number (0 when Redis never saw the ticket)."""
-        return int(self.member.split("|", 1)[0], 16) if self.member else 0
-
-    @property
-    def granted(self) -> bool:
-        return self.upstream is not None
-
-    @property
-    def place(self) -> int:
-        """Its 1-based place in the fleet's line now (0 once granted or never placed): its
-        place when it entered, less the fleet's grants since, as this replica last heard of
-        them (its own grants at once, the others' at each heartbeat). Exact for one FIFO line
-        but for leavers ahead of it; an estimate under fair share."""
-        if self.granted or not self.position:
-            return 0
-        served = self._admission._grants() - self.since
-        return max(self.position - max(served, 0), 1)
-
-    async def wait(self) -> None:
-        """Wait for the slots; on any exit without them, leave the line at once."""
-        if self.granted or self._future is None:
-            return
-        admission = self._admission
-        try:
-            if self.rerouted:
-                await self._wait_rerouted(self._future)
-            elif admission._queue_timeout_s is None:
-                await self._future
-            else:
-                async with asyncio.timeout(
-                    admission._queue_timeout_s - (time.monotonic() - self.entered_at)
-                ):
-                    await self._future
-        except BaseException as exc:
-            self.release()
-            if isinstance(exc, TimeoutError):
-                raise QueueTimeout(admission._snapshot(), admission._retry_after_s(1)) from None
-            raise
-        self.admitted_at = time.monotonic()
-
-    async def _wait_rerouted(self, future: asyncio.Future[None]) -> None:
-        # Sent back by its upstream: it waits at the head of the line, not under the queue
-        # timeout again, but only while some upstream is known (or until `known_by`).
-        known_by = self._known_by
-        if known_by is not None:
-            admission = self._admission
-            await asyncio.wait((future,), timeout=max(known_by - time.monotonic(), 0.0))
-            # The fleet's capacity it goes by is the last heartbeat's, which may predate the
-            # refusal: look again at each heartbeat, so that a line no upstream serves any more
-            # refuses it rather than keep it forever.
-            while not future.done():
-                if not admission._known():
-                    raise NotReady(admission._snapshot(), 1.0)
-                await asyncio.wait((future,), timeout=admission._heartbeat_s)
-        await future
-
-    def release(self) -> None:
-        """Give the slots (or the place in the line) back; a second call does nothing."""
-        if self._released:
-            return
-        self._released = True
-        self._admission._drop(self)
-
-    def reroute(self, known_by: float | None = None) -> None:
-        """Its upstream did not take the request (refused, down, restarting): give the slots
-        back and wait again at the head of the line, for whichever upstream has room first;
-        `wait` fails with NotReady if no upstream's capacity is known by `known_by`
-        (time.monotonic())."""
-        if self._released or self.upstream is None:
-            return
-        self.rerouted = True
-        self._known_by = known_by
-        self._admission._reroute(self)
-
-    async def aclose(self) -> None:
-        """`release`, and wait until Redis has it (or gave up trying)."""
-        self.release()
-        await self._admission.settle()
-
-    async def __aenter__(self) -> SharedTicket:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = f"granted on {self.upstream}" if self.granted else "waiting"
-        return f"<SharedTicket {self.member or self.id} {state}>"
 
 
 class SharedAdmission:
@@ -301,10 +104,8 @@ class SharedAdmission:
     ) -> None:
         if failure_mode not in ("local", "reject"):
             raise ValueError(f"failure_mode must be local or reject, got {failure_mode!r}")
-        self._url = url
-        self._prefix = f"slotgate:{{{fleet}}}:"
+        prefix = f"slotgate:{{{fleet}}}:"
         self.replica = replica or f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}"
-        self._channel = f"{self._prefix}ch:{self.replica}"
         self._policy = policy or QueuePolicy()
         self._epsilon = epsilon
         self._queue_timeout_s = queue_timeout_s
@@ -314,24 +115,15 @@ class SharedAdmission:
         #: How long Redis keeps counting this replica's grants once it gave the replica up.
         self._kept_ms = round((KEPT_TTLS * ttl_s if kept_s is None else kept_s) * 1000)
         self._failure_mode = failure_mode
-        self._client: aioredis.Redis = aioredis.Redis.from_pool(
-            aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections + 2,
-                timeout=timeout_s,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                # Fail fast: a retry would only stretch the time before degrading.
-                retry=Retry(NoBackoff(), 0),
-            )
-        )
-        # The pool has two more: the grants' subscription and the recovery ping.
-        self._calls = asyncio.Semaphore(max_connections)
+        self._redis = Transport(
+            url, prefix, f"{prefix}ch:{self.replica}", timeout_s=timeout_s,
+            max_connections=max_connections, shared=lambda: self.mode is Mode.SHARED,
+        )  # fmt: skip
         self.mode = Mode.DEGRADED
         self.fallbacks_total = 0
         #: Why Redis was last found unusable.
         self.last_error = ""
-        self._fleet = Fleet()
+        self._fleet = Figures()
         #: Told of a KV budget another replica learned for an upstream (upstream, tokens).
         self.on_budget: Callable[[str, int], None] | None = None
         self._capacities: dict[str, int] = {}
@@ -342,16 +134,10 @@ class SharedAdmission:
         self._waiters: dict[str, SharedTicket] = {}
         #: Grants that arrived before the reply that named their member.
         self._early: dict[str, tuple[str, str, int, int]] = {}
-        #: Degraded mode: this replica's own slots in use per upstream.
-        self._local_active: dict[str, int] = {}
-        #: Degraded mode: the slots per upstream Redis still counts for this replica (its
-        #: grants when it fell back), until `_kept_until`.
-        self._kept: dict[str, int] = {}
+        #: Degraded mode's gating, on this replica's share.
+        self._alone = Alone(self)
         #: When (time.monotonic()) the last heartbeat that Redis took was sent.
         self._renewed_at: float | None = None
-        #: Redis refused or closed a connection since it last answered: it is down (for every
-        #: replica), not out of reach from this one alone.
-        self._refused = False
         self._hold_ewma_s = INITIAL_HOLD_S
         #: The last grant number this replica was given (the fleet's count, see `_grants`).
         self._last_grant = 0
@@ -361,9 +147,6 @@ class SharedAdmission:
         self._joining: asyncio.Future[None] | None = None
         #: Changes at every degrade and rejoin: an answer from an older epoch is stale.
         self._epoch = 0
-        self._stale_pool = False
-        self._pubsub: Any = None
-        self._listener: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -384,7 +167,7 @@ class SharedAdmission:
             self._fail(ticket, ShuttingDown(self._snapshot(), 1.0))
         # Waited on, not awaited: a Redis call may turn the cancellation into an error, and
         # the task goes on (it stops at its next turn, having seen `_closed`).
-        await _stop((self._keeper, self._listener), self._timeout_s)
+        await stop((self._keeper, self._redis.listener), self._timeout_s)
         await self.settle(self._timeout_s)
         for task in self._pending:
             task.cancel()  # a release still waiting for a connection: RETIRE covers it
@@ -393,10 +176,7 @@ class SharedAdmission:
                 # A connection (the releases left give theirs back at once), then the call.
                 async with asyncio.timeout(2 * self._timeout_s):
                     await self._call("RETIRE", self.replica, self._epsilon)
-        await self._unsubscribe()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self._timeout_s):
-                await self._client.aclose()
+        await self._redis.aclose()
 
     async def settle(self, within_s: float | None = None) -> None:
         """Until the releases already made have reached Redis (or failed), or `within_s`."""
@@ -424,10 +204,10 @@ class SharedAdmission:
         fleet = self._fleet
         if self.mode is Mode.DEGRADED:
             return Snapshot(
-                sum(self._shares().values()) or None,
-                sum(self._local_active.values()),
+                sum(self._alone.shares().values()) or None,
+                sum(self._alone.active.values()),
                 len(self._waiters),
-                self._local_limit(),
+                self._alone.limit(),
             )
         return Snapshot(fleet.capacity or None, fleet.active, fleet.queued, self._limit())
 
@@ -479,7 +259,7 @@ class SharedAdmission:
             except Down as exc:
                 self._degrade(str(exc))
             return
-        self._dispatch_local()
+        self._alone.dispatch()
 
     async def rekey(self, old: str, new: str) -> None:
         """An upstream is known by another name now: what this replica holds there is held
@@ -489,7 +269,7 @@ class SharedAdmission:
         for ticket in self._tickets.values():
             if ticket.upstream == old:
                 ticket.upstream = new
-        for counts in (self._local_active, self._kept):
+        for counts in (self._alone.active, self._alone.kept):
             if old in counts:
                 counts[new] = counts.get(new, 0) + counts.pop(old)
         if self.mode is Mode.SHARED:
@@ -565,7 +345,7 @@ class SharedAdmission:
                 self._degrade(str(exc))
             except Stale:
                 stale += 1
-        return self._enter_local(ticket)
+        return self._alone.enter(ticket)
 
     async def _enter_shared(self, ticket: SharedTicket) -> SharedTicket:
         policy = self._policy
@@ -620,11 +400,11 @@ class SharedAdmission:
             await self._rejoin()
             raise Stale
         if kind == "full":
-            self._fleet = Fleet.parse(reply[2:])
+            self._fleet = Figures.parse(reply[2:])
             queued = self._fleet.queued
             raise QueueFull(self._snapshot(), self._retry_after_s(queued + ticket.weight))
         if kind == "tenant_full":
-            self._fleet = Fleet.parse(reply[3:])
+            self._fleet = Figures.parse(reply[3:])
             queued, active = int(reply[1]), int(reply[2])
             share = Share(ticket.tenant, ticket.share, active, queued, 0.0)
             snapshot = dataclasses.replace(self._snapshot(), tenant=share)
@@ -632,9 +412,9 @@ class SharedAdmission:
             over = queued - (ticket.max_queued or 0) + 1
             raise TenantQueueFull(snapshot, self._retry_after_s(over))
         if kind == "large":
-            self._fleet = Fleet.parse(reply[2:])
+            self._fleet = Figures.parse(reply[2:])
             raise TooLarge(self._snapshot(), ticket.least, int(reply[1]))
-        self._fleet = Fleet.parse(reply[1:])
+        self._fleet = Figures.parse(reply[1:])
         raise NotReady(self._snapshot(), 1.0)
 
     def _orphan(self, task: asyncio.Future[Any], ticket: SharedTicket) -> None:
@@ -686,11 +466,9 @@ class SharedAdmission:
         # Degraded (or rejoining: the rejoin's list no longer has it, and Redis forgets it).
         upstream = ticket.upstream
         if upstream is not None:
-            self._local_active[upstream] = max(
-                self._local_active.get(upstream, 0) - ticket.weight, 0
-            )
+            self._alone.free(upstream, ticket.weight)
         if self.mode is Mode.DEGRADED and self._joining is None:
-            self._dispatch_local()
+            self._alone.dispatch()
 
     def _reroute(self, ticket: SharedTicket) -> None:
         upstream, ticket.upstream = ticket.upstream, None
@@ -706,12 +484,10 @@ class SharedAdmission:
             return
         # Degraded, or a rejoin runs (it finds the ticket no longer granted: `_rejoin`).
         if upstream is not None:
-            self._local_active[upstream] = max(
-                self._local_active.get(upstream, 0) - ticket.weight, 0
-            )
+            self._alone.free(upstream, ticket.weight)
         ticket.weight = ticket.least  # weighed again where it is granted next
         if self.mode is Mode.DEGRADED and self._joining is None:
-            self._dispatch_local()
+            self._alone.dispatch()
 
     async def _reroute_shared(self, ticket: SharedTicket, member: str) -> None:
         try:
@@ -744,63 +520,19 @@ class SharedAdmission:
         # timed, so that a burst is not taken for a slow Redis. A call still waiting when the
         # replica has fallen back gives up at once rather than try a Redis known to be away.
         epoch = self._epoch
-        async with self._calls:
+        async with self._redis.calls:
             if self._epoch != epoch and self.mode is Mode.DEGRADED:
                 raise Down(f"{name}: fell back while waiting for a connection")
-            return await self._script(name, args)
-
-    async def _script(self, name: str, args: tuple[str | int | float, ...]) -> Any:
-        function = shared_lua.FUNCTIONS[name]
-        policy = shared_lua.POLICY
-        client = self._client
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                try:
-                    return await client.fcall(function, 1, self._prefix, *policy, *args)
-                except ResponseError as exc:
-                    # Not loaded yet, or Redis restarted empty: load the library, call again.
-                    if "function not found" not in str(exc).lower():
-                        raise
-                    await client.function_load(shared_lua.LIBRARY, replace=True)
-                    return await client.fcall(function, 1, self._prefix, *policy, *args)
-        except (RedisError, OSError, TimeoutError) as exc:
-            # A script error too (ResponseError): Redis is not usable as it is, so gate
-            # locally rather than fail requests; `last_error` says why.
-            self._heard(exc)
-            raise Down(f"{name}: {exc!r}") from exc
+            return await self._redis.script(name, args)
 
     async def _subscribe(self) -> None:
-        await self._unsubscribe()
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await pubsub.subscribe(self._channel)
-        except (RedisError, OSError, TimeoutError) as exc:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
-            raise Down(f"SUBSCRIBE: {exc!r}") from exc
-        self._pubsub = pubsub
-        self._listener = asyncio.create_task(self._listen(pubsub), name="slotgate-shared-grants")
+        await self._redis.subscribe(self._on_grant, self._lost)
 
-    async def _unsubscribe(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None and listener is not asyncio.current_task():
-            await _stop((listener,), self._timeout_s)
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(self._timeout_s):
-                    await pubsub.aclose()
-
-    async def _listen(self, pubsub: Any) -> None:
-        try:
-            async for message in pubsub.listen():
-                if message["type"] == "message":
-                    self._on_grant(message["data"].decode())
-        except (RedisError, OSError) as exc:
-            if not self._closed:
-                self._heard(exc)
-                self._degrade(str(exc))
+    def _lost(self, exc: BaseException) -> None:
+        """The grants' subscription failed."""
+        if not self._closed:
+            self._redis.heard(exc)
+            self._degrade(str(exc))
 
     def _on_grant(self, data: str) -> None:
         member, upstream, reason, grant_no, weight = data.split("\t")
@@ -843,26 +575,20 @@ class SharedAdmission:
                     await self._rejoin()
                 else:
                     self._renewed_at = max(self._renewed_at or sent, sent)
-                    self._fleet = Fleet.parse(reply[1:])
+                    self._fleet = Figures.parse(reply[1:])
                     self._hear_budgets(reply[7:])
             else:
-                if self._stale_pool:
-                    # Connections to a Redis that restarted fail one by one when next used:
-                    # start over, so that the rejoin is not followed by a second fallback.
-                    self._stale_pool = False
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(self._timeout_s):
-                            await self._client.connection_pool.disconnect()
+                await self._redis.renew()
                 await asyncio.sleep(min(self._heartbeat_s, 0.2))
                 if self._closed:
                     return
                 # A ping first: local dispatch waits while a rejoin runs, so only try one
                 # once Redis answers.
-                if await self._answers():
+                if await self._redis.answers():
                     await self._rejoin()
                 else:
                     # The slots Redis kept for this replica may have become its share.
-                    self._dispatch_local()
+                    self._alone.dispatch()
 
     def _hear_budgets(self, raw: Sequence[bytes]) -> None:
         """Budgets Redis holds that this replica has not learned: tell `on_budget`."""
@@ -872,21 +598,6 @@ class SharedAdmission:
             name = upstream.decode()
             if name in self._capacities and name not in self._budgets:
                 self.on_budget(name, int(budget))
-
-    async def _answers(self) -> bool:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await self._client.ping()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._heard(exc)
-            return False
-        return True
-
-    def _heard(self, exc: BaseException) -> None:
-        """Note whether Redis's host refused a connection, or closed one in shared mode (a
-        connection closed later may be this replica's own doing: `_keep` drops its pool)."""
-        if not self._refused:
-            self._refused = _refused(exc, closed=self.mode is Mode.SHARED)
 
     async def _join(self) -> None:
         await self._subscribe()
@@ -900,12 +611,12 @@ class SharedAdmission:
         self._joining = asyncio.get_running_loop().create_future()
         self._epoch += 1
         try:
-            if self._listener is None or self._listener.done():
+            if not self._redis.listening:
                 try:
                     await self._subscribe()
                 except Down as exc:
                     self._degrade(str(exc))
-                    self._dispatch_local()
+                    self._alone.dispatch()
                     return
             grants = [t for t in self._tickets.values() if t.granted]
             waiters = sorted(self._waiters.values(), key=lambda t: t.order)
@@ -934,11 +645,11 @@ class SharedAdmission:
             except Down as exc:
                 self._degrade(str(exc))
                 # Whatever was released while it ran is free on this replica's share now.
-                self._dispatch_local()
+                self._alone.dispatch()
                 return
             self._renewed_at = sent
-            self._refused = False
-            fleet = self._fleet = Fleet.parse(reply[:6])
+            self._redis.refused = False
+            fleet = self._fleet = Figures.parse(reply[:6])
             # Redis may have restarted empty: its count starts again.
             self._last_grant = fleet.granted
             for place, (t, member) in enumerate(zip(waiters, reply[6:], strict=True)):
@@ -963,7 +674,7 @@ class SharedAdmission:
                     self._spawn(self._reroute_shared(t, t.member))
             # What is left names places of before the rejoin, or of enters still in flight.
             self._early = {m: e for m, e in self._early.items() if self._in_flight(m)}
-            self._local_active.clear()
+            self._alone.active.clear()
             self.mode = Mode.SHARED
             self._shared.set()
         finally:
@@ -982,162 +693,28 @@ class SharedAdmission:
             return
         self.mode = Mode.DEGRADED
         self._epoch += 1
-        self._stale_pool = True
+        self._redis.stale = True
         self._shared.clear()
         self.fallbacks_total += 1
         active: dict[str, int] = {}
         for t in self._tickets.values():
             if t.granted and t.upstream is not None:
                 active[t.upstream] = active.get(t.upstream, 0) + t.weight
-        self._local_active = active
-        self._kept = dict(active)
+        self._alone.fall_back(active)
         if self._failure_mode == "reject":
             for t in list(self._waiters.values()):
                 self._fail(t, NotReady(self._snapshot(), 1.0))
             return
-        self._dispatch_local()
-
-    # -- degraded mode: this replica's share -------------------------------------------------
-
-    def _shares(self) -> dict[str, int]:
-        if self._keeping():
-            # Cut off from a Redis the others may still reach: only the slots Redis counts
-            # for this replica are sure to be nobody else's.
-            kept = self._kept
-            return {u: min(kept[u], c) for u, c in self._capacities.items() if kept.get(u)}
-        n = max(self._fleet.replicas, 1)
-        return {u: max(c // n, 1) for u, c in self._capacities.items()}
-
-    def _keeping(self) -> bool:
-        """Does Redis still count this replica's grants of the fallback, while it may be
-        serving the other replicas? Until its lease and the keeping after it have run out
-        (by this replica's clock, from the last heartbeat Redis took, less a margin), unless
-        Redis refused a connection: then it is down for every replica."""
-        renewed = self._renewed_at
-        if renewed is None or self._refused:
-            return False
-        kept_s = (self._ttl_ms + self._kept_ms) / 1000 - self._timeout_s
-        return time.monotonic() < renewed + kept_s
-
-    def _local_limit(self) -> int | None:
-        capacity = sum(self._capacities.values())
-        if not capacity:
-            return None
-        limit = self._policy.limit(capacity)
-        if limit is None:
-            return None
-        return max(limit // max(self._fleet.replicas, 1), 1)
-
-    def _enter_local(self, ticket: SharedTicket) -> SharedTicket:
-        if self._failure_mode == "reject":
-            raise NotReady(self._snapshot(), 1.0)
-        shares = self._shares()
-        if not shares:
-            raise NotReady(self._snapshot(), 1.0)
-        if ticket.least > max(self._capacities.values()):
-            raise TooLarge(self._snapshot(), ticket.least, max(self._capacities.values()))
-        if ticket.least > max(shares.values()):
-            # It fits an upstream, not this replica's share of one: it may run once Redis is
-            # back, so it is refused as for now (503), not as a request to change (400).
-            raise NotReady(self._snapshot(), 1.0)
-        if not self._waiters:
-            upstream, reason = self._choose_local(ticket, shares)
-            if upstream is not None:
-                self._tickets[ticket.id] = ticket
-                ticket.weight = ticket.weighs(shares[upstream])
-                self._local_active[upstream] = self._local_active.get(upstream, 0) + ticket.weight
-                ticket.upstream, ticket.reason = upstream, reason
-                ticket.admitted_at = time.monotonic()
-                return ticket
-        limit = self._local_limit()
-        if limit is not None and len(self._waiters) >= limit:
-            raise QueueFull(self._snapshot(), self._retry_after_s(len(self._waiters) + 1))
-        ticket._future = asyncio.get_running_loop().create_future()
-        self._tickets[ticket.id] = ticket
-        self._waiters[ticket.id] = ticket
-        ticket.position = len(self._waiters)
-        ticket.since = self._grants()
-        return ticket
-
-    def _choose_local(self, ticket: SharedTicket, shares: dict[str, int]) -> tuple[str | None, str]:
-        """The same rule as the script's `choose`, over this replica's shares (a prompt array
-        weighed on each share: what it may hold of that upstream while this replica gates
-        alone)."""
-        active = self._local_active
-        w = ticket.weighs(max(shares.values()))
-        load = (sum(active.get(u, 0) for u in shares) + w) * (1 + self._epsilon)
-        load /= sum(shares.values())
-        ranked = [u for u in ticket.ranking if u in shares]
-        for rank, u in enumerate(ranked):
-            a = active.get(u, 0) + ticket.weighs(shares[u])
-            if a <= shares[u] and active.get(u, 0) + w <= math.ceil(load * shares[u]):
-                return u, "affinity" if rank == 0 else "load"
-        best: tuple[float, int, str] | None = None
-        for u, c in shares.items():
-            a = active.get(u, 0) + ticket.weighs(c)
-            if a <= c and (best is None or (a / c, a - c, u) < best):
-                best = (a / c, a - c, u)
-        return (best[2], "load") if best is not None else (None, "busy")
-
-    def _dispatch_local(self) -> None:
-        if self.mode is not Mode.DEGRADED or self._failure_mode == "reject":
-            return
-        shares = self._shares()
-        if not shares:
-            # Cut off holding nothing: its waiters keep their places (QUEUE_TIMEOUT bounds
-            # them) for Redis to answer again, or for the keeping to run out.
-            return
-        largest = max(shares.values())
-        for ticket in sorted(self._waiters.values(), key=lambda t: t.order):
-            if ticket.least > largest:
-                # Entered while shared: it can never run on a share, and would stop the line.
-                self._fail(ticket, NotReady(self._snapshot(), 1.0))
-                continue
-            upstream, reason = self._choose_local(ticket, shares)
-            if upstream is None:
-                return  # the head only: nobody overtakes it
-            weight = ticket.weighs(shares[upstream])
-            self._local_active[upstream] = self._local_active.get(upstream, 0) + weight
-            ticket.member = None  # Redis will know it only from the rejoin's list of grants
-            self._granted(ticket, upstream, reason, 0, weight)
-
-
-async def _stop(tasks: Sequence[asyncio.Task[Any] | None], within_s: float) -> None:
-    """Cancel `tasks` and wait until they end, `within_s` at most. Not `await task`: a task
-    that turns its cancellation into an error (as a Redis client may) would go on, and an
-    `await` on it inside `suppress(CancelledError)` would swallow the caller's own."""
-    live = [task for task in tasks if task is not None and not task.done()]
-    for task in live:
-        task.cancel()
-    if live:
-        await asyncio.wait(live, timeout=within_s)
-    for task in live:
-        if task.done() and not task.cancelled():
-            task.exception()  # seen: an error of a task being stopped says nothing more
+        self._alone.dispatch()
 
 
 def _unset(value: int | None) -> int:
     return -1 if value is None else value
 
 
-def _refused(exc: BaseException, closed: bool) -> bool:
-    """Did Redis's host refuse a connection (or close one, if `closed` counts): stopped or
-    restarting, as opposed to not answering (slow, or out of reach from here alone)?"""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ConnectionRefusedError):
-            return True
-        if closed and isinstance(seen, ConnectionResetError):
-            return True
-        if closed and isinstance(seen, RedisConnectionError) and "closed by server" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 __all__ = [
     "Down",
-    "Fleet",
+    "Figures",
     "Mode",
     "SharedAdmission",
     "SharedSnapshot",

@@ -621,7 +621,7 @@ async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellatio
     assert admission.mode is Mode.SHARED
     await admission.resize("a", 1)
     held = await admission.enter()
-    client = admission._client
+    client = admission._redis.client
     fcall = client.fcall
     heartbeat = shared_lua.FUNCTIONS["HEARTBEAT"]
     stalled = asyncio.Event()
