@@ -42,67 +42,67 @@ class Alone:
         self.active[upstream] = max(self.active.get(upstream, 0) - weight, 0)
 
     def shares(self) -> dict[str, int]:
+        line = self._line
         if self.keeping():
             # Cut off from a Redis the others may still reach: only the slots Redis counts
             # for this replica are sure to be nobody else's.
             kept = self.kept
-            return {u: min(kept[u], c) for u, c in self._line._capacities.items() if kept.get(u)}
-        n = max(self._line._fleet.replicas, 1)
-        return {u: max(c // n, 1) for u, c in self._line._capacities.items()}
+            return {u: min(kept[u], c) for u, c in line._capacities.items() if kept.get(u)}
+        n = max(line._fleet.replicas, 1)
+        return {u: max(c // n, 1) for u, c in line._capacities.items()}
 
     def keeping(self) -> bool:
         """Does Redis still count this replica's grants of the fallback, while it may be
         serving the other replicas? Until its lease and the keeping after it have run out
         (by this replica's clock, from the last heartbeat Redis took, less a margin), unless
         Redis refused a connection: then it is down for every replica."""
-        renewed = self._line._renewed_at
-        if renewed is None or self._line._redis.refused:
+        line = self._line
+        renewed = line._renewed_at
+        if renewed is None or line._redis.refused:
             return False
-        kept_s = (self._line._ttl_ms + self._line._kept_ms) / 1000 - self._line._timeout_s
+        kept_s = (line._ttl_ms + line._kept_ms) / 1000 - line._timeout_s
         return time.monotonic() < renewed + kept_s
 
     def limit(self) -> int | None:
-        capacity = sum(self._line._capacities.values())
+        line = self._line
+        capacity = sum(line._capacities.values())
         if not capacity:
             return None
-        limit = self._line._policy.limit(capacity)
+        limit = line._policy.limit(capacity)
         if limit is None:
             return None
-        return max(limit // max(self._line._fleet.replicas, 1), 1)
+        return max(limit // max(line._fleet.replicas, 1), 1)
 
     def enter(self, ticket: SharedTicket) -> SharedTicket:
-        if self._line._failure_mode == "reject":
-            raise NotReady(self._line._snapshot(), 1.0)
+        line = self._line
+        if line._failure_mode == "reject":
+            raise NotReady(line._snapshot(), 1.0)
         shares = self.shares()
         if not shares:
-            raise NotReady(self._line._snapshot(), 1.0)
-        if ticket.least > max(self._line._capacities.values()):
-            raise TooLarge(
-                self._line._snapshot(), ticket.least, max(self._line._capacities.values())
-            )
+            raise NotReady(line._snapshot(), 1.0)
+        if ticket.least > max(line._capacities.values()):
+            raise TooLarge(line._snapshot(), ticket.least, max(line._capacities.values()))
         if ticket.least > max(shares.values()):
             # It fits an upstream, not this replica's share of one: it may run once Redis is
             # back, so it is refused as for now (503), not as a request to change (400).
-            raise NotReady(self._line._snapshot(), 1.0)
-        if not self._line._waiters:
+            raise NotReady(line._snapshot(), 1.0)
+        if not line._waiters:
             upstream, reason = self.choose(ticket, shares)
             if upstream is not None:
-                self._line._tickets[ticket.id] = ticket
+                line._tickets[ticket.id] = ticket
                 ticket.weight = ticket.weighs(shares[upstream])
                 self.active[upstream] = self.active.get(upstream, 0) + ticket.weight
                 ticket.upstream, ticket.reason = upstream, reason
                 ticket.admitted_at = time.monotonic()
                 return ticket
         limit = self.limit()
-        if limit is not None and len(self._line._waiters) >= limit:
-            raise QueueFull(
-                self._line._snapshot(), self._line._retry_after_s(len(self._line._waiters) + 1)
-            )
+        if limit is not None and len(line._waiters) >= limit:
+            raise QueueFull(line._snapshot(), line._retry_after_s(len(line._waiters) + 1))
         ticket._future = asyncio.get_running_loop().create_future()
-        self._line._tickets[ticket.id] = ticket
-        self._line._waiters[ticket.id] = ticket
-        ticket.position = len(self._line._waiters)
-        ticket.since = self._line._grants()
+        line._tickets[ticket.id] = ticket
+        line._waiters[ticket.id] = ticket
+        ticket.position = len(line._waiters)
+        ticket.since = line._grants()
         return ticket
 
     def choose(self, ticket: SharedTicket, shares: dict[str, int]) -> tuple[str | None, str]:
@@ -126,7 +126,8 @@ class Alone:
         return (best[2], "load") if best is not None else (None, "busy")
 
     def dispatch(self) -> None:
-        if self._line.mode is not Mode.DEGRADED or self._line._failure_mode == "reject":
+        line = self._line
+        if line.mode is not Mode.DEGRADED or line._failure_mode == "reject":
             return
         shares = self.shares()
         if not shares:
@@ -134,10 +135,10 @@ class Alone:
             # them) for Redis to answer again, or for the keeping to run out.
             return
         largest = max(shares.values())
-        for ticket in sorted(self._line._waiters.values(), key=lambda t: t.order):
+        for ticket in sorted(line._waiters.values(), key=lambda t: t.order):
             if ticket.least > largest:
                 # Entered while shared: it can never run on a share, and would stop the line.
-                self._line._fail(ticket, NotReady(self._line._snapshot(), 1.0))
+                line._fail(ticket, NotReady(line._snapshot(), 1.0))
                 continue
             upstream, reason = self.choose(ticket, shares)
             if upstream is None:
@@ -145,7 +146,7 @@ class Alone:
             weight = ticket.weighs(shares[upstream])
             self.active[upstream] = self.active.get(upstream, 0) + weight
             ticket.member = None  # Redis will know it only from the rejoin's list of grants
-            self._line._granted(ticket, upstream, reason, 0, weight)
+            line._granted(ticket, upstream, reason, 0, weight)
 
 
 __all__ = ["Alone"]

@@ -30,7 +30,10 @@ expired): Redis never counts what the replica no longer holds, and never loses w
 does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
 budgets hold in shared mode.
 
-Everything runs on one event loop; local bookkeeping changes only synchronously.
+Everything runs on one event loop; local bookkeeping changes only synchronously. The parts:
+this replica's tickets and what it asks of Redis (here), the heartbeat, falling back and
+rejoining (membership.py), the calls to Redis (transport.py), the gating on a share while Redis
+is away (alone.py).
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ from slotgate.gate.admission import (
 )
 from slotgate.gate.fairline import Share
 from slotgate.replicas.alone import Alone
+from slotgate.replicas.membership import Membership
 from slotgate.replicas.ticket import Figures, Mode, SharedTicket
-from slotgate.replicas.transport import Down, Transport, stop
+from slotgate.replicas.transport import Down, Transport, stop, unset
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
 KEPT_TTLS = 10
@@ -136,6 +140,8 @@ class SharedAdmission:
         self._early: dict[str, tuple[str, str, int, int]] = {}
         #: Degraded mode's gating, on this replica's share.
         self._alone = Alone(self)
+        #: Its heartbeat, the grants' channel, falling back and rejoining.
+        self._link = Membership(self)
         #: When (time.monotonic()) the last heartbeat that Redis took was sent.
         self._renewed_at: float | None = None
         self._hold_ewma_s = INITIAL_HOLD_S
@@ -155,8 +161,8 @@ class SharedAdmission:
     async def start(self) -> None:
         """Join the fleet (or start degraded, if Redis does not answer); keep the heartbeat."""
         with contextlib.suppress(Down):
-            await self._join()
-        self._keeper = asyncio.create_task(self._keep(), name="slotgate-shared-heartbeat")
+            await self._link.join()
+        self._keeper = asyncio.create_task(self._link.keep(), name="slotgate-shared-heartbeat")
 
     async def close(self) -> None:
         """Take no new work, refuse every waiter, hand back what Redis counts for this replica;
@@ -257,7 +263,7 @@ class SharedAdmission:
                     unbudgeted if budget is None else budget,
                 )  # fmt: skip
             except Down as exc:
-                self._degrade(str(exc))
+                self._link.degrade(str(exc))
             return
         self._alone.dispatch()
 
@@ -277,7 +283,7 @@ class SharedAdmission:
                 await self._call("REKEY", self.replica, old, new)
             except Down as exc:
                 # The rejoin registers the grants under their new name.
-                self._degrade(str(exc))
+                self._link.degrade(str(exc))
 
     async def retune(self, tenant: str, share: float, max_active: int | None) -> None:
         """A tenant's share and max_active reloaded: its waiters, here and in Redis, take
@@ -290,9 +296,9 @@ class SharedAdmission:
                 ticket.share, ticket.max_active = share, max_active
         if self.mode is Mode.SHARED:
             try:
-                await self._call("RETUNE", tenant, repr(share), _unset(max_active), self._epsilon)
+                await self._call("RETUNE", tenant, repr(share), unset(max_active), self._epsilon)
             except Down as exc:
-                self._degrade(str(exc))
+                self._link.degrade(str(exc))
 
     async def enter(
         self,
@@ -342,7 +348,7 @@ class SharedAdmission:
             try:
                 return await self._enter_shared(ticket)
             except Down as exc:
-                self._degrade(str(exc))
+                self._link.degrade(str(exc))
             except Stale:
                 stale += 1
         return self._alone.enter(ticket)
@@ -352,9 +358,9 @@ class SharedAdmission:
         args = (
             self.replica, ticket.id, ticket.weight, ticket.cost, "\n".join(ticket.ranking),
             self._epsilon, ticket.band, "" if ticket.tag is None else repr(ticket.tag),
-            _unset(policy.max_queue), _unset(policy.queue_per_slot), _unset(policy.min_queue),
-            ticket.tenant, repr(ticket.share), _unset(ticket.max_active),
-            _unset(ticket.max_queued), ticket.tasks,
+            unset(policy.max_queue), unset(policy.queue_per_slot), unset(policy.min_queue),
+            ticket.tenant, repr(ticket.share), unset(ticket.max_active),
+            unset(ticket.max_queued), ticket.tasks,
         )  # fmt: skip
         # The script runs as its own task: a caller cancelled while it runs must not strand
         # what it took in Redis, so whatever it took is handed back when it completes.
@@ -397,7 +403,7 @@ class SharedAdmission:
                 self._granted(ticket, *early)
             return ticket
         if kind == "fenced":
-            await self._rejoin()
+            await self._link.rejoin()
             raise Stale
         if kind == "full":
             self._fleet = Figures.parse(reply[2:])
@@ -494,7 +500,7 @@ class SharedAdmission:
             await self._call("REROUTE", self.replica, member, self._epsilon)
         except Down as exc:
             # It waits in this replica's line now; the rejoin lists it as a waiter.
-            self._degrade(str(exc))
+            self._link.degrade(str(exc))
         # 'none': Redis does not know the grant, so it gave this replica up; the heartbeat
         # finds it fenced and the rejoin lists the ticket as a waiter.
 
@@ -506,7 +512,7 @@ class SharedAdmission:
             )  # fmt: skip
         except Down as exc:
             # Redis forgets it when this replica rejoins: the rejoin lists only what it holds.
-            self._degrade(str(exc))
+            self._link.degrade(str(exc))
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -524,192 +530,6 @@ class SharedAdmission:
             if self._epoch != epoch and self.mode is Mode.DEGRADED:
                 raise Down(f"{name}: fell back while waiting for a connection")
             return await self._redis.script(name, args)
-
-    async def _subscribe(self) -> None:
-        await self._redis.subscribe(self._on_grant, self._lost)
-
-    def _lost(self, exc: BaseException) -> None:
-        """The grants' subscription failed."""
-        if not self._closed:
-            self._redis.heard(exc)
-            self._degrade(str(exc))
-
-    def _on_grant(self, data: str) -> None:
-        member, upstream, reason, grant_no, weight = data.split("\t")
-        grant = (upstream, reason, int(grant_no), int(weight))
-        if self._joining is not None:
-            # The rejoin's own dispatch may grant a place whose name its reply has not told yet.
-            self._early[member] = grant
-            return
-        if self.mode is Mode.DEGRADED:
-            return  # Redis forgets this place when the replica rejoins; the waiter waits here
-        ticket = self._tickets.get(member.split("|", 1)[1])
-        if ticket is None or ticket._released:
-            return  # it left: its leave (RELEASE) finds it granted and returns the slots
-        if ticket.member is None:
-            self._early[member] = grant
-            return
-        if ticket.member != member or ticket.granted:
-            return  # a grant to a place the ticket had before a rejoin: Redis forgot it
-        if reason == "large":
-            self._fail(ticket, TooLarge(self._snapshot(), ticket.least))
-            return
-        self._granted(ticket, *grant)
-
-    async def _keep(self) -> None:
-        """The heartbeat in shared mode; while degraded, ping until Redis answers and rejoin."""
-        while not self._closed:
-            if self.mode is Mode.SHARED:
-                await asyncio.sleep(self._heartbeat_s)
-                if self._closed:
-                    return
-                sent = time.monotonic()
-                try:
-                    reply = await self._call(
-                        "HEARTBEAT", self.replica, self._ttl_ms, self._epsilon, self._kept_ms
-                    )
-                except Down as exc:
-                    self._degrade(str(exc))
-                    continue
-                if reply[0] == b"fenced":
-                    await self._rejoin()
-                else:
-                    self._renewed_at = max(self._renewed_at or sent, sent)
-                    self._fleet = Figures.parse(reply[1:])
-                    self._hear_budgets(reply[7:])
-            else:
-                await self._redis.renew()
-                await asyncio.sleep(min(self._heartbeat_s, 0.2))
-                if self._closed:
-                    return
-                # A ping first: local dispatch waits while a rejoin runs, so only try one
-                # once Redis answers.
-                if await self._redis.answers():
-                    await self._rejoin()
-                else:
-                    # The slots Redis kept for this replica may have become its share.
-                    self._alone.dispatch()
-
-    def _hear_budgets(self, raw: Sequence[bytes]) -> None:
-        """Budgets Redis holds that this replica has not learned: tell `on_budget`."""
-        if self.on_budget is None:
-            return
-        for upstream, budget in zip(raw[::2], raw[1::2], strict=True):
-            name = upstream.decode()
-            if name in self._capacities and name not in self._budgets:
-                self.on_budget(name, int(budget))
-
-    async def _join(self) -> None:
-        await self._subscribe()
-        await self._rejoin()
-
-    async def _rejoin(self) -> None:
-        """Replace what Redis holds for this replica with what it holds; shared mode after."""
-        if self._joining is not None:
-            await asyncio.shield(self._joining)
-            return
-        self._joining = asyncio.get_running_loop().create_future()
-        self._epoch += 1
-        try:
-            if not self._redis.listening:
-                try:
-                    await self._subscribe()
-                except Down as exc:
-                    self._degrade(str(exc))
-                    self._alone.dispatch()
-                    return
-            grants = [t for t in self._tickets.values() if t.granted]
-            waiters = sorted(self._waiters.values(), key=lambda t: t.order)
-            args: list[str | int | float] = [
-                self.replica, self._ttl_ms, self._epsilon, self._kept_ms,
-                len(self._capacities), len(grants), len(waiters),
-            ]  # fmt: skip
-            for upstream, capacity in self._capacities.items():
-                args += (upstream, capacity, self._budgets.get(upstream, ""))
-            for t in grants:
-                args += (
-                    t.member or f"{0:016x}|{t.id}", t.upstream or "", t.weight, t.least, t.tasks,
-                    t.cost, t.band, t.tenant, repr(t.share), _unset(t.max_active),
-                    "\n".join(t.ranking),
-                )  # fmt: skip
-            for t in waiters:
-                tag = "" if t.tag is None else repr(t.tag)
-                args += (
-                    t.id, t.least, t.tasks, t.cost, "\n".join(t.ranking), t.band, tag, t.tenant,
-                    repr(t.share), _unset(t.max_active),
-                )  # fmt: skip
-            self._early.clear()
-            sent = time.monotonic()
-            try:
-                reply = await self._call("REJOIN", *args)
-            except Down as exc:
-                self._degrade(str(exc))
-                # Whatever was released while it ran is free on this replica's share now.
-                self._alone.dispatch()
-                return
-            self._renewed_at = sent
-            self._redis.refused = False
-            fleet = self._fleet = Figures.parse(reply[:6])
-            # Redis may have restarted empty: its count starts again.
-            self._last_grant = fleet.granted
-            for place, (t, member) in enumerate(zip(waiters, reply[6:], strict=True)):
-                # A waiter that left (or was granted locally) while the rejoin ran: Redis holds
-                # a place for it that nobody will claim, so give it back.
-                if t._released or t.granted:
-                    self._spawn(self._release_shared(member.decode(), None))
-                    continue
-                t.member = member.decode()
-                # At the back of the line, in their order.
-                t.position = max(fleet.queued - len(waiters) + place + 1, 1)
-                t.since = fleet.granted
-                early = self._early.pop(t.member, None)
-                if early is not None:
-                    self._granted(t, *early)
-            for t in grants:
-                if t.member is None:
-                    t.member = f"{0:016x}|{t.id}"
-                if t._released:
-                    self._spawn(self._release_shared(t.member, None))
-                elif not t.granted:  # rerouted while the rejoin ran
-                    self._spawn(self._reroute_shared(t, t.member))
-            # What is left names places of before the rejoin, or of enters still in flight.
-            self._early = {m: e for m, e in self._early.items() if self._in_flight(m)}
-            self._alone.active.clear()
-            self.mode = Mode.SHARED
-            self._shared.set()
-        finally:
-            joining, self._joining = self._joining, None
-            joining.set_result(None)
-
-    def _in_flight(self, member: str) -> bool:
-        ticket = self._tickets.get(member.split("|", 1)[1])
-        return ticket is not None and ticket.member is None
-
-    def _degrade(self, why: str = "") -> None:
-        """Redis is away: gate on this replica's share until it answers again."""
-        if why:
-            self.last_error = why
-        if self.mode is Mode.DEGRADED or self._closed:
-            return
-        self.mode = Mode.DEGRADED
-        self._epoch += 1
-        self._redis.stale = True
-        self._shared.clear()
-        self.fallbacks_total += 1
-        active: dict[str, int] = {}
-        for t in self._tickets.values():
-            if t.granted and t.upstream is not None:
-                active[t.upstream] = active.get(t.upstream, 0) + t.weight
-        self._alone.fall_back(active)
-        if self._failure_mode == "reject":
-            for t in list(self._waiters.values()):
-                self._fail(t, NotReady(self._snapshot(), 1.0))
-            return
-        self._alone.dispatch()
-
-
-def _unset(value: int | None) -> int:
-    return -1 if value is None else value
 
 
 __all__ = [

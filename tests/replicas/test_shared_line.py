@@ -357,7 +357,7 @@ async def test_a_replica_given_up_and_back_reregisters_what_it_holds_and_nothing
         await until(lambda: _gone(redis_client, "r0"), 3)
         assert await redis_client.hlen(PREFIX + "r:r0") == 0
         # Its place went to the head, which was its own: gone with it. Back now:
-        slow._keeper = asyncio.create_task(slow._keep())
+        slow._keeper = asyncio.create_task(slow._link.keep())
         await until(lambda: _back(redis_client, "r0"), 3)
         active, line, _ = await pool_state(redis_client)
         assert active["a"] == sum(t.weight for t in [held, *waiting] if t.granted)
@@ -1018,7 +1018,7 @@ async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them
         assert other.granted
         await other.aclose()
         assert await redis_client.hlen(PREFIX + "tokens") == 0
-        slow._keeper = asyncio.create_task(slow._keep())
+        slow._keeper = asyncio.create_task(slow._link.keep())
         await until(lambda: _back(redis_client, "r0"), 3)
         assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
         assert await redis_client.hget(PREFIX + "tactive", "t") == b"1"
