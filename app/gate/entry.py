@@ -6,10 +6,24 @@ shared); app/replicas/replica.py's `ReplicaAdmission` is the line shared through
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from slotgate.gate.admission import Admission, Claim
 from slotgate.gate.tenants import EVERYONE, Tenant
+
+
+class Entry(NamedTuple):
+    """What a request enters admission with: the core's `Admission.enter` arguments (its
+    docstring says what each means)."""
+
+    weight: int
+    cost: int = 0
+    weigh: Callable[[int], int] | None = None
+    affinity: int | None = None
+    tenant: Tenant = EVERYONE
+    band: int | None = None
+    conversation: int | None = None
+    tasks: int = 0
 
 
 class Gate(Protocol):
@@ -24,20 +38,8 @@ class Gate(Protocol):
     async def close(self) -> None:
         """Once the running requests have ended."""
 
-    async def enter(
-        self,
-        weight: int,
-        cost: int,
-        weigh: Callable[[int], int] | None,
-        affinity: int | None,
-        *,
-        tenant: Tenant = EVERYONE,
-        band: int | None = None,
-        conversation: int | None = None,
-        tasks: int = 0,
-    ) -> Claim:
-        """A claim on the slots: granted, or a place in the line; else the refusal raised.
-        The arguments are the core's `Admission.enter`'s."""
+    async def enter(self, entry: Entry) -> Claim:
+        """A claim on the slots: granted, or a place in the line; else the refusal raised."""
         ...
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
@@ -74,18 +76,8 @@ class Local:
     async def close(self) -> None:
         return
 
-    async def enter(
-        self,
-        weight: int,
-        cost: int,
-        weigh: Callable[[int], int] | None,
-        affinity: int | None,
-        *,
-        tenant: Tenant = EVERYONE,
-        band: int | None = None,
-        conversation: int | None = None,
-        tasks: int = 0,
-    ) -> Claim:
+    async def enter(self, entry: Entry) -> Claim:
+        weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
         return self.admission.enter(
             weight, cost, weigh, affinity,
             tenant=tenant, band=band, conversation=conversation, tasks=tasks,
@@ -105,4 +97,4 @@ class Local:
         return {"mode": "local"}
 
 
-__all__ = ["Gate", "Local"]
+__all__ = ["Entry", "Gate", "Local"]

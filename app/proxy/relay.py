@@ -25,7 +25,7 @@ from slotgate.errors import (
     stream_event,
 )
 from slotgate.gate.admission import Admission, AdmissionError, Claim
-from slotgate.gate.entry import Gate, Local
+from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.logs import Client
@@ -317,9 +317,10 @@ class Proxy:
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
         ticket = await self._gate.enter(
-            want.choices, cost.reserve if cost else 0, weigh, taken.affinity,
-            tenant=tenant, band=band, conversation=taken.conversation,
-            tasks=want.choices * want.tasks if want.tasks > 1 else 0,
+            Entry(
+                want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
+                taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
+            )
         )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)

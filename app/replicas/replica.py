@@ -28,6 +28,7 @@ from slotgate.gate.admission import (
     Ticket,
     TooLarge,
 )
+from slotgate.gate.entry import Entry
 from slotgate.gate.routing import score
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
@@ -294,23 +295,13 @@ class ReplicaAdmission:
 
     # -- changing ----------------------------------------------------------------------------
 
-    async def enter(
-        self,
-        weight: int,
-        cost: int,
-        weigh: Callable[[int], int] | None,
-        affinity: int | None,
-        *,
-        tenant: Tenant = EVERYONE,
-        band: int | None = None,
-        conversation: int | None = None,
-        tasks: int = 0,
-    ) -> ReplicaTicket:
+    async def enter(self, entry: Entry) -> ReplicaTicket:
         """A place in the fleet's line (or its slots at once), or why neither is possible.
         `weight` is the fewest slots it runs in; `tasks` a prompt array's (as the core's
         `enter`): it holds as many slots as it has tasks, up to those of the upstream the
         shared line grants it. `weigh` (the request was read while no capacity was known
         here) refuses it: the shared line has no startup wait."""
+        weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
         if weigh is not None:
             raise NotReady(self.admission.snapshot(), 1.0)
         limit = tenant.max_active
