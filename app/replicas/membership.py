@@ -1,7 +1,20 @@
 """How one replica stays in the shared line: its heartbeat, the channel its grants arrive on,
-falling back when Redis is away (`degrade`) and rejoining when it answers again (`rejoin`
-replaces whatever Redis holds for the replica with what it holds). It changes its
-SharedAdmission's state only synchronously, on the one event loop.
+falling back when Redis is away (`degrade`) and rejoining when it answers again (`rejoin`).
+
+When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
+with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
+by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
+`NotReady` (503). A share is safe only if Redis is away for every replica (it refused or closed
+a connection). One that merely gets no answer may be cut off alone while the others fill every
+slot Redis does not count for it: so Redis keeps a given-up replica's grants counted for
+`kept_s` past its heartbeat's expiry, and until then (by its own clock, from the last heartbeat
+Redis took) the replica gates only on the slots it held when it fell back.
+It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
+holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
+order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
+expired): Redis never counts what the replica no longer holds, and never loses what it still
+does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
+budgets hold in shared mode.
 """
 
 from __future__ import annotations

@@ -15,20 +15,8 @@ the slots by their shares across the replicas; without a tenant, the arrival num
 the order is exact FIFO. A tenant's `max_queued` is checked and its `max_active` kept inside the
 scripts too, and each upstream's KV-cache token budget as in app/gate/admission.py's `Pool`.
 
-When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
-with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
-by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
-`NotReady` (503). A share is safe only if Redis is away for every replica (it refused or closed
-a connection). One that merely gets no answer may be cut off alone while the others fill every
-slot Redis does not count for it: so Redis keeps a given-up replica's grants counted for
-`kept_s` past its heartbeat's expiry, and until then (by its own clock, from the last heartbeat
-Redis took) the replica gates only on the slots it held when it fell back.
-It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
-holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
-order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
-expired): Redis never counts what the replica no longer holds, and never loses what it still
-does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
-budgets hold in shared mode.
+When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded
+(membership.py says what it does then, and how it rejoins).
 
 Everything runs on one event loop; local bookkeeping changes only synchronously. The parts:
 this replica's tickets and what it asks of Redis (here), the heartbeat, falling back and
