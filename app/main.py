@@ -7,13 +7,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from slotgate.asgi import Message, Receive, Scope, Send
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
+from slotgate.gate.entry import Gate, Local
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.refusals import render
@@ -23,9 +24,6 @@ from slotgate.settings import Settings
 from slotgate.upstreams.fleet import Fleet, Resolver
 from slotgate.upstreams.upstream import Upstream
 from starlette.exceptions import HTTPException
-
-if TYPE_CHECKING:
-    from slotgate.replicas.replica import ReplicaAdmission
 
 log = logging.getLogger("slotgate")
 
@@ -76,33 +74,31 @@ class Service:
         )
         self.fleet = Fleet(settings, self.admission, resolver)
         self.access = Access(settings.api_keys, settings.api_keys_file)
-        #: The line shared with other replicas through Redis; None without REDIS_URL (and then
-        #: no Redis code is even imported).
-        self.replica: ReplicaAdmission | None = None
+        #: The way into admission: the core's own, or the line shared with other replicas
+        #: through Redis (REDIS_URL; without it no Redis code is even imported).
+        self.gate: Gate = Local(self.admission)
         if settings.redis_url is not None and settings.admission_control:
             from slotgate.replicas.replica import (
                 ReplicaAdmission,  # only with REDIS_URL: no Redis code else
             )
 
-            self.replica = ReplicaAdmission(settings, self.admission, settings.redis_url)
+            replica = ReplicaAdmission(settings, self.admission, settings.redis_url)
             # A KV budget another replica learned: this one's upstream learns it too.
-            self.replica.learn = lambda pool: self.fleet.of(pool).learn_shared_cache(
+            replica.learn = lambda pool: self.fleet.of(pool).learn_shared_cache(
                 f"another replica saw llama-server at {pool.key} run out of KV cache"
             )
+            self.gate = replica
         self.metrics = Metrics(
             self.admission,
             lambda: self.fleet.ready,
             by_tenant=self.access.enabled,
             tenants=settings.metrics_tenants,
-            replica=self.replica,
+            gate=self.gate,
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
-        self.access.tenants.listeners.append(lambda roster: self.admission.retune(roster.tenants))
-        if self.replica is not None:
-            replica = self.replica
-            self.access.tenants.listeners.append(lambda roster: replica.retune(roster.tenants))
+        self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
         self.proxy = Proxy(
-            settings, self.admission, self.fleet, self.metrics, self.access, self.replica
+            settings, self.admission, self.fleet, self.metrics, self.access, self.gate
         )
         self.draining = False
 
@@ -111,9 +107,7 @@ class Service:
         if not self.draining:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
-        self.admission.close()
-        if self.replica is not None:
-            self.replica.drain()
+        self.gate.drain()
 
     @property
     def upstream(self) -> Upstream:
@@ -164,7 +158,7 @@ class Service:
                 for upstream in self.fleet
             ],
             "tenants": self.tenants(),
-            "replication": {"mode": "local"} if self.replica is None else self.replica.view(),
+            "replication": self.gate.view(),
         }
 
     def tenants(self) -> list[dict[str, Any]]:
@@ -201,11 +195,10 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         loop = asyncio.get_running_loop()
         service.access.tenants.install(loop)  # API_KEYS_FILE is read again on SIGHUP
         async with contextlib.AsyncExitStack() as scope:
-            if service.replica is not None:
-                # Before the followers, whose first capacities reach Redis as they come; closed
-                # after the requests have ended: what Redis still counts here goes back then.
-                await service.replica.start()
-                scope.push_async_callback(service.replica.close)
+            # Before the followers, whose first capacities reach a shared line as they come;
+            # closed after the requests have ended: what Redis still counts here goes back then.
+            await service.gate.start()
+            scope.push_async_callback(service.gate.close)
             await service.fleet.start()
             scope.push_async_callback(service.fleet.close)
             try:
@@ -263,21 +256,16 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
-        replica = service.replica
-        if replica is None:
-            return JSONResponse({"status": "ready", "capacity": service.admission.capacity})
-        mode = replica.mode
-        if mode == "rejecting":
-            reason = f"Redis unreachable ({replica.shared.last_error}); REDIS_FAILURE_MODE=reject"
+        gate = service.gate
+        mode = gate.mode
+        # A shared line says how it is kept: degraded (Redis away) is still ready.
+        said = {} if mode == "local" else {"replication": mode}
+        reason = gate.unready()
+        if reason is not None:
             return JSONResponse(
-                {"status": "not ready", "reason": reason, "replication": mode},
-                503,
-                {"retry-after": "1"},
+                {"status": "not ready", "reason": reason, **said}, 503, {"retry-after": "1"}
             )
-        # Degraded (Redis away, gating on this replica's share) is still ready: say so.
-        return JSONResponse(
-            {"status": "ready", "capacity": service.admission.capacity, "replication": mode}
-        )
+        return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
     @app.get("/admission", dependencies=[Depends(authorized)])
     async def admission() -> dict[str, Any]:

@@ -29,7 +29,7 @@ from slotgate.gate.tenants import EVERYONE
 from slotgate.intake.endpoints import ENDPOINTS, Kind
 
 if TYPE_CHECKING:
-    from slotgate.replicas.replica import ReplicaAdmission
+    from slotgate.gate.entry import Gate
 
 #: What a replica sharing the line through Redis does now (app/replicas/replica.py).
 REPLICATION_MODES = ("shared", "degraded", "rejecting")
@@ -177,14 +177,16 @@ class _PoolCollector(Collector):
 
 
 class _ReplicaCollector(Collector):
-    """The fleet's line as Redis last told it, and this replica's part, read at scrape time."""
+    """The fleet's line as Redis last told it, and this replica's part, read at scrape time
+    (nothing where the gate keeps its line alone: its view names no fleet)."""
 
-    def __init__(self, replica: ReplicaAdmission) -> None:
-        self._replica = replica
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
 
     def collect(self) -> Iterator[Metric]:
-        replica = self._replica
-        view = replica.view()
+        view = self._gate.view()
+        if "fleet" not in view:
+            return
         mode = GaugeMetricFamily(
             "slotgate_replication_mode",
             "1 for what this replica does now: shared (one line through Redis), degraded (Redis "
@@ -284,7 +286,7 @@ class Metrics(Collector):
         *,
         by_tenant: bool = False,
         tenants: int = 10,
-        replica: ReplicaAdmission | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
         self._by_tenant = by_tenant and tenants > 0
@@ -307,8 +309,8 @@ class Metrics(Collector):
         self._build.add_metric([__version__, platform.python_version()], 1)
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(admission, ready))
-        if replica is not None:
-            self.registry.register(_ReplicaCollector(replica))
+        if gate is not None:
+            self.registry.register(_ReplicaCollector(gate))
         self.registry.register(self)
         # process_* (CPU, memory, open files, start time), read from /proc at scrape time.
         ProcessCollector(registry=self.registry)

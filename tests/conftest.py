@@ -236,8 +236,7 @@ async def served() -> AsyncIterator[list[RunningGate]]:
 
 def replica_view(gate: RunningGate) -> dict[str, Any]:
     """What a slotgate sharing a Redis line has heard of the fleet and holds itself."""
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     heard: dict[str, Any] = replica.view()
     return heard
 

@@ -11,7 +11,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import orjson
@@ -22,16 +21,15 @@ from slotgate.errors import (
     ClientGone,
     ExchangeFailed,
     GateError,
-    NotReady,
     QueueBytesFull,
     Refusal,
-    TenantTooLarge,
     UpstreamFailed,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
 )
 from slotgate.gate.admission import Admission, Claim
+from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.logs import Client
@@ -54,10 +52,6 @@ from slotgate.settings import Settings
 from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
 from slotgate.upstreams.fleet import Fleet
-
-if TYPE_CHECKING:
-    # Imported only with REDIS_URL set (app/main.py): without it no Redis code is loaded.
-    from slotgate.replicas.replica import ReplicaAdmission
 
 log = logging.getLogger("slotgate.relay")
 
@@ -168,11 +162,11 @@ class Proxy:
         fleet: Fleet,
         metrics: Metrics,
         access: Access | None = None,
-        replica: ReplicaAdmission | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self._admission = admission
-        #: The fleet's line shared with other replicas through Redis (REDIS_URL), if any.
-        self._replica = replica
+        #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
+        self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
@@ -323,29 +317,14 @@ class Proxy:
         cost = taken.estimate
         tenant = request.tenant
         band = None if head.priority is None else tenant.band_for(head.priority)
-        ticket: Claim
-        if self._replica is not None:
-            if weigh is not None:
-                # No upstream known to this replica yet: the shared line has no startup wait.
-                raise NotReady(self._admission.snapshot(), 1.0)
-            limit = tenant.max_active
-            if limit is not None and want.weight > limit:
-                # It could never run within its tenant's limit: refused before Redis is asked.
-                raise TenantTooLarge(self._admission.snapshot(), want.weight, tenant)
-            # As below: the shared line weighs a prompt array where it grants it.
-            ticket = await self._replica.enter(
-                want.choices, cost.reserve if cost else 0, taken.affinity,
-                tenant=tenant, band=band, conversation=taken.conversation,
-                tasks=want.choices * want.tasks if want.tasks > 1 else 0,
-            )  # fmt: skip
-        else:
-            # At least its choices in one upstream; a prompt array as many slots as it has
-            # tasks, up to those of the upstream that grants it.
-            ticket = self._admission.enter(
-                want.choices, cost.reserve if cost else 0, weigh, taken.affinity,
-                tenant=tenant, band=band, conversation=taken.conversation,
-                tasks=want.choices * want.tasks if want.tasks > 1 else 0,
-            )  # fmt: skip
+        # At least its choices in one upstream; a prompt array as many slots as it has tasks,
+        # up to those of the upstream that grants it.
+        ticket = await self._gate.enter(
+            Entry(
+                want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
+                taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
+            )
+        )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)
         request.ticket = ticket

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from slotgate.errors import NotReady, ShuttingDown, TenantTooLarge, TooLarge
 from slotgate.gate.admission import Admission, Pool, Ticket
+from slotgate.gate.entry import Entry
 from slotgate.gate.routing import score
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
@@ -224,6 +225,7 @@ class ReplicaAdmission:
 
     def drain(self) -> None:
         """Shutdown has begun: no new requests; the waiters are turned away (ShuttingDown)."""
+        self.admission.close()
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
 
@@ -253,6 +255,12 @@ class ReplicaAdmission:
             return "shared"
         return "degraded" if self.failure_mode == "local" else "rejecting"
 
+    def unready(self) -> str | None:
+        if self.mode != "rejecting":
+            # Degraded (Redis away, gating on this replica's share) is still ready.
+            return None
+        return f"Redis unreachable ({self.shared.last_error}); REDIS_FAILURE_MODE=reject"
+
     def pool_of(self, key: str | None) -> Pool | None:
         for pool in self.admission.pools:
             if fleet_name(pool.key) == key and not pool.retired:
@@ -280,26 +288,24 @@ class ReplicaAdmission:
 
     # -- changing ----------------------------------------------------------------------------
 
-    async def enter(
-        self,
-        weight: int,
-        cost: int,
-        affinity: int | None,
-        *,
-        tenant: Tenant = EVERYONE,
-        band: int | None = None,
-        conversation: int | None = None,
-        tasks: int = 0,
-    ) -> ReplicaTicket:
+    async def enter(self, entry: Entry) -> ReplicaTicket:
         """A place in the fleet's line (or its slots at once), or why neither is possible.
         `weight` is the fewest slots it runs in; `tasks` a prompt array's (as the core's
         `enter`): it holds as many slots as it has tasks, up to those of the upstream the
-        shared line grants it."""
+        shared line grants it. `weigh` (the request was read while no capacity was known
+        here) refuses it: the shared line has no startup wait."""
+        weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
+        if weigh is not None:
+            raise NotReady(self.admission.snapshot(), 1.0)
+        limit = tenant.max_active
+        # Its slots on the largest upstream: it could never run within its tenant's limit.
+        heaviest = weight if not tasks else max(weight, min(tasks, self.admission.largest or 0))
+        if limit is not None and heaviest > limit:
+            # Refused before Redis is asked.
+            raise TenantTooLarge(self.admission.snapshot(), heaviest, tenant)
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
-        if tenant.max_active is not None and weight > tenant.max_active:
-            raise TenantTooLarge(self.admission.snapshot(), weight, tenant)
         shared = await self.shared.enter(
             weight=weight,
             cost=cost,
@@ -361,6 +367,8 @@ class ReplicaAdmission:
     def retune(self, tenants: Iterable[Tenant]) -> None:
         """Reloaded tenants (API_KEYS_FILE on SIGHUP): their waiters in the shared line take
         their weights and max_active from now on, as in one process."""
+        tenants = list(tenants)
+        self.admission.retune(tenants)
         for tenant in tenants:
             task = asyncio.get_running_loop().create_task(
                 self.shared.retune(tenant.name, tenant.weight, tenant.max_active)

@@ -50,8 +50,6 @@ def sharing(valkey: Valkey, served: list[RunningGate]) -> Start:
 
 async def redis_idle(gate: RunningGate) -> None:
     """Wait until Redis holds nothing of the fleet's and this replica holds nothing."""
-    replica = gate.service.replica
-    assert replica is not None
 
     def idle() -> bool:
         heard = replica_view(gate)

@@ -76,8 +76,7 @@ def idle(gate: RunningGate) -> Callable[[], bool]:
 
 
 def mode(gate: RunningGate) -> str:
-    replica = gate.service.replica
-    assert replica is not None
+    replica = gate.service.gate
     return replica.mode
 
 

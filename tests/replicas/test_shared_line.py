@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from slotgate.errors import (
+    AdmissionError,
     NotReady,
     QueueFull,
     QueueTimeout,
@@ -28,7 +29,7 @@ from slotgate.errors import (
 )
 from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
 from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
-from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.tenants import BATCH, EVERYONE, INTERACTIVE, Tenant
 from slotgate.replicas import lua as shared_lua
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 
@@ -355,7 +356,7 @@ async def test_a_replica_given_up_and_back_reregisters_what_it_holds_and_nothing
         await until(lambda: _gone(redis_client, "r0"), 3)
         assert await redis_client.hlen(PREFIX + "r:r0") == 0
         # Its place went to the head, which was its own: gone with it. Back now:
-        slow._keeper = asyncio.create_task(slow._keep())
+        slow._keeper = asyncio.create_task(slow._link.keep())
         await until(lambda: _back(redis_client, "r0"), 3)
         active, line, _ = await pool_state(redis_client)
         assert active["a"] == sum(t.weight for t in [held, *waiting] if t.granted)
@@ -622,7 +623,7 @@ async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellatio
     assert admission.mode is Mode.SHARED
     await admission.resize("a", 1)
     held = await admission.enter()
-    client = admission._client
+    client = admission._redis.client
     fcall = client.fcall
     heartbeat = shared_lua.FUNCTIONS["HEARTBEAT"]
     stalled = asyncio.Event()
@@ -871,8 +872,8 @@ async def test_a_tenants_max_active_counts_every_slot_of_a_request_even_when_it_
             await first.enter(weight=3, tenant="t", max_active=2)
         # Redis refuses it too, whoever asks (a replica's own check aside).
         reply = await redis_client.fcall(
-            shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, "r1", "x.1", 3, 0, "", 1.0, 0, "",
-            -1, -1, -1, "t", "1.0", 2, -1, 0,
+            shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, *shared_lua.POLICY,
+            "r1", "x.1", 3, 0, "", 1.0, 0, "", -1, -1, -1, "t", "1.0", 2, -1, 0,
         )  # fmt: skip
         assert reply[0] == b"large"
         held = await first.enter(weight=2, tenant="t", max_active=2)
@@ -1018,7 +1019,7 @@ async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them
         assert other.granted
         await other.aclose()
         assert await redis_client.hlen(PREFIX + "tokens") == 0
-        slow._keeper = asyncio.create_task(slow._keep())
+        slow._keeper = asyncio.create_task(slow._link.keep())
         await until(lambda: _back(redis_client, "r0"), 3)
         assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
         assert await redis_client.hget(PREFIX + "tactive", "t") == b"1"
@@ -1038,6 +1039,18 @@ class Enter:
     tasks: int = 0  # a prompt array's tasks (0: none)
     replica: int = 0  # which replica of the shared line it enters through
     tenant: str = ""  # "": no tenant (no API keys)
+    weight: float = 1.0  # the tenant's share of slot time
+    band: int = INTERACTIVE
+    max_active: int | None = None  # the tenant's
+    max_queued: int | None = None  # the tenant's
+    cost: int = 0  # tokens of the KV budget
+    key: int | None = None  # the affinity key
+    refused: type[AdmissionError] | None = None  # refused, and how (then not in the tickets)
+
+    def of(self) -> Tenant:
+        if not self.tenant:
+            return EVERYONE
+        return Tenant(self.tenant, self.weight, self.band, self.max_active, self.max_queued)
 
 
 @dataclass(frozen=True)
@@ -1049,6 +1062,14 @@ class Release:
 class Resize:
     upstream: str
     capacity: int | None  # None: unknown (down, restarting)
+    budget: int | None = None  # its KV budget in tokens (None: it does not bind)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The line's bound (MAX_QUEUE): a scenario's first step, if any (else 200)."""
+
+    max_queue: int
 
 
 @dataclass(frozen=True)
@@ -1059,11 +1080,122 @@ class Reroute:
 
 
 #: Each step, then what every ticket entered so far holds: (upstream, slots), or None waiting.
-Step = tuple[Enter | Release | Resize | Reroute, dict[str, tuple[str, int] | None]]
+Step = tuple[Enter | Release | Resize | Reroute | Bound, dict[str, tuple[str, int] | None]]
+
+
+def key_for(first: str, upstreams: tuple[str, ...] = ("a", "b")) -> int:
+    """An affinity key whose rendezvous order puts `first` first among `upstreams`."""
+    return next(
+        key
+        for key in range(1, 1000)
+        if max(upstreams, key=lambda u: score(key, stable_hash(u))) == first
+    )
+
+
+KEY_A = key_for("a")
 
 #: Scenarios that the in-process core (app/gate/admission.py) and the shared line's script
-#: (app/replicas/lua.py) must play alike: a policy written twice gives the same grants.
+#: (app/replicas/lua/) must play alike: a policy written twice gives the same grants.
 SCENARIOS: dict[str, list[Step]] = {
+    "the line's bound refuses the next waiter, and the line goes on in order": [
+        (Bound(2), {}),
+        (Resize("a", 1), {}),
+        (Enter("h", 1), {"h": ("a", 1)}),
+        (Enter("w1", 1, replica=1), {"h": ("a", 1), "w1": None}),
+        (Enter("w2", 1), {"h": ("a", 1), "w1": None, "w2": None}),
+        (Enter("w3", 1, refused=QueueFull), {"h": ("a", 1), "w1": None, "w2": None}),
+        (Release("h"), {"w1": ("a", 1), "w2": None}),
+        (Release("w1"), {"w2": ("a", 1)}),
+    ],
+    "a tenant at its max_queued is refused while another tenant still gets in line": [
+        (Resize("a", 1), {}),
+        (Enter("h", 1, tenant="t0"), {"h": ("a", 1)}),
+        (Enter("w1", 1, tenant="t1", max_queued=1), {"h": ("a", 1), "w1": None}),
+        (
+            Enter("w2", 1, replica=1, tenant="t1", max_queued=1, refused=TenantQueueFull),
+            {"h": ("a", 1), "w1": None},
+        ),
+        (Enter("w3", 1, tenant="t2", max_queued=1), {"h": ("a", 1), "w1": None, "w3": None}),
+        (Release("h"), {"w1": ("a", 1), "w3": None}),
+        (Release("w1"), {"w3": ("a", 1)}),
+    ],
+    "more slots than any upstream has, or than its tenant's max_active, are refused": [
+        (Resize("a", 2), {}),
+        (Enter("x", 3, refused=TooLarge), {}),
+        (Enter("y", 2, tenant="t", max_active=1, refused=TooLarge), {}),
+        (Enter("z", 2, replica=1, tenant="t", max_active=2), {"z": ("a", 2)}),
+    ],
+    "a tenant at its max_active waits while another tenant runs on the free slots": [
+        (Resize("a", 3), {}),
+        (Enter("p1", 1, tenant="t1", max_active=2), {"p1": ("a", 1)}),
+        (Enter("p2", 1, tenant="t1", max_active=2), {"p1": ("a", 1), "p2": ("a", 1)}),
+        (
+            Enter("p3", 1, replica=1, tenant="t1", max_active=2),
+            {"p1": ("a", 1), "p2": ("a", 1), "p3": None},
+        ),
+        (
+            Enter("q1", 1, tenant="t2"),
+            {"p1": ("a", 1), "p2": ("a", 1), "p3": None, "q1": ("a", 1)},
+        ),
+        (Release("p1"), {"p2": ("a", 1), "p3": ("a", 1), "q1": ("a", 1)}),
+    ],
+    "a higher band goes first, whatever the arrival order": [
+        (Resize("a", 1), {}),
+        (Enter("h", 1, tenant="t0"), {"h": ("a", 1)}),
+        (Enter("lo", 1, tenant="batch", band=BATCH), {"h": ("a", 1), "lo": None}),
+        (Enter("hi", 1, replica=1, tenant="chat"), {"h": ("a", 1), "lo": None, "hi": None}),
+        (Release("h"), {"lo": None, "hi": ("a", 1)}),
+        (Release("hi"), {"lo": ("a", 1)}),
+    ],
+    "tenants take turns by their weights": [
+        (Resize("a", 1), {}),
+        (Enter("h", 1, tenant="t0"), {"h": ("a", 1)}),
+        *(
+            (
+                Enter(name, 1, replica=i % 2, tenant=tenant, weight=weight),
+                {"h": ("a", 1), **dict.fromkeys(names[: i + 1])},
+            )
+            for names in [["a1", "b1", "a2", "b2", "a3", "b3"]]
+            for i, (name, tenant, weight) in enumerate(
+                (n, "heavy" if n[0] == "a" else "light", 2.0 if n[0] == "a" else 1.0) for n in names
+            )
+        ),
+        (
+            Release("h"),
+            {"a1": ("a", 1), "b1": None, "a2": None, "b2": None, "a3": None, "b3": None},
+        ),
+        (Release("a1"), {"b1": ("a", 1), "a2": None, "b2": None, "a3": None, "b3": None}),
+        (Release("b1"), {"a2": ("a", 1), "b2": None, "a3": None, "b3": None}),
+        (Release("a2"), {"b2": ("a", 1), "a3": None, "b3": None}),
+        (Release("b2"), {"a3": ("a", 1), "b3": None}),
+        (Release("a3"), {"b3": ("a", 1)}),
+    ],
+    "a KV budget holds a waiter while slots are free, and nobody overtakes it": [
+        (Resize("a", 3, budget=100), {}),
+        (Enter("x", 1, cost=60), {"x": ("a", 1)}),
+        (Enter("y", 1, replica=1, cost=60), {"x": ("a", 1), "y": None}),
+        (Enter("z", 1, cost=30), {"x": ("a", 1), "y": None, "z": None}),
+        (Release("x"), {"y": ("a", 1), "z": ("a", 1)}),
+    ],
+    "a key keeps its upstream, leaves it when full, and follows where it ran last": [
+        (Resize("a", 2), {}),
+        (Resize("b", 2), {}),
+        (Enter("k1", 1, key=KEY_A), {"k1": ("a", 1)}),
+        (Enter("k2", 1, replica=1, key=KEY_A), {"k1": ("a", 1), "k2": ("a", 1)}),
+        (Enter("k3", 1, key=KEY_A), {"k1": ("a", 1), "k2": ("a", 1), "k3": ("b", 1)}),
+        (Release("k1"), {"k2": ("a", 1), "k3": ("b", 1)}),
+        (Enter("k4", 1, key=KEY_A), {"k2": ("a", 1), "k3": ("b", 1), "k4": ("b", 1)}),
+    ],
+    "a backfill runs a key on a small upstream, not on its last one the head waits for": [
+        (Resize("a", 3), {}),
+        (Resize("b", 1), {}),
+        (Enter("k1", 1, key=KEY_A), {"k1": ("a", 1)}),
+        (Release("k1"), {}),
+        (Enter("h", 2), {"h": ("a", 2)}),
+        (Enter("big", 3, replica=1), {"h": ("a", 2), "big": None}),
+        (Enter("k2", 1, key=KEY_A), {"h": ("a", 2), "big": None, "k2": ("b", 1)}),
+        (Release("h"), {"big": ("a", 3), "k2": ("b", 1)}),
+    ],
     "a prompt array waiting while its upstream grows holds the slots it grew to": [
         (Resize("a", 1), {}),
         (Enter("f", 1), {"f": ("a", 1)}),
@@ -1155,18 +1287,33 @@ SCENARIOS["small waiters far behind a large head run once an upstream they fit a
 )
 
 
+def bound(steps: list[Step]) -> int:
+    first = steps[0][0]
+    return first.max_queue if isinstance(first, Bound) else 200
+
+
 async def play_in_process(steps: list[Step]) -> None:
-    admission = Admission(QueuePolicy(max_queue=200))
+    admission = Admission(QueuePolicy(max_queue=bound(steps)))
     pools: dict[str, Pool] = {}
     tickets: dict[str, Ticket] = {}
     for step, expected in steps:
+        if isinstance(step, Bound):
+            continue
         if isinstance(step, Resize):
             if step.upstream not in pools:
                 pools[step.upstream] = admission.add_pool(step.upstream)
             pools[step.upstream].resize(step.capacity)
+            pools[step.upstream].resize_budget(step.budget)
         elif isinstance(step, Enter):
-            tenant = Tenant(step.tenant) if step.tenant else EVERYONE
-            tickets[step.name] = admission.enter(step.least, tasks=step.tasks, tenant=tenant)
+            enter = partial(
+                admission.enter, step.least, step.cost, None, step.key,
+                tenant=step.of(), tasks=step.tasks,
+            )  # fmt: skip
+            if step.refused is not None:
+                with pytest.raises(step.refused):
+                    enter()
+            else:
+                tickets[step.name] = enter()
         elif isinstance(step, Reroute):
             tickets[step.name].reroute(time.monotonic() + 10)
         else:
@@ -1198,19 +1345,51 @@ async def granted_as(
     return now == expected and {u: a for u, a in active.items() if a} == held
 
 
+def ranking(key: int | None, capacities: dict[str, int], last: str | None) -> list[str]:
+    """The upstreams in the key's order, its last one first, as app/replicas/replica.py ranks
+    them for the shared line."""
+    if key is None or len(capacities) < 2:
+        return []
+    ranked = sorted(capacities, key=lambda u: score(key, stable_hash(u)), reverse=True)
+    if last in ranked:
+        ranked.remove(last)
+        ranked.insert(0, last)
+    return ranked
+
+
 async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[Step]) -> None:
+    policy = QueuePolicy(max_queue=bound(steps))
     async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, n=2, policy=QueuePolicy(max_queue=200)))
+        fleet = await started(stack, replicas(valkey, n=2, policy=policy))
         tickets: dict[str, SharedTicket] = {}
+        keys: dict[str, int] = {}
+        #: Each key's last upstream (the replica's memory: app/gate/admission.py's `last_pool`).
+        last: dict[int, str] = {}
+        capacities: dict[str, int] = {}
         try:
             for step, expected in steps:
+                if isinstance(step, Bound):
+                    continue
                 if isinstance(step, Resize):
-                    await fleet[0].resize(step.upstream, step.capacity)
+                    if step.capacity is None:
+                        capacities.pop(step.upstream, None)
+                    else:
+                        capacities[step.upstream] = step.capacity
+                    await fleet[0].resize(step.upstream, step.capacity, budget=step.budget)
                 elif isinstance(step, Enter):
-                    admission = fleet[step.replica]
-                    tickets[step.name] = await admission.enter(
-                        step.least, tasks=step.tasks, tenant=step.tenant
-                    )
+                    enter = partial(
+                        fleet[step.replica].enter, step.least, step.cost,
+                        ranking(step.key, capacities, last.get(step.key or 0)), step.band,
+                        tenant=step.tenant, share=step.weight, max_active=step.max_active,
+                        max_queued=step.max_queued, tasks=step.tasks,
+                    )  # fmt: skip
+                    if step.refused is not None:
+                        with pytest.raises(step.refused):
+                            await enter()
+                    else:
+                        tickets[step.name] = await enter()
+                        if step.key is not None:
+                            keys[step.name] = step.key
                 elif isinstance(step, Reroute):
                     tickets[step.name].reroute(time.monotonic() + 10)
                 else:
@@ -1220,6 +1399,10 @@ async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[
                 except pytest.fail.Exception:
                     active, _, _ = await pool_state(redis_client)
                     pytest.fail(f"{step}: {active} in Redis, expected {expected}")
+                for name, key in keys.items():
+                    upstream = tickets[name].upstream if name in tickets else None
+                    if upstream is not None:
+                        last[key] = upstream
         finally:
             for ticket in tickets.values():
                 ticket.release()

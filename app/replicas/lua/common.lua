@@ -1,76 +1,26 @@
-"""The server-side scripts of the shared admission (app/replicas/shared.py), in Lua: one function
-library (Redis 7 or later, any Valkey), loaded by the first call that finds it missing.
-
-Every function takes one key, the fleet's prefix `slotgate:{<fleet>}:`; the keys it touches are
-that prefix and a suffix, so they all hash to one cluster slot. The keys:
-
-- `pools`     hash upstream -> capacity (the slots its /props reports; absent: unknown), then
-              TAB and its KV-cache budget in tokens when one binds
-- `active`    hash upstream -> slots granted on it
-- `tokens`    hash upstream -> tokens the requests granted on it hold of its budget (counted
-              only while a budget binds there)
-- `line`      sorted set of waiting tickets; score = tag - band * BAND_SPAN (a higher band
-              first), members `<seq as 16 hex digits>|<ticket id>`, so that equal scores fall
-              back to arrival
-- `tickets`   hash member -> the ticket: "replica TAB least TAB cost TAB band TAB tenant TAB
-              share TAB max_active TAB charge TAB tasks TAB ranking" (least: the fewest slots it
-              runs in; tasks: a prompt array's, 0 for any other request, see `weighs`; ranking:
-              upstream ids joined by newlines, best first; max_active -1: none; charge: its
-              provisional fair charge)
-- `seq`       the arrival counter; `granted` the grant counter (a grant's place, read back)
-- `hold`      the moving average of slot hold times, in seconds
-- `fair`      hash "v TAB band" -> the band's virtual time, "f TAB band TAB tenant" -> the
-              tenant's finish tag, "l TAB band TAB tenant" -> its latest start tag (in
-              thousandths of the fleet's average hold x slots per unit of share)
-- `tactive`, `tqueued`  hash tenant -> slots it holds, places it has in the line
-- `replicas`  sorted set replica -> expiry of its last heartbeat (server time, ms); for one given
-              up that still holds grants, the end of their keeping
-- `kept`      hash replica -> how long its grants are kept once its heartbeat expired (ms)
-- `given_up`  hash replica -> 1: its heartbeat expired, its grants are still counted
-- `hb:<r>`    a replica's heartbeat, with a TTL; `r:<r>` hash member -> "w" (waiting) or
-              "g TAB upstream TAB tokens TAB slots TAB ticket" (granted): what the replica holds
-- channel `ch:<r>`: "member TAB upstream TAB reason TAB grant number TAB slots" per grant handed
-  over.
-
-A waiter behind a head that waits may run out of turn, as in one process (`_dispatch` in
-app/gate/admission.py states the rule): only on an upstream with fewer slots than the head asks at
-least, and than any waiter ahead of it that could use that upstream (`backfill`).
-
-Fair order (start-time fair queuing over slot-seconds, as app/gate/fairline.py in one process): a
-ticket of a named tenant gets the tag max(V, F, L) in its band, where V is the band's virtual
-time (the latest tag granted), F the tenant's finish tag and L its latest tag (so that its own
-tickets stay in arrival order); F then grows by the provisional charge, one average hold x
-weight / share. A release corrects F by the hold it really had, in average holds (the fleet's
-moving average), minus that one; a waiter that leaves takes its charge back. Counting in
-average holds rather than seconds keeps tags given before the average was known (or while it
-moved) comparable with later ones. A tenant idle for a while starts at V: it banks no
-credit. Without a tenant ("": no API keys) the tag is the arrival number: exact FIFO.
-"""
-
-from __future__ import annotations
-
-import hashlib
-
-from slotgate.gate.admission import BACKFILL_SCAN as _BACKFILL_SCAN
-
-#: A band's span of the score: tags (arrival numbers, or virtual start times in thousandths of
-#: an average hold) stay below it, and the score stays an exact integer in a double for bands
-#: up to 511.
-BAND_SPAN = 2**44
-#: Tickets dispatch looks at past heads whose tenant is at its max_active.
-SCAN = 32
-#: Waiters a backfill looks at behind a head that waits (the core's, app/gate/admission.py).
-BACKFILL_SCAN = _BACKFILL_SCAN
-
-_COMMON = r"""
 local P, K_POOLS, K_ACTIVE, K_LINE, K_TICKETS, K_SEQ, K_GRANTED, K_HOLD, K_REPLICAS
 local K_TOKENS, K_FAIR, K_TACTIVE, K_TQUEUED, K_KEPT, K_GIVEN_UP
 -- The pools, read once per call and kept in step by `take` and `give_back` (see `pools`).
 local PL = nil
 
--- Each call: the fleet's keys (the call's one key is their prefix), the pools unread.
-local function setup(keys)
+-- The policy's numbers, each call's first arguments (app/replicas/lua/__init__.py's POLICY):
+-- a band's span of the score, tickets `dispatch` looks at past heads whose tenant is at its
+-- max_active, waiters a backfill looks at, the fair tags' unit (an average hold), and the
+-- line's default bound (slots times PER_SLOT, MIN_QUEUE at least).
+local BAND_SPAN, SCAN, BACKFILL_SCAN, UNIT, PER_SLOT, MIN_QUEUE
+local N_POLICY = 6
+
+-- Each call: the policy's numbers taken off the front of `argv` (the script's own arguments
+-- follow), the fleet's keys (the call's one key is their prefix), the pools unread.
+local function setup(keys, argv)
   PL = nil
+  if argv then
+    BAND_SPAN, SCAN, BACKFILL_SCAN = tonumber(argv[1]), tonumber(argv[2]), tonumber(argv[3])
+    UNIT, PER_SLOT, MIN_QUEUE = tonumber(argv[4]), tonumber(argv[5]), tonumber(argv[6])
+    local n = #argv
+    for i = 1, n - N_POLICY do argv[i] = argv[i + N_POLICY] end
+    for i = math.max(n - N_POLICY + 1, 1), n do argv[i] = nil end
+  end
   if P == keys[1] then return end
   P = keys[1]
   K_POOLS, K_ACTIVE, K_LINE, K_TICKETS = P..'pools', P..'active', P..'line', P..'tickets'
@@ -78,10 +28,6 @@ local function setup(keys)
   K_TOKENS, K_FAIR, K_TACTIVE, K_TQUEUED = P..'tokens', P..'fair', P..'tactive', P..'tqueued'
   K_KEPT, K_GIVEN_UP = P..'kept', P..'given_up'
 end
-local BAND_SPAN = 17592186044416
-local SCAN = 32
-local BACKFILL_SCAN = @BACKFILL_SCAN@
-local UNIT = 1000
 local TWO16, TWO32 = 65536, 4294967296
 local function held_key(r) return P..'r:'..r end
 local function hb_key(r) return P..'hb:'..r end
@@ -577,8 +523,8 @@ local function queue_limit(fleet_cap, max_queue, per_slot, min_queue)
   end
   if per_slot < 0 then
     local floor = min_queue
-    if floor < 0 then floor = 64 end
-    return math.max(16 * fleet_cap, floor)
+    if floor < 0 then floor = MIN_QUEUE end
+    return math.max(PER_SLOT * fleet_cap, floor)
   end
   if per_slot == 0 then return -1 end
   return math.max(per_slot * fleet_cap, math.max(min_queue, 0))
@@ -603,281 +549,3 @@ local function figures()
   return {tostring(pl.fleet_cap), tostring(pl.fleet_active), tostring(redis.call('ZCARD', K_LINE)),
           hold_s(), tostring(redis.call('ZCARD', K_REPLICAS)), redis.call('GET', K_GRANTED) or '0'}
 end
-"""
-
-#: ARGV: replica, ticket id, weight, cost, ranking, eps, band, tag ('' = computed: the fair
-#: start tag for a tenant, else the arrival number), max_queue, queue_per_slot, min_queue (-1:
-#: not set), tenant ('' = none), share, max_active, max_queued (-1: none), tasks (a prompt
-#: array's, else 0: see `weighs`; weight is then its least).
-#: -> {'grant', member, upstream, reason, grant number, slots held}
-#:    | {'queued', member, position, limit, grants so far}
-#:    | {'full', limit, figures...} | {'tenant_full', tenant queued, tenant active, figures...}
-#:    | {'unknown', figures...} | {'large', most slots it may have, figures...} | {'fenced'}
-#: ('large': more than the largest upstream's slots, or than its tenant's max_active)
-ENTER = r"""
-local me, id, w, cost = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('EXISTS', hb_key(me)) == 0 then return {'fenced'} end
-local pl = pools()
-if pl.fleet_cap == 0 then return {'unknown', unpack(figures())} end
-if w > pl.max_cap then return {'large', tostring(pl.max_cap), unpack(figures())} end
-local t = {r = me, w = w, cost = cost, band = tonumber(ARGV[7]), tenant = ARGV[12],
-           share = tonumber(ARGV[13]), maxa = tonumber(ARGV[14]), charge = 0,
-           tasks = tonumber(ARGV[16]), ranking = ARGV[5]}
-if over_limit(t) then return {'large', ARGV[14], unpack(figures())} end
-local seq = redis.call('INCR', K_SEQ)
-local m = string.format('%016x', seq)..'|'..id
-local queued = redis.call('ZCARD', K_LINE)
-local eps = tonumber(ARGV[6])
-if queued == 0 and may_run(t) then
-  local u, why = choose(t, eps, seq)
-  if u then
-    fair_tag(t, seq, true)
-    local n, held = hold_grant(m, u, t)
-    return {'grant', m, u, why, tostring(n), tostring(held)}
-  end
-end
-local limit = queue_limit(pl.fleet_cap, tonumber(ARGV[9]), tonumber(ARGV[10]),
-                          tonumber(ARGV[11]))
-if limit >= 0 and queued >= limit then
-  return {'full', tostring(limit), unpack(figures())}
-end
-local max_queued = tonumber(ARGV[15])
-if t.tenant ~= '' and max_queued >= 0 then
-  local mine = tonumber(redis.call('HGET', K_TQUEUED, t.tenant) or '0')
-  if mine >= max_queued then
-    return {'tenant_full', tostring(mine), redis.call('HGET', K_TACTIVE, t.tenant) or '0',
-            unpack(figures())}
-  end
-end
-local tag
-if ARGV[8] ~= '' then tag = tonumber(ARGV[8]) else tag = fair_tag(t, seq) end
-enqueue(m, t, tag)
-if queued > 0 and pl.fleet_active < pl.fleet_cap then
-  -- Free slots with a line: its head waits for more, or its tenant is at its max_active, or
-  -- this ticket goes ahead of it. Whoever may run now does.
-  local got = dispatch(eps, m)
-  if got then return {'grant', m, got[1], got[2], tostring(got[3]), tostring(got[4])} end
-end
-return {'queued', m, tostring(redis.call('ZRANK', K_LINE, m) + 1), tostring(limit),
-        redis.call('GET', K_GRANTED) or '0'}
-"""
-
-#: ARGV: replica, member, hold_s ('' = not observed), eps, ewma alpha
-#: -> 'released' | 'left' | 'none'
-#: A release and a leave are one script: a waiter that gives up just as its grant is published
-#: finds itself granted, and returns the slots.
-RELEASE = r"""
-local what, t = drop(ARGV[1], ARGV[2])
-if what == 'released' and ARGV[3] ~= '' then
-  local h = tonumber(ARGV[3])
-  local old = tonumber(redis.call('GET', K_HOLD) or '-1')
-  if old <= 0 then old = h end
-  redis.call('SET', K_HOLD, tostring(old + tonumber(ARGV[5]) * (h - old)))
-  -- The tenant pays for the slot time it held (in average holds), not for the one average
-  -- hold it was charged.
-  if old > 0 then fair_correct(t, t.charge * (h / old - 1)) end
-end
-if what ~= 'none' then dispatch(tonumber(ARGV[4])) end
-return what
-"""
-
-#: ARGV: replica, ttl_ms, eps, kept_ms -> {'ok', figures..., then upstream, budget of each
-#: budgeted one} | {'fenced'}
-HEARTBEAT = r"""
-local me, ttl = ARGV[1], tonumber(ARGV[2])
-if redis.call('EXISTS', hb_key(me)) == 0 then return {'fenced'} end
-local now = now_ms()
-lease(me, ttl, tonumber(ARGV[4]), now)
-if reap(now) > 0 then dispatch(tonumber(ARGV[3])) end
-local out = {'ok', unpack(figures())}
--- The budgets one replica learned (a 500 from a shared cache), for the others to learn too.
-for u, b in pairs(pools().bud) do out[#out + 1] = u; out[#out + 1] = tostring(b) end
-return out
-"""
-
-#: ARGV: replica, ttl_ms, eps, kept_ms, n_pools, n_grants, n_waiters, then the pools
-#: (upstream, capacity, budget or '': none learned here, another's stays), the grants
-#: (member, upstream, slots held, least, tasks, cost, band, tenant, share, max_active,
-#: ranking) and the waiters in order (id, least, tasks, cost, ranking, band, tag, tenant,
-#: share, max_active).
-#: -> {figures..., new member of each waiter in order...}
-#:
-#: Replaces whatever Redis holds for the replica with what the replica says it holds: after it
-#: was given up, after Redis restarted empty, or after Redis was slow and may have run commands
-#: whose answers the replica never read. A grant registered again keeps the charge it had (its
-#: release corrects nothing); its waiters get new tags.
-REJOIN = r"""
-local me, ttl, eps = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local n_pools, n_grants, n_waiters = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-forget(me)
-local now = now_ms()
-lease(me, ttl, tonumber(ARGV[4]), now)
-local i = 8
-for _ = 1, n_pools do
-  if ARGV[i + 2] == '' then
-    set_unbudgeted(ARGV[i], ARGV[i + 1])
-  else
-    redis.call('HSET', K_POOLS, ARGV[i], ARGV[i + 1]..'\t'..ARGV[i + 2])
-  end
-  i = i + 3
-end
-PL = nil
-for _ = 1, n_grants do
-  local t = {r = me, w = tonumber(ARGV[i + 3]), tasks = tonumber(ARGV[i + 4]),
-             cost = tonumber(ARGV[i + 5]), band = tonumber(ARGV[i + 6]), tenant = ARGV[i + 7],
-             share = tonumber(ARGV[i + 8]), maxa = tonumber(ARGV[i + 9]), charge = -1,
-             ranking = ARGV[i + 10]}
-  local u, w = ARGV[i + 1], tonumber(ARGV[i + 2])
-  local tokens = charge_tokens(pools(), u, t.cost)
-  take(u, w, tokens, t.tenant)
-  redis.call('HSET', held_key(me), ARGV[i], 'g\t'..u..'\t'..tokens..'\t'..w..'\t'..record(t))
-  i = i + 11
-end
-local members = {}
-for _ = 1, n_waiters do
-  local seq = redis.call('INCR', K_SEQ)
-  local m = string.format('%016x', seq)..'|'..ARGV[i]
-  local t = {r = me, w = tonumber(ARGV[i + 1]), tasks = tonumber(ARGV[i + 2]),
-             cost = tonumber(ARGV[i + 3]), band = tonumber(ARGV[i + 5]), tenant = ARGV[i + 7],
-             share = tonumber(ARGV[i + 8]), maxa = tonumber(ARGV[i + 9]), charge = 0,
-             ranking = ARGV[i + 4]}
-  local tag
-  if ARGV[i + 6] ~= '' then tag = tonumber(ARGV[i + 6]) else tag = fair_tag(t, seq) end
-  enqueue(m, t, tag)
-  members[#members + 1] = m
-  i = i + 10
-end
-reap(now)
-dispatch(eps)
-local out = figures()
-for _, m in ipairs(members) do out[#out + 1] = m end
-return out
-"""
-
-#: ARGV: upstream, capacity ('' = unknown), eps, budget in tokens ('' = it does not bind; '?' =
-#: none learned here, another replica's for the same slot count stays) -> 'ok'
-RESIZE = r"""
-if ARGV[2] == '' then
-  redis.call('HDEL', K_POOLS, ARGV[1])
-  if tonumber(redis.call('HGET', K_ACTIVE, ARGV[1]) or '0') <= 0 then
-    redis.call('HDEL', K_ACTIVE, ARGV[1])
-  end
-elseif ARGV[4] == '?' then
-  set_unbudgeted(ARGV[1], ARGV[2])
-  dispatch(tonumber(ARGV[3]))
-elseif ARGV[4] == '' then
-  redis.call('HSET', K_POOLS, ARGV[1], ARGV[2])
-  dispatch(tonumber(ARGV[3]))
-else
-  redis.call('HSET', K_POOLS, ARGV[1], ARGV[2]..'\t'..ARGV[4])
-  dispatch(tonumber(ARGV[3]))
-end
-return 'ok'
-"""
-
-#: ARGV: replica, member, eps -> 'queued' | 'none'
-#: Its upstream did not take the request: the grant's slots go back and the ticket waits again
-#: at the head of the line (a score under the head's and under its band's tags), for
-#: whichever upstream has room first.
-REROUTE = r"""
-local me, m = ARGV[1], ARGV[2]
-local v = redis.call('HGET', held_key(me), m)
-if not v or v == 'w' then return 'none' end
-local u, tokens, w, rec = parse_grant(v)
-local t = parse_ticket(rec)
--- The slots it held there go back; it is weighed again where it is granted next.
-give_back(u, w, tokens, t.tenant)
-redis.call('HDEL', held_key(me), m)
-local head = redis.call('ZRANGE', K_LINE, 0, 0, 'WITHSCORES')
-local score = -t.band * BAND_SPAN
-if #head > 0 then score = math.min(tonumber(head[2]) - 1, score) end
-redis.call('ZADD', K_LINE, score, m)
-redis.call('HSET', K_TICKETS, m, rec)
-redis.call('HSET', held_key(me), m, 'w')
-if t.tenant ~= '' then redis.call('HINCRBY', K_TQUEUED, t.tenant, 1) end
-dispatch(tonumber(ARGV[3]))
-return 'queued'
-"""
-
-#: ARGV: replica, old upstream, new upstream -> 'ok'
-#: An upstream known by another name now (an address of its name, upstreams/fleet.py): the old name
-#: leaves the pools, and the replica's grants there move to the new one, their slots and tokens
-#: with them, so that its running requests still count against its slots.
-REKEY = r"""
-local me, old, new = ARGV[1], ARGV[2], ARGV[3]
-redis.call('HDEL', K_POOLS, old)
-local held = redis.call('HGETALL', held_key(me))
-for i = 1, #held, 2 do
-  local u, tokens, w, rec = parse_grant(held[i + 1])
-  if u == old then
-    give_back(old, w, tokens, '')
-    take(new, w, tokens, '')
-    redis.call('HSET', held_key(me), held[i], 'g\t'..new..'\t'..tokens..'\t'..w..'\t'..rec)
-  end
-end
-return 'ok'
-"""
-
-#: ARGV: tenant, share, max_active (-1: none), eps -> 'ok' (its limits reloaded: its waiters
-#: take them, so that a raised max_active lets them run on free slots at once)
-RETUNE = r"""
-local heads = redis.call('ZRANGE', K_LINE, 0, -1)
-for _, m in ipairs(heads) do
-  local f = redis.call('HGET', K_TICKETS, m)
-  if f then
-    local t = parse_ticket(f)
-    if t.tenant == ARGV[1] then
-      t.share, t.maxa = tonumber(ARGV[2]), tonumber(ARGV[3])
-      redis.call('HSET', K_TICKETS, m, record(t))
-    end
-  end
-end
-dispatch(tonumber(ARGV[4]))
-return 'ok'
-"""
-
-#: ARGV: replica, eps -> 'ok' (a replica leaving for good: what it holds goes back at once)
-RETIRE = r"""
-unregister(ARGV[1])
-redis.call('DEL', hb_key(ARGV[1]))
-dispatch(tonumber(ARGV[2]))
-return 'ok'
-"""
-
-
-_COMMON_CODE = _COMMON.replace("@BACKFILL_SCAN@", str(BACKFILL_SCAN))
-
-_SCRIPTS = {
-    "ENTER": ENTER,
-    "RELEASE": RELEASE,
-    "HEARTBEAT": HEARTBEAT,
-    "REJOIN": REJOIN,
-    "RESIZE": RESIZE,
-    "RETIRE": RETIRE,
-    "REROUTE": REROUTE,
-    "REKEY": REKEY,
-    "RETUNE": RETUNE,
-}
-
-
-def script(body: str) -> str:
-    """`body` as a script for EVAL, with the helpers it calls."""
-    return _COMMON_CODE + "setup(KEYS)\n" + body
-
-
-def _library() -> tuple[str, dict[str, str]]:
-    # Named by a hash of its code: replicas of different versions each call their own.
-    code = _COMMON_CODE + "".join(
-        f"redis.register_function('{{lib}}_{name.lower()}', function(KEYS, ARGV)\n"
-        f"setup(KEYS)\n{body}end)\n"
-        for name, body in _SCRIPTS.items()
-    )
-    lib = "slotgate_" + hashlib.sha256(code.encode()).hexdigest()[:16]
-    functions = {name: f"{lib}_{name.lower()}" for name in _SCRIPTS}
-    return f"#!lua name={lib}\n" + code.replace("{lib}", lib), functions
-
-
-#: The scripts as one function library (FUNCTION LOAD): its helpers are made once, when it is
-#: loaded, not at every call as an EVAL script's are (about 6 us of each call). LIBRARY's text,
-#: FUNCTIONS the name of each script's function in it.
-LIBRARY, FUNCTIONS = _library()
