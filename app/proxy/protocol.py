@@ -48,7 +48,8 @@ from typing import Any, ClassVar
 
 from slotgate.asgi import Receive
 from slotgate.errors import BadRequest, GateError, HeadersTooLarge, refusal, render
-from slotgate.proxy.request import id_headers, request_id
+from slotgate.proxy.headers import id_headers
+from slotgate.proxy.request import request_id
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState

@@ -17,7 +17,7 @@ from tests.support.standin import StandIn
 
 
 def held(gate: RunningGate) -> int:
-    return gate.service.proxy._held_bytes
+    return gate.service.proxy.body_bytes.held
 
 
 def head(length: int | None) -> bytes:

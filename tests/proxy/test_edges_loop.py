@@ -74,6 +74,8 @@ async def test_a_waiter_refused_because_its_prompt_never_fits_gives_back_its_bod
         answer = await client.post(gate.url + CHAT, json=words(1200))
         assert answer.json()["error"]["type"] == "exceed_context_size_error"
     assert gate.service.admission.queued == 0
-    assert gate.service.proxy._held_bytes == 0  # today: 7,491 (3 x 2,497 bytes), never given back
+    assert (
+        gate.service.proxy.body_bytes.held == 0
+    )  # today: 7,491 (3 x 2,497 bytes), never given back
     for task in held:
         task.cancel()
