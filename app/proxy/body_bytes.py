@@ -27,10 +27,6 @@ class BodyBytes:
         self.held = 0
         self._admission = admission
 
-    def part(self) -> HeldBody:
-        """A new request's part, holding nothing yet."""
-        return HeldBody(self)
-
 
 class HeldBody:
     """One request's bytes in the count, from its first byte read until it is admitted or over."""
@@ -60,7 +56,7 @@ class HeldBody:
         count.held += size
         self.bytes += size
 
-    def release(self) -> None:
+    def release(self, *_exc_info: object) -> None:
         """Its body no longer counts (admitted, refused or gone); harmless twice."""
         self._count.held -= self.bytes
         self.bytes = 0
@@ -68,5 +64,5 @@ class HeldBody:
     def __enter__(self) -> HeldBody:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
+    # The scope's end is the release itself: a call less on every request.
+    __exit__ = release

@@ -27,7 +27,7 @@ from slotgate.proxy.access import OPEN_PATHS, Access
 from slotgate.proxy.accounting import account
 from slotgate.proxy.answer import Answer
 from slotgate.proxy.assembly import Assembly
-from slotgate.proxy.body_bytes import BodyBytes
+from slotgate.proxy.body_bytes import BodyBytes, HeldBody
 from slotgate.proxy.headers import SSE, SSE_HEAD, dropped, own_headers, upstream_headers
 from slotgate.proxy.modes import refuse, relay, relay_assembled, relay_into_stream
 from slotgate.proxy.request import (
@@ -96,7 +96,7 @@ class Proxy:
         # waiting request is suspended in costs it about 270 bytes.
         if scope["type"] != "http":
             return
-        held = self.body_bytes.part()
+        held = HeldBody(self.body_bytes)
         request = Request(scope, held)
         answer = Answer(send)
         try:

@@ -36,6 +36,8 @@ _id_prefix = secrets.token_hex(4)
 #: Headers slotgate decides by, which a client cannot make hop-by-hop through Connection: then
 #: slotgate would check or key on one value and llama-server see another, or none.
 DECIDING = frozenset({b"authorization", b"x-api-key", b"origin"})
+#: Read once: an enum member looked up on its class costs a request about 0.1 us.
+_SERVED = Outcome.SERVED
 #: Shared by every request whose Connection header names nothing.
 _NONE_NAMED: frozenset[bytes] = frozenset()
 
@@ -84,7 +86,7 @@ class Request:
         #: The llama-server it goes to: its pool's, once admitted (any, until then).
         self.upstream: Upstream | None = None
         self.upstream_status: int | None = None
-        self.outcome = Outcome.SERVED
+        self.outcome: Outcome = _SERVED
 
     @property
     def route(self) -> str | None:
