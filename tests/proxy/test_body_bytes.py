@@ -9,6 +9,8 @@ import tracemalloc
 from collections.abc import AsyncIterator
 
 import httpx
+from slotgate.gate.admission import Admission
+from slotgate.proxy.body_bytes import BodyBytes, HeldBody
 
 from tests.conftest import GateFactory, RunningGate, chat
 from tests.proxy.test_edges_merged import BIG, CHAT, big_chat, restarting_gate, settled
@@ -192,3 +194,17 @@ async def test_shutdown_gives_back_the_bytes_of_a_body_being_read(
     assert held(gate) == 0
     writer.close()
     del reader
+
+
+def test_a_held_body_is_given_back_once_however_often_it_is_released() -> None:
+    count = BodyBytes(10, Admission())
+    first, second = HeldBody(count), HeldBody(count)
+    with first:
+        first.count(6)
+        second.count(3)
+        first.release()  # admitted: an early release
+        assert count.held == 3
+    assert count.held == 3  # the scope's own end gives nothing back twice
+    second.release()
+    second.release()
+    assert count.held == 0
