@@ -17,9 +17,10 @@ from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
+from slotgate.proxy.headers import id_headers
 from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
-from slotgate.proxy.request import id_headers, request_id
+from slotgate.proxy.request import request_id
 from slotgate.settings import Settings
 from slotgate.upstreams.fleet import Fleet, Resolver
 from slotgate.upstreams.upstream import Upstream

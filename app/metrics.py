@@ -27,6 +27,8 @@ from slotgate import __version__
 from slotgate.gate.admission import Admission
 from slotgate.gate.tenants import EVERYONE
 from slotgate.intake.endpoints import ENDPOINTS, Kind
+from slotgate.outcome import REASONS as REASONS  # re-exported: the labels metrics pins
+from slotgate.outcome import Outcome
 
 if TYPE_CHECKING:
     from slotgate.gate.entry import Gate
@@ -34,21 +36,9 @@ if TYPE_CHECKING:
 #: What a replica sharing the line through Redis does now (app/replicas/replica.py).
 REPLICATION_MODES = ("shared", "degraded", "rejecting")
 
-REASONS = (
-    "queue_full",
-    "tenant_queue_full",
-    "queue_bytes_full",
-    "queue_timeout",
-    "client_gone",
-    "upstream_unavailable",
-    "upstream_failed",
-    "bad_request",
-    "unauthorized",
-    "internal",
-)
 #: The `outcome` of a wait that ended in a slot; other waits carry the reason they ended (one of
-#: REASONS).
-ADMITTED = "admitted"
+#: REASONS, the `reason` labels of slotgate_requests_rejected).
+ADMITTED = Outcome.ADMITTED
 #: The tenant label of the tenants past METRICS_TENANTS.
 OTHER = "other"
 #: Request series are labelled by what operators group by, the kind of work (chat, completion,
@@ -342,6 +332,16 @@ class Metrics(Collector):
         if histogram is None:
             histogram = ended[key] = _Histogram()
         histogram.observe(wait_s)
+
+    def ended(self, route: str, outcome: Outcome, tenant: str, wait_s: float | None) -> None:
+        """A request on a generation route is over. Unless it was served, it counts as rejected
+        under its outcome's reason, and, given `wait_s`, as a wait that ended without a slot."""
+        reason = outcome.reason
+        if reason is None:
+            return
+        self.rejected(route, reason, tenant)
+        if wait_s is not None:
+            self.waited(route, wait_s, reason, tenant)
 
     def held(self, route: str, hold_s: float, tenant: str = EVERYONE.name, slots: int = 1) -> None:
         (self._of_tenant.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)

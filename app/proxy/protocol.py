@@ -31,8 +31,8 @@ queued behind another makes the connection hold what arrives (up to HOLD_LIMIT_B
 than stop reading, so a FIN or a reset is seen at once. Past the hold the socket is paused; the
 sweep then asks the kernel (poll, POLLRDHUP) whether the peer has gone.
 
-A connection's end, told. The relay cancels a request whose client left (app/proxy/relay.py's
-`_Watch`). Through ASGI alone that takes a pending `receive()` wrapped in a task, for every
+A connection's end, told. The relay cancels a request whose client left (app/proxy/watch.py's
+`Watch`). Through ASGI alone that takes a pending `receive()` wrapped in a task, for every
 request that waits: about 1 KB each. `watch_disconnect` has the connection call back instead
 when it ends before the request's answer does, at the moment uvicorn would mark that request
 disconnected; a request holds a small handle, and no task.
@@ -55,8 +55,9 @@ from slotgate.errors import (
     UpgradeRefused,
     refusal,
 )
+from slotgate.proxy.headers import id_headers
 from slotgate.proxy.refusals import render
-from slotgate.proxy.request import id_headers, request_id
+from slotgate.proxy.request import request_id
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState

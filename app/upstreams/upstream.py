@@ -186,7 +186,7 @@ class Upstream:
         #: moves found it busy (or slotgate's own loop late), not gone.
         self.answers = 0
         #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
-        #: rebuild; None until an answer has shown it (app/proxy/relay.py, `_learn_verbose`).
+        #: rebuild; None until an answer has shown it (app/proxy/modes.py, `_learn_verbose`).
         self.verbose: bool | None = None
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()

@@ -250,7 +250,7 @@ async def test_a_client_that_leaves_while_waiting_for_tokens_leaves_nothing_held
         await gate.until(lambda: admission.queued == 0)
         assert admission.committed_tokens == held
         assert not admission._line
-        assert gate.service.proxy._held_bytes == 0
+        assert gate.service.proxy.body_bytes.held == 0
     await gate.until(lambda: admission.committed_tokens == 0)
     assert admission.active == 0
 
@@ -265,4 +265,4 @@ async def test_a_waiting_request_refused_as_too_long_gives_back_its_body_bytes(
         refused = await client.post(gate.url + CHAT, json=words(1200))
         assert refused.status_code == 400
         assert refused.json()["error"]["type"] == "exceed_context_size_error"
-        assert gate.service.proxy._held_bytes == 0
+        assert gate.service.proxy.body_bytes.held == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import slotgate.proxy.relay
+import slotgate.proxy.modes
 
 from tests.conftest import CHAT, GateFactory, StartUpstreams, chat
 from tests.support.standin import StandIn
@@ -42,7 +42,7 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     client: httpx.AsyncClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(slotgate.proxy.relay, "MAX_ASSEMBLED_BYTES", 64 * 1024)
+    monkeypatch.setattr(slotgate.proxy.modes, "MAX_ASSEMBLED_BYTES", 64 * 1024)
     gate = await start_gate()
     await client.post(gate.url + CHAT, json=chat())  # shows llama-server adds no __verbose
     standin.tokens, standin.token_delay_s, standin.padding = 500, 0.0, 1024

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 import pytest
+from slotgate.gate.admission import Admission
+from slotgate.proxy.body_bytes import BodyBytes, HeldBody
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat, words
 from tests.support.hostile import MiB
@@ -24,7 +26,7 @@ from tests.support.startup import BIG, big_chat, restarting_gate, settled
 
 
 def held(gate: RunningGate) -> int:
-    return gate.service.proxy._held_bytes
+    return gate.service.proxy.body_bytes.held
 
 
 def head(length: int | None) -> bytes:
@@ -290,6 +292,22 @@ async def test_a_waiter_refused_because_its_prompt_never_fits_gives_back_its_bod
         answer = await client.post(gate.url + CHAT, json=words(1200))
         assert answer.json()["error"]["type"] == "exceed_context_size_error"
     assert gate.service.admission.queued == 0
-    assert gate.service.proxy._held_bytes == 0  # today: 7,491 (3 x 2,497 bytes), never given back
+    assert (
+        gate.service.proxy.body_bytes.held == 0
+    )  # today: 7,491 (3 x 2,497 bytes), never given back
     for task in held:
         task.cancel()
+
+
+def test_a_held_body_is_given_back_once_however_often_it_is_released() -> None:
+    count = BodyBytes(10, Admission())
+    first, second = HeldBody(count), HeldBody(count)
+    with first:
+        first.count(6)
+        second.count(3)
+        first.release()  # admitted: an early release
+        assert count.held == 3
+    assert count.held == 3  # the scope's own end gives nothing back twice
+    second.release()
+    second.release()
+    assert count.held == 0

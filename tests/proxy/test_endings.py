@@ -185,13 +185,13 @@ async def test_a_client_that_leaves_during_the_exact_count_gives_back_its_place_
         waiting = asyncio.ensure_future(rig.call(waiter))
         await until(lambda: len(rig.upstream._client.requests) == 2)  # type: ignore[attr-defined]
         assert rig.admission.queued == 1
-        assert rig.proxy._held_bytes > 0
+        assert rig.proxy.body_bytes.held > 0
         waiter.gone.set()
         await waiting
         line = access_line(caplog)
     assert counting.closed  # the count's exchange is abandoned, its connection closed
     assert rig.admission.queued == 0
-    assert rig.proxy._held_bytes == 0
+    assert rig.proxy.body_bytes.held == 0
     assert waiter.sent == []
     assert line["outcome"] == "client_gone"
     assert line["status"] == 0
@@ -267,7 +267,7 @@ async def test_a_client_that_leaves_mid_body_takes_nothing_and_reaches_nobody(
     assert client.sent == []
     assert rig.upstream._client.requests == []  # type: ignore[attr-defined]
     assert rig.admission.active == rig.admission.queued == 0
-    assert rig.proxy._held_bytes == 0
+    assert rig.proxy.body_bytes.held == 0
     assert line["outcome"] == "client_gone"
     assert line["status"] == 0
     assert line["bytes_out"] == 0

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.proxy import relay as relay_module
+from slotgate.proxy import watch as watch_module
 from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
@@ -207,7 +207,7 @@ async def test_a_request_waiting_in_line_learns_of_its_client_leaving_from_the_c
 ) -> None:
     # No pending receive() as a task of its own: a waiting request is the one task uvicorn
     # runs it in, and its connection's end still takes it out of line at once.
-    monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.0)
+    monkeypatch.setattr(watch_module, "WATCH_AFTER_S", 0.0)
     gate, holder = await only_slot_held(start_gate, standin)
     try:
         before = asyncio.all_tasks()
@@ -234,7 +234,7 @@ async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_ou
     start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The connection ended while nothing watched it: the watch, once it starts, finds it so.
-    monkeypatch.setattr(relay_module, "WATCH_AFTER_S", 0.5)
+    monkeypatch.setattr(watch_module, "WATCH_AFTER_S", 0.5)
     gate, holder = await only_slot_held(start_gate, standin)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", gate.port)

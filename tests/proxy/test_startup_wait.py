@@ -52,7 +52,7 @@ async def waiting(gate: RunningGate, count: int = 1) -> None:
             and sum(1 for t in gate.service.admission._line if t.cost) == count
         )
     )
-    assert gate.service.proxy._held_bytes > BIG * count
+    assert gate.service.proxy.body_bytes.held > BIG * count
 
 
 async def test_a_client_that_leaves_while_llama_server_loads_gives_back_place_bytes_and_tokens(
@@ -287,7 +287,7 @@ async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_
 
     asked = asyncio.create_task(ask())
     await gate.until(lambda: gate.service.admission.queued == 1)
-    assert gate.service.proxy._held_bytes > BIG
+    assert gate.service.proxy.body_bytes.held > BIG
     starting.loaded = True
     outcome = answered(*await asked, streamed)
     served = ("loading-again", "interim-then-stream", "response-too-many")

@@ -26,7 +26,7 @@ def settled(gate: RunningGate) -> bool:
         and admission.active == 0
         and admission.committed_tokens == 0
         and not admission._line
-        and gate.service.proxy._held_bytes == 0
+        and gate.service.proxy.body_bytes.held == 0
     )
 
 

@@ -1,0 +1,51 @@
+"""What a request leaves behind once it is over: its metrics (app/metrics.py) and its one
+access-log line (app/logs.py), both keyed by its `Outcome` (app/outcome.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from slotgate.logs import Client
+from slotgate.logs import access as access_log
+from slotgate.metrics import Metrics
+from slotgate.proxy.answer import Answer
+from slotgate.proxy.request import Request
+
+
+def account(request: Request, answer: Answer, metrics: Metrics) -> None:
+    """Its metrics and its access-log line."""
+    route = request.route
+    ticket = request.ticket
+    now = time.monotonic()
+    if route is not None:
+        # A wait that ended without a slot: an admitted request has its upstream, and its wait
+        # was observed when it was admitted.
+        waited = ticket is not None and request.upstream is None
+        wait_s = ticket.wait_s if waited and ticket is not None else None
+        metrics.ended(route, request.outcome, request.tenant.name, wait_s)
+    hold_s = None
+    if ticket is not None and ticket.admitted_at is not None:
+        hold_s = now - ticket.admitted_at
+        if route is not None:
+            metrics.held(route, hold_s, request.tenant.name, ticket.weight)
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    access_log.info(
+        "%s %s %d %s",
+        Client(request.method), Client(request.path), answer.status, request.outcome,
+        extra={
+            "request_id": request.id,
+            "tenant": request.tenant.name,
+            "route": route,
+            "outcome": request.outcome,
+            "status": answer.status,
+            "upstream": request.upstream.url if request.upstream is not None else None,
+            "upstream_status": request.upstream_status,
+            "weight": request.weight,
+            "queue_wait_s": round(ticket.wait_s, 4) if ticket is not None else None,
+            "slot_hold_s": round(hold_s, 4) if hold_s is not None else None,
+            "bytes_out": answer.bytes_out,
+            "duration_s": round(now - request.started, 4),
+        },
+    )  # fmt: skip

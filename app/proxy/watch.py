@@ -1,0 +1,142 @@
+"""A request's cancellation, handled in one place: its client leaving, or the drain timeout
+running out at shutdown.
+
+`Watch` is an async scope around whatever a request does while its client may leave (wait for
+a slot, forward, relay). It cancels the request's task the moment the client disconnects, and
+on the way out it tells the two cancellations apart: one of its own ends the request as
+`client_gone`; one from outside (the drain timeout) is told to the client while its answer can
+still carry an error, and otherwise goes on up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import TracebackType
+
+from slotgate.asgi import Headers, Message, Receive
+from slotgate.errors import Refusal
+from slotgate.outcome import Outcome
+from slotgate.proxy.answer import Answer
+from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
+from slotgate.proxy.request import Request
+
+#: How long a request runs before slotgate starts watching for its client to leave.
+WATCH_AFTER_S = 0.02
+
+
+class Watch:
+    """Cancels the request's task the moment its client disconnects.
+
+    Under slotgate's own uvicorn protocol the connection says so when it ends
+    (app/proxy/protocol.py's `watch_disconnect`). Elsewhere uvicorn, like any ASGI server, answers
+    `receive()` with `http.disconnect` once the client is gone, so one pending `receive()`,
+    as a task, learns of it while the request's own task is busy waiting for a slot or for
+    llama-server. The task is cancelled rather than polled, so every `finally` on the way out
+    (upstream close, slot release) runs at once. The watch starts only after WATCH_AFTER_S:
+    a request answered sooner never pays for it, and a client leaving in that time is
+    noticed at most that much later.
+    """
+
+    __slots__ = (
+        "_answer", "_connection", "_own", "_pending", "_receive", "_request", "_task", "_timer",
+        "done", "gone",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        receive: Receive,
+        request: Request,
+        answer: Answer,
+        own: Callable[[Request], Headers],
+    ) -> None:
+        self._task = asyncio.current_task()
+        self._receive = receive
+        self._request: Request | None = request
+        self._answer: Answer | None = answer
+        self._own = own
+        self.gone = False
+        self.done = False
+        self._connection: DisconnectWatch | None = None
+        self._pending: asyncio.Future[Message] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            WATCH_AFTER_S, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._connection = watch_disconnect(self._receive, self._disconnected)
+        if self._connection is None:
+            self._pending = asyncio.ensure_future(self._receive())
+            self._pending.add_done_callback(self._on_message)
+
+    def _on_message(self, pending: asyncio.Future[Message]) -> None:
+        if pending.cancelled() or pending.exception() is not None:
+            return
+        if pending.result().get("type") == "http.disconnect":
+            self._disconnected()
+
+    def _disconnected(self) -> None:
+        if not self.done and self._task is not None:
+            self.gone = True
+            self._task.cancel(msg="client disconnected")
+
+    def stop(self) -> None:
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._connection is not None:
+            self._connection.cancel()
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def ours(self) -> bool:
+        """After a CancelledError: was it only this watch's doing (so it may end here)?"""
+        return self.gone and self._task is not None and self._task.uncancel() == 0
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        """True (the cancellation ends here) when the client left, or was told of the
+        shutdown; the watch goes on watching until then, as the request did."""
+        request, answer = self._request, self._answer
+        try:
+            if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
+                return False
+            if self.ours():
+                request.outcome = Outcome.CLIENT_GONE
+                return True
+            return await cut_short(request, answer, self._own)
+        finally:
+            self.stop()
+            # Whatever still holds the watch (a connection's, a timer's reference on its way
+            # out) must not hold the request's body with it.
+            self._request = self._answer = None
+
+
+async def cut_short(request: Request, answer: Answer, own: Callable[[Request], Headers]) -> bool:
+    """Cancelled from outside: the drain timeout ran out at shutdown. Tell the client while its
+    answer can still carry an error; True when it was told.
+
+    Then the task may end normally, as uvicorn's shutdown wants, rather than log an error with
+    a traceback for every request the drain timeout cut. A plain answer whose head went out can
+    only be left unfinished, which the client sees as a truncation.
+    """
+    message = "slotgate shut down before this request finished"
+    cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
+    if answer.ending:
+        # Whole but for its last send: end it as meant (final_words only sends the end again);
+        # the client was served.
+        await answer.final_words(cut, request.flavor, [])
+        return True
+    if answer.started and not answer.stream:
+        return False
+    request.outcome = Outcome.SHUTDOWN
+    await answer.final_words(cut, request.flavor, own(request))
+    return True
