@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-from slotgate.gate.admission import QueuePolicy
+from slotgate.gate.line import QueuePolicy
 from slotgate.gate.tenants import InvalidTenantsFile, roster
 
 MIB = 1024 * 1024

@@ -16,12 +16,12 @@ from slotgate.gate.admission import (
     AdmissionError,
     NotReady,
     QueueFull,
-    QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     Snapshot,
     TooLarge,
 )
+from slotgate.gate.line import QueuePolicy
 from slotgate.intake.pace import generation_speed
 from slotgate.metrics import REASONS
 from slotgate.proxy import protocol

@@ -38,12 +38,14 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+from slotgate.gate.clock import INITIAL_HOLD_S, ewma
 from slotgate.gate.tenants import Tenant
 
-#: Weight of the newest hold in each tenant's moving average (the provisional charge).
-HOLD_EWMA_ALPHA = 0.2
+if TYPE_CHECKING:
+    from slotgate.gate.line import Line
+
 #: Ahead of every virtual time: a flow whose head was put back at the front.
 _FRONT = -math.inf
 
@@ -154,7 +156,10 @@ class _Flow:
 class FairLine(Generic[W]):
     """Waiters in bands, tenants and arrival order; see the module's docstring."""
 
-    def __init__(self, hold_s: float = 1.0) -> None:
+    #: Any tenant's request leaves a fair line as it is (`Line.solo`).
+    solo: Tenant | None = None
+
+    def __init__(self, hold_s: float = INITIAL_HOLD_S) -> None:
         self._bands: dict[int, _Band] = {}
         self._levels: list[int] = []  # descending
         self._accounts: dict[str, _Account] = {}
@@ -170,6 +175,10 @@ class FairLine(Generic[W]):
 
     def __len__(self) -> int:
         return self.queued
+
+    def widen(self, tenant: Tenant, holders: Iterable[W], hold_s: float) -> Line:
+        """Already fair: it stays the line (`Line.widen`)."""
+        return self  # type: ignore[return-value]  # a FairLine of tickets is a Line
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -194,11 +203,11 @@ class FairLine(Generic[W]):
         bands, then its place in its tenant's flow times the tenants waiting in its band."""
         flow = self._flows.get((ticket.band, ticket.tenant.name))
         if flow is None or not flow.live:
-            return 1
+            return min(1, self.queued)
         ahead = sum(band.queued for band in self._bands.values() if band.level > ticket.band)
         head = flow.front[0] if flow.front else flow.line[0]
         place = 1 if ticket in flow.front else min(max(ticket.seq - head.seq + 1, 1), flow.live)
-        return ahead + 1 + (place - 1) * flow.band.busy
+        return min(ahead + 1 + (place - 1) * flow.band.busy, self.queued)
 
     def shares(self) -> list[Share]:
         return [
@@ -393,8 +402,9 @@ class FairLine(Generic[W]):
         flow.running -= 1
         flow.pending = flow.pending - charge if flow.running else 0.0
         if held_s:
-            account.hold_s += HOLD_EWMA_ALPHA * (held_s - account.hold_s)
-            self._hold_s += HOLD_EWMA_ALPHA * (held_s - self._hold_s)
+            # The provisional charge is the hold clock's average, kept per tenant.
+            account.hold_s = ewma(account.hold_s, held_s)
+            self._hold_s = ewma(self._hold_s, held_s)
         if correction < 0 and flow.entry is not None:
             self._key(flow)  # earlier than its entry says: keyed again at once
         if account.blocked and (account.max_active is None or account.active < account.max_active):

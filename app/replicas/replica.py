@@ -19,17 +19,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from slotgate.gate.admission import (
-    Admission,
-    NotReady,
-    Pool,
-    ShuttingDown,
-    TenantTooLarge,
-    Ticket,
-    TooLarge,
-)
+from slotgate.gate.admission import Admission, NotReady, ShuttingDown, TenantTooLarge, TooLarge
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import score
 from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.ticket import Ticket
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 from slotgate.settings import Settings
 

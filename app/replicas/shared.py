@@ -54,19 +54,17 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from slotgate.gate.admission import (
-    HOLD_EWMA_ALPHA,
-    INITIAL_HOLD_S,
-    RETRY_AFTER_CAP_S,
     NotReady,
     QueueFull,
-    QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     Snapshot,
     TenantQueueFull,
     TooLarge,
 )
+from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, RETRY_AFTER_CAP_S
 from slotgate.gate.fairline import Share
+from slotgate.gate.line import QueuePolicy
 from slotgate.replicas import lua as shared_lua
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.

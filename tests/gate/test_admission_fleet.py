@@ -13,17 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from slotgate.errors import refusal
-from slotgate.gate.admission import (
-    Admission,
-    AdmissionError,
-    NotReady,
-    Pool,
-    QueuePolicy,
-    Ticket,
-    TooLarge,
-)
+from slotgate.gate.admission import Admission, AdmissionError, NotReady, TooLarge
+from slotgate.gate.fairline import FairLine
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import choose, score, stable_hash
 from slotgate.gate.tenants import BATCH, Tenant
+from slotgate.gate.ticket import Ticket
 
 
 def fleet(*capacities: int | None, epsilon: float = 0.25, **policy: int) -> Admission:
@@ -530,7 +526,7 @@ async def test_with_tenants_requests_behind_a_heavy_head_run_where_it_cannot_in_
     head = admission.enter(3, tenant=heavy)
     b_lights = [admission.enter(tenant=b) for _ in range(2)]
     c_light = admission.enter(tenant=c)
-    assert admission._fair is not None
+    assert isinstance(admission._line, FairLine)
     assert not head.granted
     assert b_lights[0].granted
     assert b_lights[0].pool is small
@@ -589,8 +585,8 @@ async def test_random_work_of_tenants_over_a_mixed_fleet_keeps_every_count_and_l
             assert pool.active == sum(t.weight for t in granted if t.pool is pool)
         assert admission.active == sum(t.weight for t in granted)
         assert admission.queued == len(waiting)
-        fair = admission._fair
-        if fair is None:
+        fair = admission._line
+        if not isinstance(fair, FairLine):
             continue
         assert fair.queued == len(waiting)
         for tenant in tenants:

@@ -13,7 +13,8 @@ import httpx
 import pytest
 from slotgate.engine.local import LocalEngine, LocalFleet
 from slotgate.errors import ContextExceeded
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 from slotgate.intake.cost import counted, estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
@@ -389,5 +390,5 @@ async def test_a_waiter_counted_at_no_cost_leaves_nothing_behind() -> None:
     holder.release()
     await waiter.wait()
     waiter.release()
-    assert not admission._line
+    assert not list(admission._line.tickets())
     assert admission.committed_tokens == 0

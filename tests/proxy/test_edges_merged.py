@@ -51,7 +51,7 @@ def settled(gate: RunningGate) -> bool:
         admission.queued == 0
         and admission.active == 0
         and admission.committed_tokens == 0
-        and not admission._line
+        and not list(admission._line.tickets())
         and gate.service.proxy._held_bytes == 0
     )
 
@@ -75,7 +75,7 @@ async def waiting(gate: RunningGate, count: int = 1) -> None:
     await gate.until(
         lambda: (
             gate.service.admission.queued == count
-            and sum(1 for t in gate.service.admission._line if t.cost) == count
+            and sum(1 for t in gate.service.admission._line.tickets() if t.cost) == count
         )
     )
     assert gate.service.proxy._held_bytes > BIG * count

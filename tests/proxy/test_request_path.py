@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 from slotgate.errors import Refusal
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 from slotgate.proxy.answer import Answer, AnswerStarted
 from slotgate.upstreams.client import Disconnected
 

@@ -21,17 +21,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from slotgate.gate.admission import (
     Admission,
     NotReady,
-    Pool,
     QueueFull,
-    QueuePolicy,
     QueueTimeout,
     ShuttingDown,
     TenantQueueFull,
-    Ticket,
     TooLarge,
 )
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.ticket import Ticket
 from slotgate.replicas import lua as shared_lua
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 
