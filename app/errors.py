@@ -20,11 +20,11 @@ from slotgate.gate.admission import (
     QueueFull,
     QueueTimeout,
     ShuttingDown,
-    Snapshot,
     TenantQueueFull,
     TenantTooLarge,
     TooLarge,
 )
+from slotgate.gate.pool import Snapshot
 
 Flavor = Literal["openai", "anthropic"]
 

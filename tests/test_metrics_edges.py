@@ -18,10 +18,10 @@ from slotgate.gate.admission import (
     QueueFull,
     QueueTimeout,
     ShuttingDown,
-    Snapshot,
     TooLarge,
 )
 from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Snapshot
 from slotgate.intake.pace import generation_speed
 from slotgate.metrics import REASONS
 from slotgate.proxy import protocol

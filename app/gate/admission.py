@@ -23,49 +23,16 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
 
-from slotgate.gate.clock import HoldClock, retry_after
-from slotgate.gate.fairline import Share
 from slotgate.gate.line import FifoLine, Line, QueuePolicy
-from slotgate.gate.pool import Pool
-from slotgate.gate.routing import choose
+from slotgate.gate.pool import Pool, Pools, Snapshot
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.gate.ticket import Ticket
 
-#: Affinity keys whose last upstream is remembered (about 100 bytes each).
-AFFINITY_MEMORY = 65536
 #: How far behind the head the line is searched for requests that can run where the head
 #: cannot (`Admission._backfill`).
 BACKFILL_SCAN = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The pool as one consistent picture."""
-
-    capacity: int | None
-    active: int
-    queued: int
-    queue_limit: int | None
-    #: The KV-cache budget in tokens (None: it does not bind), and what admitted requests hold.
-    budget_tokens: int | None = None
-    committed_tokens: int = 0
-    #: The refused request's tenant, when its own limit refused it (TenantQueueFull).
-    tenant: Share | None = None
-
-    @property
-    def free(self) -> int:
-        return max((self.capacity or 0) - self.active, 0)
-
-    @property
-    def free_tokens(self) -> int | None:
-        if self.budget_tokens is None:
-            return None
-        return max(self.budget_tokens - self.committed_tokens, 0)
 
 
 class AdmissionError(Exception):
@@ -116,31 +83,7 @@ class TenantTooLarge(TooLarge):
         self.limit = tenant.max_active
 
 
-class Claim(Protocol):
-    """What the request path needs of a request's claim on the slots: a `Ticket` of this core,
-    or a `ReplicaTicket` when replicas share the line through Redis (app/replicas/replica.py)."""
-
-    @property
-    def admitted(self) -> bool: ...
-    @property
-    def admitted_at(self) -> float | None: ...
-    @property
-    def weight(self) -> int: ...
-    @property
-    def wait_s(self) -> float: ...
-    @property
-    def pool(self) -> Pool | None: ...
-    @property
-    def position(self) -> int: ...
-    async def wait(self) -> None: ...
-    def release(self) -> bool: ...
-    def reroute(self, known_by: float) -> None: ...
-    def recost(self, cost: int) -> None: ...
-    async def __aenter__(self) -> Claim: ...
-    async def __aexit__(self, *exc_info: object) -> None: ...
-
-
-class Admission:
+class Admission(Pools):
     """The pools of a fleet and one line; O(1) per enter, leave and release for one pool and
     one tenant.
 
@@ -159,62 +102,25 @@ class Admission:
         *,
         epsilon: float = 1.0,
     ) -> None:
+        super().__init__(epsilon)
         self._policy = policy or QueuePolicy()
         self._queue_timeout_s = queue_timeout_s or None
         # None or 0: refuse at once (NotReady) while the capacity is unknown.
         self._startup_wait_s = startup_wait_s or None
-        self._epsilon = epsilon
-        self._pools: list[Pool] = []
-        self._capacity: int | None = None
-        self._largest = 0  # the most slots of one known pool: a request's weight bound
         self._limit: int | None = self._policy.unknown_limit()
         # Waiters that entered while the capacity was unknown and are weighed once it is.
         self._unsized: dict[asyncio.Future[None], Callable[[int], int]] = {}
         self._awaiting_known = 0
-        self._active = 0
-        # Who holds slots (ticket: when granted, weight), in the order granted, for `eta_s`.
-        self._holders: dict[Ticket, tuple[float, int]] = {}
         self._line: Line = FifoLine(self._holders)
         # The tenant whose requests leave the line as it is (`Line.solo`), read here so that
         # the one-tenant path does not ask the line on every request.
         self._solo: Tenant | None = None
         self._next_seq = 0
-        self._clock = HoldClock()
         self._closed = False
-        # Where each affinity key's last request ran (its prompt is cached there now), the
-        # newest last; bounded, the oldest forgotten first.
-        self._last: OrderedDict[int, Pool] = OrderedDict()
-        self._budgeted = False  # a KV-cache budget binds on some pool
-        # The largest of them: no request takes more, since it runs on one upstream.
-        self._largest_budget: int | None = None
-        self._changed = asyncio.Event()  # some pool's capacity changed (see _until_known)
-        #: Told of every change to a pool's capacity, budget or name (the shared line through
-        #: Redis follows them: app/replicas/replica.py).
-        self.on_change: Callable[[Pool], None] | None = None
-        self.admitted_total = 0
         if capacity is not None:
             self.resize(capacity)
 
     # -- reading -----------------------------------------------------------------------------
-
-    @property
-    def pools(self) -> list[Pool]:
-        return self._pools
-
-    @property
-    def capacity(self) -> int | None:
-        """The fleet's slots: the sum over the pools whose capacity is known."""
-        return self._capacity
-
-    @property
-    def largest(self) -> int | None:
-        """The most slots of one known pool: a request runs in one upstream, so it can take no
-        more."""
-        return self._largest or None
-
-    @property
-    def active(self) -> int:
-        return self._active
 
     @property
     def queued(self) -> int:
@@ -229,24 +135,6 @@ class Admission:
         """Somebody waits for a capacity to become known (so it is worth reading often)."""
         return self._line.queued > 0 or self._awaiting_known > 0
 
-    @property
-    def hold_estimate_s(self) -> float:
-        return self._clock.hold_s
-
-    @property
-    def cold(self) -> bool:
-        """No hold has been observed yet: the estimate rests on `expect`, if anything."""
-        return self._clock.cold
-
-    @property
-    def budget_tokens(self) -> int | None:
-        """The largest budget of one pool (what a request's cost is cut to), None if none binds."""
-        return self._largest_budget
-
-    @property
-    def committed_tokens(self) -> int:
-        return sum(pool.committed for pool in self._pools)
-
     def snapshot(self) -> Snapshot:
         budgets = [pool.budget for pool in self._pools if pool.budget is not None]
         return Snapshot(
@@ -258,49 +146,11 @@ class Admission:
             self.committed_tokens,
         )
 
-    def retry_after_s(self, position: int) -> float:
-        """When a slot could be free for the `position`-th request from now, in seconds
-        (`eta_s`), clamped so that clients neither hammer the gate nor give up."""
-        return retry_after(self.eta_s(position))
-
-    def eta_s(self, position: int) -> float:
-        """When the `position`-th slot to free from now should free, in seconds
-        (`HoldClock.eta_s`)."""
-        return self._clock.eta_s(position, self._capacity, self._active, self._holders.values())
-
-    def estimate_s(self) -> float:
-        """The Retry-After a request refused now would be told (`HoldClock.promise_s`, without
-        its random part and without promising it), for /admission."""
-        return self._clock.promise_s(self._capacity, self._holders.values(), record=False)
-
-    def last_pool(self, memo: int) -> Pool | None:
-        """The pool that ran the last request of this conversation (or affinity key): its
-        prompt is cached there."""
-        return self._last.get(memo)
-
     def tenant_counts(self, name: str) -> tuple[int, int]:
         """(slots held, waiters) of the tenant `name`."""
         return self._line.counts(name)
 
     # -- changing ----------------------------------------------------------------------------
-
-    def add_pool(self, key: str) -> Pool:
-        """A new upstream, not ready until its first `resize`."""
-        pool = Pool(self, key)
-        self._pools.append(pool)
-        return pool
-
-    def resize(self, capacity: int | None) -> None:
-        """Follow the only upstream's slot count (`Pool.resize`); one pool is made for it."""
-        self._only().resize(capacity)
-
-    def resize_budget(self, budget_tokens: int | None) -> None:
-        """Follow the only upstream's KV-cache budget (`Pool.resize_budget`)."""
-        self._only().resize_budget(budget_tokens)
-
-    def expect(self, hold_s: float) -> None:
-        """A request about to enter should hold its slots about `hold_s` (`HoldClock.expect`)."""
-        self._clock.expect(hold_s)
 
     def enter(
         self,
@@ -337,9 +187,16 @@ class Admission:
         line = self._line
         capacity = self._capacity
         if capacity is None:
-            return self._enter_unknown(
-                weight, cost, weigh, affinity, tenant, conversation, tasks, kept
-            )
+            # Nobody is admitted; with a startup wait, the line still takes requests.
+            if self._startup_wait_s is None:
+                raise NotReady(self.snapshot(), 1.0)
+            if self._limit is not None and line.queued >= self._limit:
+                raise QueueFull(self.snapshot(), self._promise_s(kept))
+            ticket = self._ticket(weight, cost, affinity, tenant, conversation, tasks)
+            self._queue(ticket, kept)
+            if weigh is not None:
+                self._unsized_add(ticket, weigh)
+            return ticket
         if weigh is not None:
             # Known since the request was read (a big body's parse outlasted the start).
             weighed = weigh(self._largest)
@@ -347,9 +204,7 @@ class Admission:
                 weight = weighed
         if weight > self._largest:
             raise TooLarge(self.snapshot(), weight, self._largest)
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
+        ticket = self._ticket(weight, cost, affinity, tenant, conversation, tasks)
         if tasks:
             weight = ticket.weight = ticket.weighs(self._largest)
         limit = tenant.max_active  # None for the one tenant of a first-come line
@@ -387,9 +242,7 @@ class Admission:
         (what it holds of each upstream, its tenants', the holds behind its estimates)."""
         if tenant is not self._solo:
             self._widen(tenant)
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
+        ticket = self._ticket(weight, cost, affinity, tenant, conversation)
         self._take(ticket, pool, reason)
         self._line.granted(ticket)
         if ticket.memo is not None:
@@ -434,6 +287,19 @@ class Admission:
         line = self._line = self._line.widen(tenant, self._holders, self._clock.hold_s)
         self._solo = line.solo
 
+    def _ticket(
+        self,
+        weight: int,
+        cost: int,
+        affinity: int | None,
+        tenant: Tenant,
+        conversation: int | None,
+        tasks: int = 0,
+    ) -> Ticket:
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        return Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
+
     def _queue(self, ticket: Ticket, kept: bool) -> None:
         """Put `ticket` at the back of the line, or refuse it (QueueFull, TenantQueueFull)."""
         line = self._line
@@ -475,11 +341,11 @@ class Admission:
         # The leaver may have been the head that blocked a lighter waiter behind it.
         self._dispatch()
 
-    def _promise_s(self, kept: bool = False) -> float:
-        return self._clock.promise_s(self._capacity, self._holders.values(), kept)
-
     def _timed_out(self) -> QueueTimeout:
         return QueueTimeout(self.snapshot(), self.retry_after_s(1))
+
+    def _not_ready(self) -> NotReady:
+        return NotReady(self.snapshot(), 1.0)
 
     def _deadline(self, entered_at: float) -> float:
         assert self._queue_timeout_s is not None  # noqa: S101 - only called when set
@@ -538,76 +404,9 @@ class Admission:
                 floor = ticket.least
             open_ = [p for p in open_ if p.active < (p.capacity or 0) < floor]
 
-    def _grant(self, ticket: Ticket) -> bool:
-        """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
-        pools = self._pools
-        if len(pools) == 1:
-            # One upstream: nothing to choose, and the hot path stays as short as it was (an
-            # array's weight is this pool's already: `_resized` weighs every waiter again).
-            pool = pools[0]
-            if not pool.fits(ticket.weight, pool.charge(ticket)):
-                return False
-            first = ticket.affinity is not None
-            self._take(
-                ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load"
-            )
-            return True
-        return self._route(ticket, pools)
-
-    def _route(self, ticket: Ticket, pools: list[Pool]) -> bool:
-        """`_grant` among `pools`: the one routing picks of those with room for it now."""
-        # Its conversation's last upstream first (else its key's): its history is cached
-        # there; its key's rendezvous order next, where the shared prompt start is.
-        memo = ticket.memo
-        weight = ticket.weight
-        fits: Callable[[Pool], bool]
-        if ticket.tasks:
-            # A prompt array takes as many slots as it has tasks, up to each upstream's.
-            def fits(pool: Pool) -> bool:
-                return pool.fits(ticket.weighs(pool.capacity or 0), pool.charge(ticket))
-        else:
-
-            def fits(pool: Pool) -> bool:
-                return pool.fits(weight, pool.charge(ticket))
-
-        chosen = choose(
-            pools,
-            weight,
-            fits,
-            ticket.affinity,
-            self._epsilon,
-            None if memo is None else self._last.get(memo),
-            ticket.seq,
-        )
-        if chosen is None:
-            return False
-        pool, first = chosen
-        if memo is not None:
-            self._remember(memo, pool)
-        if ticket.tasks:
-            ticket.weight = ticket.weighs(pool.capacity or 0)
-        self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
-        return True
-
-    def _take(self, ticket: Ticket, pool: Pool, reason: str) -> None:
-        """`ticket` holds its slots and tokens of `pool` from now on."""
-        charge = pool.charge(ticket)
-        pool.active += ticket.weight
-        pool.committed += charge
-        pool.routed[reason] += 1
-        ticket.pool = pool
-        ticket.charged = charge
-        self._holders[ticket] = (time.monotonic(), ticket.weight)
-        self._active += ticket.weight
-        self.admitted_total += 1
-
     def _release(self, ticket: Ticket, pool: Pool, weight: int, hold_s: float | None) -> bool:
         """`ticket` gave back `weight` slots of `pool` after `hold_s`: the head takes them."""
-        self._holders.pop(ticket, None)
-        pool.active -= weight
-        self._active -= weight
-        if pool.retired and not pool.active:
-            self._forget(pool)
+        self._give_back(ticket, pool, weight)
         if hold_s is not None:
             self._clock.observe(hold_s)
         before = self.admitted_total
@@ -639,34 +438,14 @@ class Admission:
         line.push_front(ticket)
         self._release(ticket, pool, weight, None)
 
-    def _remember(self, key: int, pool: Pool) -> None:
-        last = self._last
-        last[key] = pool
-        last.move_to_end(key)
-        if len(last) > AFFINITY_MEMORY:
-            last.popitem(last=False)
+    # -- what a change to the pools does to the line (hooks of Pools) ------------------------
 
-    # -- the pools (called by Pool) ----------------------------------------------------------
-
-    def _only(self) -> Pool:
-        pools = self._pools
-        if not pools:
-            return self.add_pool("upstream")
-        if len(pools) > 1:
-            raise RuntimeError("several pools: resize each one (Pool.resize)")
-        return pools[0]
-
-    def _resized(self) -> None:
-        """A pool's capacity changed: the fleet's sums, the line's limit, then whoever fits."""
-        known = [pool.capacity for pool in self._pools if pool.capacity is not None]
-        if not known:
-            # The line keeps the last known limit while every upstream is away.
-            self._capacity = None
-            self._largest = 0
-            return
-        self._capacity = sum(known)
-        largest = self._largest = max(known)
-        self._limit = self._policy.limit(self._capacity)
+    def _refit(self) -> None:
+        """A capacity is known: the line's limit, the waiters weighed again, then whoever fits."""
+        capacity = self._capacity
+        largest = self._largest
+        assert capacity is not None  # noqa: S101 - called once one is known
+        self._limit = self._policy.limit(capacity)
         if self._unsized:
             self._weigh_unsized(largest)
         # An upstream away may come back with as many slots as before: a waiter that only it
@@ -689,55 +468,21 @@ class Admission:
                 self._refuse(ticket, TenantTooLarge(self.snapshot(), ticket.weight, ticket.tenant))
         self._dispatch()
 
-    def _rebudgeted(self, pool: Pool) -> None:
-        """A pool's KV-cache budget changed (`Pool.resize_budget`)."""
-        if pool.budget is not None and not self._budgeted:
-            # Waiters already in line came at no cost: what they take is unknown, so each is
-            # charged the whole budget of the pool it gets.
-            for ticket in self._line.tickets():
-                ticket.costed = False
-        budgets = [pool.budget for pool in self._pools if pool.budget is not None]
-        self._budgeted = bool(budgets)
-        self._largest_budget = max(budgets) if budgets else None
-        self._dispatch()
-        self._notify(pool)
-
-    def _forget(self, pool: Pool) -> None:
-        """Drop retired pools that nobody holds slots of any more."""
-        self._pools = [p for p in self._pools if not (p.retired and p.active == 0)]
-
-    def _notify(self, pool: Pool) -> None:
-        if self.on_change is not None:
-            self.on_change(pool)
+    def _uncost(self) -> None:
+        """Waiters already in line came at no cost: what they take is unknown, so each is
+        charged the whole budget of the pool it gets."""
+        for ticket in self._line.tickets():
+            ticket.costed = False
 
     # -- the capacity-unknown path ------------------------------------------------------------
 
-    def _enter_unknown(
-        self,
-        weight: int,
-        cost: int,
-        weigh: Callable[[int], int] | None,
-        affinity: int | None,
-        tenant: Tenant,
-        conversation: int | None = None,
-        tasks: int = 0,
-        kept: bool = False,
-    ) -> Ticket:
-        if self._startup_wait_s is None:
-            raise NotReady(self.snapshot(), 1.0)
-        if self._limit is not None and self._line.queued >= self._limit:
-            raise QueueFull(self.snapshot(), self._promise_s(kept))
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
-        self._queue(ticket, kept)
-        if weigh is not None:
-            unsized = self._unsized
-            if len(unsized) > 2 * self._line.queued + 64:  # leavers', pruned amortised O(1)
-                self._unsized = unsized = {f: w for f, w in unsized.items() if not f.done()}
-            assert ticket._future is not None  # noqa: S101 - set by _queue
-            unsized[ticket._future] = weigh
-        return ticket
+    def _unsized_add(self, ticket: Ticket, weigh: Callable[[int], int]) -> None:
+        """`ticket` is weighed by `weigh` once a capacity is known."""
+        unsized = self._unsized
+        if len(unsized) > 2 * self._line.queued + 64:  # leavers', pruned amortised O(1)
+            self._unsized = unsized = {f: w for f, w in unsized.items() if not f.done()}
+        assert ticket._future is not None  # noqa: S101 - set by _queue
+        unsized[ticket._future] = weigh
 
     def _weigh_unsized(self, largest: int) -> None:
         """A capacity is known: weigh whoever entered without one, in place in the line."""
@@ -754,31 +499,6 @@ class Admission:
                     ticket.least = ticket.weight
             except Exception as exc:  # the caller's refusal, handed to its waiter
                 self._refuse(ticket, exc)
-
-    async def _until_known(self, ticket: Ticket) -> None:
-        """Wait in line while no capacity is known, for at most the startup wait (and the
-        queue timeout, when shorter) or until the ticket's own `known_by`; NotReady past it if
-        none is known yet."""
-        future = ticket._future
-        assert future is not None  # noqa: S101 - set by enter for every waiter
-        if ticket._known_by is not None:
-            deadline = ticket._known_by
-        else:
-            bound_s = self._startup_wait_s or 0.0
-            if self._queue_timeout_s is not None:
-                bound_s = min(bound_s, self._queue_timeout_s)
-            deadline = ticket.entered_at + bound_s
-        self._awaiting_known += 1
-        try:
-            while self._capacity is None and not future.done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise NotReady(self.snapshot(), 1.0)
-                # asyncio.wait, not a timeout scope: the future must survive the timeout, as
-                # the waiter stays in line once a capacity is known.
-                await asyncio.wait((future,), timeout=remaining)
-        finally:
-            self._awaiting_known -= 1
 
 
 def _lighter(floor: int, ticket: Ticket) -> bool:

@@ -1,16 +1,41 @@
-"""A request's claim on the admission core: its place in the line, then its slots."""
+"""A request's claim on the admission core (`Claim`), and the core's own kind (`Ticket`): its
+place in the line, then its slots."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from slotgate.gate.tenants import EVERYONE, Tenant
 
 if TYPE_CHECKING:
     from slotgate.gate.admission import Admission
     from slotgate.gate.pool import Pool
+
+
+class Claim(Protocol):
+    """What the request path needs of a request's claim on the slots: a `Ticket` of this core,
+    or a `ReplicaTicket` when replicas share the line through Redis (app/replicas/replica.py)."""
+
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def admitted_at(self) -> float | None: ...
+    @property
+    def weight(self) -> int: ...
+    @property
+    def wait_s(self) -> float: ...
+    @property
+    def pool(self) -> Pool | None: ...
+    @property
+    def position(self) -> int: ...
+    async def wait(self) -> None: ...
+    def release(self) -> bool: ...
+    def reroute(self, known_by: float) -> None: ...
+    def recost(self, cost: int) -> None: ...
+    async def __aenter__(self) -> Claim: ...
+    async def __aexit__(self, *exc_info: object) -> None: ...
 
 
 class Ticket:
@@ -101,7 +126,7 @@ class Ticket:
         assert future is not None  # noqa: S101 - set by Admission.enter for every waiter
         try:
             if admission._capacity is None and (admission._startup_wait_s or self._known_by):
-                await admission._until_known(self)
+                await self._until_known()
             if admission._queue_timeout_s is None or self._known_by is not None:
                 # No scope at all without QUEUE_TIMEOUT (the default): an idle timeout scope
                 # costs more than the whole hand-off it would wrap. A ticket sent back by its
@@ -117,6 +142,32 @@ class Ticket:
             raise
         if not self._released:
             self.admitted_at = time.monotonic()
+
+    async def _until_known(self) -> None:
+        """Wait in line while no capacity is known, for at most the startup wait (and the
+        queue timeout, when shorter) or until the ticket's own `known_by`; NotReady past it if
+        none is known yet."""
+        admission = self._admission
+        future = self._future
+        assert future is not None  # noqa: S101 - set by enter for every waiter
+        if self._known_by is not None:
+            deadline = self._known_by
+        else:
+            bound_s = admission._startup_wait_s or 0.0
+            if admission._queue_timeout_s is not None:
+                bound_s = min(bound_s, admission._queue_timeout_s)
+            deadline = self.entered_at + bound_s
+        admission._awaiting_known += 1
+        try:
+            while admission._capacity is None and not future.done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise admission._not_ready()
+                # asyncio.wait, not a timeout scope: the future must survive the timeout, as
+                # the waiter stays in line once a capacity is known.
+                await asyncio.wait((future,), timeout=remaining)
+        finally:
+            admission._awaiting_known -= 1
 
     def reroute(self, known_by: float) -> None:
         """Its upstream did not take the request (refused, down, restarting): give its slots

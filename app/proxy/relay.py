@@ -25,7 +25,8 @@ from slotgate.errors import (
     refusal,
     stream_event,
 )
-from slotgate.gate.admission import Admission, AdmissionError, Claim, NotReady, TenantTooLarge
+from slotgate.gate.admission import Admission, AdmissionError, NotReady, TenantTooLarge
+from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.logs import Client

@@ -58,13 +58,13 @@ from slotgate.gate.admission import (
     QueueFull,
     QueueTimeout,
     ShuttingDown,
-    Snapshot,
     TenantQueueFull,
     TooLarge,
 )
 from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, RETRY_AFTER_CAP_S
 from slotgate.gate.fairline import Share
 from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Snapshot
 from slotgate.replicas import lua as shared_lua
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.

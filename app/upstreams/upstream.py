@@ -14,8 +14,8 @@ from urllib.parse import SplitResult, urlsplit
 import orjson
 from slotgate.asgi import Header
 from slotgate.errors import UpstreamFailed, UpstreamUnavailable
-from slotgate.gate.admission import Claim
 from slotgate.gate.pool import Pool
+from slotgate.gate.ticket import Claim
 from slotgate.intake.cost import Estimate, counted
 from slotgate.intake.pace import generation_speed
 from slotgate.settings import Settings
