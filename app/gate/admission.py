@@ -204,7 +204,9 @@ class Admission(Pools):
                 weight = weighed
         if weight > self._largest:
             raise TooLarge(self.snapshot(), weight, self._largest)
-        ticket = self._ticket(weight, cost, affinity, tenant, conversation, tasks)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
         if tasks:
             weight = ticket.weight = ticket.weighs(self._largest)
         limit = tenant.max_active  # None for the one tenant of a first-come line
@@ -254,22 +256,15 @@ class Admission(Pools):
         """Reloaded tenants (API_KEYS_FILE on SIGHUP): their weights and limits from now on."""
         tenants = tuple(tenants)
         line = self._line
-        line.retune(tenants)
+        over = line.retune(tenants)
         # None: the next request of anyone may make the line a fair one.
         self._solo = line.solo
-        limits = {tenant.name: tenant for tenant in tenants if tenant.max_active is not None}
-        if not limits or line.solo is not None:
-            return  # one tenant, unlimited: nobody in line can be over a limit
-        for ticket in list(line.tickets()):
-            future = ticket._future
-            reloaded = limits.get(ticket.tenant.name)
-            if reloaded is None or future is None or future.done():
-                continue
-            limit = reloaded.max_active
-            if limit is not None and ticket.weight > limit:
-                # Lowered below what it asks: it could never run.
-                future.set_exception(TenantTooLarge(self.snapshot(), ticket.weight, reloaded))
-                line.leave(ticket)
+        reloaded = {tenant.name: tenant for tenant in tenants}
+        for ticket in over:
+            # Lowered below what it asks: it could never run.
+            tenant = reloaded[ticket.tenant.name]
+            self._refuse(ticket, TenantTooLarge(self.snapshot(), ticket.weight, tenant))
+        # A limit raised may let a waiter passed over run now.
         self._dispatch()
 
     def close(self) -> None:
@@ -370,16 +365,15 @@ class Admission(Pools):
         before anything else runs, so a slot is never handed to two waiters, and a waiter that
         gives up after this finds its ticket granted and passes the slots on (`release`).
         """
-        if self._capacity is None:
-            return
         line = self._line
+        if self._capacity is None or not line.queued:
+            return
         while (head := line.head()) is not None:
             if not self._grant(head):
                 if len(self._pools) > 1:
                     self._backfill(head)
                 return
-            line.pop_head()
-            line.granted(head)
+            line.grant_head()
             assert head._future is not None  # noqa: S101 - every ticket in line has one
             head._future.set_result(None)
 
@@ -406,7 +400,12 @@ class Admission(Pools):
 
     def _release(self, ticket: Ticket, pool: Pool, weight: int, hold_s: float | None) -> bool:
         """`ticket` gave back `weight` slots of `pool` after `hold_s`: the head takes them."""
-        self._give_back(ticket, pool, weight)
+        # Pools' own bookkeeping, inline: this is the hot path of every release.
+        self._holders.pop(ticket, None)
+        pool.active -= weight
+        self._active -= weight
+        if pool.retired and not pool.active:
+            self._forget(pool)
         if hold_s is not None:
             self._clock.observe(hold_s)
         before = self.admitted_total

@@ -361,6 +361,12 @@ class FairLine(Generic[W]):
         self._handed_flow = flow
         return ticket  # type: ignore[return-value]
 
+    def grant_head(self) -> W:
+        """`pop_head` and `granted`: the head out of the line, granted (`Line.grant_head`)."""
+        ticket = self.pop_head()
+        self.granted(ticket)
+        return ticket
+
     def granted(self, ticket: W) -> None:
         """`ticket` got its slots (from `pop_head`, or at once with nobody waiting)."""
         flow = self._handed_flow
@@ -449,13 +455,26 @@ class FairLine(Generic[W]):
         self._picked = None
         return live
 
-    def retune(self, tenants: Iterable[Tenant]) -> None:
-        """Take reloaded tenants' weights and limits (API_KEYS_FILE on SIGHUP)."""
+    def retune(self, tenants: Iterable[Tenant]) -> list[W]:
+        """Take reloaded tenants' weights and limits (API_KEYS_FILE on SIGHUP); the live
+        waiters that ask more slots than their tenant's max_active now: they can never run."""
+        limits: dict[str, int] = {}
         for tenant in tenants:
             account = self._accounts.get(tenant.name)
             if account is not None and account.adopt(tenant):
                 self._unblock(account)
+            if tenant.max_active is not None:
+                limits[tenant.name] = tenant.max_active
         self._picked = None
+        if not limits:
+            return []
+        return [
+            waiter
+            for waiter in self.tickets()
+            if not _done(waiter)
+            and (limit := limits.get(waiter.tenant.name)) is not None
+            and waiter.weight > limit
+        ]
 
     # -- internals ---------------------------------------------------------------------------
 

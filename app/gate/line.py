@@ -6,7 +6,7 @@ between tenants and bands. The core starts with a `FifoLine` and swaps it for a 
 for good when a second tenant (or a tenant with limits) comes (`Line.widen`).
 
 The core calls a line on its own loop, without an await between the calls of one operation:
-`push` (a new waiter), `head` and `pop_head` (the next to grant), `first` and `take` (one
+`push` (a new waiter), `head` and `grant_head` (the next to grant), `first` and `take` (one
 granted out of turn), `granted` (every grant, also of a request that did not wait),
 `released` (every granted ticket, once), `leave` (a waiter whose future is done other than
 by a grant). A waiter that gives up is uncounted at once (`queued`) and dropped when it
@@ -78,7 +78,9 @@ class Line(Protocol):
     def push(self, ticket: Ticket) -> None: ...
     def push_front(self, ticket: Ticket) -> None: ...
     def head(self) -> Ticket | None: ...
-    def pop_head(self) -> Ticket: ...
+    def grant_head(self) -> Ticket:
+        """Take the waiter `head` names out of the line, counted as granted."""
+
     def first(self, usable: Callable[[Ticket], bool], scan: int) -> Ticket | None: ...
     def take(self, ticket: Ticket) -> None: ...
     def granted(self, ticket: Ticket) -> None: ...
@@ -90,7 +92,8 @@ class Line(Protocol):
     def counts(self, name: str) -> tuple[int, int]: ...
     def share(self, name: str) -> Share: ...
     def busy(self, level: int) -> int: ...
-    def retune(self, tenants: Iterable[Tenant]) -> None: ...
+    def retune(self, tenants: Iterable[Tenant]) -> list[Ticket]:
+        """Take reloaded tenants; the waiters that can never run under their new limits."""
 
 
 class FifoLine:
@@ -185,7 +188,7 @@ class FifoLine:
         self._line.appendleft(ticket)
         self.queued += 1
 
-    def pop_head(self) -> Ticket:
+    def grant_head(self) -> Ticket:
         """Take the waiter `head` names out of the line (to grant it)."""
         self.queued -= 1
         return self._line.popleft()
@@ -217,16 +220,17 @@ class FifoLine:
         self.queued = 0
         return live
 
-    def retune(self, tenants: Iterable[Tenant]) -> None:
+    def retune(self, tenants: Iterable[Tenant]) -> list[Ticket]:
         """Reloaded tenants: the solo one's limits may end its line (the next request of
-        anyone makes it fair)."""
+        anyone makes it fair); its waiters stay in line as they are."""
         solo = self.solo
         if solo is None:
-            return
+            return []
         for tenant in tenants:
             if tenant.name == solo.name:
                 limited = tenant.max_active is not None or tenant.max_queued is not None
                 self.solo = None if limited else tenant
+        return []
 
 
 def _gone(ticket: Ticket) -> bool:

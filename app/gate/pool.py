@@ -324,14 +324,6 @@ class Pools:
         self._active += ticket.weight
         self.admitted_total += 1
 
-    def _give_back(self, ticket: Ticket, pool: Pool, weight: int) -> None:
-        """`ticket` holds `weight` slots of `pool` no more."""
-        self._holders.pop(ticket, None)
-        pool.active -= weight
-        self._active -= weight
-        if pool.retired and not pool.active:
-            self._forget(pool)
-
     def _remember(self, key: int, pool: Pool) -> None:
         last = self._last
         last[key] = pool
