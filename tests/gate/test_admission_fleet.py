@@ -600,3 +600,21 @@ async def test_random_work_of_tenants_over_a_mixed_fleet_keeps_every_count_and_l
         ticket.release()
     await settle()
     assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_with_tenants_an_upstream_that_grows_takes_every_waiter_it_has_room_for() -> None:
+    # One upstream shrank under what it runs, so the fleet's sums say "full" while the other
+    # grew by two slots: both waiters run on it at once, as they would without tenants.
+    admission = fleet(2, 2)
+    first, second = admission.pools
+    running = [admission.enter(tenant=Tenant("a")) for _ in range(4)]
+    assert held(admission) == [2, 2]
+    waiters = [admission.enter(tenant=Tenant(name)) for name in ("b", "c")]
+    assert isinstance(admission._line, FairLine)
+    first.resize(1)
+    second.resize(4)
+    await settle()
+    assert all(waiter.granted for waiter in waiters)
+    assert held(admission) == [2, 4]
+    for ticket in running + waiters:
+        ticket.release()
