@@ -430,11 +430,7 @@ class FairLine(Generic[W]):
             flow.front.clear()
             flow.entry = None
             return
-        line = flow.line
-        while line and _done(line[-1]):
-            line.pop()
-        if len(line) > 2 * flow.live + 64:
-            flow.line = deque(waiter for waiter in line if not _done(waiter))
+        flow.line = trimmed(flow.line, flow.live)
 
     def drain(self) -> list[W]:
         """Every live waiter, taken out of the line (shutdown); the slots held stay counted."""
@@ -543,6 +539,16 @@ class FairLine(Generic[W]):
                     flow.vt = flow.band.vt  # held back by its own limit: no credit banked
                 self._key(flow)
         self._picked = None
+
+
+def trimmed(line: deque[W], live: int) -> deque[W]:
+    """`line` without the leavers at its tail; rebuilt without any when they outnumber the
+    `live` waiters, so that memory stays bounded at O(1) amortised per leave."""
+    while line and _done(line[-1]):
+        line.pop()
+    if len(line) > 2 * live + 64:
+        return deque(waiter for waiter in line if not _done(waiter))
+    return line
 
 
 def _done(waiter: Waiter) -> bool:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from slotgate.gate.fairline import FairLine, Share
+from slotgate.gate.fairline import FairLine, Share, trimmed
 from slotgate.gate.tenants import Tenant
 
 if TYPE_CHECKING:
@@ -207,11 +207,7 @@ class FifoLine:
 
     def leave(self, ticket: Ticket) -> None:
         self.queued -= 1
-        line = self._line
-        while line and _gone(line[-1]):
-            line.pop()
-        if len(line) > 2 * self.queued + 64:
-            self._line = deque(ticket for ticket in line if not _gone(ticket))
+        self._line = trimmed(self._line, self.queued)
 
     def drain(self) -> list[Ticket]:
         """Every live waiter, taken out of the line (shutdown)."""
