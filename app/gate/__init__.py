@@ -5,5 +5,6 @@ of settings; callers pass numbers in and get tickets or refusals out.
 
 `admission` (entering and the hand-off) builds on `pool` (the pools and where a ticket runs),
 `ticket` (a request's claim), `line` (the FIFO line and the interface the fair one shares),
-`fairline`, `routing`, `tenants` and `clock` (the hold average and every estimate from it).
+`fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants` and `clock` (the
+hold average and every estimate from it).
 """

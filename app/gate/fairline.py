@@ -38,36 +38,17 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from slotgate.gate.clock import INITIAL_HOLD_S, ewma
 from slotgate.gate.tenants import Tenant
+from slotgate.gate.waiter import Waiter, done, trimmed
 
 if TYPE_CHECKING:
     from slotgate.gate.line import Line
 
 #: Ahead of every virtual time: a flow whose head was put back at the front.
 _FRONT = -math.inf
-
-
-class Pending(Protocol):
-    def done(self) -> bool: ...
-
-
-class Waiter(Protocol):
-    """What the fair line reads of a ticket. `weight` is the slots it takes; its tenant's
-    `weight` is its share of slot time."""
-
-    @property
-    def tenant(self) -> Tenant: ...
-    @property
-    def band(self) -> int: ...
-    @property
-    def weight(self) -> int: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def _future(self) -> Pending | None: ...
 
 
 W = TypeVar("W", bound=Waiter)
@@ -284,7 +265,7 @@ class FairLine(Generic[W]):
                 account = flow.account
                 limit = account.max_active
                 for waiter in itertools.islice(itertools.chain(flow.front, flow.line), scan):
-                    if _done(waiter) or not usable(waiter):  # type: ignore[arg-type]
+                    if done(waiter) or not usable(waiter):  # type: ignore[arg-type]
                         continue
                     if limit is None or account.active + waiter.weight <= limit:
                         return waiter  # type: ignore[return-value]
@@ -434,7 +415,7 @@ class FairLine(Generic[W]):
 
     def drain(self) -> list[W]:
         """Every live waiter, taken out of the line (shutdown); the slots held stay counted."""
-        live = [ticket for ticket in self.tickets() if not _done(ticket)]
+        live = [ticket for ticket in self.tickets() if not done(ticket)]
         for flow in self._flows.values():
             flow.line.clear()
             flow.front.clear()
@@ -467,7 +448,7 @@ class FairLine(Generic[W]):
         return [
             waiter
             for waiter in self.tickets()
-            if not _done(waiter)
+            if not done(waiter)
             and (limit := limits.get(waiter.tenant.name)) is not None
             and waiter.weight > limit
         ]
@@ -521,12 +502,12 @@ class FairLine(Generic[W]):
 
     def _live_head(self, flow: _Flow) -> Waiter | None:
         front = flow.front
-        while front and _done(front[0]):
+        while front and done(front[0]):
             front.popleft()
         if front:
             return front[0]
         line = flow.line
-        while line and _done(line[0]):
+        while line and done(line[0]):
             line.popleft()
         return line[0] if line else None
 
@@ -539,18 +520,3 @@ class FairLine(Generic[W]):
                     flow.vt = flow.band.vt  # held back by its own limit: no credit banked
                 self._key(flow)
         self._picked = None
-
-
-def trimmed(line: deque[W], live: int) -> deque[W]:
-    """`line` without the leavers at its tail; rebuilt without any when they outnumber the
-    `live` waiters, so that memory stays bounded at O(1) amortised per leave."""
-    while line and _done(line[-1]):
-        line.pop()
-    if len(line) > 2 * live + 64:
-        return deque(waiter for waiter in line if not _done(waiter))
-    return line
-
-
-def _done(waiter: Waiter) -> bool:
-    future = waiter._future
-    return future is not None and future.done()

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from slotgate.gate.fairline import FairLine, Share, trimmed
+from slotgate.gate.fairline import FairLine, Share
 from slotgate.gate.tenants import Tenant
+from slotgate.gate.waiter import trimmed
 
 if TYPE_CHECKING:
     from slotgate.gate.ticket import Ticket
