@@ -186,45 +186,52 @@ class Admission(Pools):
             self._widen(tenant)
         line = self._line
         capacity = self._capacity
+        seq = self._next_seq
         if capacity is None:
-            # Nobody is admitted; with a startup wait, the line still takes requests.
+            # Nobody is admitted while no capacity is known; with a startup wait, the line
+            # still takes requests, weighed once one is (`_weigh_unsized`).
             if self._startup_wait_s is None:
                 raise NotReady(self.snapshot(), 1.0)
-            if self._limit is not None and line.queued >= self._limit:
-                raise QueueFull(self.snapshot(), self._promise_s(kept))
-            ticket = self._ticket(weight, cost, affinity, tenant, conversation, tasks)
-            self._queue(ticket, kept)
+            self._next_seq = seq + 1
+            ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
+        else:
             if weigh is not None:
-                self._unsized_add(ticket, weigh)
-            return ticket
+                # Known since the request was read (a big body's parse outlasted the start).
+                weighed = weigh(self._largest)
+                if not tasks:
+                    weight = weighed
+                weigh = None
+            if weight > self._largest:
+                raise TooLarge(self.snapshot(), weight, self._largest)
+            self._next_seq = seq + 1
+            ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
+            if tasks:
+                weight = ticket.weight = ticket.weighs(self._largest)
+            limit = tenant.max_active  # None for the one tenant of a first-come line
+            if limit is not None and weight > limit:
+                raise TenantTooLarge(self.snapshot(), weight, tenant)
+            # Nobody overtakes the line: a free slot goes to a newcomer only when nobody who
+            # may run waits (with tenants, one at its max_active may not: `head` passes it
+            # over). The counts first: cheap, and enough to rule most out.
+            if (
+                (not line.queued or (self._active + weight <= capacity and line.head() is None))
+                and (limit is None or line.counts(tenant.name)[0] + weight <= limit)
+                and self._grant(ticket)
+            ):
+                line.granted(ticket)
+                ticket.admitted_at = ticket.entered_at
+                return ticket
+        # A place in the line, if there is one (the line's limit, then its tenant's).
+        if self._limit is not None and line.queued >= self._limit:
+            raise QueueFull(self.snapshot(), self._promise_s(kept))
+        if tenant.max_queued is not None:
+            self._check_tenant(ticket)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ticket._future = future
+        line.push(ticket)
         if weigh is not None:
-            # Known since the request was read (a big body's parse outlasted the start).
-            weighed = weigh(self._largest)
-            if not tasks:
-                weight = weighed
-        if weight > self._largest:
-            raise TooLarge(self.snapshot(), weight, self._largest)
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
-        if tasks:
-            weight = ticket.weight = ticket.weighs(self._largest)
-        limit = tenant.max_active  # None for the one tenant of a first-come line
-        if limit is not None and weight > limit:
-            raise TenantTooLarge(self.snapshot(), weight, tenant)
-        # Nobody overtakes the line: a free slot goes to a newcomer only when nobody who may
-        # run waits (with tenants, one at its max_active may not: `head` passes it over).
-        # The counts first: cheap, and enough to rule most out.
-        if (
-            (not line.queued or (self._active + weight <= capacity and line.head() is None))
-            and (limit is None or line.counts(tenant.name)[0] + weight <= limit)
-            and self._grant(ticket)
-        ):
-            line.granted(ticket)
-            ticket.admitted_at = ticket.entered_at
-            return ticket
-        self._queue(ticket, kept)
-        if len(self._pools) > 1 and self._active < capacity:
+            self._unsized_add(future, weigh)
+        elif capacity is not None and len(self._pools) > 1 and self._active < capacity:
             self._dispatch()  # it may run at once where the head never can
         return ticket
 
@@ -244,7 +251,9 @@ class Admission(Pools):
         (what it holds of each upstream, its tenants', the holds behind its estimates)."""
         if tenant is not self._solo:
             self._widen(tenant)
-        ticket = self._ticket(weight, cost, affinity, tenant, conversation)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
         self._take(ticket, pool, reason)
         self._line.granted(ticket)
         if ticket.memo is not None:
@@ -281,29 +290,6 @@ class Admission(Pools):
         """A request of another tenant than the line's only one: the line may turn fair."""
         line = self._line = self._line.widen(tenant, self._holders, self._clock.hold_s)
         self._solo = line.solo
-
-    def _ticket(
-        self,
-        weight: int,
-        cost: int,
-        affinity: int | None,
-        tenant: Tenant,
-        conversation: int | None,
-        tasks: int = 0,
-    ) -> Ticket:
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        return Ticket(self, weight, seq, cost, affinity, tenant, conversation, tasks)
-
-    def _queue(self, ticket: Ticket, kept: bool) -> None:
-        """Put `ticket` at the back of the line, or refuse it (QueueFull, TenantQueueFull)."""
-        line = self._line
-        if self._limit is not None and line.queued >= self._limit:
-            raise QueueFull(self.snapshot(), self._promise_s(kept))
-        if ticket.tenant.max_queued is not None:
-            self._check_tenant(ticket)
-        ticket._future = asyncio.get_running_loop().create_future()
-        line.push(ticket)
 
     def _check_tenant(self, ticket: Ticket) -> None:
         """TenantQueueFull when `ticket`'s tenant has its max_queued waiters already."""
@@ -475,13 +461,12 @@ class Admission(Pools):
 
     # -- the capacity-unknown path ------------------------------------------------------------
 
-    def _unsized_add(self, ticket: Ticket, weigh: Callable[[int], int]) -> None:
-        """`ticket` is weighed by `weigh` once a capacity is known."""
+    def _unsized_add(self, future: asyncio.Future[None], weigh: Callable[[int], int]) -> None:
+        """The waiter of `future` is weighed by `weigh` once a capacity is known."""
         unsized = self._unsized
         if len(unsized) > 2 * self._line.queued + 64:  # leavers', pruned amortised O(1)
             self._unsized = unsized = {f: w for f, w in unsized.items() if not f.done()}
-        assert ticket._future is not None  # noqa: S101 - set by _queue
-        unsized[ticket._future] = weigh
+        unsized[future] = weigh
 
     def _weigh_unsized(self, largest: int) -> None:
         """A capacity is known: weigh whoever entered without one, in place in the line."""
