@@ -352,11 +352,19 @@ class Admission(Pools):
         gives up after this finds its ticket granted and passes the slots on (`release`).
         """
         line = self._line
-        if self._capacity is None or not line.queued:
+        capacity = self._capacity
+        if capacity is None or not line.queued:
             return
-        while (head := line.head()) is not None:
+        pools = self._pools
+        # With one upstream, its being full settles it: nobody fits (in a fleet the sums may
+        # say full while an upstream shrunk under what it runs leaves room on another).
+        single = len(pools) == 1
+        while not (single and self._active >= capacity):
+            head = line.head()
+            if head is None:
+                return
             if not self._grant(head):
-                if len(self._pools) > 1:
+                if not single:
                     self._backfill(head)
                 return
             line.grant_head()

@@ -160,10 +160,10 @@ class FifoLine:
         return iter(self._line)
 
     def position(self, ticket: Ticket) -> int:
-        line = self._line
-        if not line or ticket.seq < line[0].seq:
+        head = self.head()  # those who left ahead of it do not count
+        if head is None or ticket.seq < head.seq:
             return 0
-        return min(ticket.seq - line[0].seq + 1, self.queued)
+        return min(ticket.seq - head.seq + 1, self.queued)
 
     def counts(self, name: str) -> tuple[int, int]:
         solo = self.solo
