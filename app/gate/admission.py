@@ -212,9 +212,12 @@ class Admission(Pools):
                 raise TenantTooLarge(self.snapshot(), weight, tenant)
             # Nobody overtakes the line: a free slot goes to a newcomer only when nobody who
             # may run waits (with tenants, one at its max_active may not: `head` passes it
-            # over). The counts first: cheap, and enough to rule most out.
+            # over). The sums first: cheap, and with one upstream they settle it (in a fleet
+            # one shrunk under what it runs may make them say full while another has room).
+            room = self._active + weight <= capacity
             if (
-                (not line.queued or (self._active + weight <= capacity and line.head() is None))
+                (room or len(self._pools) > 1)
+                and (not line.queued or (room and line.head() is None))
                 and (limit is None or line.counts(tenant.name)[0] + weight <= limit)
                 and self._grant(ticket)
             ):
