@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     # For annotations only: the gate imports this module, never the reverse at run time.
-    from slotgate.gate.admission import Snapshot
+    from slotgate.gate.pool import Snapshot
     from slotgate.gate.tenants import Tenant
 
 Flavor = Literal["openai", "anthropic"]

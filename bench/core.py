@@ -21,7 +21,9 @@ import collections
 import json
 import time
 
-from slotgate.gate.admission import Admission, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.ticket import Ticket
 
 from bench.loop import run_loop
 

@@ -37,8 +37,8 @@ from slotgate.errors import (
     UpstreamUnavailable,
     refusal,
 )
-from slotgate.gate.admission import Snapshot
 from slotgate.gate.fairline import Share
+from slotgate.gate.pool import Snapshot
 from slotgate.gate.tenants import Tenant
 from slotgate.proxy.refusals import retry_headers
 

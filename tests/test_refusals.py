@@ -10,8 +10,12 @@ import shutil
 
 import httpx
 import pytest
-from slotgate.errors import ANSWERS, refusal
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.errors import (
+    ANSWERS,
+    refusal,
+)
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 from slotgate.intake.pace import generation_speed
 from slotgate.metrics import REASONS
 from slotgate.proxy.refusals import retry_headers

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
-from slotgate.gate.admission import Admission, Claim
+from slotgate.gate.admission import Admission
 from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.ticket import Claim
 
 
 class Entry(NamedTuple):

@@ -38,34 +38,17 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
+from slotgate.gate.clock import INITIAL_HOLD_S, ewma
 from slotgate.gate.tenants import Tenant
+from slotgate.gate.waiter import Waiter, done, trimmed
 
-#: Weight of the newest hold in each tenant's moving average (the provisional charge).
-HOLD_EWMA_ALPHA = 0.2
+if TYPE_CHECKING:
+    from slotgate.gate.line import Line
+
 #: Ahead of every virtual time: a flow whose head was put back at the front.
 _FRONT = -math.inf
-
-
-class Pending(Protocol):
-    def done(self) -> bool: ...
-
-
-class Waiter(Protocol):
-    """What the fair line reads of a ticket. `weight` is the slots it takes; its tenant's
-    `weight` is its share of slot time."""
-
-    @property
-    def tenant(self) -> Tenant: ...
-    @property
-    def band(self) -> int: ...
-    @property
-    def weight(self) -> int: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def _future(self) -> Pending | None: ...
 
 
 W = TypeVar("W", bound=Waiter)
@@ -154,7 +137,10 @@ class _Flow:
 class FairLine(Generic[W]):
     """Waiters in bands, tenants and arrival order; see the module's docstring."""
 
-    def __init__(self, hold_s: float = 1.0) -> None:
+    #: Any tenant's request leaves a fair line as it is (`Line.solo`).
+    solo: Tenant | None = None
+
+    def __init__(self, hold_s: float = INITIAL_HOLD_S) -> None:
         self._bands: dict[int, _Band] = {}
         self._levels: list[int] = []  # descending
         self._accounts: dict[str, _Account] = {}
@@ -170,6 +156,10 @@ class FairLine(Generic[W]):
 
     def __len__(self) -> int:
         return self.queued
+
+    def widen(self, tenant: Tenant, holders: Iterable[W], hold_s: float) -> Line:
+        """Already fair: it stays the line (`Line.widen`)."""
+        return self  # type: ignore[return-value]  # a FairLine of tickets is a Line
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -194,11 +184,11 @@ class FairLine(Generic[W]):
         bands, then its place in its tenant's flow times the tenants waiting in its band."""
         flow = self._flows.get((ticket.band, ticket.tenant.name))
         if flow is None or not flow.live:
-            return 1
+            return min(1, self.queued)
         ahead = sum(band.queued for band in self._bands.values() if band.level > ticket.band)
         head = flow.front[0] if flow.front else flow.line[0]
         place = 1 if ticket in flow.front else min(max(ticket.seq - head.seq + 1, 1), flow.live)
-        return ahead + 1 + (place - 1) * flow.band.busy
+        return min(ahead + 1 + (place - 1) * flow.band.busy, self.queued)
 
     def shares(self) -> list[Share]:
         return [
@@ -275,7 +265,7 @@ class FairLine(Generic[W]):
                 account = flow.account
                 limit = account.max_active
                 for waiter in itertools.islice(itertools.chain(flow.front, flow.line), scan):
-                    if _done(waiter) or not usable(waiter):  # type: ignore[arg-type]
+                    if done(waiter) or not usable(waiter):  # type: ignore[arg-type]
                         continue
                     if limit is None or account.active + waiter.weight <= limit:
                         return waiter  # type: ignore[return-value]
@@ -352,6 +342,12 @@ class FairLine(Generic[W]):
         self._handed_flow = flow
         return ticket  # type: ignore[return-value]
 
+    def grant_head(self) -> W:
+        """`pop_head` and `granted`: the head out of the line, granted (`Line.grant_head`)."""
+        ticket = self.pop_head()
+        self.granted(ticket)
+        return ticket
+
     def granted(self, ticket: W) -> None:
         """`ticket` got its slots (from `pop_head`, or at once with nobody waiting)."""
         flow = self._handed_flow
@@ -393,8 +389,9 @@ class FairLine(Generic[W]):
         flow.running -= 1
         flow.pending = flow.pending - charge if flow.running else 0.0
         if held_s:
-            account.hold_s += HOLD_EWMA_ALPHA * (held_s - account.hold_s)
-            self._hold_s += HOLD_EWMA_ALPHA * (held_s - self._hold_s)
+            # The provisional charge is the hold clock's average, kept per tenant.
+            account.hold_s = ewma(account.hold_s, held_s)
+            self._hold_s = ewma(self._hold_s, held_s)
         if correction < 0 and flow.entry is not None:
             self._key(flow)  # earlier than its entry says: keyed again at once
         if account.blocked and (account.max_active is None or account.active < account.max_active):
@@ -414,15 +411,11 @@ class FairLine(Generic[W]):
             flow.front.clear()
             flow.entry = None
             return
-        line = flow.line
-        while line and _done(line[-1]):
-            line.pop()
-        if len(line) > 2 * flow.live + 64:
-            flow.line = deque(waiter for waiter in line if not _done(waiter))
+        flow.line = trimmed(flow.line, flow.live)
 
     def drain(self) -> list[W]:
         """Every live waiter, taken out of the line (shutdown); the slots held stay counted."""
-        live = [ticket for ticket in self.tickets() if not _done(ticket)]
+        live = [ticket for ticket in self.tickets() if not done(ticket)]
         for flow in self._flows.values():
             flow.line.clear()
             flow.front.clear()
@@ -439,13 +432,26 @@ class FairLine(Generic[W]):
         self._picked = None
         return live
 
-    def retune(self, tenants: Iterable[Tenant]) -> None:
-        """Take reloaded tenants' weights and limits (API_KEYS_FILE on SIGHUP)."""
+    def retune(self, tenants: Iterable[Tenant]) -> list[W]:
+        """Take reloaded tenants' weights and limits (API_KEYS_FILE on SIGHUP); the live
+        waiters that ask more slots than their tenant's max_active now: they can never run."""
+        limits: dict[str, int] = {}
         for tenant in tenants:
             account = self._accounts.get(tenant.name)
             if account is not None and account.adopt(tenant):
                 self._unblock(account)
+            if tenant.max_active is not None:
+                limits[tenant.name] = tenant.max_active
         self._picked = None
+        if not limits:
+            return []
+        return [
+            waiter
+            for waiter in self.tickets()
+            if not done(waiter)
+            and (limit := limits.get(waiter.tenant.name)) is not None
+            and waiter.weight > limit
+        ]
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -496,12 +502,12 @@ class FairLine(Generic[W]):
 
     def _live_head(self, flow: _Flow) -> Waiter | None:
         front = flow.front
-        while front and _done(front[0]):
+        while front and done(front[0]):
             front.popleft()
         if front:
             return front[0]
         line = flow.line
-        while line and _done(line[0]):
+        while line and done(line[0]):
             line.popleft()
         return line[0] if line else None
 
@@ -514,8 +520,3 @@ class FairLine(Generic[W]):
                     flow.vt = flow.band.vt  # held back by its own limit: no credit banked
                 self._key(flow)
         self._picked = None
-
-
-def _done(waiter: Waiter) -> bool:
-    future = waiter._future
-    return future is not None and future.done()

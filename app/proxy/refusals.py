@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 from slotgate.asgi import Headers
 from slotgate.errors import Flavor, Refusal, anthropic_type
-from slotgate.gate.admission import Snapshot
+from slotgate.gate.pool import Snapshot
 
 
 def admission_body(snapshot: Snapshot, retry_after_s: float | None) -> dict[str, Any]:

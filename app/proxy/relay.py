@@ -24,8 +24,9 @@ from slotgate.errors import (
     UpstreamUnavailable,
     refusal,
 )
-from slotgate.gate.admission import Admission, Claim
+from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
+from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.metrics import Metrics

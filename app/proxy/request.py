@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from slotgate.asgi import Receive, Scope
 from slotgate.errors import BadRequest, ClientGone, Flavor, HeadersTooLarge, PayloadTooLarge
-from slotgate.gate.admission import Claim
 from slotgate.gate.tenants import EVERYONE
+from slotgate.gate.ticket import Claim
 from slotgate.intake.cost import Estimate
 from slotgate.intake.endpoints import Endpoint
 from slotgate.outcome import Outcome

@@ -20,10 +20,12 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from slotgate.errors import NotReady, ShuttingDown, TenantTooLarge, TooLarge
-from slotgate.gate.admission import Admission, Pool, Ticket
+from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import score
 from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.ticket import Ticket
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 from slotgate.settings import Settings
 

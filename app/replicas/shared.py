@@ -38,14 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slotgate.errors import NotReady, QueueFull, ShuttingDown, Stale, TenantQueueFull, TooLarge
-from slotgate.gate.admission import (
-    HOLD_EWMA_ALPHA,
-    INITIAL_HOLD_S,
-    RETRY_AFTER_CAP_S,
-    QueuePolicy,
-    Snapshot,
-)
+from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, ewma, retry_after
 from slotgate.gate.fairline import Share
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Snapshot
 from slotgate.replicas.alone import Alone
 from slotgate.replicas.membership import Membership
 from slotgate.replicas.ticket import Figures, Mode, SharedTicket
@@ -211,7 +207,7 @@ class SharedAdmission:
     def _retry_after_s(self, position: int) -> float:
         capacity = self._snapshot().capacity or 1
         hold = self._fleet.hold_s if self._fleet.hold_s is not None else self._hold_ewma_s
-        return min(max(hold * position / capacity, 1.0), RETRY_AFTER_CAP_S)
+        return retry_after(hold * position / capacity)
 
     # -- changing --------------------------------------------------------------------------
 
@@ -445,7 +441,7 @@ class SharedAdmission:
         hold_s = None
         if ticket.granted and ticket.admitted_at is not None:
             hold_s = time.monotonic() - ticket.admitted_at
-            self._hold_ewma_s += HOLD_EWMA_ALPHA * (hold_s - self._hold_ewma_s)
+            self._hold_ewma_s = ewma(self._hold_ewma_s, hold_s)
         if self.mode is Mode.SHARED and ticket.member is not None:
             self._spawn(self._release_shared(ticket.member, hold_s))
             return

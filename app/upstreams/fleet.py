@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
 from slotgate.asgi import Header
-from slotgate.gate.admission import Admission, Pool
+from slotgate.gate.admission import Admission
+from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
 from slotgate.upstreams.upstream import Upstream, address_url
 

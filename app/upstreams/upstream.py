@@ -21,7 +21,8 @@ from slotgate.errors import (
     UpstreamFailed,
     UpstreamStarting,
 )
-from slotgate.gate.admission import Claim, Pool
+from slotgate.gate.pool import Pool
+from slotgate.gate.ticket import Claim
 from slotgate.intake.cost import Estimate, counted
 from slotgate.intake.pace import generation_speed
 from slotgate.settings import Settings

@@ -22,8 +22,11 @@ import random
 import statistics
 from collections import OrderedDict
 
-from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import stable_hash
+from slotgate.gate.ticket import Ticket
 
 
 class _Forgetful(OrderedDict[int, Pool]):

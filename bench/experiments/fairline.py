@@ -41,10 +41,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from slotgate.gate.admission import Admission, QueuePolicy
-from slotgate.gate.admission import Ticket as CoreTicket
+from slotgate.gate.admission import Admission
 from slotgate.gate.fairline import FairLine
+from slotgate.gate.line import QueuePolicy
 from slotgate.gate.tenants import Tenant
+from slotgate.gate.ticket import Ticket as CoreTicket
 
 from bench.loop import run_loop
 
@@ -125,7 +126,7 @@ async def core_pairs(tenants: int, depth: int, pairs: int) -> float:
         await holder.wait()
     elapsed = time.process_time_ns() - started
     assert admission.queued == depth
-    assert (admission._fair is None) == (tenants == 1)
+    assert isinstance(admission._line, FairLine) == (tenants > 1)
     return elapsed / pairs
 
 

@@ -16,7 +16,8 @@ import argparse
 import asyncio
 import time
 
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 
 
 async def per_request_us(pools: int, keyed: bool, n: int) -> float:

@@ -16,7 +16,8 @@ import statistics
 import time
 
 import redis.asyncio as aioredis
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 from slotgate.replicas.shared import SharedAdmission
 
 from tests.support.valkey import Valkey

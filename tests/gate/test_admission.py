@@ -10,7 +10,13 @@ import time
 import pytest
 from slotgate.errors import NotReady, QueueFull, QueueTimeout, ShuttingDown, TooLarge
 from slotgate.gate import admission as admission_module
-from slotgate.gate.admission import RETRY_AFTER_CAP_S, Admission, QueuePolicy, Ticket
+from slotgate.gate import clock as clock_module
+from slotgate.gate import pool as pool_module
+from slotgate.gate import ticket as ticket_module
+from slotgate.gate.admission import Admission
+from slotgate.gate.clock import RETRY_AFTER_CAP_S
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.ticket import Ticket
 
 
 def pool(capacity: int | None = 2, **policy: int | None) -> Admission:
@@ -130,7 +136,7 @@ async def test_retry_after_grows_with_the_observed_hold_time_and_is_capped() -> 
     admission = pool(1, max_queue=1)
     short = admission.retry_after_s(1)
     for _ in range(50):
-        admission._observe(30.0)  # long holds
+        admission._clock.observe(30.0)  # long holds
     long = admission.retry_after_s(3)  # two holds from now: the free slot's, then one more
     assert short == 1.0
     assert 50 < long <= RETRY_AFTER_CAP_S
@@ -146,7 +152,7 @@ async def test_before_any_hold_is_seen_retry_after_rests_on_the_holds_expected()
     assert admission.hold_estimate_s == pytest.approx(8.0)
     # Two free slots take the first two; the third waits one expected hold.
     assert admission.retry_after_s(3) == pytest.approx(8.0)
-    admission._observe(3.0)  # the first hold seen replaces what was expected
+    admission._clock.observe(3.0)  # the first hold seen replaces what was expected
     assert not admission.cold
     assert admission.hold_estimate_s == pytest.approx(3.0)
     admission.expect(30.0)  # and expectations no longer count
@@ -357,7 +363,7 @@ async def test_a_line_emptied_from_its_middle_stays_small_and_counts_right() -> 
     for ticket in waiters[1:-1]:
         ticket.release()
     assert admission.queued == 2
-    assert len(admission._line) < 100
+    assert len(list(admission._line.tickets())) < 100
     holder.release()
     await waiters[0].wait()
     waiters[0].release()
@@ -518,7 +524,7 @@ async def test_a_ticket_sent_back_waits_for_a_capacity_and_is_refused_past_its_d
 async def test_a_burst_turned_away_is_told_the_moments_places_free_not_the_whole_line() -> None:
     admission = pool(2, max_queue=4)
     for _ in range(4):
-        admission._observe(4.0)  # generations of about 4 s
+        admission._clock.observe(4.0)  # generations of about 4 s
     holders = [admission.enter() for _ in range(2)]
     waiters = [admission.enter() for _ in range(4)]
     told = []
@@ -537,11 +543,11 @@ async def test_a_burst_turned_away_is_told_the_moments_places_free_not_the_whole
 
 async def test_the_moments_promised_are_forgotten_once_they_pass() -> None:
     admission = pool(1, max_queue=1)
-    admission._observe(2.0)
+    admission._clock.observe(2.0)
     holder, waiter = admission.enter(), admission.enter()
     first = [admission._promise_s() for _ in range(3)]
     assert first[2] > first[0] + 3.5
-    admission._promised = [(at - 100, told - 100) for at, told in admission._promised]
+    admission._clock.promised = [(at - 100, told - 100) for at, told in admission._clock.promised]
     assert admission._promise_s() < 3.1  # the next place again, not a fourth in a row
     holder.release()
     waiter.release()
@@ -559,13 +565,14 @@ def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_cou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = _Clock()
-    monkeypatch.setattr(admission_module, "time", clock)
+    for module in (admission_module, clock_module, pool_module, ticket_module):
+        monkeypatch.setattr(module, "time", clock)
     admission = pool(1)
-    admission._observe(10.0)  # long generations: a refusal is told about 10 s
+    admission._clock.observe(10.0)  # long generations: a refusal is told about 10 s
     holder = admission.enter()
     assert admission._promise_s() > 9.0
     for _ in range(60):
-        admission._observe(0.01)  # then the generations turn short
+        admission._clock.observe(0.01)  # then the generations turn short
     assert max(admission._promise_s() for _ in range(50)) < 1.0
     clock.now += 2.0  # the fifty short moments have passed; the first one has not
     # One moment is still due, so the next refusal is told the one after it.
@@ -575,7 +582,7 @@ def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_cou
 
 async def test_a_waiters_eta_counts_how_long_running_generations_have_held_their_slots() -> None:
     admission = pool(1)
-    admission._observe(2.0)
+    admission._clock.observe(2.0)
     holder = admission.enter()
     assert admission.eta_s(1) == pytest.approx(2.0, abs=0.05)  # just began: a hold to go
     granted_at, weight = admission._holders[holder]
@@ -597,7 +604,7 @@ async def test_a_cold_gate_tells_nobody_more_than_two_guessed_holds() -> None:
     assert 3.0 + margin - 0.01 <= told[0] <= 3.0 + 2 * margin + 0.01
     assert max(told) <= 2 * 3.0 + 2 * margin
     assert told[-1] >= 6.0 + margin - 0.01  # the later ones wait for real holds to be seen
-    admission._observe(1.0)
+    admission._clock.observe(1.0)
     # Warm: the twelve told about 6 s stand for the places that free about then, not for
     # twelve places from then on; the next is told the first place nobody was promised.
     assert admission._promise_s() == pytest.approx(1.0 + 0.5 / 4 * 1.5, abs=0.15)
@@ -645,7 +652,8 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.8) -> None:
         self.clock = _Clock()
-        monkeypatch.setattr(admission_module, "time", self.clock)
+        for module in (admission_module, clock_module, pool_module, ticket_module):
+            monkeypatch.setattr(module, "time", self.clock)
         self.admission = pool(2, max_queue=2)
         self.hold_s = hold_s
         self.tickets: list[Ticket] = []
@@ -746,7 +754,7 @@ async def test_an_estimate_after_impatient_clients_is_within_twice_the_wait_it_t
 async def test_the_estimate_shown_is_the_one_a_refusal_would_be_told_now() -> None:
     admission = pool(2)  # a line of 64
     for _ in range(4):
-        admission._observe(4.0)
+        admission._clock.observe(4.0)
     tickets = [admission.enter() for _ in range(2 + 64)]
     shown = admission.estimate_s()
     with pytest.raises(QueueFull) as refused:
@@ -764,7 +772,7 @@ async def test_a_client_refused_again_and_again_stands_for_one_place(
     gate = _Gate(monkeypatch, hold_s=10.0)
     for _ in range(4):
         gate.arrive()
-    gate.admission._observe(10.0)
+    gate.admission._clock.observe(10.0)
     told = []
     for _ in range(18):  # every 0.5 s, whatever it was told, until the first slot frees
         told.append(gate.arrive())
@@ -782,7 +790,7 @@ async def test_a_burst_at_short_holds_is_spread_over_the_places_that_free(
     for _ in range(4):
         gate.arrive()
     for _ in range(3):
-        gate.admission._observe(0.05)
+        gate.admission._clock.observe(0.05)
     told = [gate.arrive() for _ in range(200)]
     # Two places a hold: the 200th about a hundred holds out, not told the first place as
     # if each refusal had kept the promise told an instant before it.

@@ -13,9 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from slotgate.errors import AdmissionError, NotReady, TooLarge, refusal
-from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.fairline import FairLine
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import choose, score, stable_hash
 from slotgate.gate.tenants import BATCH, Tenant
+from slotgate.gate.ticket import Ticket
 
 
 def fleet(*capacities: int | None, epsilon: float = 0.25, **policy: int) -> Admission:
@@ -522,7 +526,7 @@ async def test_with_tenants_requests_behind_a_heavy_head_run_where_it_cannot_in_
     head = admission.enter(3, tenant=heavy)
     b_lights = [admission.enter(tenant=b) for _ in range(2)]
     c_light = admission.enter(tenant=c)
-    assert admission._fair is not None
+    assert isinstance(admission._line, FairLine)
     assert not head.granted
     assert b_lights[0].granted
     assert b_lights[0].pool is small
@@ -581,8 +585,8 @@ async def test_random_work_of_tenants_over_a_mixed_fleet_keeps_every_count_and_l
             assert pool.active == sum(t.weight for t in granted if t.pool is pool)
         assert admission.active == sum(t.weight for t in granted)
         assert admission.queued == len(waiting)
-        fair = admission._fair
-        if fair is None:
+        fair = admission._line
+        if not isinstance(fair, FairLine):
             continue
         assert fair.queued == len(waiting)
         for tenant in tenants:
@@ -596,3 +600,21 @@ async def test_random_work_of_tenants_over_a_mixed_fleet_keeps_every_count_and_l
         ticket.release()
     await settle()
     assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_with_tenants_an_upstream_that_grows_takes_every_waiter_it_has_room_for() -> None:
+    # One upstream shrank under what it runs, so the fleet's sums say "full" while the other
+    # grew by two slots: both waiters run on it at once, as they would without tenants.
+    admission = fleet(2, 2)
+    first, second = admission.pools
+    running = [admission.enter(tenant=Tenant("a")) for _ in range(4)]
+    assert held(admission) == [2, 2]
+    waiters = [admission.enter(tenant=Tenant(name)) for name in ("b", "c")]
+    assert isinstance(admission._line, FairLine)
+    first.resize(1)
+    second.resize(4)
+    await settle()
+    assert all(waiter.granted for waiter in waiters)
+    assert held(admission) == [2, 4]
+    for ticket in running + waiters:
+        ticket.release()

@@ -9,8 +9,11 @@ import time
 
 import pytest
 from slotgate.errors import QueueFull, ShuttingDown, TenantQueueFull, TooLarge, refusal
-from slotgate.gate.admission import Admission, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.fairline import FairLine
+from slotgate.gate.line import QueuePolicy
 from slotgate.gate.tenants import BATCH, Tenant
+from slotgate.gate.ticket import Ticket
 
 FLOOD = Tenant("flood")
 CHAT = Tenant("chat")
@@ -50,7 +53,7 @@ async def test_one_tenant_keeps_todays_plain_line() -> None:
     admission = pool(1)
     holder = admission.enter(tenant=CHAT)
     line = waiters(admission, CHAT, 20)
-    assert admission._fair is None
+    assert not isinstance(admission._line, FairLine)
     assert await served(admission, holder, line) == line
 
 
@@ -80,7 +83,7 @@ async def test_the_waiters_in_line_keep_their_order_when_the_line_turns_fair() -
     flood = waiters(admission, FLOOD, 5)
     flood[2].release()  # gave up before the line turned fair
     batch = admission.enter(tenant=FLOOD, band=BATCH)
-    assert admission._fair is not None
+    assert isinstance(admission._line, FairLine)
     assert admission.queued == 5
     order = await served(admission, holder, [*flood, batch])
     assert order == [flood[0], flood[1], flood[3], flood[4], batch]
@@ -249,8 +252,8 @@ async def test_random_work_of_many_tenants_keeps_every_count_and_limit(seed: int
         waiting = [t for t in live if not t.granted]
         assert admission.active == sum(t.weight for t in granted)
         assert admission.queued == len(waiting)
-        fair = admission._fair
-        if fair is not None:
+        fair = admission._line
+        if isinstance(fair, FairLine):
             assert fair.queued == len(waiting)
             for tenant in tenants:
                 mine = [t for t in granted if t.tenant.name == tenant.name]
@@ -266,7 +269,7 @@ async def test_random_work_of_many_tenants_keeps_every_count_and_limit(seed: int
         if admission.active < capacity and fair is not None:
             head = fair.head()
             assert head is None or head.weight > capacity - admission.active
-    assert admission._fair is not None
+    assert isinstance(admission._line, FairLine)
     for ticket in tickets:
         ticket.release()
     assert (admission.active, admission.queued) == (0, 0)
@@ -309,7 +312,7 @@ async def test_the_first_tenants_running_slots_count_as_held_once_a_second_tenan
     admission = pool(2)
     running = waiters(admission, FLOOD, 2)
     queued = waiters(admission, FLOOD, 1)
-    assert admission._fair is None
+    assert not isinstance(admission._line, FairLine)
     chat = admission.enter(tenant=CHAT)  # the line turns fair here
     assert admission.tenant_counts("flood") == (2, 1)
     running[0].release()
@@ -357,9 +360,13 @@ async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
     monkeypatch: pytest.MonkeyPatch, first: str
 ) -> None:
     from slotgate.gate import admission as admission_module
+    from slotgate.gate import clock as clock_module
+    from slotgate.gate import pool as pool_module
+    from slotgate.gate import ticket as ticket_module
 
     clock = _Clock()
-    monkeypatch.setattr(admission_module, "time", clock)
+    for module in (admission_module, clock_module, pool_module, ticket_module):
+        monkeypatch.setattr(module, "time", clock)
     tenants = {"heavy": Tenant("heavy", weight=9.0), "light": Tenant("light", weight=1.0)}
     admission = pool(2, max_queue=0)
     admission.expect(100.0)  # a cold estimate far off the real 2 s, as a large max_tokens gives

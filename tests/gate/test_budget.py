@@ -13,7 +13,8 @@ import pytest
 from slotgate.engine.engines import Engines
 from slotgate.engine.process import LocalEngine
 from slotgate.errors import ContextExceeded
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 from slotgate.intake.cost import counted, estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
@@ -381,5 +382,5 @@ async def test_a_waiter_counted_at_no_cost_leaves_nothing_behind() -> None:
     holder.release()
     await waiter.wait()
     waiter.release()
-    assert not admission._line
+    assert not list(admission._line.tickets())
     assert admission.committed_tokens == 0

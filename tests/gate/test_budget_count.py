@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from slotgate.errors import AdmissionError
-from slotgate.gate.admission import Admission, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.ticket import Ticket
 from slotgate.intake.cost import local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.upstreams import upstream as upstream_module
@@ -167,7 +169,7 @@ async def test_waiters_in_line_when_a_budget_is_learned_are_not_let_in_together(
     assert waiting[1].granted
     waiting[1].release()
     assert admission.committed_tokens == 0
-    assert not admission._line
+    assert not list(admission._line.tickets())
 
 
 _COSTS = st.sampled_from([0, 10, 40, 60, 90, 150])  # around a budget of 100
@@ -231,7 +233,7 @@ async def _replay(ops: list[tuple[str, Any, int]]) -> None:
         ticket.release()
     assert admission.committed_tokens == 0
     assert admission.active == 0
-    assert not admission._line
+    assert not list(admission._line.tickets())
 
 
 async def test_a_client_that_leaves_while_waiting_for_tokens_leaves_nothing_held(
@@ -249,7 +251,7 @@ async def test_a_client_that_leaves_while_waiting_for_tokens_leaves_nothing_held
         await asyncio.gather(leaving, return_exceptions=True)
         await gate.until(lambda: admission.queued == 0)
         assert admission.committed_tokens == held
-        assert not admission._line
+        assert not list(admission._line.tickets())
         assert gate.service.proxy.body_bytes.held == 0
     await gate.until(lambda: admission.committed_tokens == 0)
     assert admission.active == 0

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 from slotgate.errors import AnswerStarted, Disconnected, Refusal
-from slotgate.gate.admission import Admission, QueuePolicy
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
 from slotgate.proxy.answer import Answer
 
 from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body

@@ -49,7 +49,7 @@ async def waiting(gate: RunningGate, count: int = 1) -> None:
     await gate.until(
         lambda: (
             gate.service.admission.queued == count
-            and sum(1 for t in gate.service.admission._line if t.cost) == count
+            and sum(1 for t in gate.service.admission._line.tickets() if t.cost) == count
         )
     )
     assert gate.service.proxy.body_bytes.held > BIG * count

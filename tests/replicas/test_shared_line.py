@@ -27,9 +27,12 @@ from slotgate.errors import (
     TenantQueueFull,
     TooLarge,
 )
-from slotgate.gate.admission import Admission, Pool, QueuePolicy, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.line import QueuePolicy
+from slotgate.gate.pool import Pool
 from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.gate.tenants import BATCH, EVERYONE, INTERACTIVE, Tenant
+from slotgate.gate.ticket import Ticket
 from slotgate.replicas import lua as shared_lua
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 

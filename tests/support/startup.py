@@ -25,7 +25,7 @@ def settled(gate: RunningGate) -> bool:
         admission.queued == 0
         and admission.active == 0
         and admission.committed_tokens == 0
-        and not admission._line
+        and not list(admission._line.tickets())
         and gate.service.proxy.body_bytes.held == 0
     )
 

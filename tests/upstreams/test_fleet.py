@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from slotgate.gate.admission import Admission, Ticket
+from slotgate.gate.admission import Admission
 from slotgate.gate.routing import score, stable_hash
+from slotgate.gate.ticket import Ticket
 from slotgate.logs import JsonFormatter
 from slotgate.main import create_app
 from slotgate.settings import Settings
@@ -89,7 +90,7 @@ async def crowd(
             deepest = max(deepest, admission.queued)
             limit = admission.queue_limit
             # Beyond the limit only by requests an upstream sent back (they keep their turn).
-            back = sum(1 for t in admission._line if t.rerouted and not t._released)
+            back = sum(1 for t in admission._line.tickets() if t.rerouted and not t._released)
             assert limit is None or admission.queued <= limit + back
             # Often enough to see the line at its deepest, not so often that its scan of the
             # line starves the loop it watches.

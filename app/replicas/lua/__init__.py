@@ -56,7 +56,7 @@ import hashlib
 from importlib import resources
 
 from slotgate.gate.admission import BACKFILL_SCAN as _BACKFILL_SCAN
-from slotgate.gate.admission import QueuePolicy
+from slotgate.gate.line import QueuePolicy
 
 #: A band's span of the score: tags (arrival numbers, or virtual start times in thousandths of
 #: an average hold) stay below it, and the score stays an exact integer in a double for bands
