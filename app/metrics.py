@@ -24,13 +24,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from slotgate import __version__
-from slotgate.gate.admission import Admission
 from slotgate.gate.tenants import EVERYONE
 from slotgate.intake.endpoints import ENDPOINTS, Kind
 from slotgate.outcome import REASONS as REASONS  # re-exported: the labels metrics pins
 from slotgate.outcome import Outcome
 
 if TYPE_CHECKING:
+    from slotgate.gate.admission import Admission
     from slotgate.gate.entry import Gate
 
 #: What a replica sharing the line through Redis does now (app/replicas/replica.py).

@@ -19,7 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 from slotgate.errors import InvalidTenantsFile
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.tenants import roster
 
 MIB = 1024 * 1024

@@ -22,7 +22,7 @@ import json
 import time
 
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 
 from bench.loop import run_loop

@@ -15,7 +15,7 @@ from slotgate.errors import (
     refusal,
 )
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.intake.pace import generation_speed
 from slotgate.metrics import REASONS
 from slotgate.proxy.refusals import retry_headers

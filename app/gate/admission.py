@@ -34,14 +34,11 @@ from slotgate.errors import (
     TenantTooLarge,
     TooLarge,
 )
-from slotgate.gate.line import FifoLine, Line, QueuePolicy
+from slotgate.gate.line import FifoLine, Line
+from slotgate.gate.policy import BACKFILL_SCAN, QueuePolicy
 from slotgate.gate.pool import Pool, Pools, Snapshot
 from slotgate.gate.tenants import EVERYONE, Tenant
 from slotgate.gate.ticket import Ticket
-
-#: How far behind the head the line is searched for requests that can run where the head
-#: cannot (`Admission._backfill`).
-BACKFILL_SCAN = 1024
 
 
 class Admission(Pools):

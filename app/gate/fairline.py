@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from slotgate.gate.clock import INITIAL_HOLD_S, ewma
-from slotgate.gate.tenants import Tenant
 from slotgate.gate.waiter import Waiter, done, trimmed
 
 if TYPE_CHECKING:
     from slotgate.gate.line import Line
+    from slotgate.gate.tenants import Tenant
 
 #: Ahead of every virtual time: a flow whose head was put back at the front.
 _FRONT = -math.inf

@@ -4,9 +4,10 @@ left: they stay where they are until they reach an end (`trimmed`)."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from slotgate.gate.tenants import Tenant
+if TYPE_CHECKING:
+    from slotgate.gate.tenants import Tenant
 
 
 class Pending(Protocol):

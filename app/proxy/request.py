@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 from slotgate.asgi import Receive, Scope
 from slotgate.errors import BadRequest, ClientGone, Flavor, HeadersTooLarge, PayloadTooLarge
 from slotgate.gate.tenants import EVERYONE
-from slotgate.gate.ticket import Claim
-from slotgate.intake.cost import Estimate
-from slotgate.intake.endpoints import Endpoint
 from slotgate.outcome import Outcome
-from slotgate.proxy.assembly import Assembly
 
 if TYPE_CHECKING:
+    from slotgate.gate.ticket import Claim
+    from slotgate.intake.cost import Estimate
+    from slotgate.intake.endpoints import Endpoint
+    from slotgate.proxy.assembly import Assembly
     from slotgate.proxy.body_bytes import HeldBody
     from slotgate.upstreams.upstream import Upstream
 

@@ -24,9 +24,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from slotgate.errors import NotReady, TooLarge
+from slotgate.errors import Down, NotReady, TooLarge
+from slotgate.replicas.lua import unset
 from slotgate.replicas.ticket import Figures, Mode
-from slotgate.replicas.transport import Down, unset
 
 if TYPE_CHECKING:
     from slotgate.replicas.shared import SharedAdmission

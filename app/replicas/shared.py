@@ -37,15 +37,24 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slotgate.errors import NotReady, QueueFull, ShuttingDown, Stale, TenantQueueFull, TooLarge
+from slotgate.errors import (
+    Down,
+    NotReady,
+    QueueFull,
+    ShuttingDown,
+    Stale,
+    TenantQueueFull,
+    TooLarge,
+)
 from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, ewma, retry_after
 from slotgate.gate.fairline import Share
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Snapshot
 from slotgate.replicas.alone import Alone
+from slotgate.replicas.lua import unset
 from slotgate.replicas.membership import Membership
 from slotgate.replicas.ticket import Figures, Mode, SharedTicket
-from slotgate.replicas.transport import Down, Transport, stop, unset
+from slotgate.replicas.transport import Transport, stop
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
 KEPT_TTLS = 10

@@ -181,11 +181,6 @@ async def stop(tasks: Sequence[asyncio.Task[Any] | None], within_s: float) -> No
             task.exception()  # seen: an error of a task being stopped says nothing more
 
 
-def unset(value: int | None) -> int:
-    """A limit as the scripts read it: -1 for none."""
-    return -1 if value is None else value
-
-
 def _refused(exc: BaseException, closed: bool) -> bool:
     """Did Redis's host refuse a connection (or close one, if `closed` counts): stopped or
     restarting, as opposed to not answering (slow, or out of reach from here alone)?"""
@@ -201,4 +196,4 @@ def _refused(exc: BaseException, closed: bool) -> bool:
     return False
 
 
-__all__ = ["Down", "Transport", "stop", "unset"]
+__all__ = ["Transport", "stop"]

@@ -23,7 +23,7 @@ import statistics
 from collections import OrderedDict
 
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Pool
 from slotgate.gate.routing import stable_hash
 from slotgate.gate.ticket import Ticket

@@ -43,7 +43,7 @@ from typing import Any
 
 from slotgate.gate.admission import Admission
 from slotgate.gate.fairline import FairLine
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.tenants import Tenant
 from slotgate.gate.ticket import Ticket as CoreTicket
 

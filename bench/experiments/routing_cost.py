@@ -17,7 +17,7 @@ import asyncio
 import time
 
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 
 
 async def per_request_us(pools: int, keyed: bool, n: int) -> float:

@@ -17,7 +17,7 @@ import time
 
 import redis.asyncio as aioredis
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.replicas.shared import SharedAdmission
 
 from tests.support.valkey import Valkey

@@ -15,7 +15,7 @@ from slotgate.gate import pool as pool_module
 from slotgate.gate import ticket as ticket_module
 from slotgate.gate.admission import Admission
 from slotgate.gate.clock import RETRY_AFTER_CAP_S
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from slotgate.errors import AdmissionError, NotReady, TooLarge, refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.fairline import FairLine
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Pool
 from slotgate.gate.routing import choose, score, stable_hash
 from slotgate.gate.tenants import BATCH, Tenant

@@ -11,7 +11,7 @@ import pytest
 from slotgate.errors import QueueFull, ShuttingDown, TenantQueueFull, TooLarge, refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.fairline import FairLine
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.tenants import BATCH, Tenant
 from slotgate.gate.ticket import Ticket
 

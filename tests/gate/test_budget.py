@@ -14,7 +14,7 @@ from slotgate.engine.engines import Engines
 from slotgate.engine.process import LocalEngine
 from slotgate.errors import ContextExceeded
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.intake.cost import counted, estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings

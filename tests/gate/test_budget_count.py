@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from slotgate.errors import AdmissionError
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 from slotgate.intake.cost import local
 from slotgate.intake.endpoints import ENDPOINTS

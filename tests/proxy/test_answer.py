@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from slotgate.errors import AnswerStarted, Disconnected, Refusal
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.proxy.answer import Answer
 
 from tests.support.harness import SSE, Client, FakeResponse, FakeUpstreamClient, Rig, chat_body

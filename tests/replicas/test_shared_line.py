@@ -28,7 +28,7 @@ from slotgate.errors import (
     TooLarge,
 )
 from slotgate.gate.admission import Admission
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Pool
 from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
 from slotgate.gate.tenants import BATCH, EVERYONE, INTERACTIVE, Tenant

@@ -55,8 +55,8 @@ from __future__ import annotations
 import hashlib
 from importlib import resources
 
-from slotgate.gate.admission import BACKFILL_SCAN as _BACKFILL_SCAN
-from slotgate.gate.line import QueuePolicy
+from slotgate.gate.policy import BACKFILL_SCAN as _BACKFILL_SCAN
+from slotgate.gate.policy import QueuePolicy
 
 #: A band's span of the score: tags (arrival numbers, or virtual start times in thousandths of
 #: an average hold) stay below it, and the score stays an exact integer in a double for bands
@@ -115,3 +115,8 @@ def _library() -> tuple[str, dict[str, str]]:
 #: loaded, not at every call as an EVAL script's are (about 6 us of each call). LIBRARY's text,
 #: FUNCTIONS the name of each script's function in it.
 LIBRARY, FUNCTIONS = _library()
+
+
+def unset(value: int | None) -> int:
+    """A limit as the scripts read it: -1 for none."""
+    return -1 if value is None else value
