@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import Counter
 from pathlib import Path
@@ -204,3 +205,33 @@ def test_the_readme_s_first_two_commands_run_the_demo_and_the_checks() -> None:
 def test_the_readme_stays_a_front_door() -> None:
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= 260, f"README.md has {lines} lines: move the detail to a page in docs/"
+
+
+DESIGN = ROOT / "docs" / "design.md"
+#: A module path as docs/design.md names one: `gate/admission.py`, `cli.py`, `lua/enter.lua`.
+MODULE = re.compile(r"`((?:[a-z_]+/)*[a-z_]+\.(?:py|lua))`")
+
+
+def test_the_design_page_names_every_module_and_only_modules_that_exist() -> None:
+    app = ROOT / "app"
+    modules = {
+        path.relative_to(app).as_posix()
+        for pattern in ("*.py", "*.lua")
+        for path in app.rglob(pattern)
+        if not (path.name == "__init__.py" and len(ast.parse(path.read_text()).body) <= 1)
+    }
+    named = set(MODULE.findall(DESIGN.read_text()))
+    assert sorted(modules - named) == [], "modules docs/design.md does not name"
+    # Any other name is a module's own name (`relay.py` in the prose), or a file of the
+    # tests, the bench or the scripts (`tests/support/standin.py`, `standin.py`).
+    files = {
+        path.relative_to(ROOT).as_posix()
+        for top in ("tests", "bench", "scripts")
+        for path in (ROOT / top).rglob("*")
+    }
+    known = modules | files
+
+    def exists(name: str) -> bool:
+        return name in known or any(path.endswith("/" + name) for path in known)
+
+    assert [name for name in named if not exists(name)] == [], "files docs/design.md invents"
