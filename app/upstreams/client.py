@@ -66,6 +66,11 @@ class Connection(asyncio.Protocol):
         self.expecting = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
+        # Kept from connection_made: Python 3.11's asyncio.get_running_loop() makes a getpid
+        # system call, and `wait` runs at least once per exchange.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The socket's own poll, registered once: reuse asks it before every exchange.
+        self._poll: select.poll | None = None
         self._reset()
 
     def __repr__(self) -> str:
@@ -129,6 +134,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
+        self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self._data_at = time.monotonic()
@@ -174,6 +180,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._poll = None
         self.state = State.CLOSED
         if not self.complete:
             self._fail(Disconnected("upstream closed the connection mid-response"))
@@ -240,7 +247,7 @@ class Connection(asyncio.Protocol):
         A plain timer that fails the waiter costs a fraction of an `asyncio.timeout` scope,
         and this runs once per body chunk.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         if stall_s is not None:
             self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
@@ -259,7 +266,7 @@ class Connection(asyncio.Protocol):
         # A lazy reader is not woken by every chunk: bytes may have come in meanwhile.
         quiet_s = time.monotonic() - self._data_at
         if quiet_s < stall_s:
-            loop = asyncio.get_running_loop()
+            loop = self._loop or asyncio.get_running_loop()
             self._stall_timer = loop.call_later(stall_s - quiet_s, self._stalled, stall_s)
             return
         waiter.set_exception(Stalled(f"upstream sent nothing for {stall_s:g} s"))
@@ -276,6 +283,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.state = State.CLOSED
+        self._poll = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -286,14 +294,19 @@ def _peer_closed(conn: Connection) -> bool:
 
     Asked of the kernel, so it also sees what the loop has not read yet. A quiet, open
     keep-alive connection is not readable; a closed one, or one holding bytes nobody asked
-    for, is, and is no connection to reuse.
+    for, is, and is no connection to reuse. The poll is the connection's own, made on first
+    use: each reuse then costs the one system call and no allocation.
     """
     transport = conn.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
+    if transport is None:
         return True
-    poll = select.poll()
-    poll.register(sock.fileno(), select.POLLIN)
+    poll = conn._poll
+    if poll is None:
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = conn._poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
     return bool(poll.poll(0))
 
 
