@@ -310,17 +310,10 @@ def _peer_closed(conn: Connection) -> bool:
     return bool(poll.poll(0))
 
 
-async def _head(conn: Connection, stall_s: float | None) -> None:
-    while not conn.head_done:
-        if conn.error is not None:
-            raise conn.error
-        await conn.wait(stall_s)
-
-
 class Response:
     """A response whose head has arrived; its body is read as it comes."""
 
-    __slots__ = ("_client", "_conn", "_done", "_head_only", "headers", "status")
+    __slots__ = ("_client", "_conn", "_done", "_head_only", "_type", "headers", "status")
 
     def __init__(self, client: Client, conn: Connection, head_only: bool) -> None:
         self._client = client
@@ -329,6 +322,7 @@ class Response:
         self._done = False
         self.status = conn.status
         self.headers = conn.headers
+        self._type: str | None = None
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -338,8 +332,12 @@ class Response:
 
     @property
     def content_type(self) -> str:
-        value = self.header(b"content-type") or b""
-        return value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        # Read once: the relay and the release each ask for it.
+        media = self._type
+        if media is None:
+            value = self.header(b"content-type") or b""
+            media = self._type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        return media
 
     @property
     def content_length(self) -> int | None:
@@ -469,14 +467,25 @@ class Client:
         head.append(b"\r\n\r\n")
         transport = conn.transport
         assert transport is not None  # noqa: S101 - fresh or checked by _take_idle
-        transport.write(b"".join(head) + body if len(body) < 65536 else b"".join(head))
-        if len(body) >= 65536:
+        # A small body goes out with the head, in one write and one copy.
+        small = len(body) < 65536
+        if small:
+            head.append(body)
+        transport.write(b"".join(head))
+        if not small:
             transport.write(body)
-        try:
-            await _head(conn, self.stall_s)
-        except BaseException:
-            conn.close()
-            raise
+        stall_s = self.stall_s
+        # Waited for here, not in a coroutine of its own: every wake-up on the way to the head
+        # would resume one frame more.
+        while not conn.head_done:
+            if conn.error is not None:
+                conn.close()
+                raise conn.error
+            try:
+                await conn.wait(stall_s)
+            except BaseException:
+                conn.close()
+                raise
         return Response(self, conn, head_only=method == "HEAD")
 
     def _take_idle(self) -> Connection | None:
