@@ -343,9 +343,17 @@ class Metrics(Collector):
         if wait_s is not None:
             self.waited(route, wait_s, reason, tenant)
 
-    def held(self, route: str, hold_s: float, tenant: str = EVERYONE.name, slots: int = 1) -> None:
+    def held(
+        self,
+        route: str,
+        hold_s: float,
+        tenant: str = EVERYONE.name,
+        slots: int = 1,
+        now: float | None = None,
+    ) -> None:
+        """A hold ended; `now` (time.monotonic()) when the caller has read the clock already."""
         (self._of_tenant.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
-        self.minute.add(tenant, hold_s * slots, time.monotonic())
+        self.minute.add(tenant, hold_s * slots, time.monotonic() if now is None else now)
 
     def rejected(self, route: str, reason: str, tenant: str = EVERYONE.name) -> None:
         rejected = (self._of_tenant.get(tenant) or self._of(tenant)).rejected

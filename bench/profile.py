@@ -77,6 +77,50 @@ def summarise_total(raw: str) -> int:
     )
 
 
+#: The parts of one relayed request, for `parts`: a sample belongs to the first part one of
+#: whose markers its stack names, looked for from the innermost frame out (so the write
+#: under the answer's send counts as the answer's, not the app's that called it).
+PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("accounting: metrics, access log",
+     ("proxy/accounting.py", "/metrics.py", "/logs.py", "logging/")),
+    ("admission enter/release", ("/gate/", "/replicas/")),
+    ("client-gone watch", ("proxy/watch.py",)),
+    ("relay/answer, the client write",
+     ("RequestResponseCycle.send", "_Cycle.send", "_Joined.", "_Held.", "proxy/answer.py",
+      "proxy/modes.py", "relayed (")),
+    ("upstream client write/read",
+     ("/upstreams/", "upstream_headers", "_quoted", "Proxy._forward ",
+      "Proxy._relay_answer", "Proxy._forward_when_up")),
+    ("intake: head, body, demand",
+     ("/intake/", "proxy/request.py", "Proxy._take_in", "Proxy._enter",
+      "RequestResponseCycle.receive", "body_bytes.py")),
+    ("ASGI app entry",
+     ("RequestResponseCycle.run_asgi", "Gateway.__call__", "Proxy.__call__",
+      "Proxy._gated_exchange", "HttpToolsProtocol._start_asgi_task")),
+    ("uvicorn/httptools protocol", ("httptools_impl.py", "proxy/protocol.py", "flow_control")),
+)  # fmt: skip
+LOOP = "event loop, system calls (uvloop)"
+
+
+def parts(raw: str) -> dict[str, float]:
+    """Each part's share of the samples (PARTS; the rest is the loop's), largest first."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            counts[_part(stack.split(";"))] += int(count)
+    total = sum(counts.values()) or 1
+    return {name: n / total for name, n in counts.most_common()}
+
+
+def _part(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for name, markers in PARTS:
+            if any(marker in frame for marker in markers):
+                return name
+    return LOOP
+
+
 def summarise(raw: str, top: int = 30) -> str:
     """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
     own: collections.Counter[str] = collections.Counter()
@@ -151,6 +195,9 @@ def main() -> None:
     finally:
         standin.stop()
     summary = summarise(raw_path.read_text())
+    summary += "\nshare  part\n" + "".join(
+        f"{share:6.1%}  {name}\n" for name, share in parts(raw_path.read_text()).items()
+    )
     header = f"py-spy profile of slotgate, scenario {name}, env {env or 'defaults'}\n"
     if served:
         samples = summarise_total(raw_path.read_text())

@@ -128,19 +128,23 @@ class Demand:
 
     def at(self, capacity: int) -> Demand:
         """The demand on a pool of `capacity` slots; BadRequest when it asks for more choices."""
-        if self.choices > capacity:
-            # llama-server refuses it too (n_cmpl is bounded by its slot count), but only once
-            # the request has reached it.
-            raise BadRequest(
-                f"{self.field}={self.choices} asks for more choices than llama-server has slots "
-                f"({capacity}); ask for at most {capacity}",
-                param=self.field,
-            )
-        # llama-server runs one task per prompt, input or document in an array; the request
-        # holds every slot it fills, and llama-server works through the rest of the array
-        # inside those same slots, so the count is capped at the pool's size, not refused.
-        weight = min(self.choices * self.tasks, capacity)
-        return Demand(weight, self.stream, self.choices, self.tasks, self.field)
+        return _weighed(self.stream, self.choices, self.tasks, self.field, capacity)
+
+
+def _weighed(stream: bool, choices: int, tasks: int, field: str, capacity: int) -> Demand:
+    """The demand on a pool of `capacity` slots, built once (not a weightless one, then this)."""
+    if choices > capacity:
+        # llama-server refuses it too (n_cmpl is bounded by its slot count), but only once
+        # the request has reached it.
+        raise BadRequest(
+            f"{field}={choices} asks for more choices than llama-server has slots "
+            f"({capacity}); ask for at most {capacity}",
+            param=field,
+        )
+    # llama-server runs one task per prompt, input or document in an array; the request
+    # holds every slot it fills, and llama-server works through the rest of the array
+    # inside those same slots, so the count is capped at the pool's size, not refused.
+    return Demand(min(choices * tasks, capacity), stream, choices, tasks, field)
 
 
 def check_content_type(endpoint: Endpoint, content_type: str) -> None:
@@ -171,7 +175,7 @@ def demand_of(endpoint: Endpoint, payload: dict[str, Any], capacity: int) -> Dem
     if read is not None:
         _check_int(payload, read, minimum=-1)
     field, choices = _choices(payload) if endpoint.choices else ("n", 1)
-    return Demand(0, stream, choices, _task_count(payload, endpoint), field).at(capacity)
+    return _weighed(stream, choices, _task_count(payload, endpoint), field, capacity)
 
 
 def output_limit(kind: Kind, payload: dict[str, Any]) -> int | None:

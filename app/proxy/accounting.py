@@ -28,7 +28,7 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
     if ticket is not None and ticket.admitted_at is not None:
         hold_s = now - ticket.admitted_at
         if route is not None:
-            metrics.held(route, hold_s, request.tenant.name, ticket.weight)
+            metrics.held(route, hold_s, request.tenant.name, ticket.weight, now)
     if not access_log.isEnabledFor(logging.INFO):
         return
     access_log.info(

@@ -18,6 +18,10 @@ log = logging.getLogger("slotgate.relay")
 
 _START = "http.response.start"
 _BODY = "http.response.body"
+#: A key of slotgate's own in a head's message: the whole body follows in the next send, with
+#: nothing awaited in between. slotgate's protocol (app/proxy/protocol.py) then writes both in
+#: one system call; any other server ignores the key.
+BODY_FOLLOWS = "slotgate.body_follows"
 
 
 class Answer:
@@ -49,13 +53,19 @@ class Answer:
 
     # -- the head ------------------------------------------------------------------------------
 
-    async def start(self, status: int, headers: Headers, *, stream: bool = False) -> None:
+    async def start(
+        self, status: int, headers: Headers, *, stream: bool = False, whole: bool = False
+    ) -> None:
+        """The head; `whole`: the caller sends the end next, at once (`BODY_FOLLOWS`)."""
         if self.started:
             raise AnswerStarted(f"the answer's head ({self.status}) went out already")
         self.started = True
         self.status = status
         self.stream = stream
-        await self._send({"type": _START, "status": status, "headers": headers})
+        message = {"type": _START, "status": status, "headers": headers}
+        if whole:
+            message[BODY_FOLLOWS] = True
+        await self._send(message)
 
     # -- the body ------------------------------------------------------------------------------
 
@@ -83,9 +93,11 @@ class Answer:
         await self._send({"type": _BODY, "body": body, "more_body": False})
         self.ended = True
 
-    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+    async def whole(
+        self, status: int, headers: Headers, body: bytes, *, stream: bool = False
+    ) -> None:
         """A head and a body in one go."""
-        await self.start(status, headers)
+        await self.start(status, headers, stream=stream, whole=True)
         await self.end(body)
 
     # -- refusals ------------------------------------------------------------------------------
@@ -117,7 +129,7 @@ class Answer:
                 else:
                     status, headers, body = render(r, flavor)
                     headers += own
-                    await self.start(status, headers)
+                    await self.start(status, headers, whole=True)
                 self._ending = body
                 self.bytes_out += len(body)
                 await self._send({"type": _BODY, "body": body, "more_body": False})

@@ -61,10 +61,10 @@ async def relay(request: Request, answer: Answer, response: Response, own: Own) 
         return
     stream = response.content_type == headers.SSE
     head = headers.relayed(response.headers, request.id, request.origin, stream=stream)
-    await answer.start(response.status, head, stream=stream)
     if whole:
-        await answer.end(first)
+        await answer.whole(response.status, head, first, stream=stream)
         return
+    await answer.start(response.status, head, stream=stream)
     chunk = first
     try:
         while chunk:

@@ -46,7 +46,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from slotgate.asgi import Receive
+from slotgate.asgi import Message, Receive
 from slotgate.errors import (
     BadRequest,
     GateError,
@@ -55,6 +55,7 @@ from slotgate.errors import (
     UpgradeRefused,
     refusal,
 )
+from slotgate.proxy.answer import BODY_FOLLOWS
 from slotgate.proxy.headers import id_headers
 from slotgate.proxy.refusals import render
 from slotgate.proxy.request import request_id
@@ -162,6 +163,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return
         previous = self.cycle
         super().on_headers_complete()
+        if self.cycle is not previous:
+            # uvicorn builds the cycle itself; its class, swapped, costs a request nothing.
+            self.cycle.__class__ = _Cycle
         if previous is not None and not previous.response_complete:
             earlier = [c for c in self._earlier or () if not c.response_complete]
             earlier.append(previous)
@@ -293,6 +297,89 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.socket_paused = False
             self.transport.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request cycle, writing a whole answer's head and body in one system call.
+
+    uvicorn writes the head the moment the app sends it: for a non-streamed answer, one write
+    for the head and one for the body, each a trip through the kernel's TCP stack. A head sent
+    with `BODY_FOLLOWS` (app/proxy/answer.py) is built by uvicorn as ever, but held, and goes
+    out with the body's first write; whatever else uvicorn does to the transport meanwhile
+    (close it) lets the head out first. A body send that ends without writing (cancelled while
+    uvicorn waits for the socket to drain, or refused) lets it out too, unless the client has
+    gone: the head never waits past the next send, which the app makes at once.
+    """
+
+    _head: bytes | None = None
+
+    async def send(self, message: Message) -> None:  # type: ignore[override]
+        head = self._head
+        if head is None and (not message.get(BODY_FOLLOWS) or self.response_started):
+            await super().send(message)  # type: ignore[arg-type]
+            return
+        if self.flow.write_paused and not self.disconnected:
+            # Waited for here, as uvicorn would: then nothing waits while the transport is
+            # swapped, so no timer or cancellation finds the swap.
+            await self.flow.drain()
+        transport = self.transport
+        if head is None:
+            held = _Held()
+            self.transport = held  # type: ignore[assignment]
+            try:
+                await super().send(message)  # type: ignore[arg-type]
+            finally:
+                self.transport = transport
+            self._head = held.head
+            return
+        self._head = None
+        joined = _Joined(transport, head)
+        self.transport = joined  # type: ignore[assignment]
+        try:
+            await super().send(message)  # type: ignore[arg-type]
+        finally:
+            self.transport = transport
+            if joined.head is not None and not self.disconnected:
+                transport.write(joined.head)
+
+
+class _Held:
+    """What a `_Cycle` writes through while it sends a held head: the head uvicorn built is
+    kept in `head`, not written."""
+
+    __slots__ = ("head",)
+
+    def __init__(self) -> None:
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        self.head = data
+
+
+class _Joined:
+    """What a `_Cycle` writes through while it sends the body after a held head: the first
+    write goes out after the head, in one system call; any other use of the transport (a
+    close) lets the head out first."""
+
+    __slots__ = ("head", "transport")
+
+    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
+        self.transport = transport
+        self.head: bytes | None = head
+
+    def write(self, data: bytes) -> None:
+        head = self.head
+        if head is None:
+            self.transport.write(data)
+            return
+        self.head = None
+        self.transport.write(head + data)
+
+    def __getattr__(self, name: str) -> Any:
+        head, self.head = self.head, None
+        if head is not None:
+            self.transport.write(head)
+        return getattr(self.transport, name)
 
 
 class DisconnectWatch:

@@ -10,6 +10,7 @@ body bytes waiting requests hold are app/proxy/body_bytes.py; what a request lea
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -52,6 +53,17 @@ from slotgate.upstreams.fleet import Fleet
 
 #: Stands for the unknown slot count while a request is checked before llama-server is up.
 _UNSIZED = sys.maxsize
+#: What the gate wants from a body when no budget binds, the gate is warm and nothing is
+#: routed by key: its demand alone (one shared object, not one per request).
+_NOTHING_MORE = Wants()
+
+
+@functools.lru_cache(maxsize=256)
+def _quoted(path: str) -> str:
+    """The path as it goes upstream. A handful of paths carry nearly every request: quoting
+    each one once saves a request a few microseconds; the cache's bound keeps made-up paths
+    from growing it."""
+    return quote(path, safe="/:@!$&'()*+,;=-._~")
 
 
 class Proxy:
@@ -170,21 +182,26 @@ class Proxy:
             # known (app/gate/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
         # Read for the request's shape only: which upstream runs it is known once admitted.
-        upstream = self._fleet.primary
+        budget = self._admission.budget_tokens
         cold = self._admission.cold
-        wants = Wants(
-            budget=self._admission.budget_tokens,
-            default_output=upstream.default_output,
-            expect=cold,
-            tokens_per_s=upstream.tokens_per_s if cold else None,
-            affinity=self._affinity and self._fleet.several,
-        )
+        affinity = self._affinity and self._fleet.several
+        wants = _NOTHING_MORE
+        if budget or cold or affinity:
+            upstream = self._fleet.primary
+            wants = Wants(
+                budget=budget,
+                default_output=upstream.default_output,
+                expect=cold,
+                tokens_per_s=upstream.tokens_per_s if cold else None,
+                affinity=affinity,
+            )
         taken = await take_off_loop(
             endpoint,
             request.body,
             _UNSIZED if capacity is None else capacity,
             assemble=self._assemble,
-            quiet=self._fleet.quiet,
+            # Read only to decide an assembly: a walk over every upstream otherwise wasted.
+            quiet=self._fleet.quiet if self._assemble else True,
             wants=wants,
         )
         want, body = taken.demand, taken.body
@@ -322,7 +339,7 @@ class Proxy:
     async def _forward(self, request: Request, answer: Answer) -> None:
         """Send the request to llama-server and relay its answer. A gated request leaves an
         upstream failure to _gated_exchange, which knows whether its client is still there."""
-        target = quote(request.path, safe="/:@!$&'()*+,;=-._~")
+        target = _quoted(request.path)
         if request.query:
             target += "?" + request.query.decode("latin-1")
         head = request.head

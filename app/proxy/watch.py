@@ -50,7 +50,7 @@ class Watch:
         answer: Answer,
         own: Callable[[Request], Headers],
     ) -> None:
-        self._task = asyncio.current_task()
+        task = self._task = asyncio.current_task()
         self._receive = receive
         self._request: Request | None = request
         self._answer: Answer | None = answer
@@ -59,9 +59,10 @@ class Watch:
         self.done = False
         self._connection: DisconnectWatch | None = None
         self._pending: asyncio.Future[Message] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            WATCH_AFTER_S, self._start
-        )
+        # The task's loop, not asyncio.get_running_loop(): on Python 3.11 that is a getpid
+        # system call, and this runs for every gated request.
+        loop = task.get_loop() if task is not None else asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._timer = None

@@ -66,6 +66,11 @@ class Connection(asyncio.Protocol):
         self.expecting = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
+        # Kept from connection_made: Python 3.11's asyncio.get_running_loop() makes a getpid
+        # system call, and `wait` runs at least once per exchange.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The socket's own poll, registered once: reuse asks it before every exchange.
+        self._poll: select.poll | None = None
         self._reset()
 
     def __repr__(self) -> str:
@@ -129,6 +134,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but have its methods.
         self.transport = cast(asyncio.Transport, transport)
+        self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         self._data_at = time.monotonic()
@@ -174,6 +180,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._poll = None
         self.state = State.CLOSED
         if not self.complete:
             self._fail(Disconnected("upstream closed the connection mid-response"))
@@ -240,7 +247,7 @@ class Connection(asyncio.Protocol):
         A plain timer that fails the waiter costs a fraction of an `asyncio.timeout` scope,
         and this runs once per body chunk.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         if stall_s is not None:
             self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
@@ -259,7 +266,7 @@ class Connection(asyncio.Protocol):
         # A lazy reader is not woken by every chunk: bytes may have come in meanwhile.
         quiet_s = time.monotonic() - self._data_at
         if quiet_s < stall_s:
-            loop = asyncio.get_running_loop()
+            loop = self._loop or asyncio.get_running_loop()
             self._stall_timer = loop.call_later(stall_s - quiet_s, self._stalled, stall_s)
             return
         waiter.set_exception(Stalled(f"upstream sent nothing for {stall_s:g} s"))
@@ -276,6 +283,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.state = State.CLOSED
+        self._poll = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -286,28 +294,26 @@ def _peer_closed(conn: Connection) -> bool:
 
     Asked of the kernel, so it also sees what the loop has not read yet. A quiet, open
     keep-alive connection is not readable; a closed one, or one holding bytes nobody asked
-    for, is, and is no connection to reuse.
+    for, is, and is no connection to reuse. The poll is the connection's own, made on first
+    use: each reuse then costs the one system call and no allocation.
     """
     transport = conn.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
+    if transport is None:
         return True
-    poll = select.poll()
-    poll.register(sock.fileno(), select.POLLIN)
+    poll = conn._poll
+    if poll is None:
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = conn._poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
     return bool(poll.poll(0))
-
-
-async def _head(conn: Connection, stall_s: float | None) -> None:
-    while not conn.head_done:
-        if conn.error is not None:
-            raise conn.error
-        await conn.wait(stall_s)
 
 
 class Response:
     """A response whose head has arrived; its body is read as it comes."""
 
-    __slots__ = ("_client", "_conn", "_done", "_head_only", "headers", "status")
+    __slots__ = ("_client", "_conn", "_done", "_head_only", "_type", "headers", "status")
 
     def __init__(self, client: Client, conn: Connection, head_only: bool) -> None:
         self._client = client
@@ -316,6 +322,7 @@ class Response:
         self._done = False
         self.status = conn.status
         self.headers = conn.headers
+        self._type: str | None = None
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -325,8 +332,12 @@ class Response:
 
     @property
     def content_type(self) -> str:
-        value = self.header(b"content-type") or b""
-        return value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        # Read once: the relay and the release each ask for it.
+        media = self._type
+        if media is None:
+            value = self.header(b"content-type") or b""
+            media = self._type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        return media
 
     @property
     def content_length(self) -> int | None:
@@ -456,14 +467,25 @@ class Client:
         head.append(b"\r\n\r\n")
         transport = conn.transport
         assert transport is not None  # noqa: S101 - fresh or checked by _take_idle
-        transport.write(b"".join(head) + body if len(body) < 65536 else b"".join(head))
-        if len(body) >= 65536:
+        # A small body goes out with the head, in one write and one copy.
+        small = len(body) < 65536
+        if small:
+            head.append(body)
+        transport.write(b"".join(head))
+        if not small:
             transport.write(body)
-        try:
-            await _head(conn, self.stall_s)
-        except BaseException:
-            conn.close()
-            raise
+        stall_s = self.stall_s
+        # Waited for here, not in a coroutine of its own: every wake-up on the way to the head
+        # would resume one frame more.
+        while not conn.head_done:
+            if conn.error is not None:
+                conn.close()
+                raise conn.error
+            try:
+                await conn.wait(stall_s)
+            except BaseException:
+                conn.close()
+                raise
         return Response(self, conn, head_only=method == "HEAD")
 
     def _take_idle(self) -> Connection | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -13,7 +14,14 @@ from typing import Any
 import httpx
 import pytest
 from slotgate.proxy import watch as watch_module
-from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
+from slotgate.proxy.answer import BODY_FOLLOWS
+from slotgate.proxy.protocol import (
+    HEAD_LIMIT_BYTES,
+    HOLD_LIMIT_BYTES,
+    BoundedHeadProtocol,
+    _Cycle,
+)
+from uvicorn.protocols.http.flow_control import FlowControl
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
@@ -418,3 +426,66 @@ async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot
     assert standin.seen == []
     fits = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8000})
     assert fits.status_code == 200
+
+
+class _Wire:
+    """A transport that records what is done to it, in order."""
+
+    def __init__(self) -> None:
+        self.done: list[bytes | str] = []
+
+    def write(self, data: bytes) -> None:
+        self.done.append(bytes(data))
+
+    def close(self) -> None:
+        self.done.append("close")
+
+    def is_closing(self) -> bool:
+        return "close" in self.done
+
+
+def _cycle(wire: _Wire, *, keep_alive: bool = True) -> Any:
+    transport: Any = wire
+    scope: Any = {"method": "POST", "path": CHAT, "http_version": "1.1"}
+    return _Cycle(
+        scope, transport, FlowControl(transport), logging.getLogger("test"),
+        logging.getLogger("test.access"), False, [], asyncio.Event(), False, keep_alive,
+        lambda: None,
+    )  # fmt: skip
+
+
+def _start(length: int, *, whole: bool) -> dict[str, Any]:
+    headers = [(b"content-length", str(length).encode())]
+    message: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": headers}
+    if whole:
+        message[BODY_FOLLOWS] = True
+    return message
+
+
+async def test_a_whole_answer_goes_out_in_one_write_and_any_other_in_order() -> None:
+    end = {"type": "http.response.body", "body": b"hello", "more_body": False}
+    joined, plain = _Wire(), _Wire()
+    for wire, whole in ((joined, True), (plain, False)):
+        cycle = _cycle(wire)
+        await cycle.send(_start(5, whole=whole))
+        await cycle.send(end)
+    assert len(joined.done) == 1
+    assert isinstance(joined.done[0], bytes)
+    assert joined.done[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert joined.done[0].endswith(b"\r\n\r\nhello")
+    assert plain.done == [joined.done[0][:-5], b"hello"]
+    # A close right after the body (the client asked for one) comes after both.
+    closing = _Wire()
+    cycle = _cycle(closing, keep_alive=False)
+    await cycle.send(_start(5, whole=True))
+    await cycle.send(end)
+    assert [type(each) for each in closing.done] == [bytes, str]
+    # A body uvicorn refuses before writing it still lets the held head out.
+    refused = _Wire()
+    cycle = _cycle(refused)
+    await cycle.send(_start(2, whole=True))
+    with pytest.raises(RuntimeError, match="longer than Content-Length"):
+        await cycle.send(end)
+    assert len(refused.done) == 1
+    assert isinstance(refused.done[0], bytes)
+    assert refused.done[0].endswith(b"\r\n\r\n")
