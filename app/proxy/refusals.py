@@ -9,12 +9,14 @@ can succeed.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from slotgate.asgi import Headers
 from slotgate.errors import Flavor, Refusal, anthropic_type
-from slotgate.gate.pool import Snapshot
+
+if TYPE_CHECKING:
+    from slotgate.gate.pool import Snapshot
 
 
 def admission_body(snapshot: Snapshot, retry_after_s: float | None) -> dict[str, Any]:
