@@ -1170,6 +1170,18 @@ SCENARIOS: dict[str, list[Step]] = {
         (Release("b2"), {"a3": ("a", 1), "b3": None}),
         (Release("a3"), {"b3": ("a", 1)}),
     ],
+    "a tenant's later request goes before the rest of another tenant's flood": [
+        (Resize("a", 1), {}),
+        (Enter("h", 1, tenant="flood"), {"h": ("a", 1)}),
+        (Enter("f1", 1, tenant="flood"), {"h": ("a", 1), "f1": None}),
+        (Enter("f2", 1, replica=1, tenant="flood"), {"h": ("a", 1), "f1": None, "f2": None}),
+        (
+            Enter("c", 1, replica=1, tenant="chat"),
+            {"h": ("a", 1), "f1": None, "f2": None, "c": None},
+        ),
+        (Release("h"), {"f1": None, "f2": None, "c": ("a", 1)}),
+        (Release("c"), {"f1": ("a", 1), "f2": None}),
+    ],
     "a KV budget holds a waiter while slots are free, and nobody overtakes it": [
         (Resize("a", 3, budget=100), {}),
         (Enter("x", 1, cost=60), {"x": ("a", 1)}),
@@ -1416,3 +1428,66 @@ async def test_the_core_and_the_shared_line_grant_alike(
 ) -> None:
     await play_in_process(steps)
     await play_shared(valkey, redis_client, steps)
+
+
+async def play_degraded(valkey: Valkey, steps: list[Step]) -> None:
+    """`steps` on one replica that lost Redis (it refused connections: away for everyone), so
+    that its share is every slot: it gates as one process would."""
+    async with AsyncExitStack() as stack:
+        (replica,) = await started(
+            stack, replicas(valkey, n=1, policy=QueuePolicy(max_queue=bound(steps)))
+        )
+        valkey.kill()
+        tickets: dict[str, SharedTicket] = {}
+        try:
+            for step, expected in steps:
+                if isinstance(step, Bound):
+                    continue
+                if isinstance(step, Resize):
+                    await replica.resize(step.upstream, step.capacity, budget=step.budget)
+                    assert replica.mode is Mode.DEGRADED
+                elif isinstance(step, Enter):
+                    enter = partial(
+                        replica.enter, step.least, step.cost, (), step.band,
+                        tenant=step.tenant, share=step.weight, max_active=step.max_active,
+                        max_queued=step.max_queued, tasks=step.tasks,
+                    )  # fmt: skip
+                    if step.refused is not None:
+                        with pytest.raises(step.refused):
+                            await enter()
+                    else:
+                        tickets[step.name] = await enter()
+                elif isinstance(step, Reroute):
+                    tickets[step.name].reroute(time.monotonic() + 10)
+                else:
+                    tickets.pop(step.name).release()
+
+                def held() -> dict[str, tuple[str, int] | None]:
+                    return {
+                        name: (t.upstream, t.weight) if t.upstream is not None else None
+                        for name, t in tickets.items()
+                    }
+
+                try:
+                    await until(lambda: held() == expected, 2)  # noqa: B023
+                except pytest.fail.Exception:
+                    pytest.fail(f"{step}: {held()}, expected {expected}")
+        finally:
+            for ticket in tickets.values():
+                ticket.release()
+
+
+#: What a replica gating alone must keep of one process's policy: tenants' limits and shares,
+#: bands, and KV budgets.
+ALONE_AS_ONE = [
+    "a tenant at its max_active waits while another tenant runs on the free slots",
+    "a tenant's later request goes before the rest of another tenant's flood",
+    "a higher band goes first, whatever the arrival order",
+    "a KV budget holds a waiter while slots are free, and nobody overtakes it",
+]
+
+
+@pytest.mark.xfail(strict=True, reason="gating alone is FIFO on slots, without tenants")
+@pytest.mark.parametrize("name", ALONE_AS_ONE)
+async def test_a_replica_with_redis_away_grants_as_one_process(valkey: Valkey, name: str) -> None:
+    await play_degraded(valkey, SCENARIOS[name])
