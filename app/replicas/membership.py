@@ -142,6 +142,8 @@ class Membership:
                     self.degrade(str(exc))
                     line._alone.dispatch()
                     return
+            # The core grants nobody while the rejoin runs: its waiters are listed as waiters.
+            line._alone.detach()
             grants = [t for t in line._tickets.values() if t.granted]
             waiters = sorted(line._waiters.values(), key=lambda t: t.order)
             args: list[str | int | float] = [
@@ -198,7 +200,7 @@ class Membership:
                     line._spawn(line._reroute_shared(t, t.member))
             # What is left names places of before the rejoin, or of enters still in flight.
             line._early = {m: e for m, e in line._early.items() if self.in_flight(m)}
-            line._alone.active.clear()
+            line._alone.reset()
             line.mode = Mode.SHARED
             line._shared.set()
         finally:
@@ -221,11 +223,7 @@ class Membership:
         line._redis.stale = True
         line._shared.clear()
         line.fallbacks_total += 1
-        active: dict[str, int] = {}
-        for t in line._tickets.values():
-            if t.granted and t.upstream is not None:
-                active[t.upstream] = active.get(t.upstream, 0) + t.weight
-        line._alone.fall_back(active)
+        line._alone.fall_back()
         if line._failure_mode == "reject":
             for t in list(line._waiters.values()):
                 line._fail(t, NotReady(line._snapshot(), 1.0))

@@ -1450,7 +1450,7 @@ async def play_degraded(valkey: Valkey, steps: list[Step]) -> None:
                     enter = partial(
                         replica.enter, step.least, step.cost, (), step.band,
                         tenant=step.tenant, share=step.weight, max_active=step.max_active,
-                        max_queued=step.max_queued, tasks=step.tasks,
+                        max_queued=step.max_queued, tasks=step.tasks, affinity=step.key,
                     )  # fmt: skip
                     if step.refused is not None:
                         with pytest.raises(step.refused):
@@ -1477,17 +1477,9 @@ async def play_degraded(valkey: Valkey, steps: list[Step]) -> None:
                 ticket.release()
 
 
-#: What a replica gating alone must keep of one process's policy: tenants' limits and shares,
-#: bands, and KV budgets.
-ALONE_AS_ONE = [
-    "a tenant at its max_active waits while another tenant runs on the free slots",
-    "a tenant's later request goes before the rest of another tenant's flood",
-    "a higher band goes first, whatever the arrival order",
-    "a KV budget holds a waiter while slots are free, and nobody overtakes it",
-]
-
-
-@pytest.mark.xfail(strict=True, reason="gating alone is FIFO on slots, without tenants")
-@pytest.mark.parametrize("name", ALONE_AS_ONE)
-async def test_a_replica_with_redis_away_grants_as_one_process(valkey: Valkey, name: str) -> None:
-    await play_degraded(valkey, SCENARIOS[name])
+@pytest.mark.parametrize("steps", list(SCENARIOS.values()), ids=list(SCENARIOS))
+async def test_a_replica_with_redis_away_grants_as_one_process(
+    valkey: Valkey, steps: list[Step]
+) -> None:
+    # Tenants' limits and shares, bands, KV budgets and routing: the core's policy, whole.
+    await play_degraded(valkey, steps)
