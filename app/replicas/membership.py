@@ -2,8 +2,9 @@
 falling back when Redis is away (`degrade`) and rejoining when it answers again (`rejoin`).
 
 When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
-with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
-by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
+with `failure_mode="local"` it gates on its own admission core (alone.py), on a static share of
+each upstream (its slots divided by the replicas last seen, at least 1) and of the line, with
+tenants, bands and budgets as in one process; with "reject" it refuses new work with
 `NotReady` (503). A share is safe only if Redis is away for every replica (it refused or closed
 a connection). One that merely gets no answer may be cut off alone while the others fill every
 slot Redis does not count for it: so Redis keeps a given-up replica's grants counted for
@@ -13,8 +14,7 @@ It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
 holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
 order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
 expired): Redis never counts what the replica no longer holds, and never loses what it still
-does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
-budgets hold in shared mode.
+does.
 """
 
 from __future__ import annotations
