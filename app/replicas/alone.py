@@ -40,17 +40,19 @@ class Alone:
         #: The slots per upstream Redis still counts for this replica (its grants when it fell
         #: back), while `keeping`.
         self.kept: dict[str, int] = {}
+        #: The core's claim of each waiting SharedTicket (by id), with the task that hands its
+        #: grant to the SharedTicket.
+        self.waiting: dict[str, tuple[Ticket, asyncio.Task[None]]] = {}
         self.reset()
 
     def reset(self) -> None:
         """A core of nobody's: shared again, Redis counts whatever this replica holds."""
+        self.detach()  # a claim on the core of before would never be granted
         # Unbounded: the line's bound is this replica's share of it (`limit`), and waiters of
         # the shared line that move in when it falls back are never refused for it.
         self.core = Admission(QueuePolicy(max_queue=0), epsilon=self._line._epsilon)
-        #: The core's ticket of each SharedTicket granted here (by id), and of each waiting
-        #: one, with the task that hands its grant to the SharedTicket.
+        #: The core's ticket of each SharedTicket granted here (by id).
         self.held: dict[str, Ticket] = {}
-        self.waiting: dict[str, tuple[Ticket, asyncio.Task[None]]] = {}
         self._tenants: dict[tuple[str, float, int, int | None, int | None], Tenant] = {}
 
     # -- the share ---------------------------------------------------------------------------

@@ -240,7 +240,8 @@ class SharedAdmission:
             except Down as exc:
                 self._link.degrade(str(exc))
             return
-        self._alone.dispatch()
+        if self._joining is None:  # else after the rejoin, should it fail
+            self._alone.dispatch()
 
     async def rekey(self, old: str, new: str) -> None:
         """An upstream is known by another name now: what this replica holds there is held

@@ -508,6 +508,51 @@ async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(valkey: V
             third.release()
 
 
+async def test_what_a_replica_runs_when_it_falls_back_counts_against_its_tenants_limits(
+    valkey: Valkey,
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1))
+        await admission.resize("a", 3)
+        running = await admission.enter(tenant="t", max_active=1)
+        waiting = await admission.enter(tenant="t", max_active=1)
+        assert running.granted
+        assert not waiting.granted
+        valkey.kill()
+        other = await admission.enter(tenant="u")
+        assert admission.mode is Mode.DEGRADED
+        assert other.granted
+        await asyncio.sleep(0.05)  # a grant to the waiter would have reached it by now
+        assert not waiting.granted  # a slot is free, but its tenant runs its one
+        running.release()
+        await asyncio.wait_for(waiting.wait(), 2)
+        assert (waiting.upstream, admission.snapshot().active) == ("a", 2)
+        for ticket in (waiting, other):
+            ticket.release()
+
+
+async def test_a_waiter_of_a_replica_gating_alone_waits_in_the_shared_line_once_redis_is_back(
+    valkey: Valkey, redis_client: aioredis.Redis
+) -> None:
+    async with AsyncExitStack() as stack:
+        (admission,) = await started(stack, replicas(valkey, n=1))
+        await admission.resize("a", 1)
+        valkey.kill()
+        holder = await admission.enter(tenant="t")
+        assert admission.mode is Mode.DEGRADED
+        waiter = await admission.enter(tenant="u", band=BATCH)
+        assert holder.granted
+        assert not waiter.granted
+        valkey.start()
+        await until(lambda: admission.snapshot().mode is Mode.SHARED, 5)
+        assert not waiter.granted  # the replica's own core grants nobody once shared
+        assert (await pool_state(redis_client))[:2] == ({"a": 1}, 1)
+        holder.release()
+        await asyncio.wait_for(waiter.wait(), 2)
+        await waiter.aclose()
+        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+
+
 def fits(pool: FakePool, weight: int) -> bool:
     return pool.active + weight <= (pool.capacity or 0)
 
@@ -1430,7 +1475,22 @@ async def test_the_core_and_the_shared_line_grant_alike(
     await play_shared(valkey, redis_client, steps)
 
 
-async def play_degraded(valkey: Valkey, steps: list[Step]) -> None:
+class StepClock:
+    """`time` for the admission core's modules, its clock moved only by the play, a tick a
+    step: holds as long as the steps they last, alike however loaded the machine, as in
+    `play_in_process` where the steps follow at once. (Real holds of a few ms, jittered by
+    the load, would decide the fair order's ties, which the table leaves to arrival.)"""
+
+    TICK_S = 0.01
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def play_degraded(valkey: Valkey, steps: list[Step], clock: StepClock) -> None:
     """`steps` on one replica that lost Redis (it refused connections: away for everyone), so
     that its share is every slot: it gates as one process would."""
     async with AsyncExitStack() as stack:
@@ -1441,6 +1501,7 @@ async def play_degraded(valkey: Valkey, steps: list[Step]) -> None:
         tickets: dict[str, SharedTicket] = {}
         try:
             for step, expected in steps:
+                clock.now += clock.TICK_S
                 if isinstance(step, Bound):
                     continue
                 if isinstance(step, Resize):
@@ -1479,7 +1540,11 @@ async def play_degraded(valkey: Valkey, steps: list[Step]) -> None:
 
 @pytest.mark.parametrize("steps", list(SCENARIOS.values()), ids=list(SCENARIOS))
 async def test_a_replica_with_redis_away_grants_as_one_process(
-    valkey: Valkey, steps: list[Step]
+    valkey: Valkey, steps: list[Step], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    clock = StepClock()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("slotgate.gate.") and getattr(module, "time", None) is time:
+            monkeypatch.setattr(module, "time", clock)
     # Tenants' limits and shares, bands, KV budgets and routing: the core's policy, whole.
-    await play_degraded(valkey, steps)
+    await play_degraded(valkey, steps, clock)
