@@ -75,6 +75,13 @@ async def started(stack: AsyncExitStack, fleet: list[SharedAdmission]) -> list[S
     return fleet
 
 
+async def one_replica(stack: AsyncExitStack, valkey: Valkey, slots: int) -> SharedAdmission:
+    """One replica started, upstream "a" of `slots` known to it."""
+    (admission,) = await started(stack, replicas(valkey, n=1))
+    await admission.resize("a", slots)
+    return admission
+
+
 async def pool_state(client: aioredis.Redis) -> tuple[dict[str, int], int, int]:
     """Slots granted per upstream, the line's length and the tickets' count, read from Redis."""
     active = {text(k): int(v) for k, v in (await client.hgetall(PREFIX + "active")).items()}
@@ -512,8 +519,7 @@ async def test_what_a_replica_runs_when_it_falls_back_counts_against_its_tenants
     valkey: Valkey,
 ) -> None:
     async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1))
-        await admission.resize("a", 3)
+        admission = await one_replica(stack, valkey, 3)
         running = await admission.enter(tenant="t", max_active=1)
         waiting = await admission.enter(tenant="t", max_active=1)
         assert running.granted
@@ -535,8 +541,7 @@ async def test_a_waiter_of_a_replica_gating_alone_waits_in_the_shared_line_once_
     valkey: Valkey, redis_client: aioredis.Redis
 ) -> None:
     async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1))
-        await admission.resize("a", 1)
+        admission = await one_replica(stack, valkey, 1)
         valkey.kill()
         holder = await admission.enter(tenant="t")
         assert admission.mode is Mode.DEGRADED
@@ -1034,8 +1039,7 @@ async def test_a_rerouted_request_is_refused_when_no_upstream_is_known_by_its_de
     valkey: Valkey, redis_client: aioredis.Redis
 ) -> None:
     async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1))
-        await admission.resize("a", 1)
+        admission = await one_replica(stack, valkey, 1)
         refused = await admission.enter()
         await admission.resize("a", None)
         await until(lambda: admission.snapshot().fleet.capacity == 0, 2)
