@@ -141,17 +141,15 @@ class Alone:
         keeps of it."""
         line = self._line
         self.reset()
-        granted = [t for t in line._tickets.values() if t.granted and t.upstream is not None]
+        granted = [(t, t.upstream) for t in line._tickets.values() if t.upstream is not None]
         kept: dict[str, int] = {}
-        for t in granted:
-            assert t.upstream is not None  # noqa: S101 - granted
-            kept[t.upstream] = kept.get(t.upstream, 0) + t.weight
+        for t, upstream in granted:
+            kept[upstream] = kept.get(upstream, 0) + t.weight
         self.kept = kept
         self._size()
-        for t in granted:
-            assert t.upstream is not None  # noqa: S101 - granted
+        for t, upstream in granted:
             self.held[t.id] = self.core.hold(
-                self._pool(t.upstream), t.weight, t.cost, t.affinity,
+                self._pool(upstream), t.weight, t.cost, t.affinity,
                 tenant=self._tenant(t), conversation=t.conversation,
             )  # fmt: skip
 
