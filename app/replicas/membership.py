@@ -2,8 +2,9 @@
 falling back when Redis is away (`degrade`) and rejoining when it answers again (`rejoin`).
 
 When Redis is unreachable or slow (no answer within `timeout_s`), the replica is degraded:
-with `failure_mode="local"` it gates alone on a static share of each upstream (its slots divided
-by the replicas last seen, at least 1) and of the line; with "reject" it refuses new work with
+with `failure_mode="local"` it gates on its own admission core (alone.py), on a static share of
+each upstream (its slots divided by the replicas last seen, at least 1) and of the line, with
+tenants, bands and budgets as in one process; with "reject" it refuses new work with
 `NotReady` (503). A share is safe only if Redis is away for every replica (it refused or closed
 a connection). One that merely gets no answer may be cut off alone while the others fill every
 slot Redis does not count for it: so Redis keeps a given-up replica's grants counted for
@@ -13,8 +14,7 @@ It pings Redis meanwhile and, once Redis answers, replaces whatever Redis
 holds for it with what it holds (`REJOIN`): its grants and, at the back of the line in their
 order, its waiters. The same happens when Redis says it gave this replica up (its heartbeat
 expired): Redis never counts what the replica no longer holds, and never loses what it still
-does. Alone, a replica gates FIFO on slots only: tenants' shares and limits and the token
-budgets hold in shared mode.
+does.
 """
 
 from __future__ import annotations
@@ -142,6 +142,8 @@ class Membership:
                     self.degrade(str(exc))
                     line._alone.dispatch()
                     return
+            # The core grants nobody while the rejoin runs: its waiters are listed as waiters.
+            line._alone.detach()
             grants = [t for t in line._tickets.values() if t.granted]
             waiters = sorted(line._waiters.values(), key=lambda t: t.order)
             args: list[str | int | float] = [
@@ -198,7 +200,7 @@ class Membership:
                     line._spawn(line._reroute_shared(t, t.member))
             # What is left names places of before the rejoin, or of enters still in flight.
             line._early = {m: e for m, e in line._early.items() if self.in_flight(m)}
-            line._alone.active.clear()
+            line._alone.reset()
             line.mode = Mode.SHARED
             line._shared.set()
         finally:
@@ -221,11 +223,7 @@ class Membership:
         line._redis.stale = True
         line._shared.clear()
         line.fallbacks_total += 1
-        active: dict[str, int] = {}
-        for t in line._tickets.values():
-            if t.granted and t.upstream is not None:
-                active[t.upstream] = active.get(t.upstream, 0) + t.weight
-        line._alone.fall_back(active)
+        line._alone.fall_back()
         if line._failure_mode == "reject":
             for t in list(line._waiters.values()):
                 line._fail(t, NotReady(line._snapshot(), 1.0))

@@ -319,6 +319,8 @@ class ReplicaAdmission:
             max_active=tenant.max_active,
             max_queued=tenant.max_queued,
             tasks=tasks,
+            affinity=affinity if self._affinity else None,
+            conversation=conversation,
         )
         ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:

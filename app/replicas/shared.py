@@ -194,12 +194,7 @@ class SharedAdmission:
         """The fleet as the local core's Snapshot, for the errors the HTTP layer maps."""
         fleet = self._fleet
         if self.mode is Mode.DEGRADED:
-            return Snapshot(
-                sum(self._alone.shares().values()) or None,
-                sum(self._alone.active.values()),
-                len(self._waiters),
-                self._alone.limit(),
-            )
+            return self._alone.snapshot()
         return Snapshot(fleet.capacity or None, fleet.active, fleet.queued, self._limit())
 
     def _known(self) -> bool:
@@ -250,7 +245,8 @@ class SharedAdmission:
             except Down as exc:
                 self._link.degrade(str(exc))
             return
-        self._alone.dispatch()
+        if self._joining is None:  # else after the rejoin, should it fail
+            self._alone.dispatch()
 
     async def rekey(self, old: str, new: str) -> None:
         """An upstream is known by another name now: what this replica holds there is held
@@ -260,9 +256,7 @@ class SharedAdmission:
         for ticket in self._tickets.values():
             if ticket.upstream == old:
                 ticket.upstream = new
-        for counts in (self._alone.active, self._alone.kept):
-            if old in counts:
-                counts[new] = counts.get(new, 0) + counts.pop(old)
+        self._alone.rekey(old, new)
         if self.mode is Mode.SHARED:
             try:
                 await self._call("REKEY", self.replica, old, new)
@@ -279,6 +273,7 @@ class SharedAdmission:
         for ticket in self._waiters.values():
             if ticket.tenant == tenant:
                 ticket.share, ticket.max_active = share, max_active
+        self._alone.retune(tenant, share, max_active)
         if self.mode is Mode.SHARED:
             try:
                 await self._call("RETUNE", tenant, repr(share), unset(max_active), self._epsilon)
@@ -298,6 +293,8 @@ class SharedAdmission:
         max_active: int | None = None,
         max_queued: int | None = None,
         tasks: int = 0,
+        affinity: int | None = None,
+        conversation: int | None = None,
     ) -> SharedTicket:
         """Take `weight` slots on one upstream now, or a place in the line, or raise why not.
 
@@ -308,7 +305,9 @@ class SharedAdmission:
         `max_active` (slots) and `max_queued` (places) are the tenant's own limits. `tasks`,
         when more than `weight`, is the tasks llama-server makes of a prompt array: it holds as
         many slots as it has tasks, up to those of the upstream that grants it (`weight` at
-        least); the ticket's `weight` is then what it holds.
+        least); the ticket's `weight` is then what it holds. `affinity` and `conversation`
+        are its routing key and conversation (app/gate/routing.py), for this replica's own core
+        while Redis is away.
         """
         if self._closed:
             raise ShuttingDown(self._snapshot(), 1.0)
@@ -320,7 +319,7 @@ class SharedAdmission:
         order = next(self._ids)
         ticket = SharedTicket(
             self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag,
-            tenant, share, max_active, max_queued, tasks,
+            tenant, share, max_active, max_queued, tasks, affinity, conversation,
         )  # fmt: skip
         stale = 0
         while True:
@@ -440,6 +439,7 @@ class SharedAdmission:
         future = ticket._future
         if future is not None and not future.done():
             future.set_exception(error)
+        self._alone.free(ticket)
         if ticket.member is not None and self.mode is Mode.SHARED:
             self._spawn(self._release_shared(ticket.member, None))
 
@@ -455,14 +455,10 @@ class SharedAdmission:
             self._spawn(self._release_shared(ticket.member, hold_s))
             return
         # Degraded (or rejoining: the rejoin's list no longer has it, and Redis forgets it).
-        upstream = ticket.upstream
-        if upstream is not None:
-            self._alone.free(upstream, ticket.weight)
-        if self.mode is Mode.DEGRADED and self._joining is None:
-            self._alone.dispatch()
+        self._alone.free(ticket)
 
     def _reroute(self, ticket: SharedTicket) -> None:
-        upstream, ticket.upstream = ticket.upstream, None
+        ticket.upstream = None
         ticket.reason = ""
         ticket.grant_no = 0
         ticket.admitted_at = None
@@ -474,11 +470,8 @@ class SharedAdmission:
             self._spawn(self._reroute_shared(ticket, ticket.member))
             return
         # Degraded, or a rejoin runs (it finds the ticket no longer granted: `_rejoin`).
-        if upstream is not None:
-            self._alone.free(upstream, ticket.weight)
         ticket.weight = ticket.least  # weighed again where it is granted next
-        if self.mode is Mode.DEGRADED and self._joining is None:
-            self._alone.dispatch()
+        self._alone.reroute(ticket)
 
     async def _reroute_shared(self, ticket: SharedTicket, member: str) -> None:
         try:

@@ -49,10 +49,10 @@ class SharedTicket:
     """One request's claim; `async with ticket:` releases it on every way out."""
 
     __slots__ = (
-        "_admission", "_future", "_known_by", "_released", "admitted_at", "band", "cost",
-        "entered_at", "grant_no", "id", "least", "max_active", "max_queued", "member", "order",
-        "position", "ranking", "reason", "rerouted", "share", "since", "tag", "tasks",
-        "tenant", "upstream", "weight",
+        "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "band",
+        "conversation", "cost", "entered_at", "grant_no", "id", "least", "max_active",
+        "max_queued", "member", "order", "position", "ranking", "reason", "rerouted", "share",
+        "since", "tag", "tasks", "tenant", "upstream", "weight",
     )  # fmt: skip
 
     def __init__(
@@ -70,6 +70,8 @@ class SharedTicket:
         max_active: int | None = None,
         max_queued: int | None = None,
         tasks: int = 0,
+        affinity: int | None = None,
+        conversation: int | None = None,
     ) -> None:
         self._admission = admission
         self.id = id
@@ -89,6 +91,10 @@ class SharedTicket:
         self.share = share
         self.max_active = max_active
         self.max_queued = max_queued
+        #: Its routing key and conversation, for this replica's own core while Redis is away
+        #: (the shared line goes by `ranking`).
+        self.affinity = affinity
+        self.conversation = conversation
         #: Its 1-based place in the fleet's line as last known (the ENTER reply's); 0 once
         #: granted.
         self.position = 0
