@@ -18,8 +18,11 @@ import time
 from typing import TYPE_CHECKING
 
 from slotgate.errors import AdmissionError, NotReady, QueueFull, TooLarge
-from slotgate.gate.admission import Admission, Pool, QueuePolicy, Snapshot, Ticket
+from slotgate.gate.admission import Admission
+from slotgate.gate.policy import QueuePolicy
+from slotgate.gate.pool import Pool, Snapshot
 from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.ticket import Ticket
 from slotgate.replicas.ticket import Mode, SharedTicket
 
 if TYPE_CHECKING:
