@@ -24,7 +24,7 @@ from slotgate.settings import Settings
 from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
-from tests.support.hostile import Hostile
+from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -215,6 +215,45 @@ async def hostile() -> AsyncIterator[Hostile]:
     await upstream.start()
     yield upstream
     await upstream.stop()
+
+
+async def before_hostile(
+    start_gate: GateFactory, hostile: Hostile, **overrides: Any
+) -> RunningGate:
+    """slotgate before the hostile upstream. It reads /props once, at the start: a poll in the
+    middle of a test would take pooled connections the test is watching."""
+    values: dict[str, Any] = {"props_refresh_interval_s": 60, **overrides}
+    gate: RunningGate = await start_gate(llama_server_url=hostile.url, **values)
+    return gate
+
+
+async def waiting_before_hostile(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
+    """`before_hostile`, giving a stream that waits slotgate's head at once and a keep-alive
+    comment each second."""
+    return await before_hostile(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
+
+
+async def read_stream(client: httpx.AsyncClient, url: str) -> bytes:
+    async with client.stream("POST", url, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        return b"".join([chunk async for chunk in response.aiter_raw()])
+
+
+async def answered_after_waiting(
+    gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient, answer: Answer
+) -> bytes:
+    """What a stream gets that waited in line, its 200 head already out (STREAM_HEAD_AFTER_S=0),
+    while a stream held the only slot, and that llama-server then answers with `answer`."""
+    release = asyncio.Event()
+    hostile.script.append(held(release, stream(*CHAT_STREAM)))
+    holder = asyncio.create_task(read_stream(client, gate.url + CHAT))
+    await gate.until(lambda: len(hostile.served()) == 1)
+    waiter = asyncio.create_task(read_stream(client, gate.url + CHAT))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    hostile.script.append(answer)
+    release.set()
+    await holder
+    return await waiter
 
 
 @pytest.fixture
