@@ -10,7 +10,7 @@ import shutil
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import pytest
@@ -140,12 +140,29 @@ async def serve(settings: Settings, app: Gateway | None = None) -> RunningGate:
     return RunningGate(app, server, task)
 
 
+class Upstream(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+Started = TypeVar("Started", bound=Upstream)
+
+
+@contextlib.asynccontextmanager
+async def kept_running(upstream: Started) -> AsyncIterator[Started]:
+    """The upstream started, and stopped at the end."""
+    await upstream.start()
+    try:
+        yield upstream
+    finally:
+        await upstream.stop()
+
+
 @pytest.fixture
 async def standin() -> AsyncIterator[StandIn]:
-    upstream = StandIn()
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
+    """A stand-in llama-server (tests/support/standin.py)."""
+    async with kept_running(StandIn()) as upstream:
+        yield upstream
 
 
 StartUpstreams = Callable[..., Awaitable[None]]
@@ -211,10 +228,8 @@ def valkey() -> Iterator[Valkey]:
 @pytest.fixture
 async def hostile() -> AsyncIterator[Hostile]:
     """An upstream that misbehaves as the test scripts it (tests/support/hostile.py)."""
-    upstream = Hostile()
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
+    async with kept_running(Hostile()) as upstream:
+        yield upstream
 
 
 async def before_hostile(
