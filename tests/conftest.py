@@ -401,6 +401,19 @@ def one_slot(start_gate: GateFactory, standin: StandIn) -> GateFactory:
 
 
 @pytest.fixture
+def loading_gate(start_gate: GateFactory, standin: StandIn) -> GateFactory:
+    """Start slotgate with the given settings before a stand-in still loading its model, so
+    that the capacity is not known yet (until the test sets `standin.loading = False`)."""
+
+    async def start(**settings: Any) -> RunningGate:
+        standin.loading = True
+        gate: RunningGate = await start_gate(ready=False, **settings)
+        return gate
+
+    return start
+
+
+@pytest.fixture
 async def one_slot_held(
     one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> AsyncIterator[GateFactory]:

@@ -85,10 +85,9 @@ def test_a_context_size_that_is_not_positive_is_taken_as_unknown(n_ctx: int) -> 
 
 
 async def test_requests_that_arrive_while_llama_server_starts_are_admitted_by_the_budget(
-    start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
+    loading_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, kv_budget_tokens=1000, startup_wait_s=10)
+    gate = await loading_gate(kv_budget_tokens=1000, startup_wait_s=10)
     waiting = [
         asyncio.create_task(client.post(gate.url + CHAT, json=words(300, max_tokens=80)))
         for _ in range(4)

@@ -16,7 +16,6 @@ from tests.conftest import (
     CHAT,
     GateFactory,
     RunningGate,
-    assert_not_ready,
     chat,
     hold_stream_of,
     occupy,
@@ -249,21 +248,6 @@ async def test_capacity_follows_llama_server(
     assert (snapshot["capacity"], snapshot["queue_limit"]) == (5, 80)
 
 
-async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_is_known(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
-) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, startup_wait_s=0)
-    response = await client.post(gate.url + CHAT, json=chat())
-    assert_not_ready(response)
-    assert (await client.get(gate.url + "/readyz")).status_code == 503
-    assert standin.seen == []
-    standin.loading = False
-    await gate.until(lambda: gate.service.upstream.ready)
-    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
-    assert (await client.get(gate.url + "/readyz")).status_code == 200
-
-
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -401,10 +385,9 @@ async def test_refused_connection_answers_503_and_marks_not_ready(
 
 
 async def test_anthropic_messages_are_refused_in_anthropics_shape(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    loading_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, startup_wait_s=0)
+    gate = await loading_gate(startup_wait_s=0)
     response = await client.post(
         gate.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []}
     )
