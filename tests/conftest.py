@@ -336,6 +336,17 @@ def assert_lines(text: str, *lines: str) -> None:
     assert not missing, missing
 
 
+async def error_answered(
+    client: httpx.AsyncClient, gate: RunningGate, status: int, **body: Any
+) -> dict[str, Any]:
+    """The error of a chat answered with `status`, its slot already given back."""
+    response = await client.post(gate.url + CHAT, json=chat(**body))
+    assert response.status_code == status
+    assert gate.service.admission.active == 0
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
 def assert_not_ready(response: httpx.Response) -> None:
     """A 503 saying llama-server is not ready yet, to be asked again in a second."""
     assert response.status_code == 503

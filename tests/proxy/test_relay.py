@@ -17,6 +17,7 @@ from tests.conftest import (
     GateFactory,
     RunningGate,
     chat,
+    error_answered,
     hold_stream_of,
     occupy,
 )
@@ -337,10 +338,8 @@ async def test_upstream_error_keeps_its_status_and_body(
 ) -> None:
     standin.fault = "error_400"
     gate = await start_gate()
-    response = await client.post(gate.url + CHAT, json=chat(stream=True))
-    assert response.status_code == 400
-    assert response.json()["error"]["type"] == "exceed_context_size_error"
-    assert gate.service.admission.active == 0
+    error = await error_answered(client, gate, 400, stream=True)
+    assert error["type"] == "exceed_context_size_error"
 
 
 async def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(

@@ -17,6 +17,7 @@ from tests.conftest import (
     answered_after_waiting,
     before_hostile,
     chat,
+    error_answered,
     read_stream,
     waiting_before_hostile,
 )
@@ -251,28 +252,23 @@ async def test_an_ipv6_upstream_gets_its_host_header_in_brackets(start_gate: Gat
     assert hostile.requests[0].headers[b"host"] == f"[::1]:{hostile.port}".encode()
 
 
-async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
-    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(b"\x16\x03\x01 this is not http\r\n\r\n", id="garbage-instead-of-http"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"choices": [',
+            id="truncated-body",
+        ),
+    ],
+)
+async def test_an_answer_that_is_no_http_or_cut_short_gets_502_and_frees_the_slot(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, sent: bytes
 ) -> None:
-    hostile.fallback = closes(sends(b"\x16\x03\x01 this is not http\r\n\r\n"))
+    hostile.fallback = closes(sends(sent))
     gate = await start_gate(llama_server_url=hostile.url)
-    response = await client.post(gate.url + CHAT, json=chat())
-    assert response.status_code == 502
-    assert response.json()["error"]["code"] == "upstream_failed"
-    assert gate.service.admission.active == 0
-
-
-async def test_truncated_body_gets_502_and_frees_the_slot(
-    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
-) -> None:
-    hostile.fallback = closes(
-        sends(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-              b'Content-Length: 100\r\n\r\n{"choices": [')
-    )  # fmt: skip
-    gate = await start_gate(llama_server_url=hostile.url)
-    response = await client.post(gate.url + CHAT, json=chat())
-    assert response.status_code == 502
-    assert gate.service.admission.active == 0
+    assert (await error_answered(client, gate, 502))["code"] == "upstream_failed"
 
 
 async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
