@@ -205,12 +205,17 @@ max_queued = 2
 """
 
 
+def write_keys(directory: Path, text: str) -> Path:
+    """An API_KEYS_FILE in `directory` that says `text`."""
+    path = directory / "keys.toml"
+    path.write_text(text)
+    return path
+
+
 @pytest.fixture
 def keys_file(tmp_path: Path) -> Path:
     """An API_KEYS_FILE of TENANTS."""
-    path = tmp_path / "keys.toml"
-    path.write_text(TENANTS)
-    return path
+    return write_keys(tmp_path, TENANTS)
 
 
 @pytest.fixture
