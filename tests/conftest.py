@@ -10,7 +10,7 @@ import shutil
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import pytest
@@ -24,7 +24,7 @@ from slotgate.settings import Settings
 from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
-from tests.support.hostile import Hostile
+from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -140,12 +140,29 @@ async def serve(settings: Settings, app: Gateway | None = None) -> RunningGate:
     return RunningGate(app, server, task)
 
 
+class Upstream(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+Started = TypeVar("Started", bound=Upstream)
+
+
+@contextlib.asynccontextmanager
+async def kept_running(upstream: Started) -> AsyncIterator[Started]:
+    """The upstream started, and stopped at the end."""
+    await upstream.start()
+    try:
+        yield upstream
+    finally:
+        await upstream.stop()
+
+
 @pytest.fixture
 async def standin() -> AsyncIterator[StandIn]:
-    upstream = StandIn()
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
+    """A stand-in llama-server (tests/support/standin.py)."""
+    async with kept_running(StandIn()) as upstream:
+        yield upstream
 
 
 StartUpstreams = Callable[..., Awaitable[None]]
@@ -188,12 +205,17 @@ max_queued = 2
 """
 
 
+def write_keys(directory: Path, text: str) -> Path:
+    """An API_KEYS_FILE in `directory` that says `text`."""
+    path = directory / "keys.toml"
+    path.write_text(text)
+    return path
+
+
 @pytest.fixture
 def keys_file(tmp_path: Path) -> Path:
     """An API_KEYS_FILE of TENANTS."""
-    path = tmp_path / "keys.toml"
-    path.write_text(TENANTS)
-    return path
+    return write_keys(tmp_path, TENANTS)
 
 
 @pytest.fixture
@@ -211,10 +233,47 @@ def valkey() -> Iterator[Valkey]:
 @pytest.fixture
 async def hostile() -> AsyncIterator[Hostile]:
     """An upstream that misbehaves as the test scripts it (tests/support/hostile.py)."""
-    upstream = Hostile()
-    await upstream.start()
-    yield upstream
-    await upstream.stop()
+    async with kept_running(Hostile()) as upstream:
+        yield upstream
+
+
+async def before_hostile(
+    start_gate: GateFactory, hostile: Hostile, **overrides: Any
+) -> RunningGate:
+    """slotgate before the hostile upstream. It reads /props once, at the start: a poll in the
+    middle of a test would take pooled connections the test is watching."""
+    values: dict[str, Any] = {"props_refresh_interval_s": 60, **overrides}
+    gate: RunningGate = await start_gate(llama_server_url=hostile.url, **values)
+    return gate
+
+
+async def waiting_before_hostile(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
+    """`before_hostile`, giving a stream that waits slotgate's head at once and a keep-alive
+    comment each second."""
+    return await before_hostile(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
+
+
+async def read_stream(client: httpx.AsyncClient, url: str) -> bytes:
+    async with client.stream("POST", url, json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        return b"".join([chunk async for chunk in response.aiter_raw()])
+
+
+async def answered_after_waiting(
+    gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient, answer: Answer
+) -> bytes:
+    """What a stream gets that waited in line, its 200 head already out (STREAM_HEAD_AFTER_S=0),
+    while a stream held the only slot, and that llama-server then answers with `answer`."""
+    release = asyncio.Event()
+    hostile.script.append(held(release, stream(*CHAT_STREAM)))
+    holder = asyncio.create_task(read_stream(client, gate.url + CHAT))
+    await gate.until(lambda: len(hostile.served()) == 1)
+    waiter = asyncio.create_task(read_stream(client, gate.url + CHAT))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    hostile.script.append(answer)
+    release.set()
+    await holder
+    return await waiter
 
 
 @pytest.fixture
@@ -282,6 +341,17 @@ def assert_lines(text: str, *lines: str) -> None:
     assert not missing, missing
 
 
+async def error_answered(
+    client: httpx.AsyncClient, gate: RunningGate, status: int, **body: Any
+) -> dict[str, Any]:
+    """The error of a chat answered with `status`, its slot already given back."""
+    response = await client.post(gate.url + CHAT, json=chat(**body))
+    assert response.status_code == status
+    assert gate.service.admission.active == 0
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
 def assert_not_ready(response: httpx.Response) -> None:
     """A 503 saying llama-server is not ready yet, to be asked again in a second."""
     assert response.status_code == 503
@@ -341,6 +411,19 @@ def one_slot(start_gate: GateFactory, standin: StandIn) -> GateFactory:
         standin.tokens, standin.token_delay_s = tokens, 0.05
         standin.total_slots = 1
         gate: RunningGate = await start_gate(**settings)
+        return gate
+
+    return start
+
+
+@pytest.fixture
+def loading_gate(start_gate: GateFactory, standin: StandIn) -> GateFactory:
+    """Start slotgate with the given settings before a stand-in still loading its model, so
+    that the capacity is not known yet (until the test sets `standin.loading = False`)."""
+
+    async def start(**settings: Any) -> RunningGate:
+        standin.loading = True
+        gate: RunningGate = await start_gate(ready=False, **settings)
         return gate
 
     return start

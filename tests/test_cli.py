@@ -31,6 +31,7 @@ from tests.conftest import chat, needs_engine, serve
 from tests.support.standin import StandIn
 
 if TYPE_CHECKING:
+    from slotgate.engine.engines import Engines
     from slotgate.main import Service
 
 APP = Path(__file__).resolve().parent.parent / "app"
@@ -279,9 +280,22 @@ async def test_a_props_404_names_the_url_tried_and_the_v1_mistake() -> None:
 
 
 class Process:
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, url: str, standin: StandIn) -> None:
         self.proc = proc
         self.url = url
+        self.standin = standin
+
+    @contextlib.asynccontextmanager
+    async def streaming(
+        self, client: httpx.AsyncClient, tokens: int
+    ) -> AsyncIterator[tuple[AsyncIterator[bytes], bytes]]:
+        """A streamed chat of `tokens` tokens 0.05 s apart under way: the rest of its chunks,
+        and its first one."""
+        self.standin.tokens, self.standin.token_delay_s = tokens, 0.05
+        completions = self.url + "/v1/chat/completions"
+        async with client.stream("POST", completions, json=chat(stream=True)) as r:
+            chunks = r.aiter_raw()
+            yield chunks, await anext(chunks)
 
 
 @pytest.fixture
@@ -295,7 +309,7 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "slotgate", env=env, stderr=asyncio.subprocess.PIPE
     )
-    process = Process(proc, f"http://127.0.0.1:{port}")
+    process = Process(proc, f"http://127.0.0.1:{port}", standin)
     try:
         async with httpx.AsyncClient() as client, asyncio.timeout(20):
             while True:
@@ -310,16 +324,11 @@ async def slotgate(standin: StandIn, request: pytest.FixtureRequest) -> AsyncIte
             await proc.wait()
 
 
-async def test_sigterm_lets_running_streams_finish_then_exits_zero(
-    slotgate: Process, standin: StandIn
-) -> None:
-    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, within DRAIN_TIMEOUT_S=1
+async def test_sigterm_lets_running_streams_finish_then_exits_zero(slotgate: Process) -> None:
     async with (
         httpx.AsyncClient(timeout=10) as client,
-        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+        slotgate.streaming(client, 6) as (chunks, body),  # 0.3 s, within DRAIN_TIMEOUT_S=1
     ):
-        chunks = r.aiter_raw()
-        body = await anext(chunks)
         slotgate.proc.send_signal(signal.SIGTERM)
         body += b"".join([c async for c in chunks])
     assert body.endswith(b"data: [DONE]\n\n")
@@ -331,15 +340,12 @@ async def test_sigterm_lets_running_streams_finish_then_exits_zero(
     "slotgate", [{}, {"ADMISSION_CONTROL": "false"}], ids=["gated", "ungated"], indirect=True
 )
 async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
-    slotgate: Process, standin: StandIn
+    slotgate: Process,
 ) -> None:
-    standin.tokens, standin.token_delay_s = 200, 0.05  # 10 s, past DRAIN_TIMEOUT_S=1
     async with (
         httpx.AsyncClient(timeout=20) as client,
-        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+        slotgate.streaming(client, 200) as (chunks, body),  # 10 s, past DRAIN_TIMEOUT_S=1
     ):
-        chunks = r.aiter_raw()
-        body = await anext(chunks)
         plain = asyncio.create_task(client.post(slotgate.url + "/v1/chat/completions", json=chat()))
         await asyncio.sleep(0.3)
         slotgate.proc.send_signal(signal.SIGTERM)
@@ -357,22 +363,19 @@ async def test_streams_still_running_at_the_drain_timeout_are_cut_with_an_error(
     logged = (await slotgate.proc.stderr.read()).decode()
     assert "Traceback" not in logged  # a cut request is an answer, not an error of slotgate's
     await asyncio.sleep(0.2)
-    assert standin.running == 0  # the upstream requests were closed, not left running
+    assert slotgate.standin.running == 0  # the upstream requests were closed, not left running
 
 
 async def test_after_sigterm_readyz_stops_saying_ready_and_new_connections_are_refused(
-    slotgate: Process, standin: StandIn
+    slotgate: Process,
 ) -> None:
-    standin.tokens, standin.token_delay_s = 6, 0.05  # 0.3 s, well within DRAIN_TIMEOUT_S=1
     seen: list[int] = []
     limits = httpx.Limits(max_keepalive_connections=0)  # each probe a new connection
     async with (
         httpx.AsyncClient(timeout=10) as client,
         httpx.AsyncClient(timeout=5, limits=limits) as probe,
-        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+        slotgate.streaming(client, 6) as (chunks, body),  # 0.3 s, well within DRAIN_TIMEOUT_S=1
     ):
-        chunks = r.aiter_raw()
-        body = await anext(chunks)
         slotgate.proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(5):
             while True:
@@ -447,27 +450,49 @@ def fake_engine_env(tmp_path: Path, mode: str) -> tuple[Path, Path, dict[str, st
     return model, record, env
 
 
+def two_fake_replicas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Engines:
+    """Two engines of one slot each on the fake llama-server, not started yet."""
+    from slotgate.engine.engines import Engines
+
+    model, _, env = fake_engine_env(tmp_path, "serve")
+    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
+        monkeypatch.setenv(name, env[name])
+    return Engines.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
+                             threads=1, replicas=2)  # fmt: skip
+
+
+@contextlib.contextmanager
+def on_fake_engine(
+    tmp_path: Path, mode: str, **popen: Any
+) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """`slotgate --model` on the fake llama-server in `mode` (see fake_engine_env), killed
+    however the test ends; the process, and where the fake records its call."""
+    model, record, env = fake_engine_env(tmp_path, mode)
+    with subprocess.Popen(
+        [sys.executable, "-m", "slotgate", "--model", str(model)],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        **popen,
+    ) as proc:  # fmt: skip
+        try:
+            yield proc, record
+        finally:
+            proc.kill()
+
+
 def test_ctrl_c_while_the_engine_loads_stops_it_with_one_line_and_no_traceback(
     tmp_path: Path,
 ) -> None:
     from tests.support.fake_engine import wait_gone
 
-    model, record, env = fake_engine_env(tmp_path, "mute")
-    with subprocess.Popen(
-        [sys.executable, "-m", "slotgate", "--model", str(model)],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        # A runner started in the background by a shell without job control ignores SIGINT,
-        # and so would slotgate, which inherits that: the test is of Ctrl-C at a terminal.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    ) as proc:  # fmt: skip
-        try:
-            while not record.exists() or not record.read_text().endswith("}"):
-                assert proc.poll() is None
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGINT)
-            _, stderr = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
+    # A runner started in the background by a shell without job control ignores SIGINT,
+    # and so would slotgate, which inherits that: the test is of Ctrl-C at a terminal.
+    terminal = {"preexec_fn": lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)}
+    with on_fake_engine(tmp_path, "mute", **terminal) as (proc, record):
+        while not record.exists() or not record.read_text().endswith("}"):
+            assert proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == "slotgate: interrupted while starting; stopped"
@@ -496,23 +521,16 @@ def test_port_0_on_a_name_with_two_addresses_listens_on_one_port_for_both(
 def test_an_engine_that_dies_under_slotgate_stops_it_with_status_1_and_its_last_lines(
     tmp_path: Path,
 ) -> None:
-    model, record, env = fake_engine_env(tmp_path, "serve")
-    with subprocess.Popen(
-        [sys.executable, "-m", "slotgate", "--model", str(model)],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    ) as proc:  # fmt: skip
-        try:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                if "llama.cpp is ready" in line:
-                    break
-            server = json.loads(record.read_text())["pid"]
-            # The engine is the fake llama-server's parent: the child slotgate started.
-            engine = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            os.kill(engine, signal.SIGKILL)
-            _, stderr = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
+    with on_fake_engine(tmp_path, "serve") as (proc, record):
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "llama.cpp is ready" in line:
+                break
+        server = json.loads(record.read_text())["pid"]
+        # The engine is the fake llama-server's parent: the child slotgate started.
+        engine = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(engine, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert "the local llama.cpp engine was killed by SIGKILL; slotgate stops" in stderr
     assert "llama.cpp ended; its last lines before that:" in stderr
@@ -596,7 +614,6 @@ def test_gpus_alone_start_one_replica_for_each() -> None:
 def test_replicas_put_every_engine_behind_the_gate_and_all_stop_when_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slotgate.engine.engines import Engines
 
     from tests.support.fake_engine import health, running
 
@@ -633,14 +650,9 @@ def test_a_replica_that_dies_leaves_slotgate_serving_until_the_last_one_goes(
     caplog: pytest.LogCaptureFixture,
     together: bool,
 ) -> None:
-    from slotgate.engine.engines import Engines
     from slotgate.engine.process import LocalEngine
 
-    model, _, env = fake_engine_env(tmp_path, "serve")
-    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
-        monkeypatch.setenv(name, env[name])
-    local = Engines.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
-                                 threads=1, replicas=2)  # fmt: skip
+    local = two_fake_replicas(tmp_path, monkeypatch)
     # A gate without upstreams: what it tells them is another test's.
     gate = cast("Service", SimpleNamespace(fleet=SimpleNamespace(upstreams=[])))
     server = cli.Server(uvicorn.Config(lambda: None), gate, local)
@@ -730,7 +742,7 @@ def test_with_replicas_a_dead_engine_leaves_the_gate_ready_on_the_other_and_the_
 
 
 async def test_sighup_without_api_keys_file_is_logged_and_leaves_slotgate_serving(
-    slotgate: Process, standin: StandIn
+    slotgate: Process,
 ) -> None:
     assert slotgate.proc.stderr is not None
     said: list[str] = []
@@ -755,15 +767,12 @@ async def test_sighup_without_api_keys_file_is_logged_and_leaves_slotgate_servin
 
 
 async def test_a_second_ctrl_c_during_the_drain_exits_at_once_with_one_line(
-    slotgate: Process, standin: StandIn
+    slotgate: Process,
 ) -> None:
-    standin.tokens, standin.token_delay_s = 400, 0.05  # 20 s, past any drain here
     async with (
         httpx.AsyncClient(timeout=20) as client,
-        client.stream("POST", slotgate.url + "/v1/chat/completions", json=chat(stream=True)) as r,
+        slotgate.streaming(client, 400) as (chunks, _),  # 20 s, past any drain here
     ):
-        chunks = r.aiter_raw()
-        await anext(chunks)
         slotgate.proc.send_signal(signal.SIGINT)
         await asyncio.sleep(0.2)
         slotgate.proc.send_signal(signal.SIGINT)
@@ -795,13 +804,8 @@ def test_a_misspelt_setting_in_the_environment_stops_start_up_with_one_line(
 async def test_a_managed_engine_that_dies_takes_its_slots_out_of_readiness_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from slotgate.engine.engines import Engines
 
-    model, _, env = fake_engine_env(tmp_path, "serve")
-    for name in ("LLAMA_SERVER_BIN", "FAKE_RECORD"):
-        monkeypatch.setenv(name, env[name])
-    local = Engines.from_args(model=str(model), demo=False, parallel=1, ctx_size=64,
-                                 threads=1, replicas=2)  # fmt: skip
+    local = two_fake_replicas(tmp_path, monkeypatch)
     local.start()
     gate = None
     try:

@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -603,6 +604,13 @@ class Balanced:
     def seen(self) -> list[str]:
         return [request for replica in self.replicas.values() for request in replica.seen]
 
+    def chat(
+        self, session: aiohttp.ClientSession, scenario: str
+    ) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """A chat POST through the balancer, that the replica answers as `scenario` says."""
+        completions = f"{self.url}/v1/chat/completions"
+        return session.post(completions, headers={"x-scenario": scenario})
+
 
 @pytest.fixture
 async def balanced(tmp_path: Path) -> AsyncIterator[Balanced]:
@@ -647,10 +655,7 @@ async def balanced(tmp_path: Path) -> AsyncIterator[Balanced]:
 async def test_through_the_balancer_each_event_reaches_the_client_as_the_replica_sends_it(
     balanced: Balanced,
 ) -> None:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "stream"}) as r,
-    ):
+    async with aiohttp.ClientSession() as session, balanced.chat(session, "stream") as r:
         assert r.status == 200
         # The replica holds its second event until the client has the first: a balancer that
         # held events back until the stream ended would time out here.
@@ -664,10 +669,7 @@ async def test_through_the_balancer_each_event_reaches_the_client_as_the_replica
 async def test_the_balancer_hands_a_429_and_its_retry_after_through_and_asks_no_other_replica(
     balanced: Balanced,
 ) -> None:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "busy"}) as r,
-    ):
+    async with aiohttp.ClientSession() as session, balanced.chat(session, "busy") as r:
         assert r.status == 429
         assert r.headers["Retry-After"] == "7"
         assert r.headers["Content-Type"] == "application/json"
@@ -680,9 +682,7 @@ async def test_a_post_whose_replica_drops_it_is_not_sent_to_the_other_replica(
 ) -> None:
     async with aiohttp.ClientSession() as session:
         for _ in range(2):  # one for each replica in turn
-            async with session.post(
-                f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "drop"}
-            ) as r:
+            async with balanced.chat(session, "drop") as r:
                 assert r.status == 502
     # A generation runs at most once: each POST reached one replica and no other.
     assert sorted(balanced.seen()) == ["POST /v1/chat/completions"] * 2
@@ -729,10 +729,7 @@ async def test_a_client_that_leaves_while_waiting_closes_the_balancer_s_connecti
 async def test_a_client_that_leaves_mid_stream_closes_the_balancer_s_connection_to_the_replica(
     balanced: Balanced,
 ) -> None:
-    async with aiohttp.ClientSession() as session:
-        r = await session.post(
-            f"{balanced.url}/v1/chat/completions", headers={"x-scenario": "endless"}
-        )
+    async with aiohttp.ClientSession() as session, balanced.chat(session, "endless") as r:
         assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
         r.close()  # the client's connection is dropped, not returned to a pool
     (replica,) = [replica for replica in balanced.replicas.values() if replica.seen]

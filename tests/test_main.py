@@ -15,10 +15,9 @@ from tests.support.standin import StandIn
 
 
 async def test_healthz_answers_even_without_llama_server(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    loading_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False)
+    gate = await loading_gate()
     assert (await client.get(gate.url + "/healthz")).json() == {"status": "ok"}
     readyz = await client.get(gate.url + "/readyz")
     assert readyz.status_code == 503

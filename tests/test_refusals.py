@@ -72,10 +72,9 @@ async def test_a_refused_key_on_slotgates_own_routes_carries_the_request_id(
 
 
 async def test_a_not_ready_answer_of_readyz_carries_the_request_id(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    loading_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False)
+    gate = await loading_gate()
     answer = await client.get(gate.url + "/readyz")
     assert answer.status_code == 503
     assert answer.headers["request-id"]

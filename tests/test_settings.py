@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from slotgate.settings import RENAMED, Settings, describe, misspelt, mistyped, near_miss, renamed
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Path:
+    """Where the test's .env file goes; not written yet."""
+    return tmp_path / ".env"
 
 
 def test_defaults_match_the_documented_ones() -> None:
@@ -20,10 +28,7 @@ def test_defaults_match_the_documented_ones() -> None:
     assert settings.max_body_bytes == 32 * 1024 * 1024
 
 
-def test_environment_and_dotenv_are_read(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
-) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
+def test_environment_and_dotenv_are_read(monkeypatch: pytest.MonkeyPatch, env: Path) -> None:
     env.write_text("MAX_QUEUE=7\nAPI_KEYS= a, b ,,\nLLAMA_SERVER_URL=http://llama:8080/\n")
     monkeypatch.setenv("QUEUE_TIMEOUT_S", "2.5")
     monkeypatch.setenv("LOG_LEVEL", "DEBUG")
@@ -99,9 +104,8 @@ def test_a_url_with_credentials_is_refused_without_echoing_them(
 
 
 def test_dotenv_keys_close_to_a_setting_are_named_with_the_setting(
-    tmp_path: pytest.TempPathFactory,
+    env: Path,
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text(
         "QUEUES_PER_SLOTS=4\nmaxqueue=3\nLLAMA_SERVER_BINARY=x\nMAX_QUEUE=2\n"
         "LLAMA_ARG_API_KEY=k\nCOMPOSE_FILE=docker/compose.yaml\nSLOTGATE_PORT=8000\n"
@@ -113,14 +117,13 @@ def test_dotenv_keys_close_to_a_setting_are_named_with_the_setting(
     ]  # maxqueue is a near miss: it stops start-up instead (mistyped)
 
 
-def test_no_dotenv_is_nothing_to_warn_about(tmp_path: pytest.TempPathFactory) -> None:
-    assert misspelt(tmp_path / ".env") == []  # type: ignore[operator]
+def test_no_dotenv_is_nothing_to_warn_about(env: Path) -> None:
+    assert misspelt(env) == []
 
 
 def test_a_bad_value_from_dotenv_names_the_file_and_a_refused_url_says_why_plainly(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, env: Path
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text("LLAMA_SERVER_URL=ftp://llama\n")
     monkeypatch.delenv("LLAMA_SERVER_URL", raising=False)
     with pytest.raises(ValidationError) as caught:
@@ -132,9 +135,8 @@ def test_a_bad_value_from_dotenv_names_the_file_and_a_refused_url_says_why_plain
 
 
 def test_a_bad_value_from_the_environment_is_not_blamed_on_dotenv(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, env: Path
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text("PORT=8001\n")
     monkeypatch.setenv("PORT", "abc")
     with pytest.raises(ValidationError) as caught:
@@ -215,9 +217,8 @@ def test_a_name_is_a_near_miss_only_when_a_setting_was_surely_meant(
 
 
 def test_a_misspelt_setting_in_the_environment_or_dotenv_is_one_line_naming_it(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, env: Path
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     monkeypatch.setenv("MAXQUEUE", "2")
     assert mistyped(env) == (
         "slotgate: MAXQUEUE is set in the environment, but slotgate reads MAX_QUEUE: rename it "
@@ -234,10 +235,9 @@ def test_a_misspelt_setting_in_the_environment_or_dotenv_is_one_line_naming_it(
 
 
 def test_loglevel_in_the_environment_is_left_to_the_programs_that_read_it_but_not_in_dotenv(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, env: Path
 ) -> None:
     # Many images and tools read LOGLEVEL from the environment: it must not stop slotgate.
-    env = tmp_path / ".env"  # type: ignore[operator]
     monkeypatch.setenv("LOGLEVEL", "debug")
     assert mistyped(env) is None
     env.write_text("LOGLEVEL=debug\n")
@@ -249,9 +249,8 @@ def test_loglevel_in_the_environment_is_left_to_the_programs_that_read_it_but_no
 
 @pytest.mark.parametrize(("old", "new"), RENAMED.items())
 def test_a_renamed_setting_is_still_read_under_its_old_name_and_warned_about(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory, old: str, new: str
+    monkeypatch: pytest.MonkeyPatch, env: Path, old: str, new: str
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     monkeypatch.setenv(old, "7")
     assert getattr(Settings(_env_file=env), new.lower()) == 7
     assert near_miss(old) is None  # a name slotgate reads, not a slip
@@ -262,9 +261,8 @@ def test_a_renamed_setting_is_still_read_under_its_old_name_and_warned_about(
 
 
 def test_a_renamed_setting_under_its_new_name_wins_wherever_either_is_set(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, env: Path
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text("QUEUE_TIMEOUT_S=2\nREDIS_TTL=4\n")
     monkeypatch.setenv("QUEUE_TIMEOUT", "9")
     settings = Settings(_env_file=env)
@@ -280,9 +278,8 @@ def test_a_renamed_setting_under_its_new_name_wins_wherever_either_is_set(
 
 
 def test_a_bad_value_under_an_old_name_names_the_variable_as_it_was_set(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+    monkeypatch: pytest.MonkeyPatch, env: Path
 ) -> None:
-    env = tmp_path / ".env"  # type: ignore[operator]
     env.write_text("STARTUP_WAIT=-1\n")
     with pytest.raises(ValidationError) as caught:
         Settings(_env_file=env)

@@ -16,11 +16,10 @@ from tests.support.standin import StandIn
 
 
 async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_served(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    loading_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(
-        ready=False, props_refresh_interval_s=30, keepalive_interval_s=5, stream_head_after_s=0
+    gate = await loading_gate(
+        props_refresh_interval_s=30, keepalive_interval_s=5, stream_head_after_s=0
     )
     plain = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
@@ -39,21 +38,25 @@ async def test_a_request_that_arrives_while_llama_server_loads_waits_and_is_serv
     assert (await client.get(gate.url + "/readyz")).status_code == 200
 
 
-async def test_past_the_startup_wait_the_request_gets_503_with_retry_after(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+@pytest.mark.parametrize("startup_wait_s", [0, 0.3], ids=["no-startup-wait", "past-it"])
+async def test_a_request_past_the_startup_wait_gets_503_not_ready_until_capacity_is_known(
+    loading_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, startup_wait_s: float
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, startup_wait_s=0.3)
+    gate = await loading_gate(startup_wait_s=startup_wait_s)
     response = await client.post(gate.url + CHAT, json=chat())
-    assert_not_ready(response)
-    assert [seen.path for seen in standin.seen if seen.path == CHAT] == []
+    assert_not_ready(response)  # a 503 with Retry-After
+    assert (await client.get(gate.url + "/readyz")).status_code == 503
+    assert standin.seen == []
+    standin.loading = False
+    await gate.until(lambda: gate.service.upstream.ready)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    assert (await client.get(gate.url + "/readyz")).status_code == 200
 
 
 async def test_a_request_too_big_for_the_pool_that_came_is_refused_when_it_is_known(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    loading_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False)
+    gate = await loading_gate()
     asked = asyncio.create_task(client.post(gate.url + CHAT, json=chat(n=3)))
     await gate.until(lambda: gate.service.admission.queued == 1)
     standin.loading = False

@@ -4,7 +4,8 @@ cache fails every request when sent straight to it, and succeeds whole through s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ from slotgate.engine.model import demo_model
 from slotgate.engine.process import LocalEngine, find_binary
 from slotgate.settings import Settings
 
-from tests.conftest import serve
+from tests.conftest import RunningGate, serve
 from tests.e2e.conftest import eventually
 
 pytestmark = pytest.mark.e2e
@@ -44,6 +45,21 @@ def story(i: int) -> dict[str, Any]:
     }
 
 
+@contextlib.asynccontextmanager
+async def budgeted_gate(unified: LocalEngine) -> AsyncIterator[RunningGate]:
+    """slotgate before the unified cache with its KV budget, once ready; stopped at the end."""
+    settings = Settings(
+        _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
+        keepalive_interval_s=0, log_level="warning",
+    )  # fmt: skip
+    gate = await serve(settings)
+    try:
+        await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
+        yield gate
+    finally:
+        await gate.stop()
+
+
 async def burst(client: httpx.AsyncClient, url: str) -> list[httpx.Response]:
     return await asyncio.gather(
         *(client.post(url + "/v1/chat/completions", json=story(i)) for i in range(SLOTS))
@@ -59,13 +75,7 @@ async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_th
         assert [r.status_code for r in direct] == [500] * SLOTS
         assert all("Context size has been exceeded" in r.text for r in direct)
 
-        settings = Settings(
-            _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
-            keepalive_interval_s=0, log_level="warning",
-        )  # fmt: skip
-        gate = await serve(settings)
-        try:
-            await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
+        async with budgeted_gate(unified) as gate:
             assert gate.service.admission.budget_tokens == CTX
             gated = await burst(client, gate.url)
             assert [r.status_code for r in gated] == [200] * SLOTS
@@ -80,8 +90,6 @@ async def test_a_burst_too_big_for_a_shared_cache_fails_directly_and_succeeds_th
             assert error["type"] == "exceed_context_size_error"
             assert error["n_ctx"] == CTX
             assert error["n_prompt_tokens"] > CTX
-        finally:
-            await gate.stop()
 
 
 async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed_the_cache(
@@ -97,21 +105,12 @@ async def test_requests_that_set_no_limit_beside_a_small_max_tokens_never_exceed
         "max_tokens": 3,
         "ignore_eos": True,
     }
-    settings = Settings(
-        _env_file=None, llama_server_url=unified.url, kv_budget_tokens=unified.kv_budget_tokens,
-        keepalive_interval_s=0, log_level="warning",
-    )  # fmt: skip
-    gate = await serve(settings)
-    try:
-        await eventually(lambda: gate.service.upstream.ready, timeout_s=10)
-        async with httpx.AsyncClient(timeout=900) as client:
-            answers = await asyncio.gather(
-                *(client.post(gate.url + "/v1/chat/completions", json=body) for _ in range(2))
-            )
+    async with budgeted_gate(unified) as gate, httpx.AsyncClient(timeout=900) as client:
+        answers = await asyncio.gather(
+            *(client.post(gate.url + "/v1/chat/completions", json=body) for _ in range(2))
+        )
         exceeded = [r for r in answers if "Context size has been exceeded" in r.text]
         assert exceeded == []
         assert [r.status_code for r in answers] == [200, 200]
         assert all(r.json()["usage"]["completion_tokens"] > 3 for r in answers)
         assert gate.service.admission.committed_tokens == 0
-    finally:
-        await gate.stop()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ import httpx
 import pytest
 from slotgate.engine.process import LocalEngine
 
+from tests.conftest import RunningGate
 from tests.e2e.conftest import POLL_S, GateFactory, Llama, Watch, chat, eventually
 
 pytestmark = pytest.mark.e2e
@@ -176,27 +177,20 @@ async def llama_changed(llama: Llama, before: set[int]) -> bool:
     return not before <= await llama.busy_tasks()
 
 
-async def test_a_client_leaving_the_line_never_reaches_llama_cpp(
-    start_gate: GateFactory,
+async def assert_a_waiter_that_leaves_never_reaches_llama_cpp(
+    gate: RunningGate,
     client: httpx.AsyncClient,
     llama: Llama,
-    watching: Any,
+    watch: Watch,
+    leave: Callable[[], Awaitable[None]],
 ) -> None:
-    gate = await start_gate()
+    """With both slots held by long streams, `leave()` puts a waiter in the line and has it
+    leave; once a slot is free, llama.cpp must not have seen it."""
     admission = gate.service.admission
-    watch: Watch = watching()
-    # A length nobody else asks for, so llama.cpp's /slots would show it had it run.
-    quitter = chat(7, stream=False, content="A question nobody else asks: why is the sky blue?")
-
     async with generating(client, gate.url, chat(1000, stream=True)):
         async with generating(client, gate.url, chat(1000, stream=True)):
             prompts_before = (await llama.metrics())["prompt_tokens_total"]
-            waiting = asyncio.create_task(client.post(gate.url + "/v1/chat/completions",
-                                                      json=quitter))  # fmt: skip
-            await eventually(lambda: admission.queued == 1, timeout_s=5)
-            waiting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiting
+            await leave()
             await eventually(lambda: admission.queued == 0, timeout_s=1)
         # A slot is free now: a waiter that had not really left would take it.
         await asyncio.sleep(2 * POLL_S)
@@ -207,6 +201,28 @@ async def test_a_client_leaving_the_line_never_reaches_llama_cpp(
     assert (await llama.metrics())["prompt_tokens_total"] == prompts_before
     assert all(slot["params"]["n_predict"] == 1000 for slot in await llama.slots())
     assert watch.max_deferred == 0
+
+
+async def test_a_client_leaving_the_line_never_reaches_llama_cpp(
+    start_gate: GateFactory,
+    client: httpx.AsyncClient,
+    llama: Llama,
+    watching: Any,
+) -> None:
+    gate = await start_gate()
+    # A length nobody else asks for, so llama.cpp's /slots would show it had it run.
+    quitter = chat(7, stream=False, content="A question nobody else asks: why is the sky blue?")
+
+    async def leave() -> None:
+        waiting = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=quitter))
+        await eventually(lambda: gate.service.admission.queued == 1, timeout_s=5)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+
+    await assert_a_waiter_that_leaves_never_reaches_llama_cpp(
+        gate, client, llama, watching(), leave
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

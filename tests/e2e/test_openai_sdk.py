@@ -47,10 +47,7 @@ async def test_the_sync_sdk_gets_a_whole_completion(start_gate: GateFactory) -> 
 
     completion = await asyncio.to_thread(ask)
 
-    assert completion.choices[0].finish_reason == "length"
-    assert completion.choices[0].message.content
-    assert completion.usage is not None
-    assert completion.usage.completion_tokens == TOKENS
+    assert_whole(completion)
 
 
 async def test_the_sync_sdk_streams_a_completion(start_gate: GateFactory) -> None:
@@ -77,10 +74,7 @@ async def test_the_async_sdk_gets_a_whole_completion(start_gate: GateFactory) ->
             model="any", messages=MESSAGES, max_tokens=TOKENS, extra_body=EXACT_LENGTH
         )
 
-    assert completion.choices[0].finish_reason == "length"
-    assert completion.choices[0].message.content
-    assert completion.usage is not None
-    assert completion.usage.completion_tokens == TOKENS
+    assert_whole(completion)
 
 
 async def test_the_async_sdk_streams_a_completion(start_gate: GateFactory) -> None:
@@ -94,6 +88,14 @@ async def test_the_async_sdk_streams_a_completion(start_gate: GateFactory) -> No
         chunks = [chunk async for chunk in stream]
 
     assert_streamed(chunks)
+
+
+def assert_whole(completion: ChatCompletion) -> None:
+    """A whole completion, of exactly the length asked for."""
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.choices[0].message.content
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == TOKENS
 
 
 def assert_streamed(chunks: list[ChatCompletionChunk]) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ import slotgate.engine.process
 from slotgate.engine.process import LocalEngine, free_port
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, serve
+from tests.conftest import CHAT, RunningGate, serve
 from tests.e2e.conftest import POLL_S, PROMPT, Llama, Watch, chat, eventually
 
 pytestmark = pytest.mark.e2e
@@ -52,32 +53,38 @@ class Sent:
         return self.sent_at <= kill[1] and self.done_at >= kill[0]
 
 
-def engine() -> LocalEngine:
-    return LocalEngine.from_args(model=None, demo=True, parallel=SLOTS, ctx_size=2048, threads=1)
+def engine(parallel: int = SLOTS) -> LocalEngine:
+    return LocalEngine.from_args(model=None, demo=True, parallel=parallel, ctx_size=2048, threads=1)
+
+
+async def gate_on_one_port(
+    monkeypatch: pytest.MonkeyPatch, parallel: int, **settings: Any
+) -> tuple[LocalEngine, RunningGate]:
+    """The demo engine, started, with slotgate before it; every engine started after it (a
+    restart) takes its port."""
+    port = free_port()
+    monkeypatch.setattr(slotgate.engine.process, "free_port", lambda: port)
+    local = engine(parallel)
+    await asyncio.to_thread(local.start)
+    gate = await serve(
+        Settings(_env_file=None, llama_server_url=local.url, log_level="warning", **settings)
+    )
+    return local, gate
 
 
 async def test_restarts_under_a_trickle_give_no_503_and_a_client_that_saw_health_is_served(
     client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port = free_port()
-    monkeypatch.setattr(
-        slotgate.engine.process, "free_port", lambda: port
-    )  # every engine on one port
-    local = engine()
-    await asyncio.to_thread(local.start)
-    gate = await serve(
-        Settings(
-            _env_file=None,
-            llama_server_url=local.url,
-            # Bounds each wait for the restarted engine; generous, since loading the model
-            # on a loaded 2-core machine can take several times its usual few seconds.
-            startup_wait_s=60,
-            keepalive_interval_s=1,
-            # The line's limit is not the question here: on a loaded machine the trickle
-            # can outrun a 1-thread engine, and a 429 would hide what the test is about.
-            max_queue=500,
-            log_level="warning",
-        )
+    local, gate = await gate_on_one_port(
+        monkeypatch,
+        SLOTS,
+        # Bounds each wait for the restarted engine; generous, since loading the model on a
+        # loaded 2-core machine can take several times its usual few seconds.
+        startup_wait_s=60,
+        keepalive_interval_s=1,
+        # The line's limit is not the question here: on a loaded machine the trickle can
+        # outrun a 1-thread engine, and a 429 would hide what the test is about.
+        max_queue=500,
     )
     sent: list[Sent] = []
     #: Each kill: from the stop's start to the old engine's exit, on the clock.
@@ -187,19 +194,7 @@ async def test_a_prompt_array_waiting_while_llama_cpp_restarts_larger_holds_all_
 ) -> None:
     """A prompt array read while llama.cpp had one slot is counted at four once it runs on a
     restarted llama.cpp of four: nobody else is sent beside it, so llama.cpp defers nothing."""
-    port = free_port()
-    monkeypatch.setattr(slotgate.engine.process, "free_port", lambda: port)
-    local = LocalEngine.from_args(model=None, demo=True, parallel=1, ctx_size=2048, threads=1)
-    await asyncio.to_thread(local.start)
-    gate = await serve(
-        Settings(
-            _env_file=None,
-            llama_server_url=local.url,
-            startup_wait_s=120,
-            max_queue=50,
-            log_level="warning",
-        )
-    )
+    local, gate = await gate_on_one_port(monkeypatch, 1, startup_wait_s=120, max_queue=50)
     admission = gate.service.admission
     native = {"n_predict": 48, "ignore_eos": True}
     tasks: list[asyncio.Task[httpx.Response]] = []
@@ -214,7 +209,7 @@ async def test_a_prompt_array_waiting_while_llama_cpp_restarts_larger_holds_all_
         tasks.append(asyncio.create_task(client.post(gate.url + "/completion", json=array)))
         await eventually(lambda: admission.queued == 1, timeout_s=30)
         await asyncio.to_thread(local.stop)
-        local = LocalEngine.from_args(model=None, demo=True, parallel=4, ctx_size=2048, threads=1)
+        local = engine(4)
         await asyncio.to_thread(local.start)
         await eventually(lambda: admission.capacity == 4 and admission.active > 0, timeout_s=60)
         held_by_array = admission.active

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -373,7 +373,7 @@ def test_the_demo_model_s_harmless_quirk_is_not_a_warning_but_a_model_of_one_s_o
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="slotgate.engine"):
             local.start()
-            lines = forwarded(caplog, until="srv init: fake llama-server listening")
+            lines = forwarded(caplog, until=LISTENING)
         warned[demo] = (logging.WARNING, quirk) in lines
         local.stop()
 
@@ -410,17 +410,23 @@ def forwarded(caplog: pytest.LogCaptureFixture, until: str) -> list[tuple[int, s
         time.sleep(0.02)
 
 
+LISTENING = "srv init: fake llama-server listening"
+
+
+def start_logged(
+    local: LocalEngine, caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG
+) -> list[tuple[int, str]]:
+    """Starts the engine with its log captured at `level`; its lines once it listens."""
+    with caplog.at_level(level, logger="slotgate.engine"):
+        local.start()
+        return forwarded(caplog, until=LISTENING)
+
+
 def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warnings(
-    model: Path,
-    fake_server: Path,
-    engines: list[LocalEngine],
-    caplog: pytest.LogCaptureFixture,
+    model: Path, fake_server: Path, engines: list[LocalEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
     local = fake_engine(model, engines)
-
-    with caplog.at_level(logging.DEBUG, logger="slotgate.engine"):
-        local.start()
-        lines = forwarded(caplog, until="srv init: fake llama-server listening")
+    lines = start_logged(local, caplog)
 
     port = local.url.removeprefix("http://127.0.0.1:")
     call = recorded(fake_server)
@@ -431,7 +437,7 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warning
     assert call["env"]["LLAMA_LOG_PREFIX"] == "1"  # every line says its level
     assert health(local.url) == 200
     assert local.poll() is None
-    assert (logging.WARNING, "srv init: fake llama-server listening") in lines
+    assert (logging.WARNING, LISTENING) in lines
     # The context is the total (-c), split among the slots, as /props will show.
     assert (
         logging.INFO,
@@ -445,16 +451,9 @@ def test_the_engine_runs_llama_server_on_a_private_port_and_forwards_its_warning
 
 
 def test_with_the_whole_log_asked_for_every_line_is_forwarded_with_its_level(
-    model: Path,
-    fake_server: Path,
-    engines: list[LocalEngine],
-    caplog: pytest.LogCaptureFixture,
+    model: Path, fake_server: Path, engines: list[LocalEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    local = fake_engine(model, engines, log_all=True)
-
-    with caplog.at_level(logging.DEBUG, logger="slotgate.engine"):
-        local.start()
-        lines = forwarded(caplog, until="srv init: fake llama-server listening")
+    lines = start_logged(fake_engine(model, engines, log_all=True), caplog)
 
     assert (logging.INFO, "Hello<end_of_turn>'") in lines  # continues an information line
     assert (
@@ -464,10 +463,7 @@ def test_with_the_whole_log_asked_for_every_line_is_forwarded_with_its_level(
 
 
 def test_an_engine_that_dies_leaves_its_last_hidden_lines_in_the_log(
-    model: Path,
-    fake_server: Path,
-    engines: list[LocalEngine],
-    caplog: pytest.LogCaptureFixture,
+    model: Path, fake_server: Path, engines: list[LocalEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
     local = fake_engine(model, engines)
     with caplog.at_level(logging.INFO, logger="slotgate.engine"):
@@ -479,15 +475,11 @@ def test_an_engine_that_dies_leaves_its_last_hidden_lines_in_the_log(
 
 
 def test_an_engine_stopped_by_slotgate_leaves_nothing_more_in_the_log(
-    model: Path,
-    fake_server: Path,
-    engines: list[LocalEngine],
-    caplog: pytest.LogCaptureFixture,
+    model: Path, fake_server: Path, engines: list[LocalEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
     local = fake_engine(model, engines)
     with caplog.at_level(logging.INFO, logger="slotgate.engine"):
-        local.start()
-        forwarded(caplog, until="srv init: fake llama-server listening")
+        start_logged(local, caplog, logging.INFO)
         local.stop()
 
     assert not [r for r in caplog.records if "llama.cpp ended" in r.getMessage()]
@@ -693,38 +685,36 @@ def test_ports_chosen_together_are_distinct() -> None:
     assert len(set(ports)) == 32
 
 
+SideBySide = Callable[..., tuple[Engines, list[Path]]]
+
+
 @pytest.fixture
-def engine_sets() -> Iterator[list[Engines]]:
-    """Engines a test starts side by side, stopped even when the test fails half-way."""
+def side_by_side(model: Path, fake_server: Path, tmp_path: Path) -> Iterator[SideBySide]:
+    """Makes fake llama-servers side by side, each recording its call in a file of its own;
+    all stopped even when the test fails half-way."""
     started: list[Engines] = []
-    yield started
+
+    def make(replicas: int = 2, **options: Any) -> tuple[Engines, list[Path]]:
+        local = Engines.from_args(model=str(model), demo=False, parallel=3, ctx_size=1536,
+                                     replicas=replicas, **options)  # fmt: skip
+        records = [tmp_path / f"record-{number}.json" for number in range(1, replicas + 1)]
+        for engine, record in zip(local, records, strict=True):
+            engine.env["FAKE_RECORD"] = str(record)
+        started.append(local)
+        return local, records
+
+    yield make
     for local in started:
         local.stop()
 
 
-def fake_engines(
-    model: Path, tmp_path: Path, engine_sets: list[Engines], replicas: int = 2, **options: Any
-) -> tuple[Engines, list[Path]]:
-    """Fake llama-servers side by side, each recording its call in a file of its own."""
-    local = Engines.from_args(model=str(model), demo=False, parallel=3, ctx_size=1536,
-                                 replicas=replicas, **options)  # fmt: skip
-    records = [tmp_path / f"record-{number}.json" for number in range(1, replicas + 1)]
-    for engine, record in zip(local, records, strict=True):
-        engine.env["FAKE_RECORD"] = str(record)
-    engine_sets.append(local)
-    return local, records
-
-
 def test_replicas_run_each_on_its_own_port_with_its_thread_share_gpu_and_log(
-    model: Path,
-    fake_server: Path,
-    tmp_path: Path,
-    engine_sets: list[Engines],
+    side_by_side: SideBySide,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(engines_module, "default_threads", lambda: 3)
-    local, records = fake_engines(model, tmp_path, engine_sets, threads=None, gpus=("1", "0"))
+    local, records = side_by_side(threads=None, gpus=("1", "0"))
 
     with caplog.at_level(logging.INFO, logger="slotgate.engine"):
         local.start()
@@ -753,9 +743,9 @@ def test_replicas_run_each_on_its_own_port_with_its_thread_share_gpu_and_log(
 
 
 def test_an_explicit_thread_count_is_each_replica_s_own(
-    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
+    side_by_side: SideBySide,
 ) -> None:
-    local, _ = fake_engines(model, tmp_path, engine_sets, replicas=3, threads=2)
+    local, _ = side_by_side(replicas=3, threads=2)
     assert [engine.threads for engine in local] == [2, 2, 2]
     # Without --gpus each sees what slotgate sees.
     assert not [engine for engine in local if "CUDA_VISIBLE_DEVICES" in engine.env]
@@ -771,9 +761,9 @@ def test_one_replica_keeps_today_s_log_name_and_environment(model: Path, fake_se
 
 
 def test_replicas_start_side_by_side_not_one_after_another(
-    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
+    side_by_side: SideBySide,
 ) -> None:
-    local, records = fake_engines(model, tmp_path, engine_sets, threads=1)
+    local, records = side_by_side(threads=1)
     # The first answers /health only once the second has started: one after the other,
     # the local would wait on the first until its start timeout.
     first = local[0]
@@ -786,9 +776,9 @@ def test_replicas_start_side_by_side_not_one_after_another(
 
 
 def test_a_replica_that_fails_to_start_is_named_and_the_others_are_stopped(
-    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
+    side_by_side: SideBySide,
 ) -> None:
-    local, records = fake_engines(model, tmp_path, engine_sets, threads=1)
+    local, records = side_by_side(threads=1)
     # The second fails only once the first has recorded its call: it is running by then.
     local[1].env.update(FAKE_MODE="fail", FAKE_AWAIT=str(records[0]))
 
@@ -805,9 +795,9 @@ def test_a_replica_that_fails_to_start_is_named_and_the_others_are_stopped(
 
 
 def test_a_replica_that_dies_is_reported_once_while_the_others_keep_serving(
-    model: Path, fake_server: Path, tmp_path: Path, engine_sets: list[Engines]
+    side_by_side: SideBySide,
 ) -> None:
-    local, records = fake_engines(model, tmp_path, engine_sets, replicas=3, threads=1)
+    local, records = side_by_side(replicas=3, threads=1)
     local.start()
     assert local.ended() == []
 
@@ -825,15 +815,12 @@ def test_a_replica_that_dies_is_reported_once_while_the_others_keep_serving(
 
 
 def test_stop_asks_every_replica_before_waiting_for_any(
-    model: Path,
-    fake_server: Path,
-    tmp_path: Path,
-    engine_sets: list[Engines],
+    side_by_side: SideBySide,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv("FAKE_MODE", "stubborn")
-    local, records = fake_engines(model, tmp_path, engine_sets, threads=1)
+    local, records = side_by_side(threads=1)
     for engine in local:
         engine.stop_grace_s = 0.3
     local.start()

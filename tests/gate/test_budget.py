@@ -15,6 +15,7 @@ from slotgate.engine.process import LocalEngine
 from slotgate.errors import ContextExceeded
 from slotgate.gate.admission import Admission
 from slotgate.gate.policy import QueuePolicy
+from slotgate.gate.ticket import Ticket
 from slotgate.intake.cost import counted, estimate, local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.settings import Settings
@@ -35,6 +36,19 @@ def pool(capacity: int = 4, budget: int | None = 100) -> Admission:
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+async def waiting(ticket: Ticket) -> asyncio.Task[None]:
+    """The ticket's request, waiting for its turn."""
+    task = asyncio.create_task(ticket.wait())
+    await settle()
+    return task
+
+
+async def give_up(task: asyncio.Task[None]) -> None:
+    """The waiting request leaves (its client went away)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 # -- the admission core -----------------------------------------------------------------------
@@ -91,13 +105,9 @@ async def test_a_waiter_that_leaves_takes_no_tokens_with_it() -> None:
     admission = pool()
     holder = admission.enter(1, 90)
     waiter = admission.enter(1, 50)
-    task = asyncio.create_task(waiter.wait())
-    await settle()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await give_up(await waiting(waiter))
     holder.release()
-    assert admission.committed_tokens == 0
-    assert admission.queued == 0
+    assert (admission.committed_tokens, admission.queued) == (0, 0)
 
 
 async def test_a_waiter_handed_tokens_as_it_gives_up_passes_them_on() -> None:
@@ -105,11 +115,9 @@ async def test_a_waiter_handed_tokens_as_it_gives_up_passes_them_on() -> None:
     holder = admission.enter(1, 90)
     leaving = admission.enter(1, 50)
     behind = admission.enter(1, 50)
-    task = asyncio.create_task(leaving.wait())
-    await settle()
+    task = await waiting(leaving)
     holder.release()  # hands 50 to `leaving`, whose waiter has not resumed yet
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await give_up(task)
     await settle()
     assert behind.granted
     assert admission.committed_tokens == 50

@@ -32,12 +32,18 @@ def standin(standin: StandIn) -> StandIn:
 # -- the admission core -----------------------------------------------------------------------
 
 
+def budgeted(budget: int, **options: Any) -> Admission:
+    """An admission core with a KV budget of `budget` tokens."""
+    admission = Admission(QueuePolicy(), **options)
+    admission.resize_budget(budget)
+    return admission
+
+
 @pytest.mark.parametrize("budget", [-5, 0])
 async def test_a_budget_that_is_not_positive_does_not_bind_and_nothing_goes_negative(
     budget: int,
 ) -> None:
-    admission = Admission(QueuePolicy(), capacity=4)
-    admission.resize_budget(budget)
+    admission = budgeted(budget, capacity=4)
     ticket = admission.enter(1, 50)
     assert ticket.admitted
     assert admission.budget_tokens is None
@@ -47,8 +53,7 @@ async def test_a_budget_that_is_not_positive_does_not_bind_and_nothing_goes_nega
 
 
 async def test_a_cost_taken_while_the_capacity_is_unknown_is_cut_to_the_budget() -> None:
-    admission = Admission(QueuePolicy(), startup_wait_s=5)
-    admission.resize_budget(100)
+    admission = budgeted(100, startup_wait_s=5)
     ticket = admission.enter(1, 5000)
     assert ticket.cost == 100
     admission.resize(2)
@@ -59,8 +64,7 @@ async def test_a_cost_taken_while_the_capacity_is_unknown_is_cut_to_the_budget()
 
 
 async def test_waiters_let_in_as_the_capacity_becomes_known_are_weighed_by_the_budget() -> None:
-    admission = Admission(QueuePolicy(), startup_wait_s=5)
-    admission.resize_budget(100)
+    admission = budgeted(100, startup_wait_s=5)
     tickets = [admission.enter(1, 60) for _ in range(3)]
     admission.resize(4)
     await asyncio.sleep(0)
@@ -81,10 +85,9 @@ def test_a_context_size_that_is_not_positive_is_taken_as_unknown(n_ctx: int) -> 
 
 
 async def test_requests_that_arrive_while_llama_server_starts_are_admitted_by_the_budget(
-    start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
+    loading_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, kv_budget_tokens=1000, startup_wait_s=10)
+    gate = await loading_gate(kv_budget_tokens=1000, startup_wait_s=10)
     waiting = [
         asyncio.create_task(client.post(gate.url + CHAT, json=words(300, max_tokens=80)))
         for _ in range(4)

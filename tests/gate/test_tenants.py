@@ -13,6 +13,8 @@ import pytest
 from slotgate.errors import InvalidTenantsFile
 from slotgate.gate.tenants import BATCH, EVERYONE, INTERACTIVE, Tenant, Tenants, roster
 
+from tests.conftest import write_keys
+
 FILE = """
 [tenants.chat]
 key = "sk-chat"
@@ -31,15 +33,9 @@ weight = 0.5
 """
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "keys.toml"
-    path.write_text(text)
-    return path
-
-
 @pytest.fixture
 def keys_file(tmp_path: Path) -> Path:
-    return write(tmp_path, FILE.format(ops_digest=hashlib.sha256(b"sk-ops").hexdigest()))
+    return write_keys(tmp_path, FILE.format(ops_digest=hashlib.sha256(b"sk-ops").hexdigest()))
 
 
 def test_without_keys_everyone_is_one_tenant_and_needs_no_key() -> None:
@@ -145,7 +141,7 @@ def test_x_priority_may_lower_a_requests_band_but_never_raise_it(
 def test_a_bad_file_is_refused_in_one_line_naming_the_file_tenant_and_field(
     tmp_path: Path, text: str, message: str
 ) -> None:
-    path = write(tmp_path, text)
+    path = write_keys(tmp_path, text)
     with pytest.raises(InvalidTenantsFile) as caught:
         roster(path=path)
     line = str(caught.value)
@@ -158,12 +154,14 @@ def test_a_bad_file_is_refused_in_one_line_naming_the_file_tenant_and_field(
 def test_a_reload_puts_the_new_file_in_force_and_old_tenants_stay_whole(
     tmp_path: Path,
 ) -> None:
-    path = write(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nweight = 3\n')
+    path = write_keys(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nweight = 3\n')
     tenants = Tenants((), path)
     heard: list[tuple[str, ...]] = []
     tenants.listeners.append(lambda fresh: heard.append(tuple(t.name for t in fresh.tenants)))
     in_flight = tenants.identify(b"Bearer sk-chat", None)
-    write(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nweight = 5\n[tenants.new]\nkey = "sk-new"\n')
+    write_keys(
+        tmp_path, '[tenants.chat]\nkey = "sk-chat"\nweight = 5\n[tenants.new]\nkey = "sk-new"\n'
+    )
     assert tenants.reload()
     assert in_flight == Tenant("chat", weight=3)
     assert tenants.identify(b"Bearer sk-chat", None) == Tenant("chat", weight=5)
@@ -174,10 +172,10 @@ def test_a_reload_puts_the_new_file_in_force_and_old_tenants_stay_whole(
 def test_a_bad_reload_is_refused_logged_and_the_old_tenants_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = write(tmp_path, '[tenants.chat]\nkey = "sk-chat"\n')
+    path = write_keys(tmp_path, '[tenants.chat]\nkey = "sk-chat"\n')
     tenants = Tenants((), path)
     before = tenants.roster
-    write(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nmax_active = -2\n')
+    write_keys(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nmax_active = -2\n')
     with caplog.at_level(logging.INFO, logger="slotgate"):
         assert not tenants.reload()
     assert tenants.roster is before
@@ -188,12 +186,12 @@ def test_a_bad_reload_is_refused_logged_and_the_old_tenants_kept(
 
 
 async def test_sighup_reloads_the_file(tmp_path: Path) -> None:
-    path = write(tmp_path, '[tenants.chat]\nkey = "sk-chat"\n')
+    path = write_keys(tmp_path, '[tenants.chat]\nkey = "sk-chat"\n')
     tenants = Tenants((), path)
     loop = asyncio.get_running_loop()
     assert tenants.install(loop)
     try:
-        write(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nband = "batch"\n')
+        write_keys(tmp_path, '[tenants.chat]\nkey = "sk-chat"\nband = "batch"\n')
         os.kill(os.getpid(), signal.SIGHUP)
         for _ in range(100):
             await asyncio.sleep(0.01)

@@ -3,6 +3,8 @@ and a bound on what an assembled answer may hold."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 import slotgate.proxy.modes
@@ -54,30 +56,35 @@ async def test_an_assembled_answer_past_its_bound_is_cut_with_a_502_in_the_api_s
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
-async def test_a_verbose_llama_servers_first_non_streamed_answer_carries_its_verbose_object(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+@pytest.mark.parametrize(
+    ("verbose", "assembled", "verbose_object"),
+    [
+        # llama-server --verbose: each answer is sent as asked, and carries llama-server's own
+        # verbose object.
+        pytest.param(True, [False, False], {"stream": False}, id="verbose-as-sent"),
+        # The first is sent as asked, and teaches that llama-server adds no verbose object;
+        # from then on non-streamed answers are assembled.
+        pytest.param(False, [False, True], None, id="quiet-then-assembled"),
+    ],
+)
+async def test_non_streamed_answers_are_assembled_once_one_showed_llama_server_adds_no_verbose(
+    start_gate: GateFactory,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    verbose: bool,
+    assembled: list[bool],
+    verbose_object: dict[str, Any] | None,
 ) -> None:
-    standin.verbose = True  # llama-server --verbose
+    standin.verbose = verbose
     gate = await start_gate()
-    for _ in range(2):
+    for streamed_upstream in assembled:
         answer = await client.post(gate.url + CHAT, json=chat())
         assert answer.status_code == 200
-        assert b'"stream":true' not in standin.seen[-1].body  # as sent
-        assert answer.json()["__verbose"] == {"stream": False}  # llama-server's own object
-
-
-async def test_non_streamed_answers_are_assembled_once_one_showed_llama_server_adds_no_verbose(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
-) -> None:
-    gate = await start_gate()
-    first = await client.post(gate.url + CHAT, json=chat())
-    assert first.status_code == 200
-    assert b'"stream":true' not in standin.seen[-1].body  # as sent: it teaches
-    assert "__verbose" not in first.json()
-    second = await client.post(gate.url + CHAT, json=chat())
-    assert second.status_code == 200
-    assert b'"stream":true' in standin.seen[-1].body  # assembled
-    assert "__verbose" not in second.json()
+        assert (b'"stream":true' in standin.seen[-1].body) is streamed_upstream
+        if verbose_object is None:
+            assert "__verbose" not in answer.json()
+        else:
+            assert answer.json()["__verbose"] == verbose_object
 
 
 async def test_a_body_that_sets_verbose_decides_whether_its_answer_is_assembled(

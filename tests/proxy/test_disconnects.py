@@ -30,6 +30,16 @@ def gate_tasks() -> int:
     return len(asyncio.all_tasks())
 
 
+async def paced_gate(
+    start_gate: GateFactory, standin: StandIn, tokens: int, token_delay_s: float, max_queue: int
+) -> tuple[RunningGate, int]:
+    """slotgate before the stand-in generating `tokens` tokens `token_delay_s` apart, and the
+    tasks running before any request (what `assert_settled` comes back to)."""
+    standin.tokens, standin.token_delay_s = tokens, token_delay_s
+    gate = await start_gate(max_queue=max_queue)
+    return gate, gate_tasks()
+
+
 async def assert_settled(gate: RunningGate, standin: StandIn, baseline_tasks: int) -> None:
     """The invariants every scenario ends with."""
     await gate.until(
@@ -57,9 +67,7 @@ async def sample_pool(gate: RunningGate, seen: dict[str, int], stop: asyncio.Eve
 async def test_storm_of_two_thousand_clients_is_answered_without_5xx(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 3, 0.005
-    gate = await start_gate(max_queue=20)
-    baseline = gate_tasks()
+    gate, baseline = await paced_gate(start_gate, standin, 3, 0.005, max_queue=20)
     seen = {"active": 0, "queued": 0}
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_pool(gate, seen, stop))
@@ -161,9 +169,7 @@ async def test_clients_dropping_at_random_moments_leak_nothing(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
     # 0.2 s generations: some clients that hang up within 0.6 s may do so while theirs runs.
-    standin.tokens, standin.token_delay_s = 10, 0.02
-    gate = await start_gate(max_queue=0)
-    baseline = gate_tasks()
+    gate, baseline = await paced_gate(start_gate, standin, 10, 0.02, max_queue=0)
     rng = random.Random(11)
     outcomes = Counter(
         await asyncio.gather(
@@ -187,9 +193,7 @@ async def test_clients_dropping_at_random_moments_leak_nothing(
 async def test_clients_that_pipeline_and_leave_while_the_slots_are_busy_all_leave_the_line(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    standin.tokens, standin.token_delay_s = 100_000, 0.05
-    gate = await start_gate(max_queue=0)
-    baseline = gate_tasks()
+    gate, baseline = await paced_gate(start_gate, standin, 100_000, 0.05, max_queue=0)
     holders = []
     for i in range(2):
         _, writer = await asyncio.open_connection("127.0.0.1", gate.port)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,6 +49,19 @@ async def until(condition: Any) -> None:
             await asyncio.sleep(0.001)
 
 
+async def shutdown_cut(
+    rig: Rig, client: Client, caplog: pytest.LogCaptureFixture, once: Callable[[], bool]
+) -> dict[str, Any]:
+    """The client's request, cut by a shutdown once `once()` holds; its access-log line. Told
+    why, the request ends normally."""
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        call = asyncio.ensure_future(rig.call(client))
+        await until(once)
+        call.cancel()
+        await call
+        return access_line(caplog)
+
+
 async def slot_held(
     *more: FakeResponse, stream: bool = True, **settings: Any
 ) -> tuple[Rig, asyncio.Event, asyncio.Future[None]]:
@@ -87,12 +101,7 @@ async def test_a_shutdown_cut_while_queued_counts_the_503_body_it_sent(
 ) -> None:
     rig, finish, holding = await slot_held(keepalive_interval_s=0)
     waiter = Client(chat_body(stream=False))
-    with caplog.at_level(logging.INFO, logger="slotgate.access"):
-        waiting = asyncio.ensure_future(rig.call(waiter))
-        await until(lambda: rig.admission.queued == 1)
-        waiting.cancel()
-        await waiting  # told why, so it ends normally
-        line = access_line(caplog)
+    line = await shutdown_cut(rig, waiter, caplog, once=lambda: rig.admission.queued == 1)
     assert waiter.status == 503
     assert line["status"] == 503
     assert line["outcome"] == "shutdown"
@@ -107,12 +116,8 @@ async def test_a_shutdown_cut_after_a_stream_head_counts_the_event_it_sent(
 ) -> None:
     rig, finish, holding = await slot_held(stream_head_after_s=0)
     waiter = Client(chat_body(stream=True))
-    with caplog.at_level(logging.INFO, logger="slotgate.access"):
-        waiting = asyncio.ensure_future(rig.call(waiter))
-        await until(lambda: waiter.status == 200)  # the stream head went out while it waits
-        waiting.cancel()
-        await waiting
-        line = access_line(caplog)
+    # Cut once the stream head went out while it waits.
+    line = await shutdown_cut(rig, waiter, caplog, once=lambda: waiter.status == 200)
     comments = b"".join(
         m["body"] for m in waiter.sent if m.get("body", b"").startswith(b": queued")
     )

@@ -4,7 +4,6 @@ bound per request."""
 
 from __future__ import annotations
 
-import asyncio
 import tracemalloc
 from typing import Any
 
@@ -12,7 +11,13 @@ import httpx
 import pytest
 from slotgate.proxy.assembly import MAX_ASSEMBLED_BYTES
 
-from tests.conftest import CHAT, GateFactory, RunningGate, chat
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    answered_after_waiting,
+    chat,
+    waiting_before_hostile,
+)
 from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
@@ -20,21 +25,12 @@ from tests.support.hostile import (
     Hostile,
     MiB,
     giant_stream,
-    held,
     huge_error,
     huge_head,
     reply,
     sends,
     stream,
 )
-
-
-async def gate_before(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
-    gate: RunningGate = await start_gate(
-        llama_server_url=hostile.url, props_refresh_interval_s=60, keepalive_interval_s=1,
-        stream_head_after_s=0,
-    )  # fmt: skip
-    return gate
 
 
 async def peak_of(asked: Any) -> int:
@@ -62,23 +58,10 @@ UPSTREAM_SIDE: dict[str, Answer] = {
 async def test_a_waiting_stream_holds_under_a_mebibyte_whatever_llama_server_sends(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, misbehaviour: str
 ) -> None:
-    gate = await gate_before(start_gate, hostile)
-    release = asyncio.Event()
-    hostile.script.extend([held(release, stream(*CHAT_STREAM)), UPSTREAM_SIDE[misbehaviour]])
+    gate = await waiting_before_hostile(start_gate, hostile)
 
     async def two() -> None:
-        holder = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
-        await gate.until(lambda: len(hostile.served()) == 1)
-
-        async def waiter() -> bytes:
-            async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as r:
-                return b"".join([chunk async for chunk in r.aiter_raw()])
-
-        waiting = asyncio.create_task(waiter())
-        await gate.until(lambda: gate.service.admission.queued == 1)
-        release.set()
-        await holder
-        body = await waiting
+        body = await answered_after_waiting(gate, hostile, client, UPSTREAM_SIDE[misbehaviour])
         assert len(body) < 64 * 1024 + 4096  # what reached the client: one bounded event
 
     assert await peak_of(two()) < MiB
@@ -89,7 +72,7 @@ async def test_a_waiting_stream_holds_under_a_mebibyte_whatever_llama_server_sen
 async def test_an_assembled_answer_holds_at_most_its_bound_of_a_200_mib_stream(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await gate_before(start_gate, hostile)
+    gate = await waiting_before_hostile(start_gate, hostile)
     hostile.script.append(giant_stream(200 * MiB))
 
     async def one() -> None:

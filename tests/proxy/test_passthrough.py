@@ -8,7 +8,7 @@ import httpx
 import pytest
 from slotgate.gate.tenants import label
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
 
 
@@ -97,25 +97,45 @@ async def test_conversation_id_is_stripped_unless_the_operator_opts_in(
     assert {k.lower(): v for k, v in standin.seen[-1].headers.items()}["x-conversation-id"] == "c1"
 
 
+def plain_get(target: bytes) -> bytes:
+    return b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
 @pytest.mark.parametrize(
-    "target",
+    "request_bytes",
     [
-        b"/../props",
-        b"/v1/../../etc/passwd",
-        b"/%2e%2e/props",
-        b"/v1/%2E%2E/x",
-        b"/./props",
-        b"/a\\..\\b",
+        *(
+            pytest.param(plain_get(target), id=f"dot-segments:{target.decode()}")
+            for target in [
+                b"/../props",
+                b"/v1/../../etc/passwd",
+                b"/%2e%2e/props",
+                b"/v1/%2E%2E/x",
+                b"/./props",
+                b"/a\\..\\b",
+            ]
+        ),
+        # Encoded slashes cannot slip a generation past the gate: the decoded path is the chat
+        # route, so the gate checks it like one (and its body is no JSON).
+        pytest.param(
+            b"POST /v1%2Fchat%2fcompletions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 9\r\n\r\n{not json",
+            id="encoded-slashes",
+        ),
+        # Conflicting length headers are refused, not smuggled.
+        pytest.param(
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n",
+            id="conflicting-lengths",
+        ),
     ],
 )
-async def test_dot_segments_are_refused_before_anything_is_forwarded(
-    start_gate: GateFactory, standin: StandIn, target: bytes
+async def test_requests_that_could_slip_past_are_refused_before_anything_is_forwarded(
+    start_gate: GateFactory, standin: StandIn, request_bytes: bytes
 ) -> None:
     gate = await start_gate()
-    response = await raw_request(
-        gate.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    assert status_of(response) == 400
+    assert status_of(await raw_request(gate.port, request_bytes)) == 400
     assert standin.seen == []
 
 
@@ -131,38 +151,6 @@ async def test_absolute_form_target_cannot_choose_another_host(
     assert status_of(response) == 200
     assert standin.seen[-1].path == "/tokenize"
     assert standin.seen[-1].headers["Host"] == f"127.0.0.1:{standin.port}"
-
-
-async def test_encoded_slashes_cannot_slip_a_generation_past_the_gate(
-    start_gate: GateFactory, standin: StandIn
-) -> None:
-    gate = await start_gate()
-    body = b"{not json"
-    response = await raw_request(
-        gate.port,
-        b"POST /v1%2Fchat%2fcompletions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-        b"Content-Type: application/json\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body,
-    )
-    # The decoded path is the chat route, so the gate checks it like one.
-    assert status_of(response) == 400
-    assert standin.seen == []
-
-
-async def test_conflicting_length_headers_are_refused_not_smuggled(
-    start_gate: GateFactory, standin: StandIn
-) -> None:
-    gate = await start_gate()
-    smuggled = b"GET /props HTTP/1.1\r\nHost: x\r\n\r\n"
-    request = (
-        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled
-    )
-    response = await raw_request(gate.port, request)
-    assert status_of(response) == 400
-    assert standin.seen == []
 
 
 async def test_api_keys_guard_every_route_but_the_probes(
@@ -259,6 +247,17 @@ def allowed_origins(response: httpx.Response) -> list[str]:
     return response.headers.get_list("access-control-allow-origin")
 
 
+async def hold_the_one_slot(
+    gate: RunningGate, standin: StandIn, client: httpx.AsyncClient
+) -> asyncio.Task[httpx.Response]:
+    """From here on a generation holds the stand-in's one slot for 1 s: one that does, once
+    it does."""
+    standin.token_delay_s = 0.05
+    running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
+    await gate.until(lambda: gate.service.admission.active == 1)
+    return running
+
+
 async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_the_origin(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -270,9 +269,7 @@ async def test_answers_slotgate_makes_carry_the_cors_header_llama_server_gave_th
     assert assembled.status_code == 200
     assert allowed_origins(assembled) == ["http://a.example"]
     assert assembled.headers["content-type"].startswith("application/json")
-    standin.token_delay_s = 0.05  # from here on a generation holds the one slot for 1 s
-    running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
-    await gate.until(lambda: gate.service.admission.active == 1)
+    running = await hold_the_one_slot(gate, standin, client)
     # A stream that must wait gets its head from slotgate...
     async with client.stream(
         "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=ORIGIN
@@ -354,9 +351,7 @@ async def test_slotgate_never_allows_an_origin_llama_servers_allowlist_refuses(
     evil = {"Origin": "http://evil.example"}
     first = await client.post(gate.url + "/v1/chat/completions", json=chat(), headers=evil)
     assert allowed_origins(first) == ["http://trusted.example"]  # llama-server's own answer
-    standin.token_delay_s = 0.05  # from here on a generation holds the one slot for 1 s
-    running = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
-    await gate.until(lambda: gate.service.admission.active == 1)
+    running = await hold_the_one_slot(gate, standin, client)
     # The head of a waiting stream is slotgate's: it must not open what llama-server closed.
     async with client.stream(
         "POST", gate.url + "/v1/chat/completions", json=chat(stream=True), headers=evil

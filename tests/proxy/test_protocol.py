@@ -402,17 +402,24 @@ async def test_a_slow_body_sender_takes_no_slot_while_it_trickles(
     writer.close()
 
 
+async def refused_431(
+    client: httpx.AsyncClient, gate: RunningGate, headers: dict[str, str]
+) -> dict[str, Any]:
+    """The error slotgate answers a chat sent with `headers` with, a 431."""
+    response = await client.post(gate.url + CHAT, json=chat(), headers=headers)
+    assert response.status_code == 431
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
 async def test_oversized_headers_get_431_and_never_reach_upstream(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate()
-    response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 100_000})
-    assert response.status_code == 431
-    assert response.json()["error"]["code"] == "headers_too_large"
+    error = await refused_431(client, gate, {"X-Big": "a" * 100_000})
+    assert error["code"] == "headers_too_large"
     # Many lines, each within llama-server's 8 KiB per line, that add up past the total.
-    many = {f"X-Part-{i}": "a" * 8000 for i in range(9)}
-    response = await client.post(gate.url + CHAT, json=chat(), headers=many)
-    assert response.status_code == 431
+    await refused_431(client, gate, {f"X-Part-{i}": "a" * 8000 for i in range(9)})
     assert standin.seen == []
 
 
@@ -420,9 +427,8 @@ async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await start_gate()
-    response = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8200})
-    assert response.status_code == 431
-    assert "x-big" in response.json()["error"]["message"]
+    error = await refused_431(client, gate, {"X-Big": "a" * 8200})
+    assert "x-big" in error["message"]
     assert standin.seen == []
     fits = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8000})
     assert fits.status_code == 200

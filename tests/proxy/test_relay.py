@@ -16,8 +16,8 @@ from tests.conftest import (
     CHAT,
     GateFactory,
     RunningGate,
-    assert_not_ready,
     chat,
+    error_answered,
     hold_stream_of,
     occupy,
 )
@@ -249,21 +249,6 @@ async def test_capacity_follows_llama_server(
     assert (snapshot["capacity"], snapshot["queue_limit"]) == (5, 80)
 
 
-async def test_without_a_startup_wait_requests_get_503_not_ready_until_capacity_is_known(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
-) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, startup_wait_s=0)
-    response = await client.post(gate.url + CHAT, json=chat())
-    assert_not_ready(response)
-    assert (await client.get(gate.url + "/readyz")).status_code == 503
-    assert standin.seen == []
-    standin.loading = False
-    await gate.until(lambda: gate.service.upstream.ready)
-    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
-    assert (await client.get(gate.url + "/readyz")).status_code == 200
-
-
 async def test_waiting_past_queue_timeout_gets_503_queue_timeout(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -353,10 +338,8 @@ async def test_upstream_error_keeps_its_status_and_body(
 ) -> None:
     standin.fault = "error_400"
     gate = await start_gate()
-    response = await client.post(gate.url + CHAT, json=chat(stream=True))
-    assert response.status_code == 400
-    assert response.json()["error"]["type"] == "exceed_context_size_error"
-    assert gate.service.admission.active == 0
+    error = await error_answered(client, gate, 400, stream=True)
+    assert error["type"] == "exceed_context_size_error"
 
 
 async def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event(
@@ -401,10 +384,9 @@ async def test_refused_connection_answers_503_and_marks_not_ready(
 
 
 async def test_anthropic_messages_are_refused_in_anthropics_shape(
-    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+    loading_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
-    standin.loading = True
-    gate = await start_gate(ready=False, startup_wait_s=0)
+    gate = await loading_gate(startup_wait_s=0)
     response = await client.post(
         gate.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": []}
     )

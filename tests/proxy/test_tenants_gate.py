@@ -15,7 +15,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CHAT, TENANTS, GateFactory, RunningGate, cancel_all, chat
+from tests.conftest import (
+    CHAT,
+    TENANTS,
+    GateFactory,
+    RunningGate,
+    cancel_all,
+    chat,
+    write_keys,
+)
 from tests.support.standin import StandIn
 
 NEW = '\n[tenants.new]\nkey = "sk-new"\n'
@@ -198,8 +206,7 @@ async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refuse
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
     standin.total_slots = 4
-    path = tmp_path / "keys.toml"
-    path.write_text('[tenants.capped]\nkey = "sk-capped"\nmax_active = 1\n')
+    path = write_keys(tmp_path, '[tenants.capped]\nkey = "sk-capped"\nmax_active = 1\n')
     gate = await start_gate(api_keys_file=path)
     asked = {**chat(), "n": 2}
     refused = await client.post(gate.url + CHAT, json=asked, headers=bearer("sk-capped"))

@@ -11,6 +11,14 @@ VARY = (b"vary", b"Origin")
 EXPOSE = (b"access-control-expose-headers", b", ".join(EXPOSED))
 
 
+@pytest.fixture
+def now(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The monotonic clock, as the test moves it: now[0]."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    return clock
+
+
 def allow(origin: bytes) -> tuple[bytes, bytes]:
     return (b"access-control-allow-origin", origin)
 
@@ -30,11 +38,7 @@ def test_an_origin_gets_what_llama_server_last_gave_it_and_nothing_else() -> Non
     assert policy.headers_for(b"http://a") == [allow(b"http://trusted"), EXPOSE, VARY]
 
 
-def test_what_was_learned_lapses_unless_llama_server_says_it_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+def test_what_was_learned_lapses_unless_llama_server_says_it_again(now: list[float]) -> None:
     policy = CorsPolicy()
     policy.learn(b"http://a", [allow(b"http://a")])
     now[0] += TTL_S - 1
@@ -46,11 +50,7 @@ def test_what_was_learned_lapses_unless_llama_server_says_it_again(
     assert policy.headers_for(b"http://a") == [VARY]
 
 
-def test_a_flood_of_new_origins_never_evicts_one_still_live(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+def test_a_flood_of_new_origins_never_evicts_one_still_live(now: list[float]) -> None:
     policy = CorsPolicy()
     live = b"http://app.example"
     policy.learn(live, [allow(live)])

@@ -8,7 +8,7 @@ import contextlib
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -64,6 +64,22 @@ async def gates() -> AsyncIterator[Callable[..., Any]]:
     yield start
     for gate in running:
         await gate.stop()
+
+
+Fleet = Callable[..., Awaitable[tuple[RunningGate, list[StandIn]]]]
+
+
+@pytest.fixture
+def fleet(standins: StandIns, gates: Callable[..., Any]) -> Fleet:
+    """slotgate before new stand-ins of the given slot counts, with the given settings; both
+    stop at the end."""
+
+    async def start(slots: Sequence[int], **overrides: Any) -> tuple[RunningGate, list[StandIn]]:
+        upstreams = await standins(slots)
+        gate: RunningGate = await gates(upstreams, **overrides)
+        return gate, upstreams
+
+    return start
 
 
 async def test_a_mixed_crowd_through_a_fleet_is_all_answered_and_no_upstream_runs_above_its_slots(
@@ -191,10 +207,9 @@ async def test_a_down_upstream_is_back_in_rotation_soon_after_it_answers_again(
 
 
 async def test_the_turns_of_a_conversation_stay_on_one_upstream(
-    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+    fleet: Fleet, client: httpx.AsyncClient
 ) -> None:
-    upstreams = await standins([2, 2, 2])
-    gate = await gates(upstreams)
+    gate, upstreams = await fleet([2, 2, 2])
     system = {"role": "system", "content": "You are a patient tutor. " * 40}
     for conversation in range(6):
         history: list[dict[str, str]] = [system, {"role": "user", "content": f"q{conversation}"}]
@@ -215,10 +230,9 @@ async def test_the_turns_of_a_conversation_stay_on_one_upstream(
 
 
 async def test_least_loaded_routing_ignores_the_prompt(
-    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+    fleet: Fleet, client: httpx.AsyncClient
 ) -> None:
-    upstreams = await standins([1, 1, 1])
-    gate = await gates(upstreams, routing="least-loaded")
+    gate, upstreams = await fleet([1, 1, 1], routing="least-loaded")
     answers = await asyncio.gather(*(client.post(gate.url + CHAT, json=chat()) for _ in range(3)))
     assert [a.status_code for a in answers] == [200] * 3
     assert [len(u.seen) for u in upstreams] == [1, 1, 1]  # all at once: one each
@@ -226,10 +240,9 @@ async def test_least_loaded_routing_ignores_the_prompt(
 
 
 async def test_admission_and_metrics_show_each_upstream(
-    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+    fleet: Fleet, client: httpx.AsyncClient
 ) -> None:
-    upstreams = await standins([1, 3])
-    gate = await gates(upstreams)
+    gate, upstreams = await fleet([1, 3])
     snapshot = (await client.get(gate.url + "/admission")).json()
     assert snapshot["capacity"] == 4
     assert [(u["url"], u["capacity"], u["ready"]) for u in snapshot["upstreams"]] == [
@@ -333,13 +346,9 @@ async def test_a_verbose_upstream_that_is_not_the_first_gets_non_streamed_reques
 
 
 async def test_the_access_line_names_the_upstream_that_answered_and_none_for_a_refusal(
-    standins: StandIns,
-    gates: Callable[..., Any],
-    client: httpx.AsyncClient,
-    caplog: pytest.LogCaptureFixture,
+    fleet: Fleet, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    upstreams = await standins([1, 1])
-    gate = await gates(upstreams)
+    gate, upstreams = await fleet([1, 1])
     with caplog.at_level(logging.INFO, logger="slotgate.access"):
         served = await client.post(gate.url + CHAT, json=chat())
         refused = await client.post(gate.url + CHAT, json=chat(n=2))  # more than either has
@@ -382,18 +391,28 @@ async def first_upstream_dead_and_held(
     return gate, alive, squatter, long
 
 
-async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_upstream_refuses(
-    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
-) -> None:
-    gate, alive, squatter, long = await first_upstream_dead_and_held(standins, gates, client)
-    admission = gate.service.admission
+@contextlib.asynccontextmanager
+async def queued_stream(
+    client: httpx.AsyncClient, gate: RunningGate
+) -> AsyncIterator[tuple[str, AsyncIterator[str]]]:
+    """A stream whose head went out while it waits in the line: its first chunk (a queued
+    comment), and the rest of them."""
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         assert response.status_code == 200
         chunks = response.aiter_text()
         first = await anext(chunks)
-        assert first.startswith(": queued")  # the head is out; it waits in the line
+        assert first.startswith(": queued")
+        yield first, chunks
+
+
+async def test_a_waiting_stream_whose_head_went_out_is_sent_elsewhere_when_its_upstream_refuses(
+    standins: StandIns, gates: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    gate, alive, squatter, long = await first_upstream_dead_and_held(standins, gates, client)
+    async with queued_stream(client, gate) as (first, chunks):
         squatter.release()  # its turn comes on the dead upstream, which refuses it
         text = first + "".join([chunk async for chunk in chunks])
+    admission = gate.service.admission
     assert text.rstrip().endswith("data: [DONE]")
     assert '"error"' not in text
     assert (await long).status_code == 200
@@ -407,9 +426,7 @@ async def test_a_stream_that_leaves_while_sent_back_to_the_line_frees_its_place(
 ) -> None:
     gate, alive, squatter, long = await first_upstream_dead_and_held(standins, gates, client)
     admission = gate.service.admission
-    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
-        chunks = response.aiter_text()
-        assert (await anext(chunks)).startswith(": queued")
+    async with queued_stream(client, gate):
         squatter.release()
         await gate.until(lambda: admission.pools[0].capacity is None)  # refused: sent back
         assert (admission.active, admission.queued) == (1, 1)

@@ -4,13 +4,15 @@ several upstreams merged into one valid exposition."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
+from slotgate.gate.ticket import Ticket
 from slotgate.metrics import Metrics
 from slotgate.settings import Settings
 from slotgate.upstreams.fleet import Fleet
@@ -103,9 +105,14 @@ async def test_llama_servers_metrics_from_several_upstreams_merge_into_one_group
     ]
 
 
-async def discovered(addresses: list[str]) -> tuple[Fleet, Admission]:
+Enter = Callable[[int], list[Ticket]]
+
+
+@contextlib.asynccontextmanager
+async def discovered(addresses: list[str]) -> AsyncIterator[tuple[Fleet, Admission, Enter]]:
     """A fleet behind one name, as discovery finds it (no followers: each upstream is made
-    ready by hand, as its /props would)."""
+    ready by hand, as its /props would), with two slots each; and a way to send it requests,
+    whose tickets are released at the end, before the fleet closes."""
 
     async def resolver(host: str, port: int) -> list[str]:
         return list(addresses)
@@ -117,33 +124,42 @@ async def discovered(addresses: list[str]) -> tuple[Fleet, Admission]:
     for upstream in fleet.upstreams:
         upstream.ready = True
         upstream.pool.resize(2)
-    return fleet, admission
+    tickets: list[Ticket] = []
+
+    def enter(requests: int) -> list[Ticket]:
+        entered = [admission.enter() for _ in range(requests)]
+        tickets.extend(entered)
+        return entered
+
+    try:
+        yield fleet, admission, enter
+    finally:
+        for ticket in tickets:
+            ticket.release()
+        await fleet.close()
 
 
 async def test_an_upstream_leaving_with_requests_in_flight_does_not_keep_the_fleet_ready() -> None:
     addresses = ["127.0.0.1", "127.0.0.2"]
-    fleet, admission = await discovered(addresses)
-    tickets = [admission.enter() for _ in range(4)]
-    addresses.clear()  # the name's servers are going away; their requests run on
-    await fleet.discover()
-    assert admission.capacity is None
-    assert not fleet.ready  # nothing can be admitted: /health must not say ready
-    for ticket in tickets:
-        ticket.release()
-    await fleet.close()
+    async with discovered(addresses) as (fleet, admission, enter):
+        enter(4)
+        addresses.clear()  # the name's servers are going away; their requests run on
+        await fleet.discover()
+        assert admission.capacity is None
+        assert not fleet.ready  # nothing can be admitted: /health must not say ready
 
 
 async def test_an_address_back_while_its_old_self_still_leaves_is_one_series_per_upstream() -> None:
     addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    fleet, admission = await discovered(addresses)
-    tickets = [admission.enter() for _ in range(6)]  # every slot held
-    addresses.pop()  # 127.0.0.3 leaves with two requests in flight ...
-    await fleet.discover()
-    addresses.append("127.0.0.3")  # ... and is back before they end
-    await fleet.discover()
-    url = "http://127.0.0.3:9"
-    next(u for u in fleet.upstreams if u.url == url).pool.resize(2)
-    text = Metrics(admission, lambda: fleet.ready).render().decode()
+    async with discovered(addresses) as (fleet, admission, enter):
+        enter(6)  # every slot held
+        addresses.pop()  # 127.0.0.3 leaves with two requests in flight ...
+        await fleet.discover()
+        addresses.append("127.0.0.3")  # ... and is back before they end
+        await fleet.discover()
+        url = "http://127.0.0.3:9"
+        next(u for u in fleet.upstreams if u.url == url).pool.resize(2)
+        text = Metrics(admission, lambda: fleet.ready).render().decode()
     for family in text_string_to_metric_families(text):
         if family.name.startswith("slotgate_upstream_"):
             labels = [tuple(sorted(s.labels.items())) for s in family.samples]
@@ -155,64 +171,52 @@ async def test_an_address_back_while_its_old_self_still_leaves_is_one_series_per
     }
     assert gauges["slotgate_upstream_slots_capacity"][url] == 2
     assert gauges["slotgate_upstream_slots_active"][url] == 2  # the leaving one's holders
-    for ticket in tickets:
-        ticket.release()
-    await fleet.close()
 
 
 async def test_an_address_back_before_its_last_requests_ended_takes_none_beyond_its_slots() -> None:
     addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    fleet, admission = await discovered(addresses)
-    tickets = [admission.enter() for _ in range(6)]  # every slot held, two on 127.0.0.3
-    url = "http://127.0.0.3:9"
-    leaving = next(u for u in fleet.upstreams if u.url == url)
-    addresses.pop()
-    await fleet.discover()
-    addresses.append("127.0.0.3")  # the same server is back while its two requests run
-    await fleet.discover()
-    back = next(u for u in fleet.upstreams if u.url == url)
-    back.pool.resize(2)  # its /props: two slots, both still held by those two
-    newcomer = admission.enter()
-    assert not newcomer.admitted
-    assert sum(p.active for p in admission.pools if p.key == back.pool.key) == 2
-    assert back is leaving  # the one that never stopped running them
-    for ticket in [*tickets, newcomer]:
-        ticket.release()
-    await fleet.close()
+    async with discovered(addresses) as (fleet, admission, enter):
+        enter(6)  # every slot held, two on 127.0.0.3
+        url = "http://127.0.0.3:9"
+        leaving = next(u for u in fleet.upstreams if u.url == url)
+        addresses.pop()
+        await fleet.discover()
+        addresses.append("127.0.0.3")  # the same server is back while its two requests run
+        await fleet.discover()
+        back = next(u for u in fleet.upstreams if u.url == url)
+        back.pool.resize(2)  # its /props: two slots, both still held by those two
+        (newcomer,) = enter(1)
+        assert not newcomer.admitted
+        assert sum(p.active for p in admission.pools if p.key == back.pool.key) == 2
+        assert back is leaving  # the one that never stopped running them
 
 
 async def test_a_name_down_to_one_address_keeps_that_upstream_and_its_holders_counted() -> None:
     addresses = ["127.0.0.1", "127.0.0.2"]
-    fleet, admission = await discovered(addresses)
-    tickets = [admission.enter() for _ in range(4)]  # two on each
-    staying = next(u for u in fleet.upstreams if u.url == "http://127.0.0.1:9")
-    addresses.pop()  # scaled down to one server, which runs its two requests on
-    await fleet.discover()
-    assert fleet.upstreams == [staying]
-    staying.pool.resize(2)
-    newcomer = admission.enter()
-    assert not newcomer.admitted  # its two slots are still held: nothing more goes there
-    for ticket in [*tickets, newcomer]:
-        ticket.release()
-    await fleet.close()
+    async with discovered(addresses) as (fleet, _, enter):
+        enter(4)  # two on each
+        staying = next(u for u in fleet.upstreams if u.url == "http://127.0.0.1:9")
+        addresses.pop()  # scaled down to one server, which runs its two requests on
+        await fleet.discover()
+        assert fleet.upstreams == [staying]
+        staying.pool.resize(2)
+        (newcomer,) = enter(1)
+        assert not newcomer.admitted  # its two slots are still held: nothing more goes there
 
 
 async def test_a_name_grown_from_one_address_to_several_keeps_its_running_requests_counted() -> (
     None
 ):
     addresses = ["127.0.0.1"]
-    fleet, admission = await discovered(addresses)
-    (first,) = fleet.upstreams
-    assert first.url == "http://llama.fleet.test:9"  # one address: the name, as configured
-    tickets = [admission.enter() for _ in range(2)]  # its two slots held
-    addresses.append("127.0.0.2")  # scaled out while those two run
-    await fleet.discover()
-    by_url = {u.url: u for u in fleet.upstreams}
-    assert by_url["http://127.0.0.1:9"] is first  # the server that runs them, by its address
-    by_url["http://127.0.0.2:9"].pool.resize(2)
-    more = [admission.enter() for _ in range(3)]
-    assert [t.admitted for t in more] == [True, True, False]  # none past 127.0.0.1's slots
-    assert first.pool.active == 2
-    for ticket in [*tickets, *more]:
-        ticket.release()
-    await fleet.close()
+    async with discovered(addresses) as (fleet, _, enter):
+        (first,) = fleet.upstreams
+        assert first.url == "http://llama.fleet.test:9"  # one address: the name, as configured
+        enter(2)  # its two slots held
+        addresses.append("127.0.0.2")  # scaled out while those two run
+        await fleet.discover()
+        by_url = {u.url: u for u in fleet.upstreams}
+        assert by_url["http://127.0.0.1:9"] is first  # the server that runs them, by its address
+        by_url["http://127.0.0.2:9"].pool.resize(2)
+        more = enter(3)
+        assert [t.admitted for t in more] == [True, True, False]  # none past 127.0.0.1's slots
+        assert first.pool.active == 2

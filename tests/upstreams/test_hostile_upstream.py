@@ -11,38 +11,31 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CHAT, GateFactory, RunningGate, chat
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    answered_after_waiting,
+    before_hostile,
+    chat,
+    error_answered,
+    read_stream,
+    waiting_before_hostile,
+)
 from tests.support.hostile import (
     CHAT_STREAM,
     PARTIAL_EVENT,
     SSE_HEAD,
-    Answer,
     Hostile,
     MiB,
     Peer,
     Request,
     closes,
-    held,
     huge_error,
     huge_head,
     reply,
     sends,
     stream,
 )
-
-
-async def gate_before(start_gate: GateFactory, hostile: Hostile, **overrides: Any) -> RunningGate:
-    # /props read once, at the start: a poll in the middle of a test would take pooled
-    # connections the test is watching.
-    values: dict[str, Any] = {"props_refresh_interval_s": 60, **overrides}
-    gate: RunningGate = await start_gate(llama_server_url=hostile.url, **values)
-    return gate
-
-
-async def read_stream(client: httpx.AsyncClient, url: str) -> bytes:
-    async with client.stream("POST", url, json=chat(stream=True)) as response:
-        assert response.status_code == 200
-        return b"".join([chunk async for chunk in response.aiter_raw()])
 
 
 def events(body: bytes) -> list[bytes]:
@@ -55,27 +48,6 @@ def error_of(event: bytes) -> dict[str, Any]:
     assert event.startswith(b"data: {")
     error: dict[str, Any] = json.loads(event[len(b"data: ") :])["error"]
     return error
-
-
-async def answered_after_waiting(
-    gate: RunningGate, hostile: Hostile, client: httpx.AsyncClient, answer: Answer
-) -> bytes:
-    """What a stream gets that waited in line, its 200 head already out (STREAM_HEAD_AFTER_S=0),
-    while a stream held the only slot, and that llama-server then answers with `answer`."""
-    release = asyncio.Event()
-    hostile.script.append(held(release, stream(*CHAT_STREAM)))
-    holder = asyncio.create_task(read_stream(client, gate.url + CHAT))
-    await gate.until(lambda: len(hostile.served()) == 1)
-    waiter = asyncio.create_task(read_stream(client, gate.url + CHAT))
-    await gate.until(lambda: gate.service.admission.queued == 1)
-    hostile.script.append(answer)
-    release.set()
-    await holder
-    return await waiter
-
-
-async def waiting_gate(start_gate: GateFactory, hostile: Hostile) -> RunningGate:
-    return await gate_before(start_gate, hostile, keepalive_interval_s=1, stream_head_after_s=0)
 
 
 # -- a connection that sent too much is never reused -----------------------------------------------
@@ -94,7 +66,7 @@ async def test_a_response_too_many_never_reaches_the_next_client(
 ) -> None:
     hostile.script.append(surplus)
     hostile.fallback = sends(reply(200, b'{"n":2}'))
-    gate = await gate_before(start_gate, hostile)
+    gate = await before_hostile(start_gate, hostile)
     first = await client.post(gate.url + "/tokenize", json={"content": "a"})
     assert (first.status_code, first.content) == (200, b'{"n":1}')
     await asyncio.sleep(0.2)
@@ -109,7 +81,7 @@ async def test_a_twenty_megabyte_response_head_gets_a_502_in_the_apis_shape(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
     hostile.script.append(huge_head(20 * MiB))
-    gate = await gate_before(start_gate, hostile)
+    gate = await before_hostile(start_gate, hostile)
     response = await client.post(gate.url + CHAT, json=chat())
     assert response.status_code == 502
     error = response.json()["error"]
@@ -121,7 +93,7 @@ async def test_a_twenty_megabyte_response_head_gets_a_502_in_the_apis_shape(
 async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await waiting_gate(start_gate, hostile)
+    gate = await waiting_before_hostile(start_gate, hostile)
     last = events(await answered_after_waiting(gate, hostile, client, huge_head(20 * MiB)))[-1]
     assert error_of(last)["code"] == "upstream_failed"
     assert "head is over" in error_of(last)["message"]
@@ -130,7 +102,7 @@ async def test_a_huge_head_for_a_waiting_stream_is_an_error_event(
 async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await waiting_gate(start_gate, hostile)
+    gate = await waiting_before_hostile(start_gate, hostile)
     body = await answered_after_waiting(gate, hostile, client, huge_error(200 * MiB))
     assert len(body) < 4096  # not the 200 MB, nor the 64 KiB read of it
     error = error_of(events(body)[-1])
@@ -143,7 +115,7 @@ async def test_a_huge_error_body_for_a_waiting_stream_becomes_one_short_error_ev
 async def test_a_small_error_body_for_a_waiting_stream_is_relayed_as_its_event(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
 ) -> None:
-    gate = await waiting_gate(start_gate, hostile)
+    gate = await waiting_before_hostile(start_gate, hostile)
     refused = {"error": {"code": 400, "message": "too long", "type": "exceed_context_size_error"}}
     body = await answered_after_waiting(
         gate, hostile, client, sends(reply(400, json.dumps(refused).encode()))
@@ -155,7 +127,7 @@ async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
     start_gate: GateFactory, hostile: Hostile
 ) -> None:
     hostile.props = huge_error(200 * MiB, status=200)
-    gate = await gate_before(start_gate, hostile, ready=False)
+    gate = await before_hostile(start_gate, hostile, ready=False)
     await gate.until(lambda: "bytes" in gate.service.upstream.reason)
     assert not gate.service.upstream.ready
     assert hostile.sent < 200 * MiB
@@ -168,7 +140,7 @@ async def test_a_props_answer_over_the_bound_marks_llama_server_not_ready(
 async def test_an_upstream_cut_mid_event_gets_its_error_on_a_new_event_boundary(
     start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, waiting: bool
 ) -> None:
-    gate = await waiting_gate(start_gate, hostile)
+    gate = await waiting_before_hostile(start_gate, hostile)
     cut = stream(*CHAT_STREAM[:2], cut=PARTIAL_EVENT)
     if waiting:
         body = await answered_after_waiting(gate, hostile, client, cut)
@@ -189,7 +161,7 @@ async def test_a_stream_cut_by_shutdown_mid_event_ends_with_its_error_on_a_new_b
         await asyncio.Event().wait()  # nothing more, until slotgate's drain timeout cuts it
 
     hostile.script.append(endless)
-    gate = await gate_before(start_gate, hostile)
+    gate = await before_hostile(start_gate, hostile)
     async with client.stream("POST", gate.url + CHAT, json=chat(stream=True)) as response:
         chunks = response.aiter_raw()
         body = await anext(chunks)
@@ -225,7 +197,7 @@ async def test_interim_answers_are_skipped_and_the_final_one_relayed(
             b"%x\r\n%b\r\n0\r\n\r\n" % (len(CHAT_STREAM[1]), CHAT_STREAM[1]),
         )
     )
-    gate = await gate_before(start_gate, hostile)
+    gate = await before_hostile(start_gate, hostile)
     plain = await client.post(gate.url + "/tokenize", json={"content": "a"})
     assert (plain.status_code, plain.content) == (200, b'{"n":1}')
     assert "link" not in plain.headers  # the interim answer's headers are not the answer's
@@ -251,7 +223,7 @@ async def test_a_switching_protocols_answer_is_a_502_and_the_clients_connection_
 ) -> None:
     hostile.script.append(sends(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\nraw"))
     hostile.fallback = sends(reply(200, b'{"n":2}'))
-    gate = await gate_before(start_gate, hostile)
+    gate = await before_hostile(start_gate, hostile)
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     try:
         status, body = await exchange(reader, writer, "/tokenize")
@@ -274,34 +246,29 @@ async def test_an_ipv6_upstream_gets_its_host_header_in_brackets(start_gate: Gat
         pytest.skip("no IPv6 loopback here")
     try:
         assert hostile.url == f"http://[::1]:{hostile.port}"
-        await gate_before(start_gate, hostile)  # ready: /props was read over IPv6
+        await before_hostile(start_gate, hostile)  # ready: /props was read over IPv6
     finally:
         await hostile.stop()
     assert hostile.requests[0].headers[b"host"] == f"[::1]:{hostile.port}".encode()
 
 
-async def test_garbage_instead_of_http_gets_502_and_frees_the_slot(
-    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
+@pytest.mark.parametrize(
+    "sent",
+    [
+        pytest.param(b"\x16\x03\x01 this is not http\r\n\r\n", id="garbage-instead-of-http"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"choices": [',
+            id="truncated-body",
+        ),
+    ],
+)
+async def test_an_answer_that_is_no_http_or_cut_short_gets_502_and_frees_the_slot(
+    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient, sent: bytes
 ) -> None:
-    hostile.fallback = closes(sends(b"\x16\x03\x01 this is not http\r\n\r\n"))
+    hostile.fallback = closes(sends(sent))
     gate = await start_gate(llama_server_url=hostile.url)
-    response = await client.post(gate.url + CHAT, json=chat())
-    assert response.status_code == 502
-    assert response.json()["error"]["code"] == "upstream_failed"
-    assert gate.service.admission.active == 0
-
-
-async def test_truncated_body_gets_502_and_frees_the_slot(
-    start_gate: GateFactory, hostile: Hostile, client: httpx.AsyncClient
-) -> None:
-    hostile.fallback = closes(
-        sends(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-              b'Content-Length: 100\r\n\r\n{"choices": [')
-    )  # fmt: skip
-    gate = await start_gate(llama_server_url=hostile.url)
-    response = await client.post(gate.url + CHAT, json=chat())
-    assert response.status_code == 502
-    assert gate.service.admission.active == 0
+    assert (await error_answered(client, gate, 502))["code"] == "upstream_failed"
 
 
 async def test_upstream_trickling_byte_by_byte_is_relayed_intact(
