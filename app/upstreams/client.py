@@ -445,6 +445,10 @@ class Client:
         self.stall_s = stall_s
         self._idle: list[Connection] = []
         self._closed = False
+        self._started()
+
+    def _started(self) -> None:
+        """Hook: a reuse policy's own state, made once the client is."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._host}:{self._port} idle={len(self._idle)}>"

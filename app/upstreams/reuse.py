@@ -20,26 +20,7 @@ STREAM_PROBE_S = 1.0
 class UpstreamClient(Client):
     """The client slotgate talks to llama-server with."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        tls: bool,
-        connect_timeout_s: float,
-        keepalive_s: float,
-        stall_s: float | None,
-        address: str | None = None,
-    ) -> None:
-        super().__init__(
-            host,
-            port,
-            tls=tls,
-            connect_timeout_s=connect_timeout_s,
-            keepalive_s=keepalive_s,
-            stall_s=stall_s,
-            address=address,
-        )
+    def _started(self) -> None:
         self._warming: set[asyncio.Task[None]] = set()
         self._probe: tuple[Connection, asyncio.TimerHandle] | None = None
         #: Does the upstream keep a connection open after an event stream? None until seen.
