@@ -91,8 +91,12 @@ async def test_storm_of_two_thousand_clients_is_answered_without_5xx(
     assert statuses[429] > 0
     assert standin.started == statuses[200]
     assert standin.max_running <= 2
-    # The line filled to its limit and never past it; the slots, likewise.
-    assert seen == {"active": 2, "queued": 20}
+    # The line filled to its limit and never past it, but for requests llama-server's side did
+    # not take (a connection it closed as they were sent): those go back to the head of the
+    # line whatever its length. The slots were never past theirs.
+    retried = sum(pool.routed["retry"] for pool in gate.service.admission.pools)
+    assert seen["active"] == 2
+    assert 20 <= seen["queued"] <= 20 + retried, (seen, retried)
     await assert_settled(gate, standin, baseline + 1)
 
 

@@ -114,7 +114,9 @@ async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arr
         # Redis (all three stay shared below); 10 s leaves room for a 2-core box loaded by
         # other work (seen: three llama.cpp engines starting made a call pass 0.5 s, a CPU
         # burner beside other test runs one pass 2 s).
-        fleet = await started(stack, replicas(valkey, timeout_s=10.0))
+        # A TTL as long: only fleet[0] reports the upstreams' slots here, so a heartbeat late
+        # past the TTL (a starved loop) would give it up and leave the fleet with no capacity.
+        fleet = await started(stack, replicas(valkey, timeout_s=10.0, heartbeat_s=1.0, ttl_s=10.0))
         for upstream, capacity in capacities.items():
             await fleet[0].resize(upstream, capacity)
         held: dict[str, int] = dict.fromkeys(capacities, 0)
