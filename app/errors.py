@@ -41,8 +41,8 @@ reaches an answer is a 500 whose text is not leaked. ExchangeFailed and the last
 become an answer as they are: the upstream and the relay turn a failed exchange into an
 UpstreamError, and the others are signals between parts of slotgate, each caught where it
 means something (a client that left is counted, not answered). The managed engine's own
-errors (`EngineFailed` in app/engine/local.py) stay in the engine: it runs as a script of its
-own, standard library only, that imports nothing of slotgate.
+errors (`EngineFailed` in app/engine/model.py) stay in the engine: a package of its own,
+standard library only, that imports nothing else of slotgate.
 
 Standard library only, so that the admission core may raise these; the bytes of an answer
 are written where HTTP lives (app/proxy/refusals.py).

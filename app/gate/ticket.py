@@ -128,7 +128,7 @@ class Ticket:
             if admission._capacity is None and (admission._startup_wait_s or self._known_by):
                 await self._until_known()
             if admission._queue_timeout_s is None or self._known_by is not None:
-                # No scope at all without QUEUE_TIMEOUT (the default): an idle timeout scope
+                # No scope at all without QUEUE_TIMEOUT_S (the default): an idle timeout scope
                 # costs more than the whole hand-off it would wrap. A ticket sent back by its
                 # upstream waits at the head of the line, not under the queue timeout again.
                 await future
