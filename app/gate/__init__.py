@@ -3,7 +3,9 @@ choice of upstream among those with room, tenants and their shares, and the hold
 Retry-After. Standard library only: it knows nothing of HTTP, of the upstream client, of Redis or
 of settings; callers pass numbers in and get tickets or refusals out.
 
-`admission` (entering and the hand-off) builds on `pool` (the pools and where a ticket runs),
+`entry` is the one way in (`Gate`, held without asking whose it is; `Local`, the core's own)
+and `policy` the line's numbers, which the shared line's scripts follow too. `admission`
+(entering and the hand-off) builds on `pool` (the pools and where a ticket runs),
 `ticket` (a request's claim), `line` (the FIFO line and the interface the fair one shares),
 `fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants` and `clock` (the
 hold average and every estimate from it).

@@ -1,6 +1,10 @@
-"""One request's path through the gate: the HTTP/1.1 protocol's bounds, the request, which
-headers cross, admission and the body bytes held meanwhile, the wait and the client leaving, the
-relay of the upstream's answer (streamed, or assembled when a client asked for one body), the
-answer's single writer, and what a request leaves behind (its metrics and access-log line). The
-only package that speaks to clients; `Proxy` (relay.py) orchestrates the rest.
+"""One request's path through the gate; the only package that speaks to clients. `Proxy`
+(`relay`) orchestrates it; each other module owns one part: `protocol` (the HTTP/1.1
+connection's bounds), `request` (one request as taken in), `access` (API keys and tenants),
+`headers` (which headers cross), `body_bytes` (the bytes of bodies not yet admitted), `watch`
+(cancellation: the client leaving, the drain running out), `modes` (the three ways an answer
+goes back) with `assembly` (one JSON body from a stream), `answer` (the answer's single
+writer), `refusals` (a refusal as the bytes of an HTTP answer) and `accounting` (what a request
+leaves behind: its metrics and access-log line). It enters admission through one `Gate` and
+must not know FastAPI, nor whether the line is this process's or shared through Redis.
 """
