@@ -30,6 +30,7 @@ from slotgate.cli import uvicorn_config
 from slotgate.settings import Settings
 
 from bench.procs import free_port
+from tests.support.tools import tool
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -461,10 +462,7 @@ def test_the_balancer_never_sends_a_post_that_reached_one_replica_to_the_other()
 
 
 def nginx() -> str:
-    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if found is None:
-        pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
-    return found
+    return tool("nginx", "nginx-light")
 
 
 def nginx_main(tmp_path: Path, conf: str, ports: dict[str, int], listen: int = 8000) -> Path:

@@ -4,7 +4,6 @@ and /metrics as operators scrape it."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, chat
 from tests.support.standin import StandIn
+from tests.support.tools import tool
 
 ROUTE = "/v1/chat/completions"
 
@@ -149,15 +149,13 @@ async def test_metrics_serve_slotgates_series_and_llama_servers_together_or_apar
     assert wrong.json()["error"]["param"] == "source"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 @pytest.mark.parametrize("capacity", [None, 2], ids=["unknown", "known"])
 def test_slotgates_own_series_pass_promtool(capacity: int | None) -> None:
     metrics = Metrics(Admission(QueuePolicy(), capacity=capacity), lambda: True)
     metrics.admit(ROUTE, 0.3)
     metrics.hold[ROUTE].observe(2.0)
     metrics.rejected(ROUTE, "queue_full")
-    promtool = shutil.which("promtool")
-    assert promtool is not None
+    promtool = tool("promtool", "prometheus")
     checked = subprocess.run(
         [promtool, "check", "metrics"], input=metrics.render(), capture_output=True, check=False
     )

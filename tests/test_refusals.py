@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import shutil
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from slotgate.proxy.refusals import retry_headers
 
 from tests.conftest import CHAT, GateFactory, chat
 from tests.support.standin import StandIn
+from tests.support.tools import tool
 
 
 def test_every_reason_a_refusal_can_carry_has_a_series_from_the_start() -> None:
@@ -143,7 +143,6 @@ async def test_shutdown_while_a_stream_waits_for_its_head_is_a_503_with_retry_af
     assert response.headers["request-id"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 async def test_slotgates_series_over_http_pass_promtool_after_refusals_with_a_budget(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -151,8 +150,7 @@ async def test_slotgates_series_over_http_pass_promtool_after_refusals_with_a_bu
     assert (await client.post(gate.url + CHAT, content=b"{")).status_code == 400
     answer = await client.get(gate.url + "/metrics?source=slotgate")
     assert 'slotgate_requests_rejected_total{family="chat",reason="bad_request"} 1.0' in answer.text
-    promtool = shutil.which("promtool")
-    assert promtool is not None
+    promtool = tool("promtool", "prometheus")
     checker = await asyncio.create_subprocess_exec(
         promtool, "check", "metrics", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
