@@ -20,6 +20,7 @@
     │   │   ├── QueueTimeout
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
+    │   ├── QuotaExceeded         the tenant used up a quota of its keys file; its window frees
     │   └── UpstreamError         llama-server could not give its answer
     │       ├── UpstreamUnavailable
     │       │   └── UpstreamStarting
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     # For annotations only: the gate imports this module, never the reverse at run time.
     from slotgate.gate.pool import Snapshot
+    from slotgate.gate.quotas import Standing
     from slotgate.gate.tenants import Tenant
 
 Flavor = Literal["openai", "anthropic"]
@@ -247,6 +249,35 @@ class TenantTooLarge(TooLarge):
         )
 
 
+_UNITS = {
+    "requests_per_minute": "requests per minute",
+    "tokens_per_minute": "tokens per minute",
+    "tokens_per_day": "tokens per day (UTC)",
+}
+
+
+class QuotaExceeded(GateError):
+    """The request's tenant reached one of its quotas (app/gate/quotas.py): `limit` names it,
+    `retry_after_s` is when its window resets, `standing` what the rate-limit headers show."""
+
+    def __init__(self, tenant: str, limit: str, retry_after_s: float, standing: Standing) -> None:
+        super().__init__(f"tenant {tenant} reached its quota of {limit}")
+        self.tenant = tenant
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.standing = standing
+        self.extra = {"quota": limit}
+
+    @property
+    def message(self) -> str:
+        s = self.standing
+        used = s.limit_requests if self.limit == "requests_per_minute" else s.limit_tokens
+        return (
+            f"tenant {self.tenant} has used its {used} {_UNITS[self.limit]} "
+            f"({self.limit}); retry after Retry-After ({self.retry_after_s:.0f} s)"
+        )
+
+
 class UpstreamError(GateError):
     """llama-server could not give its answer."""
 
@@ -366,6 +397,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     QueueTimeout:         Shape(503, _AWAY, "queue_timeout", "queue_timeout", True),
     TooLarge:             Shape(400, _BAD, "too_many_slots", "bad_request"),
     TenantTooLarge:       Shape(400, _BAD, "too_many_slots", "bad_request"),
+    QuotaExceeded:        Shape(429, _RATE, "quota_exceeded", "quota_exceeded", True),
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),

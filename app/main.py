@@ -15,6 +15,7 @@ from slotgate.asgi import Message, Receive, Scope, Send
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
+from slotgate.gate.quotas import Windows
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.headers import id_headers
@@ -98,9 +99,12 @@ class Service:
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
+        #: The tenants' quota windows, kept apart from the roster so that a reload keeps them.
+        self.quotas = Windows()
         self.proxy = Proxy(
-            settings, self.admission, self.fleet, self.metrics, self.access, self.gate
-        )
+            settings, self.admission, self.fleet, self.metrics, self.access, self.gate,
+            self.quotas,
+        )  # fmt: skip
         self.draining = False
 
     def drain(self) -> None:

@@ -25,6 +25,7 @@ class Outcome(StrEnum):
     TENANT_QUEUE_FULL = "tenant_queue_full"
     QUEUE_BYTES_FULL = "queue_bytes_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    QUOTA_EXCEEDED = "quota_exceeded"
     CLIENT_GONE = "client_gone"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_FAILED = "upstream_failed"
@@ -49,6 +50,7 @@ REASONS: tuple[str, ...] = (
     Outcome.TENANT_QUEUE_FULL,
     Outcome.QUEUE_BYTES_FULL,
     Outcome.QUEUE_TIMEOUT,
+    Outcome.QUOTA_EXCEEDED,
     Outcome.CLIENT_GONE,
     Outcome.UPSTREAM_UNAVAILABLE,
     Outcome.UPSTREAM_FAILED,

@@ -7,6 +7,7 @@ of settings; callers pass numbers in and get tickets or refusals out.
 and `policy` the line's numbers, which the shared line's scripts follow too. `admission`
 (entering and the hand-off) builds on `pool` (the pools and where a ticket runs),
 `ticket` (a request's claim), `line` (the FIFO line and the interface the fair one shares),
-`fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants` and `clock` (the
-hold average and every estimate from it).
+`fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants`, `quotas` (each
+tenant's windows of requests and tokens) and `clock` (the hold average and every estimate from
+it).
 """

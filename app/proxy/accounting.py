@@ -14,7 +14,9 @@ from slotgate.proxy.request import Request
 
 
 def account(request: Request, answer: Answer, metrics: Metrics) -> None:
-    """Its metrics and its access-log line."""
+    """Its tokens charged to its tenant's quota, its metrics and its access-log line."""
+    if answer.tally is not None:
+        answer.tally.settle()
     route = request.route
     ticket = request.ticket
     now = time.monotonic()

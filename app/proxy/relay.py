@@ -21,12 +21,14 @@ from slotgate.errors import (
     AdmissionError,
     ClientGone,
     GateError,
+    QuotaExceeded,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
 )
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
+from slotgate.gate.quotas import Ledger, Windows
 from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
@@ -39,6 +41,7 @@ from slotgate.proxy.assembly import Assembly
 from slotgate.proxy.body_bytes import BodyBytes, HeldBody
 from slotgate.proxy.headers import SSE, SSE_HEAD, dropped, own_headers, upstream_headers
 from slotgate.proxy.modes import refuse, relay, relay_assembled, relay_into_stream
+from slotgate.proxy.quota import admit, headers_of
 from slotgate.proxy.request import (
     Head,
     Request,
@@ -77,8 +80,11 @@ class Proxy:
         metrics: Metrics,
         access: Access | None = None,
         gate: Gate | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self._admission = admission
+        #: The tenants' quota windows (app/gate/quotas.py): this process's, or the fleet's.
+        self._ledger: Ledger = ledger or Windows()
         #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
         self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
@@ -122,6 +128,8 @@ class Proxy:
                     if not request.gated:
                         await self._pass(request, receive, answer)
                         return
+                    if request.tenant.quota is not None:
+                        await self._count(request, answer)
                     ticket = await self._enter(request)
                 except (GateError, AdmissionError) as exc:
                     held.release()  # before its answer goes out, however slowly
@@ -164,6 +172,14 @@ class Proxy:
             return
         async with Watch(receive, request, answer, self._own):
             await self._forward(request, answer)
+
+    async def _count(self, request: Request, answer: Answer) -> None:
+        """Count it against its tenant's quota (or refuse it); its answer shows the standing."""
+        try:
+            answer.extra, answer.tally = await admit(self._ledger, request.tenant)
+        except QuotaExceeded as exc:
+            answer.extra = headers_of(exc.standing)
+            raise
 
     async def _enter(self, request: Request) -> Claim:
         """Read the body's demand and join the queue (or take a slot at once)."""
