@@ -15,7 +15,7 @@ from slotgate.asgi import Message, Receive, Scope, Send
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
-from slotgate.gate.quotas import Windows
+from slotgate.gate.quotas import Ledger, Windows
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.headers import id_headers
@@ -79,6 +79,11 @@ class Service:
         #: The way into admission: the core's own, or the line shared with other replicas
         #: through Redis (REDIS_URL; without it no Redis code is even imported).
         self.gate: Gate = Local(self.admission)
+        #: The tenants' quota windows, kept apart from the roster so that a reload keeps them:
+        #: this process's (`quotas`), or the fleet's in Redis (REDIS_URL), counted here only
+        #: while Redis is away.
+        self.quotas = Windows()
+        self.ledger: Ledger = self.quotas
         if settings.redis_url is not None and settings.admission_control:
             from slotgate.replicas.replica import (
                 ReplicaAdmission,  # only with REDIS_URL: no Redis code else
@@ -90,6 +95,12 @@ class Service:
                 f"another replica saw llama-server at {pool.key} run out of KV cache"
             )
             self.gate = replica
+            from slotgate.replicas.quotas import SharedWindows
+
+            self.ledger = SharedWindows(
+                settings.redis_url, settings.redis_fleet, timeout_s=settings.redis_timeout_s,
+                local=self.quotas,
+            )  # fmt: skip
         self.metrics = Metrics(
             self.admission,
             lambda: self.fleet.ready,
@@ -99,11 +110,9 @@ class Service:
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
-        #: The tenants' quota windows, kept apart from the roster so that a reload keeps them.
-        self.quotas = Windows()
         self.proxy = Proxy(
             settings, self.admission, self.fleet, self.metrics, self.access, self.gate,
-            self.quotas,
+            self.ledger,
         )  # fmt: skip
         self.draining = False
 
@@ -204,6 +213,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
             # closed after the requests have ended: what Redis still counts here goes back then.
             await service.gate.start()
             scope.push_async_callback(service.gate.close)
+            scope.push_async_callback(service.ledger.aclose)
             await service.fleet.start()
             scope.push_async_callback(service.fleet.close)
             try:

@@ -154,6 +154,9 @@ class Ledger(Protocol):
     def charge(self, name: str, tokens: int) -> None:
         """An answer of tenant `name` ended having used `tokens`."""
 
+    async def aclose(self) -> None:
+        """Once the requests have ended."""
+
 
 class Windows:
     """Every tenant's windows in this process. One dict entry per tenant that has a quota and
@@ -179,6 +182,9 @@ class Windows:
     def charge(self, name: str, tokens: int) -> None:
         if tokens > 0:
             self._accounts[name] = charged(self._accounts.get(name, EMPTY), tokens, self.clock())
+
+    async def aclose(self) -> None:
+        return
 
     def account(self, name: str) -> Account:
         """The tenant's windows as they stand now."""
