@@ -21,6 +21,7 @@
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
     │   ├── QuotaExceeded         the tenant used up a quota of its keys file; its window frees
+    │   ├── DeadlineUnmet         no slot within the request's X-Max-Wait; the line may shorten
     │   └── UpstreamError         llama-server could not give its answer
     │       ├── UpstreamUnavailable
     │       │   └── UpstreamStarting
@@ -278,6 +279,35 @@ class QuotaExceeded(GateError):
         )
 
 
+class DeadlineUnmet(GateError):
+    """The request would get its slot, or has not got it, within its bound on waiting
+    (X-Max-Wait, or its tenant's max_wait_s; app/gate/deadlines.py). `eta_s`: the wait it
+    would still have had; `waited_s`: what it waited. Retry-After: once the line should have
+    shortened by what the estimate exceeds the bound."""
+
+    def __init__(self, bound_s: float, eta_s: float, waited_s: float = 0.0) -> None:
+        super().__init__(f"no slot within X-Max-Wait {bound_s:g} s")
+        self.bound_s = bound_s
+        self.eta_s = eta_s
+        self.waited_s = waited_s
+        self.retry_after_s = max(waited_s + eta_s - bound_s, 1.0)
+        self.extra = {"eta_s": round(eta_s, 3), "max_wait_s": bound_s}
+
+    @property
+    def message(self) -> str:
+        if self.waited_s:
+            return (
+                f"no slot became free within the request's wait bound of {self.bound_s:g} s "
+                f"(X-Max-Wait); about {self.eta_s:.1f} s more was expected; retry after "
+                "Retry-After or allow a longer wait"
+            )
+        return (
+            f"the expected wait for a slot ({self.eta_s:.1f} s) exceeds the request's wait "
+            f"bound of {self.bound_s:g} s (X-Max-Wait); retry after Retry-After or allow a "
+            "longer wait"
+        )
+
+
 class UpstreamError(GateError):
     """llama-server could not give its answer."""
 
@@ -398,6 +428,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     TooLarge:             Shape(400, _BAD, "too_many_slots", "bad_request"),
     TenantTooLarge:       Shape(400, _BAD, "too_many_slots", "bad_request"),
     QuotaExceeded:        Shape(429, _RATE, "quota_exceeded", "quota_exceeded", True),
+    DeadlineUnmet:        Shape(503, _AWAY, "deadline_unmet", "deadline_unmet", True),
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),

@@ -26,6 +26,7 @@ class Outcome(StrEnum):
     QUEUE_BYTES_FULL = "queue_bytes_full"
     QUEUE_TIMEOUT = "queue_timeout"
     QUOTA_EXCEEDED = "quota_exceeded"
+    DEADLINE_UNMET = "deadline_unmet"
     CLIENT_GONE = "client_gone"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_FAILED = "upstream_failed"
@@ -51,6 +52,7 @@ REASONS: tuple[str, ...] = (
     Outcome.QUEUE_BYTES_FULL,
     Outcome.QUEUE_TIMEOUT,
     Outcome.QUOTA_EXCEEDED,
+    Outcome.DEADLINE_UNMET,
     Outcome.CLIENT_GONE,
     Outcome.UPSTREAM_UNAVAILABLE,
     Outcome.UPSTREAM_FAILED,

@@ -13,6 +13,7 @@ label, not a secret), weight 1, band `interactive`. `API_KEYS_FILE` names a TOML
     requests_per_minute = 60         # quotas (app/gate/quotas.py; default: none)
     tokens_per_minute = 20000
     tokens_per_day = 1000000
+    max_wait_s = 30                  # its requests' bound on waiting, unless X-Max-Wait says
 
 Bands are integers from 0 to 9, the higher served first; `batch` is 0 and `interactive` (the
 default) is 1. A request may ask for a lower band than its key's with `X-Priority` (a band's
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from slotgate.errors import InvalidTenantsFile
+from slotgate.gate.deadlines import MAX_WAIT_S
 from slotgate.gate.quotas import LIMITS, Quota
 
 log = logging.getLogger("slotgate")
@@ -52,7 +54,17 @@ BANDS = {"batch": BATCH, "interactive": INTERACTIVE}
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_FIELDS = ("key", "keys", "sha256", "weight", "band", "max_active", "max_queued", *LIMITS)
+_FIELDS = (
+    "key",
+    "keys",
+    "sha256",
+    "weight",
+    "band",
+    "max_active",
+    "max_queued",
+    "max_wait_s",
+    *LIMITS,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +79,18 @@ class Tenant:
     max_queued: int | None = None
     #: Its quotas; None when it has none (the request path then skips them at no cost).
     quota: Quota | None = None
+    #: How long its requests may wait for a slot when they do not say (app/gate/deadlines.py).
+    max_wait_s: float | None = None
 
     def lowered(self, band: int) -> Tenant:
         """The same tenant for a request in a lower `band` (X-Priority); itself for any
         other."""
         if band >= self.band:
             return self
-        return Tenant(self.name, self.weight, band, self.max_active, self.max_queued, self.quota)
+        return Tenant(
+            self.name, self.weight, band, self.max_active, self.max_queued, self.quota,
+            self.max_wait_s,
+        )  # fmt: skip
 
     def band_for(self, priority: bytes | None) -> int:
         """The band a request runs in: the tenant's, or a lower one its X-Priority asks for.
@@ -250,7 +267,17 @@ def _tenant(where: str, name: str, table: object) -> tuple[Tenant, list[bytes]]:
             raise fail(field, "must be a whole number of at least 1")
         limits[field] = value
     quota = Quota(*(limits[field] for field in LIMITS)) if any(map(limits.get, LIMITS)) else None
-    tenant = Tenant(name, float(weight), number, limits["max_active"], limits["max_queued"], quota)
+    max_wait = table.get("max_wait_s")
+    if max_wait is not None and (
+        isinstance(max_wait, bool)
+        or not isinstance(max_wait, int | float)
+        or not 0 <= max_wait <= MAX_WAIT_S
+    ):
+        raise fail("max_wait_s", f"must be a number of seconds from 0 to {MAX_WAIT_S:.0f}")
+    tenant = Tenant(
+        name, float(weight), number, limits["max_active"], limits["max_queued"], quota,
+        None if max_wait is None else float(max_wait),
+    )  # fmt: skip
     return tenant, digests
 
 

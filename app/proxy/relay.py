@@ -20,12 +20,14 @@ from slotgate.asgi import Headers, Receive, Scope, Send
 from slotgate.errors import (
     AdmissionError,
     ClientGone,
+    DeadlineUnmet,
     GateError,
     QuotaExceeded,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
 )
+from slotgate.gate import deadlines
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.quotas import Ledger, Windows
@@ -243,6 +245,8 @@ class Proxy:
         cost = taken.estimate
         tenant = request.tenant
         band = None if head.priority is None else tenant.band_for(head.priority)
+        if head.max_wait is not None or tenant.max_wait_s is not None:
+            request.max_wait_s = deadlines.max_wait_s(head.max_wait, tenant.max_wait_s)
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
         ticket = await self._gate.enter(
@@ -253,6 +257,8 @@ class Proxy:
         )  # fmt: skip
         if ticket.admitted:
             self._let_go(request)
+        elif request.max_wait_s is not None:
+            self._in_time(ticket, request.max_wait_s)
         request.ticket = ticket
         request.estimate = cost
         return ticket
@@ -270,7 +276,13 @@ class Proxy:
                         # costs none.
                         await self._fleet.primary.count(ticket, request.estimate)
                     if not ticket.admitted:
-                        await self._wait(request, answer, ticket)
+                        waiting = self._wait(request, answer, ticket)
+                        if request.max_wait_s is not None:
+                            waiting = deadlines.within(
+                                waiting, request.max_wait_s, ticket.wait_s,
+                                lambda: self._admission.eta_s(max(ticket.position, 1)),
+                            )  # fmt: skip
+                        await waiting
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
                 await self._forward_when_up(request, answer, ticket)
@@ -307,6 +319,14 @@ class Proxy:
                 return
 
     # -- waiting -------------------------------------------------------------------------------
+
+    def _in_time(self, ticket: Claim, bound_s: float) -> None:
+        """Refuse at once a request whose place in line promises a slot only past its bound."""
+        try:
+            deadlines.check(self._admission.eta_s(max(ticket.position, 1)), bound_s)
+        except DeadlineUnmet:
+            ticket.release()  # its place, before anyone waits behind it for nothing
+            raise
 
     def _let_go(self, request: Request) -> None:
         """Admitted: its body no longer counts. Harmless twice; whatever way the request goes,
