@@ -162,6 +162,13 @@ class Settings(BaseSettings):
         description="TOML file of tenants: per key a name, weight, band, max_active and "
         "max_queued; reloaded on SIGHUP; unset = each API_KEYS key is a tenant of weight 1.",
     )
+    session_flows: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Agent sessions (x-claude-code-session-id, x-session-affinity, session-id) "
+        "as flows of their own in the fair order, hashed into this many per tenant; 0 = off.",
+    )
     metrics_tenants: int = Field(
         10,
         ge=0,

@@ -31,6 +31,7 @@ from slotgate.gate import deadlines
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.quotas import Ledger, Windows
+from slotgate.gate.sessions import Sessions, routing_key, session_of
 from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
@@ -92,6 +93,8 @@ class Proxy:
         self._fleet = fleet
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
+        #: Agent sessions' flows in the fair order (SESSION_FLOWS; None: off).
+        self._sessions = Sessions(settings.session_flows) if settings.session_flows else None
         self._metrics = metrics
         self._access = access or Access(settings.api_keys, settings.api_keys_file)
         self._gated = settings.admission_control
@@ -247,12 +250,23 @@ class Proxy:
         band = None if head.priority is None else tenant.band_for(head.priority)
         if head.max_wait is not None or tenant.max_wait_s is not None:
             request.max_wait_s = deadlines.max_wait_s(head.max_wait, tenant.max_wait_s)
+        key, conversation, flow = taken.affinity, taken.conversation, tenant
+        if (affinity or self._sessions is not None) and (
+            session := session_of(head.raw)
+        ) is not None:
+            # An agent's session: each turn back where it last ran (its history is cached
+            # there), and, with SESSION_FLOWS, a flow of its own beside its tenant's others.
+            if affinity:
+                conversation = routing_key(session)
+                key = conversation if key is None else key
+            if self._sessions is not None:
+                flow = self._sessions.flow(tenant, session)
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
         ticket = await self._gate.enter(
             Entry(
-                want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
-                taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
+                want.choices, cost.reserve if cost else 0, weigh, key, flow, band,
+                conversation, want.choices * want.tasks if want.tasks > 1 else 0,
             )
         )  # fmt: skip
         if ticket.admitted:
