@@ -173,6 +173,8 @@ class Service:
             ],
             "tenants": self.tenants(),
             "replication": self.gate.view(),
+            # PREEMPT_AFTER_S: requests preempted before their first byte so far.
+            "preemptions": None if (p := self.proxy.preemption) is None else p.count,
         }
 
     def tenants(self) -> list[dict[str, Any]]:

@@ -162,6 +162,13 @@ class Settings(BaseSettings):
         description="TOML file of tenants: per key a name, weight, band, max_active and "
         "max_queued; reloaded on SIGHUP; unset = each API_KEYS key is a tenant of weight 1.",
     )
+    preempt_after_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="A waiter of a higher band that waited this long may preempt a lower band's "
+        "request that has sent its client nothing yet (it is sent again later); 0 = off.",
+    )
     session_flows: int = Field(
         0,
         ge=0,

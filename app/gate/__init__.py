@@ -9,6 +9,7 @@ and `policy` the line's numbers, which the shared line's scripts follow too. `ad
 `ticket` (a request's claim), `line` (the FIFO line and the interface the fair one shares),
 `fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants`, `quotas` (each
 tenant's windows of requests and tokens), `deadlines` (a request's bound on waiting),
-`sessions` (agent sessions' routing keys and flows) and `clock` (the hold average and every
+`sessions` (agent sessions' routing keys and flows), `preemption` (whom a long waiter may
+preempt before its first byte) and `clock` (the hold average and every
 estimate from it).
 """

@@ -30,6 +30,7 @@ from slotgate.errors import (
 from slotgate.gate import deadlines
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
+from slotgate.gate.preemption import Preemption
 from slotgate.gate.quotas import Ledger, Windows
 from slotgate.gate.sessions import Sessions, routing_key, session_of
 from slotgate.gate.ticket import Claim
@@ -59,6 +60,9 @@ from slotgate.upstreams.fleet import Fleet
 
 #: Stands for the unknown slot count while a request is checked before llama-server is up.
 _UNSIZED = sys.maxsize
+#: How long a preempted request may wait for its next slot while no upstream is known (its
+#: wait is otherwise that of the line's head: the queue timeout does not apply again).
+_PREEMPTED_WAIT_S = 3600.0
 #: What the gate wants from a body when no budget binds, the gate is warm and nothing is
 #: routed by key: its demand alone (one shared object, not one per request).
 _NOTHING_MORE = Wants()
@@ -95,6 +99,8 @@ class Proxy:
         self._affinity = settings.routing == "affinity"
         #: Agent sessions' flows in the fair order (SESSION_FLOWS; None: off).
         self._sessions = Sessions(settings.session_flows) if settings.session_flows else None
+        #: Preemption before the first byte (PREEMPT_AFTER_S; None: off).
+        self.preemption = Preemption(settings.preempt_after_s) if settings.preempt_after_s else None
         self._metrics = metrics
         self._access = access or Access(settings.api_keys, settings.api_keys_file)
         self._gated = settings.admission_control
@@ -261,6 +267,8 @@ class Proxy:
                 key = conversation if key is None else key
             if self._sessions is not None:
                 flow = self._sessions.flow(tenant, session)
+        if self.preemption is not None:
+            request.band = flow.band if band is None else band
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
         ticket = await self._gate.enter(
@@ -296,10 +304,15 @@ class Proxy:
                                 waiting, request.max_wait_s, ticket.wait_s,
                                 lambda: self._admission.eta_s(max(ticket.position, 1)),
                             )  # fmt: skip
+                        if self.preemption is not None and request.band:
+                            waiting = self._patient(waiting, request, ticket)
                         await waiting
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
-                await self._forward_when_up(request, answer, ticket)
+                if self.preemption is None:
+                    await self._forward_when_up(request, answer, ticket)
+                else:
+                    await self._preemptible(request, answer, ticket)
             except (GateError, AdmissionError) as exc:
                 if watch.gone:
                     request.outcome = Outcome.CLIENT_GONE
@@ -331,6 +344,57 @@ class Proxy:
                 await self._wait(request, answer, ticket)
             else:
                 return
+
+    # -- preemption (PREEMPT_AFTER_S) ----------------------------------------------------------
+
+    async def _patient(self, waiting: Awaitable[None], request: Request, ticket: Claim) -> None:
+        """Wait; once the wait has lasted PREEMPT_AFTER_S, make room by preempting a lower
+        band's request that has sent nothing yet (app/gate/preemption.py)."""
+        preemption = self.preemption
+        assert preemption is not None  # noqa: S101 - only with preemption on
+        task = asyncio.ensure_future(waiting)
+        try:
+            left_s = preemption.after_s - ticket.wait_s
+            done, _ = await asyncio.wait((task,), timeout=max(left_s, 0.0))
+            if not done and not ticket.admitted:
+                preemption.make_room(request.band, request.id)
+            await task
+        finally:
+            task.cancel()
+
+    async def _preemptible(self, request: Request, answer: Answer, ticket: Claim) -> None:
+        """Forward, and when preempted before llama-server's first bytes (so before any byte to
+        the client), go back to the head of the band and forward again once given a slot."""
+        preemption = self.preemption
+        task = asyncio.current_task()
+        assert preemption is not None  # noqa: S101 - only with preemption on
+        assert task is not None  # noqa: S101 - a request runs in a task
+        stopped = False
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            task.cancel(msg="preempted")
+
+        # Once llama-server has answered, its bytes are on their way to the client.
+        started: Callable[[], bool] = lambda: request.upstream_status is not None  # noqa: E731
+        preemption.run(request, request.band, started, stop, request.id)
+        try:
+            while True:
+                try:
+                    await self._forward_when_up(request, answer, ticket)
+                except asyncio.CancelledError:
+                    if not stopped or answer.started or task.uncancel() > 0:
+                        raise
+                else:
+                    return
+                stopped = False
+                # Its upstream connection is closed (llama-server stops its work); its slots go
+                # to the waiter that preempted it, and it waits at the head of its band.
+                ticket.reroute(time.monotonic() + _PREEMPTED_WAIT_S)
+                await self._wait(request, answer, ticket)
+        finally:
+            preemption.end(request)
 
     # -- waiting -------------------------------------------------------------------------------
 

@@ -46,8 +46,8 @@ class Request:
     """What slotgate knows of one request, from its head to its access-log line."""
 
     __slots__ = (
-        "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held", "id",
-        "max_wait_s", "method", "origin", "outcome", "path", "query", "started", "stream",
+        "assembly", "band", "body", "endpoint", "estimate", "gated", "head", "headers", "held",
+        "id", "max_wait_s", "method", "origin", "outcome", "path", "query", "started", "stream",
         "teaches", "tenant", "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
@@ -78,6 +78,8 @@ class Request:
         self.estimate: Estimate | None = None
         #: How long it may wait for a slot (X-Max-Wait, or its tenant's); None: no bound.
         self.max_wait_s: float | None = None
+        #: The band it waits and runs in (read only with PREEMPT_AFTER_S).
+        self.band = 0
         self.weight = 0
         #: Its body's bytes, counted against QUEUE_BODY_BYTES until it is admitted.
         self.held = held
