@@ -7,8 +7,10 @@ The tokens are read from the last bytes relayed, not by parsing the answer: llam
 every answer with its `usage` (`prompt_tokens`, `completion_tokens`; Anthropic's
 `input_tokens`, `output_tokens`) and `timings` (`prompt_n`, `predicted_n`), and in JSON a key
 with its quotes unescaped cannot occur inside a string, so the last `"completion_tokens":`
-in the tail is llama-server's. A stream that was cut before its usage (the client left,
-llama-server failed) is charged one token per event relayed, its prompt unknown.
+in the tail is llama-server's. An Anthropic stream tells its prompt's tokens in its first event
+(`message_start`), so the first bytes are kept too, for the prompt when the tail lacks it. A
+stream that was cut before its usage (the client left, llama-server failed) is charged one
+token per event relayed, its prompt unknown.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ class Tally:
     """The tokens one answer used: the tail of what was relayed, and its events, counted; the
     charge to its tenant's windows once it ends (`settle`)."""
 
-    __slots__ = ("_ledger", "_name", "events", "tail")
+    __slots__ = ("_ledger", "_name", "events", "head", "tail")
 
     def __init__(self, ledger: Ledger, name: str) -> None:
         self._ledger = ledger
         self._name = name
+        self.head = b""
         self.tail = bytearray()
         self.events = 0
 
     def feed(self, chunk: bytes) -> None:
         self.events += chunk.count(b"data: ")
+        if len(self.head) < TAIL_BYTES:
+            self.head += chunk[: TAIL_BYTES - len(self.head)]
         tail = self.tail
         tail += chunk
         if len(tail) > 2 * TAIL_BYTES:
@@ -52,7 +57,10 @@ class Tally:
         tail = bytes(self.tail)
         completion = _last(_COMPLETION, tail)
         if completion is not None:
-            return completion + (_last(_PROMPT, tail) or 0)
+            prompt = _last(_PROMPT, tail)
+            if prompt is None:
+                prompt = _last(_PROMPT, self.head)
+            return completion + (prompt or 0)
         predicted = _last(_PREDICTED_N, tail)
         if predicted is not None:
             return predicted + (_last(_PROMPT_N, tail) or 0)
@@ -60,7 +68,7 @@ class Tally:
 
     def settle(self) -> None:
         """Charge the answer's tokens; once."""
-        tokens, self.events = self.tokens(), 0
+        tokens, self.events, self.head = self.tokens(), 0, b""
         self.tail.clear()
         self._ledger.charge(self._name, tokens)
 

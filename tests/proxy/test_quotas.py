@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from slotgate.gate.quotas import MINUTE_S
-from slotgate.proxy.quota import duration
+from slotgate.proxy.quota import Tally, duration
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat, write_keys
 from tests.support.clock import T0, Clock
@@ -244,3 +244,32 @@ async def test_the_openai_sdk_does_not_retry_a_day_quota(
 )  # fmt: skip
 def test_a_reset_is_written_as_openai_writes_durations(seconds: float, text: str) -> None:
     assert duration(seconds) == text
+
+
+def test_an_anthropic_streams_prompt_tokens_are_read_from_its_first_event() -> None:
+    charged: list[int] = []
+
+    class Ledger:
+        async def admit(self, name: str, quota: Any) -> Any:
+            raise NotImplementedError
+
+        def charge(self, name: str, tokens: int) -> None:
+            charged.append(tokens)
+
+        async def aclose(self) -> None:
+            return
+
+    tally = Tally(Ledger(), "chat")
+    tally.feed(
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+        b'{"input_tokens":21,"output_tokens":0}}}\n\n'
+    )
+    for _ in range(200):
+        tally.feed(
+            b'event: content_block_delta\ndata: {"delta":{"text":"\\"output_tokens\\""}}\n\n'
+        )
+    tally.feed(
+        b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":7}}\n\n'
+    )
+    tally.settle()
+    assert charged == [28]

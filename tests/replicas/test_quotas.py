@@ -201,3 +201,27 @@ async def test_tokens_used_through_one_replica_count_on_the_other(
     assert refused.status_code == 429
     assert refused.json()["error"]["quota"] == "tokens_per_minute"
     assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_with_redis_away_a_replica_counts_quotas_on_its_own(valkey: Valkey) -> None:
+    local = Windows()
+    shared = SharedWindows(valkey.url, "away", timeout_s=1.0, local=local)
+    try:
+        quota = Quota(requests_per_minute=1)
+        await shared.admit("chat", quota)  # counted in Redis
+        assert local.account("chat").requests == 0
+        valkey.kill()
+        # Not refused for Redis being away: this replica's own windows count from now on.
+        await shared.admit("chat", quota)
+        with pytest.raises(QuotaExceeded):
+            await shared.admit("chat", quota)
+        shared.charge("chat", 7)
+        await asyncio.wait_for(until_charged(shared), 10)
+        assert local.account("chat").minute_tokens == 7
+    finally:
+        await shared.aclose()
+
+
+async def until_charged(shared: SharedWindows) -> None:
+    while shared.pending:
+        await asyncio.sleep(0.01)
