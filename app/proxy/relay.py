@@ -309,7 +309,9 @@ class Proxy:
                         await waiting
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
-                if self.preemption is None:
+                # Only a request that goes upstream as a stream is preempted: llama-server stops
+                # the work of a non-streamed one whose connection closed only unreliably.
+                if self.preemption is None or not (request.stream or request.assembly):
                     await self._forward_when_up(request, answer, ticket)
                 else:
                     await self._preemptible(request, answer, ticket)

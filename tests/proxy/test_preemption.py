@@ -27,10 +27,11 @@ def prompts(standin: StandIn) -> list[str]:
 
 
 async def preempting_gate(start_gate: GateFactory, standin: StandIn) -> RunningGate:
-    # Two slots whose generations hold them 60 s before any byte (non-streamed, sent upstream
-    # as sent): only the test ends them.
+    # Two slots whose streams hold them 60 s before their first token, their head sent with
+    # it (as llama-server does): only the test ends them.
     standin.total_slots, standin.tokens, standin.hold_s = 2, 1, 60.0
-    gate: RunningGate = await start_gate(preempt_after_s=0.3, stream_upstream=False, max_queue=0)
+    standin.late_head = True
+    gate: RunningGate = await start_gate(preempt_after_s=0.3, max_queue=0)
     return gate
 
 
@@ -39,7 +40,9 @@ async def test_a_waiting_interactive_request_preempts_a_batch_request_that_sent_
 ) -> None:
     gate = await preempting_gate(start_gate, standin)
     batch = [
-        asyncio.create_task(client.post(gate.url + CHAT, json=said(f"batch {n}"), headers=BATCH))
+        asyncio.create_task(
+            client.post(gate.url + CHAT, json=said(f"batch {n}", stream=True), headers=BATCH)
+        )
         for n in range(8)
     ]
     await gate.until(lambda: gate.service.admission.queued == 6)
@@ -81,11 +84,30 @@ async def test_a_batch_request_whose_answer_has_begun_is_never_preempted(
     assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
 
 
+async def test_a_non_streamed_request_sent_upstream_as_it_is_is_never_preempted(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # llama-server stops a non-streamed generation whose client left only unreliably.
+    standin.total_slots, standin.tokens, standin.hold_s = 1, 1, 60.0
+    gate = await start_gate(preempt_after_s=0.3, stream_upstream=False, max_queue=0)
+    batch = asyncio.create_task(client.post(gate.url + CHAT, json=said("batch"), headers=BATCH))
+    await gate.until(lambda: gate.service.admission.active == 1)
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await asyncio.sleep(1.0)  # over three times its bound
+    assert prompts(standin) == ["batch"]
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    standin.hold_s = 0
+    standin.hurry()
+    assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
+
+
 async def test_without_preempt_after_s_nothing_is_preempted(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     standin.total_slots, standin.tokens, standin.hold_s = 1, 1, 60.0
-    gate = await start_gate(stream_upstream=False, max_queue=0)
+    standin.late_head = True
+    gate = await start_gate(max_queue=0)
     batch = asyncio.create_task(client.post(gate.url + CHAT, json=said("batch"), headers=BATCH))
     await gate.until(lambda: gate.service.admission.active == 1)
     chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
