@@ -378,8 +378,9 @@ class Proxy:
             stopped = True
             task.cancel(msg="preempted")
 
-        # Once llama-server has answered, its bytes are on their way to the client.
-        started: Callable[[], bool] = lambda: request.upstream_status is not None  # noqa: E731
+        # Its client has had a byte (or is about to: its slot went back with llama-server's
+        # last byte, its answer not yet written).
+        started: Callable[[], bool] = lambda: answer.started or ticket.released  # noqa: E731
         preemption.run(request, request.band, started, stop, request.id)
         try:
             while True:
