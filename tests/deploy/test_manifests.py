@@ -20,6 +20,7 @@ from slotgate.metrics import ENGINE_CONFIG, Metrics
 from slotgate.settings import Settings
 
 from tests.support.tools import tool
+from tests.test_docs import settings_variables
 
 Object = dict[str, Any]
 
@@ -35,7 +36,6 @@ CUSTOM = {
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
 }
-SETTINGS = {name.upper() for name in Settings.model_fields}
 
 
 def kubernetes_version() -> str:
@@ -229,7 +229,12 @@ def test_the_picker_reads_the_sidecars_through_slotgates_engine_config(
     config = yaml.safe_load(epp["pluginsCustomConfig"][epp["pluginsConfigFile"]])
     assert config["kind"] == "EndpointPickerConfig"
     plugins = {plugin["type"]: plugin.get("parameters", {}) for plugin in config["plugins"]}
-    assert plugins["metrics-data-source"]["path"] == "/metrics"
+    source = plugins["metrics-data-source"]
+    assert source["path"] == "/metrics"
+    # Within the utilization detector's staleness bound (200 ms by default), which reads an
+    # endpoint whose figures are older as saturated.
+    assert re.fullmatch(r"\d+ms", source["interval"])
+    assert int(source["interval"][:-2]) < 200
     (engine,) = plugins["core-metrics-extractor"]["engineConfigs"]
     assert engine == ENGINE_CONFIG
     # The scorers the profile uses read gauges this entry maps.
@@ -278,7 +283,7 @@ def test_every_variable_a_manifest_gives_slotgate_is_a_setting_with_a_valid_valu
     assert sorted(name for name, _, _ in gates) == sorted(rendered)  # one in each rendering
     for name, _, one in gates:
         given = env(one)
-        assert set(given) <= SETTINGS, (name, set(given) - SETTINGS)
+        assert set(given) <= set(settings_variables()), (name, given)
         # And Settings takes the values, as slotgate would at start-up.
         values: dict[str, Any] = {key.lower(): value for key, value in given.items()}
         Settings(_env_file=None, **values)
@@ -321,6 +326,8 @@ def test_in_a_pod_with_a_sidecar_llama_server_serves_until_slotgate_has_drained(
         assert drained_s < sleep_s(llama) < grace_s, name
         # On loopback only: nothing but its own slotgate reaches it.
         assert env(llama)["LLAMA_ARG_HOST"] == "127.0.0.1"
+        # Its own /metrics off: slotgate's page would carry it to every scrape of the picker.
+        assert "LLAMA_ARG_ENDPOINT_METRICS" not in env(llama)
         url = urlsplit(env(gate)["LLAMA_SERVER_URL"])
         assert (url.hostname, url.port) == ("127.0.0.1", int(env(llama)["LLAMA_ARG_PORT"]))
 
