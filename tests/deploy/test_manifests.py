@@ -432,5 +432,26 @@ def test_the_autoscaler_scales_the_llama_servers_on_the_queue_depth_slotgate_exp
     assert rule["name"]["as"] == name
     assert rule["seriesQuery"].startswith(name + "{")
     assert re.fullmatch(rule["name"]["matches"], name)
-    assert rule["metricsQuery"].startswith("sum(<<.Series>>{<<.LabelMatchers>>})")
+    # One figure for the namespace (the adapter adds its matcher), not one per pod.
+    assert rule["metricsQuery"] == "sum(<<.Series>>{<<.LabelMatchers>>})"
     assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+
+
+def test_the_docs_path_from_an_empty_cluster_is_five_commands_on_these_manifests(
+    rendered: dict[str, list[Object]],
+) -> None:
+    page = (DEPLOY.parents[1] / "docs" / "kubernetes.md").read_text()
+    section = page.split("## From an empty cluster to a chat", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = block.replace("\\\n", " ").splitlines()
+    assert 1 <= len(commands) <= 5, commands
+    build, _, apply, _, chat = commands
+    # It builds the image the base names, applies the base, and asks slotgate's Service.
+    (_, gate), *_ = slotgates(rendered["base"])
+    assert f"-t {gate['image']} " in build
+    assert apply == "kubectl apply -k deploy/kubernetes/base"
+    service = named(rendered["base"], "Service", "slotgate")
+    assert f"http://slotgate:{service['spec']['ports'][0]['port']}/v1/chat/completions" in chat
+    # Every folder of deploy/ the page names exists.
+    for path in re.findall(r"deploy/kubernetes/[\w./-]*[\w]", page):
+        assert (DEPLOY.parents[1] / path).exists(), path
