@@ -158,12 +158,44 @@ class _PoolCollector(Collector):
         yield active
         yield available
         yield routed
+        yield kv_cache_usage(pool)
         yield GaugeMetricFamily(
             "slotgate_slot_hold_estimate_seconds",
             "Moving average of slot hold times (until one is seen: the mean hold expected "
             "from max_tokens and llama-server's speed), the basis of Retry-After",
             value=pool.hold_estimate_s,
         )
+
+
+# -- the Inference Gateway's endpoint picker ----------------------------------------------------
+#: The entry of the picker's `core-metrics-extractor` `engineConfigs` that reads a pod with a
+#: slotgate sidecar (labelled `llm-d.ai/engine-type: slotgate`): its model-server protocol's
+#: three gauges, unlabelled, one per pod. Queued is the line; running is the slots held, as
+#: each slot is one sequence llama.cpp decodes; KV use is a fraction from 0 to 1, as vLLM's
+#: `vllm:kv_cache_usage_perc` is (the picker scores a pod by 1 minus it). docs/kubernetes.md.
+ENGINE_CONFIG = {
+    "name": "slotgate",
+    "queuedRequestsSpec": "slotgate_queue_depth",
+    "runningRequestsSpec": "slotgate_slots_active",
+    "kvUsageSpec": "slotgate_kv_cache_usage_ratio",
+}
+
+
+def kv_cache_usage(pool: Admission) -> GaugeMetricFamily:
+    """The part of the KV cache spoken for: tokens committed over the budget where one binds;
+    without one each slot owns a fixed share of the cache (llama-server --parallel), so the
+    part of the slots held; 0 while the slots are unknown."""
+    snapshot = pool.snapshot()
+    if snapshot.budget_tokens:
+        used = snapshot.committed_tokens / snapshot.budget_tokens
+    else:
+        used = snapshot.active / snapshot.capacity if snapshot.capacity else 0.0
+    return GaugeMetricFamily(
+        "slotgate_kv_cache_usage_ratio",
+        "KV cache spoken for, 0 to 1: committed tokens over KV_BUDGET_TOKENS where a budget "
+        "binds, else slots held over slots (each slot owns its share of the cache)",
+        value=min(used, 1.0),
+    )
 
 
 class _ReplicaCollector(Collector):
