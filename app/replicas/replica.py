@@ -279,6 +279,11 @@ class ReplicaAdmission:
     def paused(self) -> bool:
         return self.admission.paused
 
+    @property
+    def held_back(self) -> int:
+        """Requests a pause holds before the shared line (shared mode)."""
+        return self._held_back
+
     async def _while_paused(self) -> None:
         """Wait for `resume`, as one of the line: refused past its limit or its timeout."""
         shared = self.shared

@@ -34,7 +34,6 @@ async def test_a_cancelled_stream_stops_llama_cpp_generating(
     running = asyncio.create_task(stream())
     await asyncio.wait_for(first.wait(), 60)
     assert len(await llama.busy_tasks()) == 1
-    before = (await llama.metrics()).get("tokens_predicted_total", 0.0)
     cancelled = await client.post(gate.url + "/admin/requests/runaway-1/cancel")
     cut_at = time.monotonic()
     assert cancelled.status_code == 200
@@ -43,14 +42,12 @@ async def test_a_cancelled_stream_stops_llama_cpp_generating(
     body = b"".join(chunks)
     assert b'"code":"cancelled_by_operator"' in body
     assert b"[DONE]" not in body
+    # llama.cpp's own /slots: its slot idle again, long before 900 tokens could be done.
     await eventually(lambda: _idle(llama), timeout_s=10, every_s=POLL_S)
     freed_s = time.monotonic() - cut_at
     record_property("llama_cpp_freed_after_cancel_s", freed_s)
-    # It stopped: far fewer than the 900 tokens asked were generated, and none after.
-    after = (await llama.metrics()).get("tokens_predicted_total", 0.0)
-    await asyncio.sleep(1.0)
-    assert (await llama.metrics()).get("tokens_predicted_total", 0.0) == after
-    assert after - before < 900
+    print(f"\nllama.cpp idle {freed_s:.2f} s after the cancel (polled every {POLL_S} s)")  # noqa: T201
+    assert freed_s <= 3.0
     # The slot serves the next request.
     again = await client.post(gate.url + "/v1/chat/completions", json=chat(4, stream=False))
     assert again.status_code == 200
