@@ -350,3 +350,25 @@ def test_each_upstream_shows_its_kv_budget_and_what_is_committed_of_it() -> None
         "slotgate_admission_paused 0.0",
     )
     ticket.release()
+
+
+async def test_a_request_the_full_line_turns_away_counts_as_a_wait_of_nothing(
+    one_slot_held: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot_held(max_queue=1)
+    waiter = asyncio.create_task(client.post(gate.url + ROUTE, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    assert (await client.post(gate.url + ROUTE, json=chat())).status_code == 429
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    full = 'slotgate_queue_wait_seconds_{}{{family="chat",outcome="queue_full"}}'
+    assert sample(text, full.format("count")) == 1
+    assert sample(text, full.format("sum")) == 0
+    # A bad request never reached the line: counted, not a wait.
+    refused = await client.post(
+        gate.url + ROUTE, content=b"{", headers={"content-type": "application/json"}
+    )
+    assert refused.status_code == 400
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    assert b'outcome="bad_request"' not in text
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
