@@ -47,13 +47,15 @@ from slotgate.errors import (
     TooLarge,
 )
 from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, ewma, retry_after
+from slotgate.gate.entry import Entry
 from slotgate.gate.fairline import Share
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Snapshot
+from slotgate.gate.tenants import EVERYONE
 from slotgate.replicas.alone import Alone
 from slotgate.replicas.lua import unset
 from slotgate.replicas.membership import Membership
-from slotgate.replicas.ticket import Figures, Mode, SharedTicket
+from slotgate.replicas.ticket import Figures, Mode, SharedTicket, name_of
 from slotgate.replicas.transport import Transport, stop
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
@@ -269,7 +271,7 @@ class SharedAdmission:
         them (a raised max_active lets them run on free slots at once)."""
         if share <= 0:
             raise ValueError(f"share must be positive, got {share}")
-        tenant = tenant.replace("\t", " ").replace("\n", " ")
+        tenant = name_of(tenant)
         for ticket in self._waiters.values():
             if ticket.tenant == tenant:
                 ticket.share, ticket.max_active = share, max_active
@@ -281,45 +283,33 @@ class SharedAdmission:
                 self._link.degrade(str(exc))
 
     async def enter(
-        self,
-        weight: int = 1,
-        cost: int = 0,
-        ranking: Sequence[str] = (),
-        band: int = 0,
-        tag: float | None = None,
-        *,
-        tenant: str = "",
-        share: float = 1.0,
-        max_active: int | None = None,
-        max_queued: int | None = None,
-        tasks: int = 0,
-        affinity: int | None = None,
-        conversation: int | None = None,
+        self, entry: Entry, ranking: Sequence[str] = (), tag: float | None = None
     ) -> SharedTicket:
-        """Take `weight` slots on one upstream now, or a place in the line, or raise why not.
+        """Take `entry.weight` slots on one upstream now, or a place in the line, or raise why
+        not. The entry is the core's (app/gate/entry.py), and means what it means there: a
+        higher band is served first; inside a band, named tenants by their weight (share of
+        slot time), each FIFO, or FIFO without a tenant (`EVERYONE`), within the tenant's own
+        `max_active` (slots) and `max_queued` (places); a prompt array holds as many slots as
+        it has tasks, up to those of the upstream that grants it; `affinity` and `conversation`
+        route it on this replica's own core while Redis is away.
 
-        `ranking` is the request's upstreams by affinity, best first (empty: a free slot
-        drawn evenly); `cost` its tokens of an upstream's KV-cache budget. The line serves a
-        higher `band` first; inside a band, `tenant`s ("": none, FIFO) by their `share` of
-        slot time, each FIFO; `tag` overrides the order inside the band (lower first).
-        `max_active` (slots) and `max_queued` (places) are the tenant's own limits. `tasks`,
-        when more than `weight`, is the tasks llama-server makes of a prompt array: it holds as
-        many slots as it has tasks, up to those of the upstream that grants it (`weight` at
-        least); the ticket's `weight` is then what it holds. `affinity` and `conversation`
-        are its routing key and conversation (app/gate/routing.py), for this replica's own core
-        while Redis is away.
+        `ranking` is the request's upstreams by affinity, best first (empty: a free slot drawn
+        evenly); `tag` overrides the order inside the band (lower first).
         """
+        weight, cost, _, affinity, tenant, band, conversation, tasks = entry
         if self._closed:
             raise ShuttingDown(self._snapshot(), 1.0)
-        if share <= 0:
-            raise ValueError(f"share must be positive, got {share}")
-        if tenant and max_active is not None and weight > max_active:
+        if tenant.weight <= 0:
+            raise ValueError(f"share must be positive, got {tenant.weight}")
+        named = tenant is not EVERYONE
+        if named and tenant.max_active is not None and weight > tenant.max_active:
             # Its tenant may never hold that many slots at once: it could never run.
-            raise TooLarge(self._snapshot(), weight, max_active)
+            raise TooLarge(self._snapshot(), weight, tenant.max_active)
         order = next(self._ids)
         ticket = SharedTicket(
-            self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag,
-            tenant, share, max_active, max_queued, tasks, affinity, conversation,
+            self, f"{self.replica}.{order}", order, weight, cost, tuple(ranking),
+            tenant.band if band is None else band, tag, name_of(tenant.name) if named else "",
+            tenant.weight, tenant.max_active, tenant.max_queued, tasks, affinity, conversation,
         )  # fmt: skip
         stale = 0
         while True:
