@@ -28,7 +28,7 @@ from slotgate.errors import (
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.ticket import Claim
-from slotgate.intake.body import Wants, take_off_loop
+from slotgate.intake.body import Reading, Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
@@ -198,11 +198,13 @@ class Proxy:
         taken = await take_off_loop(
             endpoint,
             request.body,
-            _UNSIZED if capacity is None else capacity,
-            assemble=self._assemble,
-            # Read only to decide an assembly: a walk over every upstream otherwise wasted.
-            quiet=self._fleet.quiet if self._assemble else True,
-            wants=wants,
+            Reading(
+                _UNSIZED if capacity is None else capacity,
+                self._assemble,
+                # Read only to decide an assembly: a walk over every upstream otherwise wasted.
+                self._fleet.quiet if self._assemble else True,
+                wants,
+            ),
         )
         want, body = taken.demand, taken.body
         request.body = body
