@@ -19,16 +19,15 @@ When Redis is unreachable or slow (no answer within `timeout_s`), the replica is
 (membership.py says what it does then, and how it rejoins).
 
 Everything runs on one event loop; local bookkeeping changes only synchronously. The parts:
-this replica's tickets and what it asks of Redis (here), the heartbeat, falling back and
-rejoining (membership.py), the calls to Redis (transport.py), the gating on a share while Redis
-is away (alone.py).
+this replica's tickets and what it asks of Redis (here), a request's ENTER and what its reply
+means (arrival.py), the heartbeat, falling back and rejoining (membership.py), the calls to
+Redis (transport.py), the gating on a share while Redis is away (alone.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import os
 import secrets
@@ -39,20 +38,17 @@ from typing import Any
 
 from slotgate.errors import (
     Down,
-    NotReady,
-    QueueFull,
     ShuttingDown,
     Stale,
-    TenantQueueFull,
     TooLarge,
 )
 from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, ewma, retry_after
 from slotgate.gate.entry import Entry
-from slotgate.gate.fairline import Share
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Snapshot
 from slotgate.gate.tenants import EVERYONE
 from slotgate.replicas.alone import Alone
+from slotgate.replicas.arrival import Arrival
 from slotgate.replicas.lua import unset
 from slotgate.replicas.membership import Membership
 from slotgate.replicas.ticket import Figures, Mode, SharedTicket, name_of
@@ -129,6 +125,8 @@ class SharedAdmission:
         self._alone = Alone(self)
         #: Its heartbeat, the grants' channel, falling back and rejoining.
         self._link = Membership(self)
+        #: A request's ENTER, and what its reply means.
+        self._arrival = Arrival(self)
         #: When (time.monotonic()) the last heartbeat that Redis took was sent.
         self._renewed_at: float | None = None
         self._hold_ewma_s = INITIAL_HOLD_S
@@ -320,92 +318,12 @@ class SharedAdmission:
             if self.mode is not Mode.SHARED or stale > 2:
                 break
             try:
-                return await self._enter_shared(ticket)
+                return await self._arrival.enter(ticket)
             except Down as exc:
                 self._link.degrade(str(exc))
             except Stale:
                 stale += 1
         return self._alone.enter(ticket)
-
-    async def _enter_shared(self, ticket: SharedTicket) -> SharedTicket:
-        policy = self._policy
-        args = (
-            self.replica, ticket.id, ticket.weight, ticket.cost, "\n".join(ticket.ranking),
-            self._epsilon, ticket.band, "" if ticket.tag is None else repr(ticket.tag),
-            unset(policy.max_queue), unset(policy.queue_per_slot), unset(policy.min_queue),
-            ticket.tenant, repr(ticket.share), unset(ticket.max_active),
-            unset(ticket.max_queued), ticket.tasks,
-        )  # fmt: skip
-        # The script runs as its own task: a caller cancelled while it runs must not strand
-        # what it took in Redis, so whatever it took is handed back when it completes.
-        epoch = self._epoch
-        task = asyncio.ensure_future(self._call("ENTER", *args))
-        # Known before the answer: its grant may be published, and read, before the reply.
-        self._tickets[ticket.id] = ticket
-        try:
-            reply = await asyncio.shield(task)
-            return await self._answer(ticket, reply, epoch)
-        except BaseException as exc:
-            self._tickets.pop(ticket.id, None)
-            if isinstance(exc, asyncio.CancelledError):
-                if task.done():
-                    self._orphan(task, ticket)
-                else:
-                    task.add_done_callback(lambda t: self._orphan(t, ticket))
-            raise
-
-    async def _answer(self, ticket: SharedTicket, reply: list[bytes], epoch: int) -> SharedTicket:
-        kind = reply[0].decode()
-        if kind in ("grant", "queued"):
-            member = reply[1].decode()
-            early = self._early.pop(member, None)
-            if epoch != self._epoch or self._joining is not None:
-                # A rejoin's list was made while this ran: Redis forgets (or forgot) it.
-                self._spawn(self._release_shared(member, None))
-                raise Stale
-            ticket.member = member
-            if kind == "grant":
-                self._granted(
-                    ticket, reply[2].decode(), reply[3].decode(), int(reply[4]), int(reply[5])
-                )
-                return ticket
-            self._waiters[ticket.id] = ticket
-            ticket.position = int(reply[2])
-            ticket.since = int(reply[4])
-            ticket._future = asyncio.get_running_loop().create_future()
-            if early is not None:
-                self._granted(ticket, *early)
-            return ticket
-        if kind == "fenced":
-            await self._link.rejoin()
-            raise Stale
-        if kind == "full":
-            self._fleet = Figures.parse(reply[2:])
-            queued = self._fleet.queued
-            raise QueueFull(self._snapshot(), self._retry_after_s(queued + ticket.weight))
-        if kind == "tenant_full":
-            self._fleet = Figures.parse(reply[3:])
-            queued, active = int(reply[1]), int(reply[2])
-            share = Share(ticket.tenant, ticket.share, active, queued, 0.0)
-            snapshot = dataclasses.replace(self._snapshot(), tenant=share)
-            # A place of its own frees when its first waiter is granted.
-            over = queued - (ticket.max_queued or 0) + 1
-            raise TenantQueueFull(snapshot, self._retry_after_s(over))
-        if kind == "large":
-            self._fleet = Figures.parse(reply[2:])
-            raise TooLarge(self._snapshot(), ticket.least, int(reply[1]))
-        self._fleet = Figures.parse(reply[1:])
-        raise NotReady(self._snapshot(), 1.0)
-
-    def _orphan(self, task: asyncio.Future[Any], ticket: SharedTicket) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
-        reply = task.result()
-        if reply[0] in (b"grant", b"queued"):
-            member = reply[1].decode()
-            self._early.pop(member, None)
-            ticket._released = True
-            self._spawn(self._release_shared(member, None))
 
     def _granted(
         self, ticket: SharedTicket, upstream: str, reason: str, grant_no: int, weight: int
