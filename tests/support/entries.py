@@ -1,6 +1,6 @@
-"""An `Entry` for the shared line, written as the line's tests think of it: a tenant by name
-("": none), its share and limits, a band (the batch band unless asked, as requests without a
-tenant of their own were in these tests' scenarios)."""
+"""An `Entry` for the shared line's tests, as they think of one: a tenant by name ("": none)
+with its share and limits, and a band (the batch band unless asked, so that a test's urgent
+requests are the ones it names)."""
 
 from __future__ import annotations
 
