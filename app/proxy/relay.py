@@ -28,7 +28,7 @@ from slotgate.errors import (
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.ticket import Claim
-from slotgate.intake.body import Wants, take_off_loop
+from slotgate.intake.body import Reading, Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
@@ -117,8 +117,9 @@ class Proxy:
         answer = Answer(send)
         try:
             # Its body counts from its first byte until it is admitted (an early release) or
-            # this scope ends, whichever way it ends.
-            with held:
+            # this block ends, whichever way it ends: a `finally`, not `with held:`, as a
+            # `with` keeps a bound `__exit__` (64 bytes) on the frame of every waiting request.
+            try:
                 try:
                     await self._take_in(request, receive)
                     if not request.gated:
@@ -136,6 +137,8 @@ class Proxy:
                 # happens.
                 async with ticket:
                     await self._gated_exchange(request, receive, answer, ticket)
+            finally:
+                held.release()
         finally:
             account(request, answer, self._metrics)
 
@@ -200,11 +203,13 @@ class Proxy:
         taken = await take_off_loop(
             endpoint,
             request.body,
-            _UNSIZED if capacity is None else capacity,
-            assemble=self._assemble,
-            # Read only to decide an assembly: a walk over every upstream otherwise wasted.
-            quiet=self._fleet.quiet if self._assemble else True,
-            wants=wants,
+            Reading(
+                _UNSIZED if capacity is None else capacity,
+                self._assemble,
+                # Read only to decide an assembly: a walk over every upstream otherwise wasted.
+                self._fleet.quiet if self._assemble else True,
+                wants,
+            ),
         )
         want, body = taken.demand, taken.body
         request.body = body
@@ -249,14 +254,17 @@ class Proxy:
         """Count, wait for the slot, forward; the client leaving cancels whatever is under way."""
         async with Watch(receive, request, answer, self._own, self.running) as watch:
             try:
-                # Its body counts while it waits: until admitted, or its wait ends otherwise.
-                with request.held:
+                # Its body counts while it waits: until admitted, or its wait ends otherwise
+                # (a `finally` for the frame's sake, as in `__call__`).
+                try:
                     if request.estimate is not None:
                         # Counted exactly while it holds its place (or its slot): a refusal
                         # costs none.
                         await self._fleet.primary.count(ticket, request.estimate)
                     if not ticket.admitted:
                         await self._wait(request, answer, ticket)
+                finally:
+                    request.held.release()
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
                 await self._forward_when_up(request, answer, ticket)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -31,7 +32,7 @@ from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry
 from slotgate.gate.pool import Pool
 from slotgate.gate.routing import score
-from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.tenants import Tenant
 from slotgate.gate.ticket import Ticket
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 from slotgate.settings import Settings
@@ -55,36 +56,25 @@ def fleet_name(url: str) -> str:
     return urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class ReplicaTicket:
-    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/admission.py)."""
+    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/ticket.py)."""
 
-    __slots__ = (
-        "_gate", "_local", "_released", "_shared", "affinity", "conversation", "cost",
-        "entered_at", "rerouted", "tenant", "weight",
-    )  # fmt: skip
+    _gate: ReplicaAdmission
+    _shared: SharedTicket
+    weight: int
+    cost: int
+    affinity: int | None
+    tenant: Tenant
+    conversation: int | None = None
+    #: The core's ticket on the granted upstream's pool, once granted.
+    _local: Ticket | None = field(default=None, init=False)
+    rerouted: bool = field(default=False, init=False)
+    _released: bool = field(default=False, init=False)
 
-    def __init__(
-        self,
-        gate: ReplicaAdmission,
-        shared: SharedTicket,
-        weight: int,
-        cost: int,
-        affinity: int | None,
-        tenant: Tenant,
-        conversation: int | None = None,
-    ) -> None:
-        self._gate = gate
-        self._shared = shared
-        self.weight = weight
-        self.cost = cost
-        self.affinity = affinity
-        self.conversation = conversation
-        self.tenant = tenant
-        self.entered_at = shared.entered_at
-        #: The core's ticket on the granted upstream's pool, once granted.
-        self._local: Ticket | None = None
-        self.rerouted = False
-        self._released = False
+    @property
+    def entered_at(self) -> float:
+        return self._shared.entered_at
 
     @property
     def admitted(self) -> bool:
@@ -348,7 +338,7 @@ class ReplicaAdmission:
         `enter`): it holds as many slots as it has tasks, up to those of the upstream the
         shared line grants it. `weigh` (the request was read while no capacity was known
         here) refuses it: the shared line has no startup wait."""
-        weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
+        weight, cost, weigh, affinity, tenant, _, conversation, tasks = entry
         if weigh is not None:
             raise NotReady(self.admission.snapshot(), 1.0)
         limit = tenant.max_active
@@ -362,20 +352,10 @@ class ReplicaAdmission:
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
-        shared = await self.shared.enter(
-            weight=weight,
-            cost=cost,
-            ranking=self._ranking(affinity, conversation),
-            band=tenant.band if band is None else band,
-            # Everyone (no keys) is ordered by arrival alone, as in one process.
-            tenant="" if tenant is EVERYONE else tenant.name,
-            share=tenant.weight,
-            max_active=tenant.max_active,
-            max_queued=tenant.max_queued,
-            tasks=tasks,
-            affinity=affinity if self._affinity else None,
-            conversation=conversation,
-        )
+        if not self._affinity and affinity is not None:
+            # The core routes by the key only under ROUTING=affinity, as the shared line does.
+            entry = entry._replace(affinity=None)
+        shared = await self.shared.enter(entry, self._ranking(affinity, conversation))
         ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:
             try:
