@@ -11,7 +11,6 @@ import pytest
 from slotgate.errors import NotReady, QueueFull, QueueTimeout, ShuttingDown, TooLarge
 from slotgate.gate import admission as admission_module
 from slotgate.gate import clock as clock_module
-from slotgate.gate import pool as pool_module
 from slotgate.gate import ticket as ticket_module
 from slotgate.gate.admission import Admission
 from slotgate.gate.clock import RETRY_AFTER_CAP_S
@@ -565,7 +564,7 @@ def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_cou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = _Clock()
-    for module in (admission_module, clock_module, pool_module, ticket_module):
+    for module in (admission_module, clock_module, ticket_module):
         monkeypatch.setattr(module, "time", clock)
     admission = pool(1)
     admission._clock.observe(10.0)  # long generations: a refusal is told about 10 s
@@ -652,7 +651,7 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.8) -> None:
         self.clock = _Clock()
-        for module in (admission_module, clock_module, pool_module, ticket_module):
+        for module in (admission_module, clock_module, ticket_module):
             monkeypatch.setattr(module, "time", self.clock)
         self.admission = pool(2, max_queue=2)
         self.hold_s = hold_s
