@@ -70,8 +70,9 @@ static PyObject *stop(PyObject *s, PyObject *a) {
     unsigned long long n = count_;
     PyMem_SetAllocator(PYMEM_DOMAIN_OBJ, &obj_); PyMem_SetAllocator(PYMEM_DOMAIN_MEM, &mem_);
     return PyLong_FromUnsignedLongLong(n); }
-static PyMethodDef methods[] = {
-    {"start", start, METH_NOARGS, 0}, {"stop", stop, METH_NOARGS, 0}, {0}};
+static PyObject *count(PyObject *s, PyObject *a) { return PyLong_FromUnsignedLongLong(count_); }
+static PyMethodDef methods[] = {{"start", start, METH_NOARGS, 0},
+    {"stop", stop, METH_NOARGS, 0}, {"count", count, METH_NOARGS, 0}, {0}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "alloccount", 0, -1, methods};
 PyMODINIT_FUNC PyInit_alloccount(void) { return PyModule_Create(&module); }
 """
@@ -188,6 +189,8 @@ async def _measure(server: uvicorn.Server, args: argparse.Namespace) -> None:
             await client.send(n)
             allocations = hook.stop()
             print(f"allocations per request: {allocations / n:.1f}")
+            if args.allocations_by_function:
+                await _allocations_by_function(client, hook, n, args.top)
         else:
             print("allocations per request: skipped (no C compiler)")
 
@@ -208,6 +211,37 @@ async def _measure(server: uvicorn.Server, args: argparse.Namespace) -> None:
         print(f"function calls per request (Python and C): {total_calls / n:.1f}")
         _print_own(calls, n, args.top)
     server.should_exit = True
+
+
+async def _allocations_by_function(client: _Driver, hook: Any, n: int, top: int) -> None:
+    """Each allocation charged to the function running when it was made (a C function to
+    itself, named after its caller): the profiler's own allocations are left out."""
+    where: collections.Counter[str] = collections.Counter()
+    last = 0
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal last
+        made = hook.count() - last
+        if made:
+            if event == "c_return" or event == "c_exception":
+                name = f"{getattr(arg, '__qualname__', arg)} (C, from {frame.f_code.co_qualname})"
+            elif event == "call":  # the caller ran until now (and made the frame)
+                back = frame.f_back
+                name = back.f_code.co_qualname if back is not None else "?"
+                name += f" {Path(back.f_code.co_filename).name}" if back is not None else ""
+            else:
+                name = f"{frame.f_code.co_qualname} {Path(frame.f_code.co_filename).name}"
+            where[name] += made
+        last = hook.count()
+
+    hook.start()
+    sys.setprofile(profile)
+    await client.send(n)
+    sys.setprofile(None)
+    hook.stop()
+    print("allocations per request by function (exclusive):")
+    for name, made in where.most_common(top):
+        print(f"  {made / n:6.2f}  {name}")
 
 
 def _print_own(calls: collections.Counter[Any], n: int, top: int) -> None:
@@ -253,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm", type=int, default=300)
     parser.add_argument("--top", type=int, default=25, help="slotgate functions listed")
     parser.add_argument("--no-strace", action="store_true")
+    parser.add_argument(
+        "--allocations-by-function", action="store_true", help="split them by function"
+    )
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
