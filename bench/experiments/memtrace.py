@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import gc
+import importlib.util
 import linecache
 import os
 import subprocess
@@ -38,7 +39,19 @@ from bench.loop import run_loop
 from bench.procs import free_port, raise_fd_limit, wait_until
 from bench.scenarios import CHAT
 
+#: Where slotgate's own code is: this checkout's app/, or the `slotgate/` folder that PYTHONPATH
+#: names first (another tree's `.types`, for before and after).
 APP_DIR = str(REPO / "app") + os.sep
+
+
+def _app_dir() -> str:
+    spec = importlib.util.find_spec("slotgate")
+    if spec is None or spec.origin is None:
+        return APP_DIR
+    return str(Path(spec.origin).parent) + os.sep
+
+
+_APP = _app_dir()
 
 
 async def _client(port: int, count: int, path: str, stream: bool) -> None:
@@ -80,8 +93,8 @@ def _owner(trace: tracemalloc.Traceback) -> str:
     """
     frames = list(trace)[::-1]  # most recent first
     for frame in frames:
-        if frame.filename.startswith(APP_DIR):
-            return f"slotgate {frame.filename.removeprefix(str(REPO) + os.sep)}:{frame.lineno}"
+        if frame.filename.startswith(_APP):
+            return f"slotgate app/{frame.filename.removeprefix(_APP)}:{frame.lineno}"
         if "site-packages" + os.sep in frame.filename:
             break
     inner = frames[0]
@@ -216,7 +229,8 @@ def _print(
 
 def _source(owner: str) -> str:
     path, _, line = owner.split(" ")[-1].rpartition(":")
-    for candidate in (REPO / path, *(Path(p) / path for p in sys.path if p)):
+    mine = Path(_APP) / path.removeprefix("app/")
+    for candidate in (mine, REPO / path, *(Path(p) / path for p in sys.path if p)):
         if candidate.is_file():
             return linecache.getline(str(candidate), int(line)).strip()[:70]
     return ""
