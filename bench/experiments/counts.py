@@ -195,6 +195,7 @@ async def _measure(server: uvicorn.Server, args: argparse.Namespace) -> None:
             print("allocations per request: skipped (no C compiler)")
 
         calls: collections.Counter[Any] = collections.Counter()
+        builtins: collections.Counter[str] = collections.Counter()
         total_calls = 0
 
         def profile(frame: FrameType, event: str, arg: object) -> None:
@@ -204,12 +205,16 @@ async def _measure(server: uvicorn.Server, args: argparse.Namespace) -> None:
                 calls[frame.f_code] += 1
             elif event == "c_call":
                 total_calls += 1
+                builtins[getattr(arg, "__qualname__", str(arg))] += 1
 
         sys.setprofile(profile)
         await client.send(n)
         sys.setprofile(None)
         print(f"function calls per request (Python and C): {total_calls / n:.1f}")
         _print_own(calls, n, args.top)
+        print("C functions called from Python, most often first:")
+        for name, count in builtins.most_common(args.top):
+            print(f"  {count / n:5.2f}  {name}")
     server.should_exit = True
 
 
