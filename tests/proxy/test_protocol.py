@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.intake.body import take_off_loop
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy import watch as watch_module
 from slotgate.proxy.answer import BODY_FOLLOWS
@@ -246,7 +247,6 @@ async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_ou
     # demand): the watch, once it starts, finds it so, through a pending receive().
     gate, holder = await only_slot_held(start_gate, standin)
     read = asyncio.Event()
-    take_off_loop = relay_module.take_off_loop
 
     async def slow_intake(*args: Any, **kwargs: Any) -> Any:
         await read.wait()
