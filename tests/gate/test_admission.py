@@ -14,6 +14,7 @@ from slotgate.gate import clock as clock_module
 from slotgate.gate import ticket as ticket_module
 from slotgate.gate.admission import Admission
 from slotgate.gate.clock import RETRY_AFTER_CAP_S
+from slotgate.gate.entry import Entry, Local
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 
@@ -57,6 +58,28 @@ async def test_free_slots_are_taken_at_once_and_in_order() -> None:
     c = admission.enter()
     assert not c.admitted
     assert (admission.active, admission.queued) == (2, 1)
+
+
+async def test_the_local_gate_decides_with_a_plain_call_granted_or_in_line() -> None:
+    admission = pool(1)
+    gate = Local(admission)
+    first = gate.enter_now(Entry(1))
+    assert isinstance(first, Ticket)  # a claim, not a coroutine to await
+    assert first.admitted
+    # Granted as it entered: the moment it holds from is the moment it entered.
+    assert admission._holders[first][0] == first.entered_at == first.admitted_at
+    second = gate.enter_now(Entry(1))
+    assert isinstance(second, Ticket)
+    assert not second.admitted
+    assert (admission.active, admission.queued) == (1, 1)
+    assert first.release()  # handed on to the one waiting
+    await second.wait()
+    assert second.admitted
+    assert not second.release()  # nobody waits: nothing handed on
+    assert (admission.active, admission.queued) == (0, 0)
+    third = await gate.enter(Entry(1))  # the awaited way in decides the same
+    assert third.admitted
+    third.release()
 
 
 async def test_waiters_are_admitted_in_arrival_order() -> None:
