@@ -362,9 +362,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
     async def cancel(request_id: str, who: str = Depends(operator)) -> dict[str, Any]:
         """End one request by its id (X-Request-Id): out of the line, or its generation cut."""
         if not operators.cancel(who, request_id):
-            raise HTTPException(
-                404, f"no request {request_id!r} is waiting or running (or it began <20 ms ago)"
-            )
+            raise HTTPException(404, f"no request {request_id!r} is waiting or running")
         return {"ok": True, "request_id": request_id, "cancelled": True}
 
     return app

@@ -183,7 +183,8 @@ class Admission(Pools):
                 and (room or len(self._pools) > 1)
                 and (not line.queued or (room and line.head() is None))
                 and (limit is None or line.counts(tenant.name)[0] + weight <= limit)
-                and self._grant(ticket)
+                # Granted as it enters: the moment it entered is the one clock read it costs.
+                and self._grant(ticket, ticket.entered_at)
             ):
                 line.granted(ticket)
                 ticket.admitted_at = ticket.entered_at
@@ -223,7 +224,7 @@ class Admission(Pools):
         seq = self._next_seq
         self._next_seq = seq + 1
         ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
-        self._take(ticket, pool, reason)
+        self._take(ticket, pool, reason, pool.charge(ticket), ticket.entered_at)
         self._line.granted(ticket)
         if ticket.memo is not None:
             self._remember(ticket.memo, pool)
@@ -345,19 +346,20 @@ class Admission(Pools):
         # With one upstream, its being full settles it: nobody fits (in a fleet the sums may
         # say full while an upstream shrunk under what it runs leaves room on another).
         single = len(pools) == 1
+        now = time.monotonic()
         while not (single and self._active >= capacity):
             head = line.head()
             if head is None:
                 return
-            if not self._grant(head):
+            if not self._grant(head, now):
                 if not single:
-                    self._backfill(head)
+                    self._backfill(head, now)
                 return
             line.grant_head()
             assert head._future is not None  # noqa: S101 - every ticket in line has one
             head._future.set_result(None)
 
-    def _backfill(self, head: Ticket) -> None:
+    def _backfill(self, head: Ticket, now: float) -> None:
         """The head waits: grant waiters behind it on the upstreams it can never run on
         (`_dispatch` states the rule). A waiter that does not fit yet keeps the upstreams it
         could use for itself, from everyone behind it: `floor` falls to what it asks."""
@@ -370,7 +372,7 @@ class Admission(Pools):
             ticket = line.first(functools.partial(_lighter, floor), BACKFILL_SCAN)
             if ticket is None:
                 return
-            if self._route(ticket, open_):
+            if self._route(ticket, open_, now):
                 line.take(ticket)
                 assert ticket._future is not None  # noqa: S101 - every ticket in line has one
                 ticket._future.set_result(None)
@@ -388,6 +390,8 @@ class Admission(Pools):
             self._forget(pool)
         if hold_s is not None:
             self._clock.observe(hold_s)
+        if not self._line.queued:
+            return False  # nobody waits: nothing to hand on (the common case, kept short)
         before = self.admitted_total
         self._dispatch()
         return self.admitted_total != before

@@ -3,7 +3,6 @@ and `Pools`, the fleet of them: their sums, who holds what, and which one a tick
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,23 +284,24 @@ class Pools:
 
     # -- where a ticket runs -----------------------------------------------------------------
 
-    def _grant(self, ticket: Ticket) -> bool:
-        """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
+    def _grant(self, ticket: Ticket, now: float) -> bool:
+        """Give `ticket` its slots on the pool routing picks, if any has room for it now
+        (`now`: time.monotonic(), read once by the caller)."""
         pools = self._pools
         if len(pools) == 1:
             # One upstream: nothing to choose, and the hot path stays as short as it was (an
             # array's weight is this pool's already: `_resized` weighs every waiter again).
             pool = pools[0]
-            if not pool.fits(ticket.weight, pool.charge(ticket)):
+            charge = pool.charge(ticket)
+            if not pool.fits(ticket.weight, charge):
                 return False
             first = ticket.affinity is not None
-            self._take(
-                ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load"
-            )
+            reason = "retry" if ticket.rerouted else "affinity" if first else "load"
+            self._take(ticket, pool, reason, charge, now)
             return True
-        return self._route(ticket, pools)
+        return self._route(ticket, pools, now)
 
-    def _route(self, ticket: Ticket, pools: list[Pool]) -> bool:
+    def _route(self, ticket: Ticket, pools: list[Pool], now: float) -> bool:
         """`_grant` among `pools`: the one routing picks of those with room for it now."""
         # Its conversation's last upstream first (else its key's): its history is cached
         # there; its key's rendezvous order next, where the shared prompt start is.
@@ -333,18 +333,19 @@ class Pools:
             self._remember(memo, pool)
         if ticket.tasks:
             ticket.weight = ticket.weighs(pool.capacity or 0)
-        self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
+        reason = "retry" if ticket.rerouted else "affinity" if first else "load"
+        self._take(ticket, pool, reason, pool.charge(ticket), now)
         return True
 
-    def _take(self, ticket: Ticket, pool: Pool, reason: str) -> None:
-        """`ticket` holds its slots and tokens of `pool` from now on."""
-        charge = pool.charge(ticket)
+    def _take(self, ticket: Ticket, pool: Pool, reason: str, charge: int, now: float) -> None:
+        """`ticket` holds its slots and `charge` tokens of `pool` (`pool.charge(ticket)`, which
+        the caller has at hand) from `now` on."""
         pool.active += ticket.weight
         pool.committed += charge
         pool.routed[reason] += 1
         ticket.pool = pool
         ticket.charged = charge
-        self._holders[ticket] = (time.monotonic(), ticket.weight)
+        self._holders[ticket] = (now, ticket.weight)
         self._active += ticket.weight
         self.admitted_total += 1
 

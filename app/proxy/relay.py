@@ -134,9 +134,11 @@ class Proxy:
                     request.outcome = Outcome.CLIENT_GONE
                     return
                 # The one place its slot (or its place in the queue) is given back, whatever
-                # happens.
-                async with ticket:
+                # happens: what `async with ticket` does, without its two coroutines.
+                try:
                     await self._gated_exchange(request, receive, answer, ticket)
+                finally:
+                    ticket.release()
             finally:
                 held.release()
         finally:
@@ -236,12 +238,14 @@ class Proxy:
         band = None if head.priority is None else tenant.band_for(head.priority)
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
-        ticket = await self._gate.enter(
-            Entry(
-                want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
-                taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
-            )
+        entry = Entry(
+            want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
+            taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
         )  # fmt: skip
+        gate = self._gate
+        ticket = gate.enter_now(entry)
+        if ticket is None:  # the shared line: its answer is Redis's
+            ticket = await gate.enter(entry)
         if ticket.admitted:
             self._let_go(request)
         request.ticket = ticket

@@ -19,11 +19,11 @@ from slotgate.asgi import Headers, Message, Receive
 from slotgate.errors import Cancelled, Refusal, refusal
 from slotgate.outcome import Outcome
 from slotgate.proxy.answer import Answer
-from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
+from slotgate.proxy.protocol import watch_disconnect
 from slotgate.proxy.request import Request
 
-#: How long a request runs before slotgate starts watching for its client to leave (and lists
-#: it for operators to cancel).
+#: How long a request runs before slotgate starts watching for its client to leave, when the
+#: connection cannot say so itself (another ASGI server than slotgate's own protocol).
 WATCH_AFTER_S = 0.02
 #: The answer of a request an operator cancelled.
 _CANCELLED = refusal(
@@ -32,8 +32,8 @@ _CANCELLED = refusal(
 
 
 class Running(dict[str, "Watch"]):
-    """The requests an operator may cancel, by request id: each watched request from the
-    moment its watch starts (WATCH_AFTER_S) until it ends. A request id a client chose and
+    """The requests an operator may cancel, by request id: each gated request from the moment
+    its watch starts (its body read) until it ends. A request id a client chose and
     sent on several requests at once names the newest of them."""
 
     def cancel(self, request_id: str) -> bool:
@@ -43,16 +43,16 @@ class Running(dict[str, "Watch"]):
 
 
 class Watch:
-    """Cancels the request's task the moment its client disconnects.
+    """Cancels the request's task the moment its client disconnects, or an operator cuts it.
 
     Under slotgate's own uvicorn protocol the connection says so when it ends
-    (app/proxy/protocol.py's `watch_disconnect`). Elsewhere uvicorn, like any ASGI server, answers
-    `receive()` with `http.disconnect` once the client is gone, so one pending `receive()`,
-    as a task, learns of it while the request's own task is busy waiting for a slot or for
-    llama-server. The task is cancelled rather than polled, so every `finally` on the way out
-    (upstream close, slot release) runs at once. The watch starts only after WATCH_AFTER_S:
-    a request answered sooner never pays for it, and a client leaving in that time is
-    noticed at most that much later.
+    (app/proxy/protocol.py's `watch_disconnect`), and the watch is on from the start.
+    Elsewhere uvicorn, like any ASGI server, answers `receive()` with `http.disconnect` once
+    the client is gone, so one pending `receive()`, as a task, learns of it while the request's
+    own task is busy waiting for a slot or for llama-server. The task is cancelled rather than
+    polled, so every `finally` on the way out (upstream close, slot release) runs at once.
+    That pending `receive()` starts only after WATCH_AFTER_S: a request answered sooner never
+    pays for it, and a client leaving in that time is noticed at most that much later.
     """
 
     __slots__ = (
@@ -68,7 +68,6 @@ class Watch:
         own: Callable[[Request], Headers],
         running: Running | None = None,
     ) -> None:
-        task = self._task = asyncio.current_task()
         self._receive = receive
         self._request: Request | None = request
         self._answer: Answer | None = answer
@@ -79,20 +78,27 @@ class Watch:
         self.done = False
         self._running = running
         self._listed: str | None = None
-        self._connection: DisconnectWatch | None = None
+        if running is not None:
+            # Listed at once for operators to cancel: a dict's set and delete cost less than
+            # the timer that deferred it did.
+            running[request.id] = self
+            self._listed = request.id
         self._pending: asyncio.Future[Message] | None = None
-        # The task's loop, not asyncio.get_running_loop(): on Python 3.11 that is a getpid
-        # system call, and this runs for every gated request.
+        self._timer: asyncio.TimerHandle | None = None
+        # Under slotgate's protocol the watch is a handle on the connection, cheaper than the
+        # timer that would defer it, so it starts at once. Its loop is the connection's:
+        # current_task() without one asks asyncio.get_running_loop(), which on Python 3.11 is
+        # a getpid system call, and this runs for every gated request.
+        connection = self._connection = watch_disconnect(receive, self._disconnected)
+        if connection is not None:
+            self._task = asyncio.current_task(connection.connection.loop)
+            return
+        task = self._task = asyncio.current_task()
         loop = task.get_loop() if task is not None else asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(WATCH_AFTER_S, self._start)
+        self._timer = loop.call_later(WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._timer = None
-        running, request = self._running, self._request
-        if running is not None and request is not None:
-            # Listed only now: a request answered sooner costs the registry nothing.
-            running[request.id] = self
-            self._listed = request.id
         self._connection = watch_disconnect(self._receive, self._disconnected)
         if self._connection is None:
             self._pending = asyncio.ensure_future(self._receive())

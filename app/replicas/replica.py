@@ -332,6 +332,10 @@ class ReplicaAdmission:
 
     # -- changing ----------------------------------------------------------------------------
 
+    def enter_now(self, entry: Entry) -> None:
+        """Never at once: the shared line's answer comes from Redis (`enter`)."""
+        return
+
     async def enter(self, entry: Entry) -> ReplicaTicket:
         """A place in the fleet's line (or its slots at once), or why neither is possible.
         `weight` is the fewest slots it runs in; `tasks` a prompt array's (as the core's

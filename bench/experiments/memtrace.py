@@ -219,7 +219,8 @@ def _print(
 
 def _source(owner: str) -> str:
     path, _, line = owner.split(" ")[-1].rpartition(":")
-    for candidate in (REPO / path, *(Path(p) / path for p in sys.path if p)):
+    mine = Path(APP_DIR) / path.removeprefix("app/")
+    for candidate in (mine, REPO / path, *(Path(p) / path for p in sys.path if p)):
         if candidate.is_file():
             return linecache.getline(str(candidate), int(line)).strip()[:70]
     return ""

@@ -11,10 +11,10 @@ import pytest
 from slotgate.errors import NotReady, QueueFull, QueueTimeout, ShuttingDown, TooLarge
 from slotgate.gate import admission as admission_module
 from slotgate.gate import clock as clock_module
-from slotgate.gate import pool as pool_module
 from slotgate.gate import ticket as ticket_module
 from slotgate.gate.admission import Admission
 from slotgate.gate.clock import RETRY_AFTER_CAP_S
+from slotgate.gate.entry import Entry, Local
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 
@@ -58,6 +58,28 @@ async def test_free_slots_are_taken_at_once_and_in_order() -> None:
     c = admission.enter()
     assert not c.admitted
     assert (admission.active, admission.queued) == (2, 1)
+
+
+async def test_the_local_gate_decides_with_a_plain_call_granted_or_in_line() -> None:
+    admission = pool(1)
+    gate = Local(admission)
+    first = gate.enter_now(Entry(1))
+    assert isinstance(first, Ticket)  # a claim, not a coroutine to await
+    assert first.admitted
+    # Granted as it entered: the moment it holds from is the moment it entered.
+    assert admission._holders[first][0] == first.entered_at == first.admitted_at
+    second = gate.enter_now(Entry(1))
+    assert isinstance(second, Ticket)
+    assert not second.admitted
+    assert (admission.active, admission.queued) == (1, 1)
+    assert first.release()  # handed on to the one waiting
+    await second.wait()
+    assert second.admitted
+    assert not second.release()  # nobody waits: nothing handed on
+    assert (admission.active, admission.queued) == (0, 0)
+    third = await gate.enter(Entry(1))  # the awaited way in decides the same
+    assert third.admitted
+    third.release()
 
 
 async def test_waiters_are_admitted_in_arrival_order() -> None:
@@ -565,7 +587,7 @@ def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_cou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = _Clock()
-    for module in (admission_module, clock_module, pool_module, ticket_module):
+    for module in (admission_module, clock_module, ticket_module):
         monkeypatch.setattr(module, "time", clock)
     admission = pool(1)
     admission._clock.observe(10.0)  # long generations: a refusal is told about 10 s
@@ -652,7 +674,7 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.8) -> None:
         self.clock = _Clock()
-        for module in (admission_module, clock_module, pool_module, ticket_module):
+        for module in (admission_module, clock_module, ticket_module):
             monkeypatch.setattr(module, "time", self.clock)
         self.admission = pool(2, max_queue=2)
         self.hold_s = hold_s
