@@ -22,6 +22,7 @@ from urllib.parse import quote
 from slotgate.errors import ExchangeFailed
 from slotgate.gate.models import RUNNING, Lane, Models
 from slotgate.gate.pool import Pool
+from slotgate.gate.swaps import Demand, Plan, Swaps
 
 if TYPE_CHECKING:
     from slotgate.upstreams.upstream import Props
@@ -40,7 +41,10 @@ Post = Callable[[str, dict[str, Any]], Awaitable[tuple[int, bytes]]]
 class Child:
     """One model on one router: its pool in the model's lane and what the router says of it."""
 
-    __slots__ = ("asked_at", "lane", "loads", "model", "n_ctx", "pool", "state")
+    __slots__ = (
+        "asked_at", "lane", "loaded_since", "loads", "model", "n_ctx", "pool", "state",
+        "stopped_at", "waiting_since",
+    )  # fmt: skip
 
     def __init__(self, model: str, lane: Lane, pool: Pool) -> None:
         self.model = model
@@ -51,6 +55,33 @@ class Child:
         #: Loads slotgate asked of the router for this model, the last one when.
         self.loads = 0
         self.asked_at = 0.0
+        #: Since when its line has had waiters, and since when it has been loaded (monotonic),
+        #: as seen at each refresh: what the swap rule reads (app/gate/swaps.py).
+        self.waiting_since: float | None = None
+        self.loaded_since: float | None = None
+        #: When it last stopped running: a line that just had the router waits from then on,
+        #: behind lines that waited while it ran (or two lines would swap back and forth).
+        self.stopped_at: float | None = None
+
+    def demand(self, now: float) -> Demand:
+        queued = self.lane.admission.queued
+        if not queued:
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = now
+        if self.state not in RUNNING:
+            if self.loaded_since is not None:
+                self.stopped_at = now
+            self.loaded_since = None
+        elif self.loaded_since is None:
+            self.loaded_since = now
+        waited_s = 0.0
+        if self.waiting_since is not None:
+            waited_s = now - max(self.waiting_since, self.stopped_at or self.waiting_since)
+        return Demand(
+            self.model, self.state, self.pool.active, queued, waited_s,
+            0.0 if self.loaded_since is None else now - self.loaded_since,
+        )  # fmt: skip
 
 
 class Router:
@@ -66,6 +97,7 @@ class Router:
         adopt: Callable[[Pool], None],
         budget: Callable[[Props], int | None],
         parse: Callable[[Any], Props],
+        swap_after_s: float = 10.0,
     ) -> None:
         self.url = url
         self._get = get
@@ -79,6 +111,9 @@ class Router:
         #: `--models-autoload` (on by default): a request for an unloaded model loads it.
         self.autoload = True
         self.children: dict[str, Child] = {}
+        self.swaps = Swaps(swap_after_s)
+        #: Unloads slotgate asked of the router to make room (the swap rule's).
+        self.unloads = 0
 
     @property
     def awaiting(self) -> bool:
@@ -98,18 +133,27 @@ class Router:
         data = listed.get("data") if isinstance(listed, dict) else None
         if not isinstance(data, list):
             raise ValueError("/models did not list its models under data")  # noqa: TRY004 - bad data
-        seen: set[str] = set()
+        seen: dict[str, Child] = {}
         for entry in data:
             child = self._child(entry)
-            if child is None:
-                continue
-            seen.add(child.model)
-            await self._follow(child)
-        for model in self.children.keys() - seen:
+            if child is not None:
+                seen[child.model] = child
+        for model in self.children.keys() - seen.keys():
             child = self.children.pop(model)
             log.info("model left the router: %s url=%s", model, self.url)
             child.lane.states.pop(self.url, None)
             child.pool.resize(None)
+        now = time.monotonic()
+        plan = self.swaps.plan(self.max_instances, [c.demand(now) for c in seen.values()])
+        for child in seen.values():
+            await self._follow(child, plan)
+        for model in plan.unload:
+            await self._unload(seen[model])
+        if self.autoload and not self._models.closed:
+            for model in plan.load:
+                child = seen[model]
+                if child.state == "unloaded" or now - child.asked_at >= FAILED_RELOAD_S:
+                    await self._load(child)
 
     def _child(self, entry: Any) -> Child | None:
         if not isinstance(entry, dict) or not isinstance(model := entry.get("id"), str):
@@ -141,23 +185,11 @@ class Router:
         lane.autoload = self.autoload
         return child
 
-    async def _follow(self, child: Child) -> None:
+    async def _follow(self, child: Child, plan: Plan) -> None:
         pool = child.pool
-        if child.state not in RUNNING:
+        if child.state not in RUNNING or child.model in plan.hold:
+            # Not running, or held for a swap: its line takes no new work here.
             pool.resize(None)
-            if (
-                self.autoload
-                and pool.awaiting_capacity
-                and not self._models.closed
-                and (
-                    child.state == "unloaded"
-                    or (
-                        child.state == "failed"
-                        and time.monotonic() - child.asked_at >= FAILED_RELOAD_S
-                    )
-                )
-            ):
-                await self._load(child)
             return
         # The child's own props, through the router; never a load of its own making.
         try:
@@ -195,6 +227,19 @@ class Router:
         else:
             text = body[:200].decode("utf-8", "replace")
             log.warning("loading %s answered %d: %s url=%s", child.model, status, text, self.url)
+
+    async def _unload(self, child: Child) -> None:
+        """Ask the router to unload a model, to make room for another line (the swap rule)."""
+        self.unloads += 1
+        log.info("unloading model to make room: %s url=%s", child.model, self.url)
+        try:
+            status, body = await self._post("/models/unload", {"model": child.model})
+        except (ExchangeFailed, TimeoutError) as exc:
+            log.warning("cannot unload %s: %s url=%s", child.model, exc, self.url)
+            return
+        if status != 200:
+            text = body[:200].decode("utf-8", "replace")
+            log.warning("unloading %s answered %d: %s url=%s", child.model, status, text, self.url)
 
     def metrics_targets(self) -> list[tuple[str, str]]:
         """(model, path) of every running child's `/metrics` (the router's own is a 400)."""

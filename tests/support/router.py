@@ -57,7 +57,9 @@ class Routing:
         self.standin = standin
         self.hosted = hosted
         self.loads = 0
+        #: Children the router evicted for a load, and those unloaded when asked to.
         self.evictions = 0
+        self.unloads = 0
         #: The most children loaded at once.
         self.peak_loaded = 0
 
@@ -97,10 +99,17 @@ class Routing:
         hosted.state = "loading"
         asyncio.get_running_loop().call_soon(self._make_room, model)
 
+    def _full(self) -> bool:
+        running = [h for h in self.hosted.values() if h.state in ("loaded", "loading")]
+        return len(running) >= self.standin.models_max
+
+    def _idle(self) -> list[Hosted]:
+        return [h for h in self.hosted.values() if h.state == "loaded" and h.child.running == 0]
+
     def _make_room(self, model: str) -> None:
         busy = [h for h in self.hosted.values() if h.state in ("loaded", "loading")]
         if len(busy) > self.standin.models_max:
-            idle = [h for h in busy if h.state == "loaded" and h.child.running == 0]
+            idle = self._idle()
             if not idle:
                 asyncio.get_running_loop().call_later(_EVICT_POLL_S, self._make_room, model)
                 return
@@ -140,8 +149,23 @@ class Routing:
                                       "type": "not_found_error"}}, 404)  # fmt: skip
             elif found[1].running:
                 conn._json(_invalid("model is already running"), 400)
+            elif self._full() and not self._idle():
+                # llama.cpp evicts only an idle model: a load into a full router fails.
+                conn._json({"error": {"code": 500, "message": "model limit reached, try again "
+                                      "later", "type": "server_error"}}, 500)  # fmt: skip
             else:
                 self.load(found[0])
+                conn._json({"success": True})
+            return True
+        if path == "/models/unload" and method == "POST":
+            found = self.find(str(_field(body, "model")))
+            if found is None:
+                conn._json(_invalid("model is not found"), 400)
+            elif found[1].state not in ("loaded", "loading"):
+                conn._json(_invalid("model is not running"), 400)
+            else:
+                found[1].state = "unloaded"
+                self.unloads += 1
                 conn._json({"success": True})
             return True
         if path == "/health":

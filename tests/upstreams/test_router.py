@@ -209,3 +209,57 @@ async def test_a_model_whose_load_failed_shows_its_exit_code(
     (alpha,) = view["models"]
     assert alpha["state"] == "failed"
     assert alpha["exit_codes"] == {upstream.url: 1}
+
+
+async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
+    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstream = await router(
+        {"alpha": hosted(2), "beta": hosted(2, "unloaded")}, models_max=1, load_delay_s=0.1
+    )
+    gate = await gate_before(upstream, model_swap_after_s=0.5)
+    await gate.until(lambda: gate.service.models.find("alpha").running)
+    sent = [client.post(gate.url + CHAT, json=chat(model=m)) for m in ("alpha", "beta") * 10]
+    answers = await asyncio.gather(*sent)
+    assert [a.status_code for a in answers] == [200] * 20
+    routing = upstream.routing
+    assert routing is not None
+    kids = children(upstream)
+    # One swap for the whole of beta's line, made by emptying alpha, never by cutting it.
+    assert routing.loads == 1
+    assert routing.evictions == 0
+    assert routing.peak_loaded == 1
+    assert kids["alpha"].cancelled == kids["beta"].cancelled == 0
+    assert kids["alpha"].max_running == kids["beta"].max_running == 2
+
+
+async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
+    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    alpha = hosted(1)
+    alpha.child.tokens = 40  # each alpha request holds its slot about 0.4 s
+    upstream = await router({"alpha": alpha, "beta": hosted(1, "unloaded")}, models_max=1)
+    gate = await gate_before(upstream, model_swap_after_s=0.3)
+    lanes = gate.service.models
+    await gate.until(lambda: lanes.find("alpha").running)
+    # alpha's line never empties while beta waits: a steady stream of alpha requests.
+    stop = asyncio.Event()
+
+    async def alpha_stream() -> list[int]:
+        codes = []
+        while not stop.is_set():
+            answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
+            codes.append(answer.status_code)
+        return codes
+
+    feeders = [asyncio.create_task(alpha_stream()) for _ in range(3)]
+    await gate.until(lambda: lanes.find("alpha").admission.queued > 0)
+    beta = await client.post(gate.url + CHAT, json=chat(model="beta"))
+    stop.set()
+    codes = [code for feeder in await asyncio.gather(*feeders) for code in feeder]
+    assert beta.status_code == 200
+    assert set(codes) == {200}
+    kids = children(upstream)
+    assert kids["alpha"].cancelled == 0
+    assert upstream.routing is not None
+    assert upstream.routing.evictions == 0
