@@ -99,6 +99,7 @@ class Service:
             by_tenant=self.access.enabled,
             tenants=settings.metrics_tenants,
             gate=self.gate,
+            models=self.models,
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))

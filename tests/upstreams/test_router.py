@@ -191,6 +191,10 @@ async def test_metrics_carry_each_childs_series_with_its_model(
     assert 'model="beta"' in text
     assert 'model="gamma"' not in text
     assert text.count("# TYPE llamacpp:requests_processing gauge") == 1
+    own = (await client.get(gate.url + "/metrics?source=slotgate")).text
+    assert 'slotgate_model_slots_capacity{model="alpha"} 2.0' in own
+    assert 'slotgate_model_loaded{model="gamma"} 0.0' in own
+    assert 'slotgate_model_queue_depth{model="beta"} 0.0' in own
 
 
 async def test_a_model_whose_load_failed_shows_its_exit_code(
