@@ -198,6 +198,9 @@ class Upstream:
         self._routing = routing
         #: The models it serves, when it is a llama-server in router mode; else None.
         self.router: Router | None = None
+        #: Its pool in its model's line, once upstreams of different models are routed by
+        #: model (app/upstreams/fleet.py); sized with `pool`.
+        self.model_pool: Pool | None = None
 
     def readdress(self, address: str | None) -> None:
         """Known by its name so far, it is now one of the name's several addresses: this one;
@@ -400,6 +403,25 @@ class Upstream:
         # must be weighed by the budget too.
         self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
+        if (placed := self.model_pool) is not None:
+            placed.resize_budget(self.kv_budget_tokens(props))
+            placed.resize(props.total_slots)
+
+    async def served_names(self) -> tuple[str, ...]:
+        """The names it answers to: its `/v1/models` id, then its aliases; else its /props
+        model. What a request's `model` is matched against when upstreams differ."""
+        fallback = (self.props.model,) if self.props is not None and self.props.model else ()
+        try:
+            status, body = await self._get("/v1/models")
+            data = json.loads(body).get("data") if status == 200 else None
+        except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
+            return fallback
+        first = data[0] if isinstance(data, list) and data else None
+        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+            return fallback
+        aliases = first.get("aliases")
+        names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+        return (first["id"], *names)
 
     async def _follow_router(self, props: dict[str, Any]) -> None:
         """It is a router: ready while it answers; its models' slots come from each child."""
@@ -461,6 +483,8 @@ class Upstream:
                 budget,
             )
             self.pool.resize_budget(budget)
+            if self.model_pool is not None:
+                self.model_pool.resize_budget(budget)
 
     @property
     def default_output(self) -> int | None:
@@ -539,6 +563,8 @@ class Upstream:
         self.ready = False
         self.reason = reason
         self.pool.resize(None)
+        if self.model_pool is not None:
+            self.model_pool.resize(None)
         if self.router is not None:
             self.router.lost()
 

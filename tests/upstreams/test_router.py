@@ -41,23 +41,35 @@ async def router() -> AsyncIterator[MakeRouter]:
 
 
 @pytest.fixture
-async def gate_before() -> AsyncIterator[Callable[..., Any]]:
+async def gates_for() -> AsyncIterator[Callable[..., Any]]:
+    """slotgate in front of several upstreams (a fleet); stopped at the end."""
     running: list[RunningGate] = []
 
-    async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
+    async def start(upstreams: list[StandIn], **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
-            "llama_server_url": upstream.url, "props_refresh_interval_s": 0.2,
-            "keepalive_interval_s": 0, "log_level": "warning", "startup_wait_s": 10,
+            "llama_server_url": ",".join(u.url for u in upstreams),
+            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
         }  # fmt: skip
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
         running.append(gate)
-        await gate.until(lambda: gate.service.models.routed and len(gate.service.models) > 0)
         return gate
 
     yield start
     for gate in running:
         await gate.stop()
+
+
+@pytest.fixture
+def gate_before(gates_for: Callable[..., Any]) -> Callable[..., Any]:
+    """slotgate in front of one router, once it has listed the router's models."""
+
+    async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
+        gate: RunningGate = await gates_for([upstream], **{"startup_wait_s": 10, **overrides})
+        await gate.until(lambda: gate.service.models.routed and len(gate.service.models) > 0)
+        return gate
+
+    return start
 
 
 def children(upstream: StandIn) -> dict[str, StandIn]:
@@ -267,3 +279,57 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
     assert kids["alpha"].cancelled == 0
     assert upstream.routing is not None
     assert upstream.routing.evictions == 0
+
+
+async def test_servers_of_different_models_each_take_only_their_models_requests(
+    router: MakeRouter, gates_for: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    small = StandIn(total_slots=1, tokens=3, token_delay_s=0.01, model="small.gguf")
+    small.aliases = ["small"]
+    large = StandIn(total_slots=2, tokens=3, token_delay_s=0.01, model="large.gguf")
+    routed = await router({"routed": hosted(1)})
+    for upstream in (small, large):
+        await upstream.start()
+    try:
+        gate = await gates_for([small, large, routed])
+        lanes = gate.service.models
+        await gate.until(
+            lambda: all(
+                (lane := lanes.find(name)) is not None and lane.running
+                for name in ("small", "large.gguf", "routed")
+            )
+        )
+        sent = [
+            client.post(gate.url + CHAT, json=chat(model=model))
+            for model in ("small", "large.gguf", "routed", "small.gguf") * 4
+        ]
+        answers = await asyncio.gather(*sent)
+        assert [a.status_code for a in answers] == [200] * 16
+        assert (small.finished, large.finished) == (8, 4)
+        assert (small.max_running, large.max_running) == (1, 2)
+        assert children(routed)["routed"].finished == 4
+        unknown = await client.post(gate.url + CHAT, json=chat(model="medium"))
+        assert unknown.status_code == 400
+        view = (await client.get(gate.url + "/admission")).json()
+        assert {m["model"] for m in view["models"]} == {"small.gguf", "large.gguf", "routed"}
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
+async def test_servers_of_one_model_are_not_routed_by_model(
+    gates_for: Callable[..., Any], client: httpx.AsyncClient
+) -> None:
+    upstreams = [StandIn(total_slots=1, tokens=3), StandIn(total_slots=1, tokens=3)]
+    for upstream in upstreams:
+        await upstream.start()
+    try:
+        gate = await gates_for(upstreams)
+        await gate.until(lambda: gate.service.admission.capacity == 2)
+        answer = await client.post(gate.url + CHAT, json=chat(model="anything"))
+        assert answer.status_code == 200  # llama-server ignores `model`, and so does slotgate
+        assert not gate.service.models.routed
+        assert all(upstream.seen[0].path == CHAT for upstream in upstreams if upstream.seen)
+    finally:
+        for upstream in upstreams:
+            await upstream.stop()
