@@ -166,6 +166,7 @@ class Fleet:
         return Router(
             upstream.url, upstream.get, upstream.post, models, adopt,
             upstream.kv_budget_tokens, Props.parse, self._settings.model_swap_after_s,
+            self._settings.props_refresh_interval_s,
         )  # fmt: skip
 
     def models(self) -> set[str]:
