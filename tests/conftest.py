@@ -25,6 +25,7 @@ from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
 from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
+from tests.support.router import Hosted
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -446,3 +447,56 @@ async def one_slot_held(
     standin.hurry()
     for holder in holders:
         await holder
+
+
+MakeRouter = Callable[..., Awaitable[StandIn]]
+GatesFor = Callable[..., Awaitable[RunningGate]]
+
+
+@pytest.fixture
+async def router() -> AsyncIterator[MakeRouter]:
+    """Start a stand-in llama-server router serving the given models (tests/support/router.py);
+    it stops at the end."""
+    started: list[StandIn] = []
+
+    async def start(models: dict[str, Hosted], **knobs: Any) -> StandIn:
+        upstream = StandIn(hosted=models, **knobs)
+        await upstream.start()
+        started.append(upstream)
+        return upstream
+
+    yield start
+    for upstream in started:
+        await upstream.stop()
+
+
+@pytest.fixture
+async def gates_for() -> AsyncIterator[GatesFor]:
+    """slotgate in front of the given upstreams (one, or a fleet); stopped at the end."""
+    running: list[RunningGate] = []
+
+    async def start(upstreams: list[StandIn], **overrides: Any) -> RunningGate:
+        values: dict[str, Any] = {
+            "llama_server_url": ",".join(u.url for u in upstreams),
+            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
+        }  # fmt: skip
+        values.update(overrides)
+        gate = await serve(Settings(_env_file=None, **values))
+        running.append(gate)
+        return gate
+
+    yield start
+    for gate in running:
+        await gate.stop()
+
+
+@pytest.fixture
+def gate_before(gates_for: GatesFor) -> GatesFor:
+    """slotgate in front of one router, once it has listed the router's models."""
+
+    async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
+        gate = await gates_for([upstream], **{"startup_wait_s": 10, **overrides})
+        await gate.until(lambda: gate.service.models.routed and len(gate.service.models) > 0)
+        return gate
+
+    return start

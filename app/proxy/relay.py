@@ -74,8 +74,11 @@ def _lane(models: Models, request: Request) -> Lane:
         said = parse_qs(request.query.decode("latin-1")).get("autoload")
         if said:
             autoload = said[-1] in ("true", "1")
-    if not autoload and not lane.running:
-        raise ModelNotLoaded
+    if not lane.running:
+        if not autoload:
+            raise ModelNotLoaded
+        if not lane.autoload:
+            lane.wanted = True  # asked for by this request, against the router's default
     return lane
 
 
@@ -308,7 +311,10 @@ class Proxy:
                 if exc.sent and resent:
                     raise
                 resent = resent or exc.sent
-                upstream.lost(exc.message)
+                if upstream.router is None:
+                    upstream.lost(exc.message)
+                else:
+                    upstream.poke()  # one model of a router, not the router: read it again
                 admission = self._admission if request.lane is None else request.lane.admission
                 if not self._startup_wait_s and admission.capacity is None:
                     raise  # no other upstream to send it to, and no wait for this one
@@ -382,8 +388,8 @@ class Proxy:
             # Leaving this block by an exception closes the connection, not pools it, which is
             # what makes llama-server cancel the task behind it.
             upstream = request.upstream
-            if upstream is None:  # not gated: any upstream answers it
-                upstream = request.upstream = self._fleet.primary
+            if upstream is None:  # not gated: any upstream answers it (of its ?model=)
+                upstream = request.upstream = self._fleet.serving(request.query)
             async with upstream.request(request.method, target, headers, request.body) as r:
                 await self._relay_answer(request, answer, r)
         except GateError as exc:

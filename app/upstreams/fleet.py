@@ -9,7 +9,7 @@ import logging
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
@@ -140,6 +140,21 @@ class Fleet:
             if upstream.ready:
                 return upstream
         return upstreams[0]
+
+    def serving(self, query: bytes) -> Upstream:
+        """The upstream for a request that takes no slot: with lines per model, one that
+        serves its `?model=` (a router's `/props?model=`, `/metrics?model=`), else `primary`."""
+        lanes = self.lanes
+        if lanes is None or not lanes.routed or b"model=" not in query:
+            return self.primary
+        names = parse_qs(query.decode("latin-1")).get("model")
+        lane = lanes.find(names[-1]) if names else None
+        if lane is not None:
+            pools = lane.admission.pools
+            for pool in sorted(pools, key=lambda p: p.capacity is None):
+                if (upstream := self._model_pools.get(pool)) is not None:
+                    return upstream
+        return self.primary
 
     @property
     def quiet(self) -> bool:

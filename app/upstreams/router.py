@@ -156,10 +156,13 @@ class Router:
             await self._follow(child, plan, now)
         for model in plan.unload:
             await self._unload(seen[model])
-        if self.autoload and not self._models.closed:
+        if not self._models.closed:
             for model in plan.load:
                 child = seen[model]
+                if not (self.autoload or child.lane.wanted):
+                    continue
                 if child.state == "unloaded" or now - child.asked_at >= FAILED_RELOAD_S:
+                    child.lane.wanted = False
                     await self._load(child)
 
     def _child(self, entry: Any) -> Child | None:

@@ -222,3 +222,17 @@ def _field(body: bytes, name: str) -> Any:
     except ValueError:
         return None
     return value.get(name) if isinstance(value, dict) else None
+
+
+def hosted(slots: int = 2, state: str = "loaded", aliases: list[str] | None = None) -> Hosted:
+    """A model for a router stand-in: a child of `slots` slots, three quick tokens an answer."""
+    from tests.support.standin import StandIn
+
+    child = StandIn(total_slots=slots, tokens=3, token_delay_s=0.01)
+    return Hosted(child, aliases or [], state)
+
+
+def children(upstream: StandIn) -> dict[str, StandIn]:
+    """A router stand-in's children, by model id."""
+    assert upstream.hosted is not None
+    return {model: h.child for model, h in upstream.hosted.items()}

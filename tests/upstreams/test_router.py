@@ -5,84 +5,28 @@ refused in the router's words, unloaded models loaded for their waiters."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import httpx
-import pytest
-from slotgate.settings import Settings
+from slotgate.gate.models import Lane
 
-from tests.conftest import CHAT, RunningGate, chat, serve
-from tests.support.router import Hosted
+from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, chat
+from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 
-MakeRouter = Callable[..., Any]
 
-
-def hosted(slots: int = 2, state: str = "loaded", aliases: list[str] | None = None) -> Hosted:
-    child = StandIn(total_slots=slots, tokens=3, token_delay_s=0.01)
-    return Hosted(child, aliases or [], state)
-
-
-@pytest.fixture
-async def router() -> AsyncIterator[MakeRouter]:
-    """Start a router stand-in serving the given models; it stops at the end."""
-    started: list[StandIn] = []
-
-    async def start(models: dict[str, Hosted], **knobs: Any) -> StandIn:
-        upstream = StandIn(hosted=models, **knobs)
-        await upstream.start()
-        started.append(upstream)
-        return upstream
-
-    yield start
-    for upstream in started:
-        await upstream.stop()
-
-
-@pytest.fixture
-async def gates_for() -> AsyncIterator[Callable[..., Any]]:
-    """slotgate in front of several upstreams (a fleet); stopped at the end."""
-    running: list[RunningGate] = []
-
-    async def start(upstreams: list[StandIn], **overrides: Any) -> RunningGate:
-        values: dict[str, Any] = {
-            "llama_server_url": ",".join(u.url for u in upstreams),
-            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
-        }  # fmt: skip
-        values.update(overrides)
-        gate = await serve(Settings(_env_file=None, **values))
-        running.append(gate)
-        return gate
-
-    yield start
-    for gate in running:
-        await gate.stop()
-
-
-@pytest.fixture
-def gate_before(gates_for: Callable[..., Any]) -> Callable[..., Any]:
-    """slotgate in front of one router, once it has listed the router's models."""
-
-    async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
-        gate: RunningGate = await gates_for([upstream], **{"startup_wait_s": 10, **overrides})
-        await gate.until(lambda: gate.service.models.routed and len(gate.service.models) > 0)
-        return gate
-
-    return start
-
-
-def children(upstream: StandIn) -> dict[str, StandIn]:
-    assert upstream.hosted is not None
-    return {model: h.child for model, h in upstream.hosted.items()}
+def line(gate: RunningGate, model: str) -> Lane:
+    """The line of `model` (the router has listed it: `gate_before` waited for that)."""
+    found = gate.service.models.find(model)
+    assert found is not None
+    return found
 
 
 async def test_a_router_is_ready_and_shows_each_models_line(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(3, "unloaded", ["b"])})
     gate = await gate_before(upstream)
-    await gate.until(lambda: gate.service.models.find("alpha").admission.capacity == 2)
+    await gate.until(lambda: line(gate, "alpha").admission.capacity == 2)
     ready = await client.get(gate.url + "/readyz")
     assert ready.status_code == 200
     view = (await client.get(gate.url + "/admission")).json()
@@ -96,7 +40,7 @@ async def test_a_router_is_ready_and_shows_each_models_line(
 
 
 async def test_each_childs_requests_never_exceed_its_slots(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(1)})
     gate = await gate_before(upstream)
@@ -112,7 +56,7 @@ async def test_each_childs_requests_never_exceed_its_slots(
 
 
 async def test_an_unknown_model_is_refused_at_once_in_the_routers_words(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2)})
     gate = await gate_before(upstream)
@@ -129,7 +73,7 @@ async def test_an_unknown_model_is_refused_at_once_in_the_routers_words(
 
 
 async def test_an_alias_finds_its_models_line(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, aliases=["a1"])})
     gate = await gate_before(upstream)
@@ -140,7 +84,7 @@ async def test_an_alias_finds_its_models_line(
 
 
 async def test_a_request_for_an_unloaded_model_waits_while_it_loads_and_is_served(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded")}, load_delay_s=0.3)
     gate = await gate_before(upstream)
@@ -154,7 +98,7 @@ async def test_a_request_for_an_unloaded_model_waits_while_it_loads_and_is_serve
 
 
 async def test_a_stream_waiting_for_its_model_hears_its_place(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded")}, load_delay_s=1.5)
     gate = await gate_before(upstream, keepalive_interval_s=0.2, stream_head_after_s=0)
@@ -167,11 +111,11 @@ async def test_a_stream_waiting_for_its_model_hears_its_place(
 
 
 async def test_autoload_false_refuses_an_unloaded_model_as_the_router_does(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded"), "beta": hosted(2)})
     gate = await gate_before(upstream)
-    await gate.until(lambda: gate.service.models.find("beta").running)
+    await gate.until(lambda: line(gate, "beta").running)
     answer = await client.post(gate.url + CHAT + "?autoload=false", json=chat(model="alpha"))
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == "model is not loaded"
@@ -182,18 +126,18 @@ async def test_autoload_false_refuses_an_unloaded_model_as_the_router_does(
 
 
 async def test_a_router_that_does_not_autoload_is_followed(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded")}, models_autoload=False)
     gate = await gate_before(upstream)
-    await gate.until(lambda: not gate.service.models.find("alpha").autoload)
+    await gate.until(lambda: not line(gate, "alpha").autoload)
     answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == "model is not loaded"
 
 
 async def test_metrics_carry_each_childs_series_with_its_model(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(2), "gamma": hosted(2, "unloaded")})
     gate = await gate_before(upstream)
@@ -210,7 +154,7 @@ async def test_metrics_carry_each_childs_series_with_its_model(
 
 
 async def test_a_model_whose_load_failed_shows_its_exit_code(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     broken = hosted(2, "unloaded")
     broken.fails_with = 1
@@ -228,13 +172,13 @@ async def test_a_model_whose_load_failed_shows_its_exit_code(
 
 
 async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router(
         {"alpha": hosted(2), "beta": hosted(2, "unloaded")}, models_max=1, load_delay_s=0.1
     )
     gate = await gate_before(upstream, model_swap_after_s=0.5)
-    await gate.until(lambda: gate.service.models.find("alpha").running)
+    await gate.until(lambda: line(gate, "alpha").running)
     sent = [client.post(gate.url + CHAT, json=chat(model=m)) for m in ("alpha", "beta") * 10]
     answers = await asyncio.gather(*sent)
     assert [a.status_code for a in answers] == [200] * 20
@@ -250,14 +194,13 @@ async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
 
 
 async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     alpha = hosted(1)
     alpha.child.tokens = 40  # each alpha request holds its slot about 0.4 s
     upstream = await router({"alpha": alpha, "beta": hosted(1, "unloaded")}, models_max=1)
     gate = await gate_before(upstream, model_swap_after_s=0.3)
-    lanes = gate.service.models
-    await gate.until(lambda: lanes.find("alpha").running)
+    await gate.until(lambda: line(gate, "alpha").running)
     # alpha's line never empties while beta waits: a steady stream of alpha requests.
     stop = asyncio.Event()
 
@@ -269,7 +212,7 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
         return codes
 
     feeders = [asyncio.create_task(alpha_stream()) for _ in range(3)]
-    await gate.until(lambda: lanes.find("alpha").admission.queued > 0)
+    await gate.until(lambda: line(gate, "alpha").admission.queued > 0)
     beta = await client.post(gate.url + CHAT, json=chat(model="beta"))
     stop.set()
     codes = [code for feeder in await asyncio.gather(*feeders) for code in feeder]
@@ -282,7 +225,7 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
 
 
 async def test_servers_of_different_models_each_take_only_their_models_requests(
-    router: MakeRouter, gates_for: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gates_for: GatesFor, client: httpx.AsyncClient
 ) -> None:
     small = StandIn(total_slots=1, tokens=3, token_delay_s=0.01, model="small.gguf")
     small.aliases = ["small"]
@@ -318,7 +261,7 @@ async def test_servers_of_different_models_each_take_only_their_models_requests(
 
 
 async def test_servers_of_one_model_are_not_routed_by_model(
-    gates_for: Callable[..., Any], client: httpx.AsyncClient
+    gates_for: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstreams = [StandIn(total_slots=1, tokens=3), StandIn(total_slots=1, tokens=3)]
     for upstream in upstreams:
