@@ -454,26 +454,21 @@ GatesFor = Callable[..., Awaitable[RunningGate]]
 
 
 @pytest.fixture
-async def router() -> AsyncIterator[MakeRouter]:
+def router(start_upstreams: StartUpstreams) -> MakeRouter:
     """Start a stand-in llama-server router serving the given models (tests/support/router.py);
     it stops at the end."""
-    started: list[StandIn] = []
 
     async def start(models: dict[str, Hosted], **knobs: Any) -> StandIn:
         upstream = StandIn(hosted=models, **knobs)
-        await upstream.start()
-        started.append(upstream)
+        await start_upstreams(upstream)
         return upstream
 
-    yield start
-    for upstream in started:
-        await upstream.stop()
+    return start
 
 
 @pytest.fixture
-async def gates_for() -> AsyncIterator[GatesFor]:
+def gates_for(served: list[RunningGate]) -> GatesFor:
     """slotgate in front of the given upstreams (one, or a fleet); stopped at the end."""
-    running: list[RunningGate] = []
 
     async def start(upstreams: list[StandIn], **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
@@ -482,21 +477,27 @@ async def gates_for() -> AsyncIterator[GatesFor]:
         }  # fmt: skip
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
-        running.append(gate)
+        served.append(gate)
         return gate
 
-    yield start
-    for gate in running:
-        await gate.stop()
+    return start
 
 
 @pytest.fixture
 def gate_before(gates_for: GatesFor) -> GatesFor:
-    """slotgate in front of one router, once it has listed the router's models."""
+    """slotgate in front of one router, once it has followed the router's models."""
 
     async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
         gate = await gates_for([upstream], **{"startup_wait_s": 10, **overrides})
-        await gate.until(lambda: gate.service.models.routed and len(gate.service.models) > 0)
+        lanes = gate.service.models
+        # Every model listed, and the slots of every loaded one known.
+        await gate.until(
+            lambda: (
+                lanes.routed
+                and len(lanes) > 0
+                and all(lane.running for lane in lanes if lane.state == "loaded")
+            )
+        )
         return gate
 
     return start

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from tests.conftest import CHAT, GatesFor, MakeRouter, chat
+from tests.conftest import CHAT, GatesFor, MakeRouter, StartUpstreams, chat
 from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 
@@ -44,21 +44,21 @@ async def test_autoload_zero_is_read_as_llama_server_reads_it(
 
 
 async def test_a_get_naming_a_model_goes_to_an_upstream_that_serves_it(
-    router: MakeRouter, gates_for: GatesFor, client: httpx.AsyncClient
+    router: MakeRouter,
+    gates_for: GatesFor,
+    start_upstreams: StartUpstreams,
+    client: httpx.AsyncClient,
 ) -> None:
     other = StandIn(model="other.gguf")
-    await other.start()
-    try:
-        routed = await router({"alpha": hosted(3)})
-        gate = await gates_for([other, routed])
-        lanes = gate.service.models
-        await gate.until(lambda: (found := lanes.find("alpha")) is not None and found.running)
-        props = (await client.get(gate.url + "/props?model=alpha")).json()
-        assert props["total_slots"] == 3  # the router's child, not the first upstream
-        plain = (await client.get(gate.url + "/props")).json()
-        assert plain["model_path"] == "other.gguf"
-    finally:
-        await other.stop()
+    await start_upstreams(other)
+    routed = await router({"alpha": hosted(3)})
+    gate = await gates_for([other, routed])
+    lanes = gate.service.models
+    await gate.until(lambda: (found := lanes.find("alpha")) is not None and found.running)
+    props = (await client.get(gate.url + "/props?model=alpha")).json()
+    assert props["total_slots"] == 3  # the router's child, not the first upstream
+    plain = (await client.get(gate.url + "/props")).json()
+    assert plain["model_path"] == "other.gguf"
 
 
 async def test_a_child_that_answers_503_sends_its_request_back_to_its_line_only(
@@ -67,7 +67,6 @@ async def test_a_child_that_answers_503_sends_its_request_back_to_its_line_only(
     upstream = await router({"alpha": hosted(1), "beta": hosted(1)})
     gate = await gate_before(upstream)
     lanes = gate.service.models
-    await gate.until(lambda: all(lane.running for lane in lanes))
     alpha = children(upstream)["alpha"]
     alpha.loading = True  # answers 503 "Loading model", as a child still loading does
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="alpha")))
