@@ -106,6 +106,8 @@ class Proxy:
         #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
         self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
+        #: The lines of several models (app/gate/models.py), read once `routed`.
+        self._models = fleet.lanes if fleet.lanes is not None else Models(Admission)
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
         self._metrics = metrics
@@ -196,14 +198,14 @@ class Proxy:
         assert endpoint is not None  # noqa: S101 - gated: _take_in found it
         assert head is not None  # noqa: S101 - read by _take_in
         check_content_type(endpoint, head.content_type)
-        admission, gate = self._admission, self._gate
-        several = self._fleet.several
-        models = self._fleet.lanes
-        if models is not None and models.routed:
-            # A router serves several models: the request waits in its model's line.
-            lane = request.lane = _lane(models, request)
-            admission, gate = lane.admission, lane.gate
-            several = len(admission.pools) > 1
+        admission = self._admission
+        gate = self._gate
+        lane = None
+        if self._models.routed:
+            # Upstreams serve several models: the request waits in its model's line.
+            lane = request.lane = _lane(self._models, request)
+            admission = lane.admission
+            gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.
         capacity = admission.largest
         unknown = capacity is None
@@ -216,7 +218,9 @@ class Proxy:
         # Read for the request's shape only: which upstream runs it is known once admitted.
         budget = admission.budget_tokens
         cold = admission.cold
-        affinity = self._affinity and several
+        affinity = self._affinity and (
+            self._fleet.several if lane is None else len(admission.pools) > 1
+        )
         wants = _NOTHING_MORE
         if budget or cold or affinity:
             upstream = self._fleet.primary

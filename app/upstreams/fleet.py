@@ -164,8 +164,10 @@ class Fleet:
         return all(upstream.verbose is False for upstream in self._all)
 
     def of(self, pool: Pool) -> Upstream:
-        upstream = self._by_pool.get(pool)
-        return upstream if upstream is not None else self._model_pools[pool]
+        try:
+            return self._by_pool[pool]
+        except KeyError:  # a model's pool (app/upstreams/router.py, `_place`)
+            return self._model_pools[pool]
 
     def _routing(self, upstream: Upstream) -> Router:
         """`upstream` is a llama-server in router mode: its models' pools join their lanes."""
