@@ -315,12 +315,17 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         gate = service.gate
         mode = gate.mode
         # A shared line says how it is kept: degraded (Redis away) is still ready.
-        said = {} if mode == "local" else {"replication": mode}
+        said: dict[str, Any] = {} if mode == "local" else {"replication": mode}
         reason = gate.unready()
         if reason is not None:
             return JSONResponse(
                 {"status": "not ready", "reason": reason, **said}, 503, {"retry-after": "1"}
             )
+        models = service.models
+        if models.routed:
+            # Ready while the routers answer, whatever their models' states (in /admission).
+            loaded = sum(lane.running for lane in models)
+            said["models"] = {"listed": len(models), "loaded": loaded}
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
     @app.get("/admission", dependencies=[Depends(authorized)])

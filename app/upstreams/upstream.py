@@ -363,6 +363,12 @@ class Upstream:
                 await self._follow_router(data)
                 return
             props = Props.parse(data)
+            if self.router is not None:
+                # A router no more (restarted with a model): its children's slots are gone.
+                log.info("llama-server is no longer a router url=%s", self.url)
+                self.router.close()
+                self.router = None
+                self.ready = False
         except TimeoutError:
             if self.ready and self.answers != answers:
                 # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
@@ -430,6 +436,12 @@ class Upstream:
             assert self._routing is not None  # noqa: S101 - checked by the caller
             router = self.router = self._routing(self)
             log.info("llama-server is a router (several models) url=%s", self.url)
+            # Its slots are its children's now, not those of the server it may have been.
+            self.props = None
+            self.pool.resize(None)
+            if self.model_pool is not None:
+                self.model_pool.retire()
+                self.model_pool = None
         if not self.ready:
             self.ready = True
             self.reason = "ready (router)"

@@ -9,8 +9,8 @@ import asyncio
 import httpx
 from slotgate.gate.models import Lane
 
-from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, chat
-from tests.support.router import children, hosted
+from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, StartUpstreams, chat
+from tests.support.router import Routing, children, hosted
 from tests.support.standin import StandIn
 
 
@@ -29,6 +29,7 @@ async def test_a_router_is_ready_and_shows_each_models_line(
     await gate.until(lambda: line(gate, "alpha").admission.capacity == 2)
     ready = await client.get(gate.url + "/readyz")
     assert ready.status_code == 200
+    assert ready.json()["models"] == {"listed": 2, "loaded": 1}
     view = (await client.get(gate.url + "/admission")).json()
     models = {m["model"]: m for m in view["models"]}
     assert models["alpha"]["state"] == "loaded"
@@ -274,3 +275,21 @@ async def test_servers_of_one_model_are_not_routed_by_model(
     finally:
         for upstream in upstreams:
             await upstream.stop()
+
+
+async def test_a_server_restarted_as_a_router_is_followed_as_one(
+    start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = StandIn(total_slots=3, tokens=3)
+    await start_upstreams(upstream)
+    gate = await gates_for([upstream])
+    await gate.until(lambda: gate.service.admission.capacity == 3)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    # Restarted with --models-dir: the same address now answers as a router.
+    upstream.hosted = {"alpha": hosted(2)}
+    upstream.routing = Routing(upstream, upstream.hosted)
+    lanes = gate.service.models
+    await gate.until(lambda: (found := lanes.find("alpha")) is not None and found.running)
+    assert gate.service.admission.capacity is None  # the old server's slots are gone
+    assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
+    assert children(upstream)["alpha"].finished == 1
