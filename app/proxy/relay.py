@@ -288,7 +288,9 @@ class Proxy:
                     if request.estimate is not None:
                         # Counted exactly while it holds its place (or its slot): a refusal
                         # costs none.
-                        await self._fleet.primary.count(ticket, request.estimate)
+                        lane = request.lane
+                        counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
+                        await counter.count(ticket, request.estimate)
                     if not ticket.admitted:
                         await self._wait(request, answer, ticket)
                 request.weight = ticket.weight

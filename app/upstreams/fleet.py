@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
-from slotgate.gate.models import Models
+from slotgate.gate.models import Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
 from slotgate.upstreams.router import Router
@@ -149,11 +149,13 @@ class Fleet:
             return self.primary
         names = parse_qs(query.decode("latin-1")).get("model")
         lane = lanes.find(names[-1]) if names else None
-        if lane is not None:
-            pools = lane.admission.pools
-            for pool in sorted(pools, key=lambda p: p.capacity is None):
-                if (upstream := self._model_pools.get(pool)) is not None:
-                    return upstream
+        return self.primary if lane is None else self.of_lane(lane)
+
+    def of_lane(self, lane: Lane) -> Upstream:
+        """An upstream that serves `lane`'s model: one with its slots known, if any."""
+        for pool in sorted(lane.admission.pools, key=lambda p: p.capacity is None):
+            if (upstream := self._model_pools.get(pool)) is not None:
+                return upstream
         return self.primary
 
     @property

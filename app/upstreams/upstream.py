@@ -531,6 +531,8 @@ class Upstream:
                 if not isinstance(prompt, str):
                     return None
                 request = {"content": prompt, "add_special": True, "parse_special": True}
+                if isinstance(model := payload.get("model"), str):
+                    request["model"] = model  # a router tokenizes with that model's child
                 status, body = await self._post("/tokenize", request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
         except (ExchangeFailed, TimeoutError, ValueError, AttributeError, RecursionError):

@@ -62,6 +62,8 @@ class Routing:
         self.unloads = 0
         #: The most children loaded at once.
         self.peak_loaded = 0
+        #: (path, model) of every request forwarded to a child, in order.
+        self.forwarded: list[tuple[str, str]] = []
 
     def find(self, name: str) -> tuple[str, Hosted] | None:
         if name in self.hosted:
@@ -210,6 +212,7 @@ class Routing:
             return True
         if method == "POST":
             hosted.used = time.monotonic()
+        self.forwarded.append((path, model))
         conn.standin = hosted.child
         return False
 

@@ -293,3 +293,19 @@ async def test_a_server_restarted_as_a_router_is_followed_as_one(
     assert gate.service.admission.capacity is None  # the old server's slots are gone
     assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
     assert children(upstream)["alpha"].finished == 1
+
+
+async def test_a_models_prompts_are_counted_by_its_child_against_its_budget(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    alpha = hosted(4)
+    alpha.child.counts = True  # /apply-template and /tokenize, one token a word
+    upstream = await router({"alpha": alpha, "beta": hosted(2)})
+    gate = await gate_before(upstream, kv_budget_tokens=4096)
+    assert line(gate, "alpha").admission.budget_tokens == 4096
+    answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
+    assert answer.status_code == 200
+    assert alpha.child.counted == 1
+    assert upstream.routing is not None
+    forwarded = [f for f in upstream.routing.forwarded if f[0] != "/props"]
+    assert forwarded == [("/apply-template", "alpha"), ("/tokenize", "alpha"), (CHAT, "alpha")]
