@@ -43,7 +43,7 @@ class Child:
 
     __slots__ = (
         "asked_at", "lane", "loaded_since", "loads", "model", "n_ctx", "pool", "read_at",
-        "state", "stopped_at", "waiting_since",
+        "state", "stopped_at", "unload_asked_at", "waiting_since",
     )  # fmt: skip
 
     def __init__(self, model: str, lane: Lane, pool: Pool) -> None:
@@ -57,6 +57,7 @@ class Child:
         #: Loads slotgate asked of the router for this model, the last one when.
         self.loads = 0
         self.asked_at = 0.0
+        self.unload_asked_at = 0.0
         #: Since when its line has had waiters, and since when it has been loaded (monotonic),
         #: as seen at each refresh: what the swap rule reads (app/gate/swaps.py).
         self.waiting_since: float | None = None
@@ -151,11 +152,21 @@ class Router:
             child.lane.states.pop(self.url, None)
             child.pool.resize(None)
         now = time.monotonic()
+        held = set(self.swaps.held)
         plan = self.swaps.plan(self.max_instances, [c.demand(now) for c in seen.values()])
+        for model in self.swaps.held - held:
+            log.info(
+                "holding model for a swap: %s (no new work; its running requests finish) url=%s",
+                model, self.url,
+            )  # fmt: skip
         for child in seen.values():
             await self._follow(child, plan, now)
         for model in plan.unload:
-            await self._unload(seen[model])
+            child = seen[model]
+            # The router lists a model as loaded until its child has stopped: ask once.
+            if now - child.unload_asked_at >= FAILED_RELOAD_S:
+                child.unload_asked_at = now
+                await self._unload(child)
         if not self._models.closed:
             for model in plan.load:
                 child = seen[model]
