@@ -186,6 +186,7 @@ class Service:
                     "states": dict(lane.states),
                     **({"exit_codes": dict(lane.exit_codes)} if lane.exit_codes else {}),
                     "autoload": lane.autoload,
+                    "held": lane.held,
                     **_figures(snap),
                     "retry_after_estimate_s": round(lane.admission.estimate_s(), 3),
                     "pools": [

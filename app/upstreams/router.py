@@ -160,6 +160,7 @@ class Router:
                 model, self.url,
             )  # fmt: skip
         for child in seen.values():
+            child.lane.held = child.model in plan.hold
             await self._follow(child, plan, now)
         for model in plan.unload:
             child = seen[model]

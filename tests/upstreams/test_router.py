@@ -212,7 +212,9 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
 
     feeders = [asyncio.create_task(alpha_stream()) for _ in range(3)]
     await gate.until(lambda: line(gate, "alpha").admission.queued > 0)
-    beta = await client.post(gate.url + CHAT, json=chat(model="beta"))
+    asking = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="beta")))
+    await gate.until(lambda: line(gate, "alpha").held)  # emptied for beta, not cut
+    beta = await asking
     stop.set()
     codes = [code for feeder in await asyncio.gather(*feeders) for code in feeder]
     assert beta.status_code == 200
@@ -221,6 +223,7 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
     assert kids["alpha"].cancelled == 0
     assert upstream.routing is not None
     assert upstream.routing.evictions == 0
+    assert upstream.routing.unloads >= 1  # alpha, emptied for beta's line
 
 
 async def test_servers_of_different_models_each_take_only_their_models_requests(
