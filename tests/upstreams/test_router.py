@@ -44,6 +44,8 @@ async def test_each_childs_requests_never_exceed_its_slots(
     router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(1)})
+    for child in children(upstream).values():
+        child.token_delay_s = 0.05  # long enough that admitted requests overlap
     gate = await gate_before(upstream)
     sent = [client.post(gate.url + CHAT, json=chat(model=model)) for model in ("alpha", "beta") * 6]
     answers = await asyncio.gather(*sent)
@@ -176,7 +178,8 @@ async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
     upstream = await router(
         {"alpha": hosted(2), "beta": hosted(2, "unloaded")}, models_max=1, load_delay_s=0.1
     )
-    gate = await gate_before(upstream, model_swap_after_s=0.5)
+    # No line waits long enough to force a swap: beta's turn comes once alpha's line is empty.
+    gate = await gate_before(upstream, model_swap_after_s=60, startup_wait_s=30)
     await gate.until(lambda: line(gate, "alpha").running)
     sent = [client.post(gate.url + CHAT, json=chat(model=m)) for m in ("alpha", "beta") * 10]
     answers = await asyncio.gather(*sent)
@@ -231,7 +234,7 @@ async def test_servers_of_different_models_each_take_only_their_models_requests(
 ) -> None:
     small = StandIn(total_slots=1, tokens=3, token_delay_s=0.01, model="small.gguf")
     small.aliases = ["small"]
-    large = StandIn(total_slots=2, tokens=3, token_delay_s=0.01, model="large.gguf")
+    large = StandIn(total_slots=2, tokens=3, token_delay_s=0.05, model="large.gguf")
     routed = await router({"routed": hosted(1)})
     for upstream in (small, large):
         await upstream.start()
