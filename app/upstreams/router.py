@@ -25,7 +25,7 @@ from slotgate.gate.pool import Pool
 from slotgate.gate.swaps import Demand, Plan, Swaps
 
 if TYPE_CHECKING:
-    from slotgate.upstreams.upstream import Props
+    from slotgate.upstreams.upstream import Props, Upstream
 
 log = logging.getLogger("slotgate.router")
 
@@ -289,4 +289,23 @@ class Router:
             child.pool.retire()
 
 
-__all__ = ["Child", "Router"]
+async def served_names(upstream: Upstream) -> tuple[str, ...]:
+    """The names a server of one model answers to: its `/v1/models` id, then its aliases;
+    else its /props model. What a request's `model` is matched against when upstreams serve
+    different models (app/upstreams/fleet.py)."""
+    props = upstream.props
+    fallback = (props.model,) if props is not None and props.model else ()
+    try:
+        status, body = await upstream.get("/v1/models")
+        data = json.loads(body).get("data") if status == 200 else None
+    except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
+        return fallback
+    first = data[0] if isinstance(data, list) and data else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        return fallback
+    aliases = first.get("aliases")
+    names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+    return (first["id"], *names)
+
+
+__all__ = ["Child", "Router", "served_names"]
