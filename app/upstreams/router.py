@@ -160,10 +160,17 @@ class Router:
                 model, self.url,
             )  # fmt: skip
         for child in seen.values():
+            # Holds first, before any await can let a request in on a model being emptied.
             child.lane.held = child.model in plan.hold
+            if child.lane.held:
+                child.read_at = None
+                child.pool.resize(None)
+        for child in seen.values():
             await self._follow(child, plan, now)
         for model in plan.unload:
             child = seen[model]
+            if child.pool.active:
+                continue  # let in before its hold: unloaded once it is empty
             # The router lists a model as loaded until its child has stopped: ask once.
             if now - child.unload_asked_at >= FAILED_RELOAD_S:
                 child.unload_asked_at = now
@@ -210,7 +217,7 @@ class Router:
     async def _follow(self, child: Child, plan: Plan, now: float) -> None:
         pool = child.pool
         if child.state not in RUNNING or child.model in plan.hold:
-            # Not running, or held for a swap: its line takes no new work here.
+            # Not running, or held for a swap (done already): its line takes no new work here.
             child.read_at = None
             pool.resize(None)
             return
