@@ -315,3 +315,17 @@ async def test_a_models_prompts_are_counted_by_its_child_against_its_budget(
     assert upstream.routing is not None
     forwarded = [f for f in upstream.routing.forwarded if f[0] != "/props"]
     assert forwarded == [("/apply-template", "alpha"), ("/tokenize", "alpha"), (CHAT, "alpha")]
+
+
+async def test_a_model_the_router_no_longer_lists_is_unknown_again(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
+    gate = await gate_before(upstream)
+    assert upstream.hosted is not None
+    del upstream.hosted["beta"]  # its file removed from --models-dir
+    await gate.until(lambda: not line(gate, "beta").states)
+    answer = await client.post(gate.url + CHAT, json=chat(model="beta"))
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == "model 'beta' not found"
+    assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
