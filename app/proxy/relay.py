@@ -14,22 +14,25 @@ import functools
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 from slotgate.asgi import Headers, Receive, Scope, Send
 from slotgate.errors import (
     AdmissionError,
     ClientGone,
     GateError,
+    ModelNotLoaded,
+    UnknownModel,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
 )
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
+from slotgate.gate.models import Lane, Models
 from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Reading, Wants, take_off_loop
-from slotgate.intake.endpoints import check_content_type, route_of
+from slotgate.intake.endpoints import check_content_type, parse_json, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
 from slotgate.proxy.access import OPEN_PATHS, Access
@@ -58,6 +61,27 @@ _UNSIZED = sys.maxsize
 _NOTHING_MORE = Wants()
 
 
+def _lane(models: Models, request: Request) -> Lane:
+    """The line of the model a request names (its body's `model`), or the router's refusal:
+    an unknown model at once, as the router would; an unloaded one when the request or the
+    router says not to load it (`?autoload=false`, --no-models-autoload)."""
+    name = parse_json(request.body).get("model")
+    lane = models.find(name) if isinstance(name, str) else None
+    if lane is None or not lane.states:  # never listed, or no longer listed anywhere
+        raise UnknownModel(name if isinstance(name, str) else "")
+    autoload = lane.autoload
+    if b"autoload=" in request.query:
+        said = parse_qs(request.query.decode("latin-1")).get("autoload")
+        if said:
+            autoload = said[-1] in ("true", "1")
+    if not lane.running:
+        if not autoload:
+            raise ModelNotLoaded
+        if not lane.autoload:
+            lane.wanted = True  # asked for by this request, against the router's default
+    return lane
+
+
 @functools.lru_cache(maxsize=256)
 def _quoted(path: str) -> str:
     """The path as it goes upstream. A handful of paths carry nearly every request: quoting
@@ -82,6 +106,8 @@ class Proxy:
         #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
         self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
+        #: The lines of several models (app/gate/models.py), read once `routed`.
+        self._models = fleet.lanes if fleet.lanes is not None else Models(Admission)
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
         self._metrics = metrics
@@ -179,8 +205,16 @@ class Proxy:
         assert endpoint is not None  # noqa: S101 - gated: _take_in found it
         assert head is not None  # noqa: S101 - read by _take_in
         check_content_type(endpoint, head.content_type)
+        admission = self._admission
+        gate = self._gate
+        lane = None
+        if self._models.routed:
+            # Upstreams serve several models: the request waits in its model's line.
+            lane = request.lane = _lane(self._models, request)
+            admission = lane.admission
+            gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.
-        capacity = self._admission.largest
+        capacity = admission.largest
         unknown = capacity is None
         if unknown:
             if (unreached := self._fleet.unreached) is not None:
@@ -189,9 +223,11 @@ class Proxy:
             # known (app/gate/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
         # Read for the request's shape only: which upstream runs it is known once admitted.
-        budget = self._admission.budget_tokens
-        cold = self._admission.cold
-        affinity = self._affinity and self._fleet.several
+        budget = admission.budget_tokens
+        cold = admission.cold
+        affinity = self._affinity and (
+            self._fleet.several if lane is None else len(admission.pools) > 1
+        )
         wants = _NOTHING_MORE
         if budget or cold or affinity:
             upstream = self._fleet.primary
@@ -231,7 +267,7 @@ class Proxy:
                 return unsized.at(capacity).weight
 
         if taken.expected_hold_s is not None:
-            self._admission.expect(taken.expected_hold_s)
+            admission.expect(taken.expected_hold_s)
         request.weight = want.weight
         cost = taken.estimate
         tenant = request.tenant
@@ -242,7 +278,6 @@ class Proxy:
             want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
             taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
         )  # fmt: skip
-        gate = self._gate
         ticket = gate.enter_now(entry)
         if ticket is None:  # the shared line: its answer is Redis's
             ticket = await gate.enter(entry)
@@ -264,7 +299,9 @@ class Proxy:
                     if request.estimate is not None:
                         # Counted exactly while it holds its place (or its slot): a refusal
                         # costs none.
-                        await self._fleet.primary.count(ticket, request.estimate)
+                        lane = request.lane
+                        counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
+                        await counter.count(ticket, request.estimate)
                     if not ticket.admitted:
                         await self._wait(request, answer, ticket)
                 finally:
@@ -293,8 +330,12 @@ class Proxy:
                 if exc.sent and resent:
                     raise
                 resent = resent or exc.sent
-                upstream.lost(exc.message)
-                if not self._startup_wait_s and self._admission.capacity is None:
+                if upstream.router is None:
+                    upstream.lost(exc.message)
+                else:
+                    upstream.poke()  # one model of a router, not the router: read it again
+                admission = self._admission if request.lane is None else request.lane.admission
+                if not self._startup_wait_s and admission.capacity is None:
                     raise  # no other upstream to send it to, and no wait for this one
                 if back_by is None:
                     back_by = time.monotonic() + self._startup_wait_s
@@ -328,6 +369,7 @@ class Proxy:
         short, so the head waits until the wait is long enough to risk an idle timeout.
         """
         waiting = asyncio.ensure_future(ticket.wait())
+        admission = self._admission if request.lane is None else request.lane.admission
         try:
             if not answer.stream:
                 if self._head_after_s:
@@ -337,7 +379,7 @@ class Proxy:
                         return
                 await answer.start(200, [*SSE_HEAD, *self._own_headers(request)], stream=True)
             while True:
-                eta = self._admission.retry_after_s(max(ticket.position, 1))
+                eta = admission.retry_after_s(max(ticket.position, 1))
                 await answer.comment(
                     f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
                 )
@@ -365,8 +407,8 @@ class Proxy:
             # Leaving this block by an exception closes the connection, not pools it, which is
             # what makes llama-server cancel the task behind it.
             upstream = request.upstream
-            if upstream is None:  # not gated: any upstream answers it
-                upstream = request.upstream = self._fleet.primary
+            if upstream is None:  # not gated: any upstream answers it (of its ?model=)
+                upstream = request.upstream = self._fleet.serving(request.query)
             async with upstream.request(request.method, target, headers, request.body) as r:
                 await self._relay_answer(request, answer, r)
         except GateError as exc:

@@ -18,6 +18,7 @@ from slotgate.gate.tenants import EVERYONE
 from slotgate.outcome import Outcome
 
 if TYPE_CHECKING:
+    from slotgate.gate.models import Lane
     from slotgate.gate.ticket import Claim
     from slotgate.intake.cost import Estimate
     from slotgate.intake.endpoints import Endpoint
@@ -47,7 +48,7 @@ class Request:
 
     __slots__ = (
         "assembly", "body", "endpoint", "estimate", "first_byte_at", "gated", "head", "headers",
-        "held", "id", "method", "origin", "outcome", "path", "query", "started", "stream",
+        "held", "id", "lane", "method", "origin", "outcome", "path", "query", "started", "stream",
         "teaches", "tenant", "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
@@ -85,6 +86,8 @@ class Request:
         #: When (time.monotonic()) the first byte of llama-server's answer body arrived.
         self.first_byte_at: float | None = None
         self.outcome: Outcome = _SERVED
+        #: Its model's line, when routers serve several models (app/gate/models.py).
+        self.lane: Lane | None = None
 
     @property
     def route(self) -> str | None:
