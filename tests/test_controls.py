@@ -35,6 +35,12 @@ async def act(
     return await client.post(gate.url + "/admin/" + path, headers=headers)
 
 
+async def act_with(
+    client: httpx.AsyncClient, gate: RunningGate, path: str, headers: dict[str, str]
+) -> httpx.Response:
+    return await client.post(gate.url + "/admin/" + path, headers=headers)
+
+
 def metric(action: str) -> str:
     return f'slotgate_operator_actions_total{{action="{action}"}}'
 
@@ -261,3 +267,69 @@ async def test_without_keys_only_loopback_clients_may_act() -> None:
     assert keyed.who("10.1.2.3", b"Bearer ops") == label(b"ops")
     with pytest.raises(Unauthorized):
         keyed.who("127.0.0.1", None)
+
+
+async def test_without_keys_a_page_on_another_origin_cannot_act_through_the_operators_browser(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # A page anywhere on the web may send the browser of someone on slotgate's host to
+    # http://127.0.0.1:<port>/admin/pause as a "simple" POST: no preflight, so CORS stops
+    # nothing; only its reading the answer. The request arrives from loopback.
+    gate = await start_gate()
+    host = gate.url.removeprefix("http://")
+    for headers in (
+        {"origin": "https://evil.example"},
+        {"origin": "http://localhost:3000"},  # another local server's page
+        {"origin": "null"},  # a sandboxed frame, a file:// page
+        {"sec-fetch-site": "cross-site"},
+        # DNS rebinding: the page's own name resolved to 127.0.0.1; same origin, foreign name.
+        {"host": "evil.example:80", "origin": "http://evil.example:80"},
+        {"host": "[", "origin": "http://["},  # unparsable: refused, not a 500
+    ):
+        refused = await act_with(client, gate, "pause", headers)
+        assert refused.status_code == 403, headers
+        assert refused.json()["error"]["code"] == "forbidden"
+    assert not gate.service.gate.paused
+    # slotgate's own page (same origin) and curl on the host still may.
+    same = await act_with(client, gate, "pause", {"origin": f"http://{host}"})
+    assert same.status_code == 200
+    assert (await act_with(client, gate, "resume", {"host": f"localhost:{gate.port}"})).is_success
+
+
+async def test_without_keys_a_request_relayed_by_a_proxy_on_the_host_is_not_loopback(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # A reverse proxy on the same host connects from loopback; the headers it adds say the
+    # client is elsewhere.
+    gate = await start_gate()
+    for headers in (
+        {"x-forwarded-for": "203.0.113.9"},
+        {"forwarded": "for=203.0.113.9"},
+        {"x-real-ip": "203.0.113.9"},
+    ):
+        refused = await act_with(client, gate, "pause", headers)
+        assert refused.status_code == 403, headers
+        assert "ADMIN_KEYS" in refused.json()["error"]["message"]
+    assert not gate.service.gate.paused
+    # With ADMIN_KEYS the key decides, wherever the request came from.
+    keyed = await start_gate(admin_keys="ops")
+    allowed = await act_with(
+        client, keyed, "pause", {"x-forwarded-for": "203.0.113.9", "authorization": "Bearer ops"}
+    )
+    assert allowed.status_code == 200
+
+
+async def test_a_bearer_scheme_is_read_in_any_case_and_other_schemes_are_refused(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(admin_keys="ops-key,k=y/+é")
+    for value in ("Bearer ops-key", "bearer ops-key", "BEARER  ops-key", "Bearer k=y/+é"):
+        headers = {b"authorization": value.encode()}
+        answer = await client.post(gate.url + "/admin/resume", headers=headers)
+        assert answer.status_code == 200, value
+    for value in ("Basic ops-key", "Bearer\tops-key", "Bearer", "ops-key", "Bearer ops-key2"):
+        answer = await client.post(gate.url + "/admin/resume", headers={"authorization": value})
+        assert answer.status_code == 401, value
+    # An API client's header opens nothing.
+    answer = await client.post(gate.url + "/admin/resume", headers={"x-api-key": "ops-key"})
+    assert answer.status_code == 401
