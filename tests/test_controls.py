@@ -9,6 +9,7 @@ import logging
 
 import httpx
 import pytest
+from slotgate.asgi import Message
 from slotgate.controls import Operators
 from slotgate.errors import Forbidden, Unauthorized
 from slotgate.gate.tenants import label
@@ -24,6 +25,15 @@ from tests.conftest import (
     chat,
     hold_stream_of,
     occupy,
+)
+from tests.support.harness import (
+    SSE,
+    Client,
+    FakeResponse,
+    FakeUpstreamClient,
+    Rig,
+    chat_body,
+    http_scope,
 )
 from tests.support.standin import StandIn
 
@@ -333,3 +343,44 @@ async def test_a_bearer_scheme_is_read_in_any_case_and_other_schemes_are_refused
     # An API client's header opens nothing.
     answer = await client.post(gate.url + "/admin/resume", headers={"x-api-key": "ops-key"})
     assert answer.status_code == 401
+
+
+class SlowClient(Client):
+    """A client whose socket takes a while to take an answer's last bytes (uvicorn's send waits
+    for the socket to drain), and that can leave meanwhile."""
+
+    async def send(self, message: Message) -> None:
+        if not message.get("more_body", False) and message["type"] == "http.response.body":
+            for _ in range(5):
+                await asyncio.sleep(0)
+        await super().send(message)
+
+
+@pytest.mark.parametrize("steps_between", [0, 1, 2, 3])
+async def test_a_cancel_and_the_client_leaving_at_once_end_the_request_once_and_quietly(
+    steps_between: int,
+) -> None:
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"], hold=finish)
+    rig = Rig(FakeUpstreamClient(held), keepalive_interval_s=0)
+    client = SlowClient(chat_body(stream=True))
+    scope = http_scope("POST", CHAT, [(b"x-request-id", b"both-1")])
+    calling = asyncio.ensure_future(rig.proxy(scope, client.receive, client.send))
+    while "both-1" not in rig.proxy.running:
+        await asyncio.sleep(0.001)
+    # The client's leaving is seen a few loop steps before or after the operator's cancel.
+    client.gone.set()
+    for _ in range(steps_between):
+        await asyncio.sleep(0)
+    cancelled = rig.proxy.running.cancel("both-1")  # False once the leaving was seen
+    # It ends as any request does: no CancelledError out of the app (uvicorn would log it as
+    # an exception), nor a shutdown it was not; as cancelled if the operator was first.
+    await calling
+    assert rig.admission.active == 0
+    assert "both-1" not in rig.proxy.running
+    assert b"shutting_down" not in client.body
+    reason = "cancelled" if cancelled else "client_gone"
+    assert_lines(
+        rig.metrics.render().decode(),
+        f'slotgate_requests_rejected_total{{family="chat",reason="{reason}"}} 1.0',
+    )

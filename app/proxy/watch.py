@@ -107,7 +107,10 @@ class Watch:
     def _disconnected(self) -> None:
         if not self.done and self._task is not None:
             self.gone = True
-            self._task.cancel(msg="client disconnected")
+            # An operator's cancel is under way already: a second one would count as one from
+            # outside (`ours` says no: a shutdown), or cut its client being told why.
+            if not self.cancelled:
+                self._task.cancel(msg="client disconnected")
 
     def cut(self) -> bool:
         """An operator's cancel: the request's task is cancelled, as when its client leaves;
@@ -155,10 +158,10 @@ class Watch:
             if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
                 return False
             if self.ours():
-                if self.gone:
-                    request.outcome = Outcome.CLIENT_GONE
-                    return True
-                return await self._cancelled(request, answer)
+                if self.cancelled:  # first, whether or not its client left since
+                    return await self._cancelled(request, answer)
+                request.outcome = Outcome.CLIENT_GONE
+                return True
             return await cut_short(request, answer, self._own)
         finally:
             self.stop()
