@@ -31,9 +31,12 @@ log = logging.getLogger("slotgate.operator")
 
 #: The path prefix of the controls, all POST.
 PREFIX = "/admin/"
-#: Headers a reverse proxy adds to say whom it relays for: a request with one came from
+#: Headers a reverse proxy adds to say whom it relays for, or that it relays (Envoy, a service
+#: mesh's sidecar, sets x-forwarded-proto on everything): a request with one came from
 #: elsewhere, whatever address it arrived from.
-_RELAYED = ("forwarded", "x-forwarded-for", "x-real-ip")
+_RELAYED = (
+    "forwarded", "x-forwarded-for", "x-real-ip", "x-forwarded-proto", "x-forwarded-host", "via",
+)  # fmt: skip
 
 
 class Operators:

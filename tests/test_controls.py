@@ -316,6 +316,9 @@ async def test_without_keys_a_request_relayed_by_a_proxy_on_the_host_is_not_loop
         {"x-forwarded-for": "203.0.113.9"},
         {"forwarded": "for=203.0.113.9"},
         {"x-real-ip": "203.0.113.9"},
+        # What Envoy (a service mesh's sidecar connects from 127.0.0.6) sets on all it relays.
+        {"x-forwarded-proto": "http"},
+        {"via": "1.1 proxy"},
     ):
         refused = await act_with(client, gate, "pause", headers)
         assert refused.status_code == 403, headers
