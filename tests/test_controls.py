@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 from slotgate.asgi import Message
 from slotgate.controls import Operators
@@ -387,3 +389,52 @@ async def test_a_cancel_and_the_client_leaving_at_once_end_the_request_once_and_
         rig.metrics.render().decode(),
         f'slotgate_requests_rejected_total{{family="chat",reason="{reason}"}} 1.0',
     )
+
+
+async def stream_until_cancelled(
+    client: httpx.AsyncClient, gate: RunningGate, path: str, body: dict[str, Any], request_id: str
+) -> bytes:
+    """Open a stream as `request_id`, cancel it once its first bytes are in, read it to its end."""
+    chunks: list[bytes] = []
+    async with client.stream(
+        "POST", gate.url + path, json=body, headers={"x-request-id": request_id}
+    ) as response:
+        assert response.status_code == 200
+        async for chunk in response.aiter_raw():
+            if not chunks:
+                await gate.until(lambda: request_id in gate.service.proxy.running)
+                assert (await act(client, gate, f"requests/{request_id}/cancel")).is_success
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_a_cancelled_anthropic_stream_ends_with_an_error_event_in_its_shape(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot(tokens=1000)
+    body = {
+        "model": "m", "max_tokens": 1000, "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }  # fmt: skip
+    got = await stream_until_cancelled(client, gate, "/v1/messages", body, "msg-s1")
+    last = got.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    event, data = last.split(b"\n")
+    assert event == b"event: error"
+    error = orjson.loads(data.removeprefix(b"data: "))
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "overloaded_error"
+    assert gate.service.admission.active == 0
+    await gate.until(lambda: standin.cancelled == 1)
+
+
+async def test_a_cancelled_stream_still_waiting_after_its_head_ends_with_the_error_event(
+    one_slot_held: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # Its head and keep-alive comments went out while it waited: the error comes in-stream.
+    gate = await one_slot_held(stream_head_after_s=0.05, keepalive_interval_s=0.05)
+    got = await stream_until_cancelled(client, gate, CHAT, chat(stream=True), "wait-s1")
+    assert got.startswith(b":")
+    last = got.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    error = orjson.loads(last.removeprefix(b"data: "))
+    assert error["error"]["code"] == "cancelled_by_operator"
+    assert gate.service.admission.queued == 0
