@@ -157,6 +157,24 @@ async def test_draining_every_ready_upstream_makes_slotgate_not_ready(
     assert (await client.get(gate.url + "/readyz")).status_code == 200
 
 
+async def test_a_request_while_every_upstream_is_drained_waits_for_a_restore_then_hears_why(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(startup_wait_s=0.3)
+    name = gate.service.upstream.name
+    await act(client, gate, f"upstreams/{name}/drain")
+    # Held as while llama-server starts (STARTUP_WAIT_S): a restore in that time serves it.
+    waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await act(client, gate, f"upstreams/{name}/restore")
+    assert (await waiting).status_code == 200
+    await act(client, gate, f"upstreams/{name}/drain")
+    refused = await client.post(gate.url + CHAT, json=chat())
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "upstream_not_ready"
+    assert "operator" in refused.json()["error"]["message"]  # not only "starting"
+
+
 async def test_a_cancelled_waiter_leaves_the_line_with_a_final_503(
     one_slot_held: GateFactory, client: httpx.AsyncClient
 ) -> None:
