@@ -56,31 +56,39 @@ def fleet_name(url: str) -> str:
 
 
 class ReplicaTicket:
-    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/admission.py)."""
+    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/admission.py).
+
+    Entered while an operator paused this replica (shared mode), it is held back: no shared
+    ticket yet (`_shared` None) until its `wait` sees the resume and joins the shared line, so
+    that the request waits where its client's leaving and an operator's cancel reach it.
+    """
 
     __slots__ = (
-        "_gate", "_local", "_released", "_shared", "affinity", "conversation", "cost",
+        "_gate", "_join", "_local", "_released", "_shared", "affinity", "conversation", "cost",
         "entered_at", "rerouted", "tenant", "weight",
     )  # fmt: skip
 
     def __init__(
         self,
         gate: ReplicaAdmission,
-        shared: SharedTicket,
+        shared: SharedTicket | None,
         weight: int,
         cost: int,
         affinity: int | None,
         tenant: Tenant,
         conversation: int | None = None,
+        join: Entry | None = None,
     ) -> None:
         self._gate = gate
         self._shared = shared
+        #: Held back by a pause: what it joins the shared line with once resumed.
+        self._join = join
         self.weight = weight
         self.cost = cost
         self.affinity = affinity
         self.conversation = conversation
         self.tenant = tenant
-        self.entered_at = shared.entered_at
+        self.entered_at = time.monotonic() if shared is None else shared.entered_at
         #: The core's ticket on the granted upstream's pool, once granted.
         self._local: Ticket | None = None
         self.rerouted = False
@@ -107,6 +115,8 @@ class ReplicaTicket:
         """1-based place in the fleet's line (0 once admitted), as this replica last heard."""
         if self.admitted:
             return 0
+        if self._shared is None:  # behind the whole shared line
+            return self._gate.shared.snapshot().queued + 1
         return max(self._shared.place, 1)
 
     async def wait(self) -> None:
@@ -115,15 +125,18 @@ class ReplicaTicket:
         if self.admitted:
             return
         gate = self._gate
+        shared = self._shared
         try:
-            if not self._shared.granted:
-                await gate._until_granted(self._shared)
+            if shared is None:
+                shared = self._shared = await gate._after_pause(self)
+            if not shared.granted:
+                await gate._until_granted(shared)
         except TooLarge as exc:
             self.release()
             limit = self.tenant.max_active
             # Its slots as the shared line counts them against the limit (a prompt array: on
             # the largest upstream).
-            weight = self._shared.weighs(gate.admission.largest or 0)
+            weight = self.weight if shared is None else shared.weighs(gate.admission.largest or 0)
             if limit is not None and weight > limit:
                 # Its tenant's max_active was lowered under its slots while it waited.
                 raise TenantTooLarge(exc.snapshot, weight, self.tenant) from None
@@ -136,6 +149,7 @@ class ReplicaTicket:
     def _hold(self) -> None:
         shared = self._shared
         gate = self._gate
+        assert shared is not None  # noqa: S101 - granted: it joined the shared line
         pool = gate.pool_of(shared.upstream)
         if pool is None:
             # Granted on an upstream this replica does not know (configured differently, or gone
@@ -161,6 +175,7 @@ class ReplicaTicket:
         self.rerouted = True
         # Sent back by its upstream: it waits at the head of the shared line, and is refused
         # (NotReady) if no upstream is known by `known_by` (STARTUP_WAIT_S after the refusal).
+        assert self._shared is not None  # noqa: S101 - it was admitted
         self._shared.reroute(known_by)
 
     def recost(self, cost: int) -> None:
@@ -181,7 +196,10 @@ class ReplicaTicket:
         local, self._local = self._local, None
         if local is not None:
             local.release()
-        self._shared.release()
+        if self._shared is not None:
+            self._shared.release()
+        else:
+            self._gate._held.discard(self)
         return local is not None
 
     async def __aenter__(self) -> ReplicaTicket:
@@ -214,7 +232,7 @@ class ReplicaAdmission:
         # mode: they wait here, before the shared line).
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._held_back = 0
+        self._held: set[ReplicaTicket] = set()
         self._affinity = settings.routing == "affinity"
         #: The key, capacity and budget each pool is known by in Redis, as last told.
         self._told: dict[Pool, tuple[str, int | None, int | None]] = {}
@@ -282,22 +300,32 @@ class ReplicaAdmission:
     @property
     def held_back(self) -> int:
         """Requests a pause holds before the shared line (shared mode)."""
-        return self._held_back
+        return len(self._held)
 
-    async def _while_paused(self) -> None:
-        """Wait for `resume`, as one of the line: refused past its limit or its timeout."""
+    def _hold_back(self, ticket: ReplicaTicket) -> ReplicaTicket:
+        """Hold `ticket` back until `resume`, as one of the line: refused past its limit."""
         shared = self.shared
         limit = shared._limit()
-        if limit is not None and self._held_back + shared.snapshot().queued >= limit:
+        if limit is not None and len(self._held) + shared.snapshot().queued >= limit:
             raise QueueFull(shared._snapshot(), 1.0)
-        self._held_back += 1
+        self._held.add(ticket)
+        return ticket
+
+    async def _after_pause(self, ticket: ReplicaTicket) -> SharedTicket:
+        """`ticket`'s wait while held back: for `resume` (refused past QUEUE_TIMEOUT_S), then
+        into the shared line. Its leaving meanwhile (a cancel) is its `release`."""
+        join = ticket._join
+        assert join is not None  # noqa: S101 - only a held-back ticket comes here
         try:
             async with asyncio.timeout(self._queue_timeout_s):
                 await self._resumed.wait()
         except TimeoutError:
-            raise QueueTimeout(shared._snapshot(), 1.0) from None
+            raise QueueTimeout(self.shared._snapshot(), 1.0) from None
         finally:
-            self._held_back -= 1
+            self._held.discard(ticket)
+        if ticket._released:  # released while the resume was on its way
+            raise asyncio.CancelledError
+        return await self._join_line(join)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -348,7 +376,7 @@ class ReplicaAdmission:
         `enter`): it holds as many slots as it has tasks, up to those of the upstream the
         shared line grants it. `weigh` (the request was read while no capacity was known
         here) refuses it: the shared line has no startup wait."""
-        weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
+        weight, cost, weigh, affinity, tenant, _, conversation, tasks = entry
         if weigh is not None:
             raise NotReady(self.admission.snapshot(), 1.0)
         limit = tenant.max_active
@@ -357,12 +385,31 @@ class ReplicaAdmission:
         if limit is not None and heaviest > limit:
             # Refused before Redis is asked.
             raise TenantTooLarge(self.admission.snapshot(), heaviest, tenant)
-        if not self._resumed.is_set() and self.shared.mode is Mode.SHARED:
-            await self._while_paused()
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
-        shared = await self.shared.enter(
+        if not self._resumed.is_set() and self.shared.mode is Mode.SHARED:
+            # Not awaited here: the request waits for the resume in its ticket's `wait`.
+            return self._hold_back(
+                ReplicaTicket(self, None, weight, cost, affinity, tenant, conversation, entry)
+            )
+        shared = await self._join_line(entry)
+        ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
+        if shared.granted:
+            try:
+                ticket._hold()
+            except BaseException:
+                ticket.release()
+                raise
+        return ticket
+
+    async def _join_line(self, entry: Entry) -> SharedTicket:
+        """A place in the fleet's line through Redis (or its slots at once)."""
+        weight, cost, _, affinity, tenant, band, conversation, tasks = entry
+        closing = self._closing
+        if closing is None or closing.done():
+            raise ShuttingDown(self.admission.snapshot(), 1.0)
+        return await self.shared.enter(
             weight=weight,
             cost=cost,
             ranking=self._ranking(affinity, conversation),
@@ -376,14 +423,6 @@ class ReplicaAdmission:
             affinity=affinity if self._affinity else None,
             conversation=conversation,
         )
-        ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
-        if shared.granted:
-            try:
-                ticket._hold()
-            except BaseException:
-                ticket.release()
-                raise
-        return ticket
 
     def _ranking(self, affinity: int | None, conversation: int | None) -> list[str]:
         """The upstreams in the key's order (its conversation's last one first), as
