@@ -72,11 +72,19 @@ class Operators:
         address is all there is: see `_browsed_or_relayed`."""
         if self._keys.keyed:
             # Bearer only: an X-Api-Key is a client's, never an operator's.
-            owner = self._keys.identify(credentials(authorization, None))
+            presented = credentials(authorization, None)
+            owner = self._keys.identify(presented)
             if owner is None:
                 raise Unauthorized(
                     "operator controls need an admin key (ADMIN_KEYS): send "
                     "Authorization: Bearer <admin key>"
+                )
+            if self._access.enabled and self._access.tenants.identify(authorization, None):
+                # Settings refuse a key in both API_KEYS and ADMIN_KEYS; API_KEYS_FILE (read
+                # again on SIGHUP) is only known here. Its clients hold it too.
+                raise Forbidden(
+                    "this admin key is also an API key (API_KEYS_FILE); give operators keys "
+                    "of their own"
                 )
             return owner.name
         if self._access.enabled:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -456,3 +457,16 @@ async def test_a_cancelled_stream_still_waiting_after_its_head_ends_with_the_err
     error = orjson.loads(last.removeprefix(b"data: "))
     assert error["error"]["code"] == "cancelled_by_operator"
     assert gate.service.admission.queued == 0
+
+
+async def test_an_admin_key_that_is_also_a_tenants_key_in_the_keys_file_opens_no_control(
+    start_gate: GateFactory, client: httpx.AsyncClient, keys_file: Path
+) -> None:
+    # API_KEYS_FILE is read (and reloaded on SIGHUP) apart from the settings' check: a key
+    # found there is a client's, whoever also lists it as an operator's.
+    gate = await start_gate(api_keys_file=keys_file, admin_keys="sk-chat,ops-key")
+    refused = await act(client, gate, "pause", "sk-chat")
+    assert refused.status_code == 403
+    assert "API" in refused.json()["error"]["message"]
+    assert not gate.service.gate.paused
+    assert (await act(client, gate, "pause", "ops-key")).status_code == 200
