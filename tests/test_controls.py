@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -17,6 +17,7 @@ from slotgate.controls import Operators
 from slotgate.errors import Forbidden, Unauthorized
 from slotgate.gate.tenants import label
 from slotgate.main import Service
+from slotgate.proxy.watch import Running, Watch
 from slotgate.settings import Settings
 
 from tests.conftest import (
@@ -411,16 +412,22 @@ async def test_a_cancel_and_the_client_leaving_at_once_end_the_request_once_and_
 
 
 async def stream_until_cancelled(
-    client: httpx.AsyncClient, gate: RunningGate, path: str, body: dict[str, Any], request_id: str
+    client: httpx.AsyncClient,
+    gate: RunningGate,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+    cancel: bool = True,
 ) -> bytes:
-    """Open a stream as `request_id`, cancel it once its first bytes are in, read it to its end."""
+    """Open a stream as `request_id`, cancel it once its first bytes are in (unless `cancel`
+    is False: someone else will), read it to its end."""
     chunks: list[bytes] = []
     async with client.stream(
         "POST", gate.url + path, json=body, headers={"x-request-id": request_id}
     ) as response:
         assert response.status_code == 200
         async for chunk in response.aiter_raw():
-            if not chunks:
+            if not chunks and cancel:
                 await gate.until(lambda: request_id in gate.service.proxy.running)
                 assert (await act(client, gate, f"requests/{request_id}/cancel")).is_success
             chunks.append(chunk)
@@ -470,3 +477,43 @@ async def test_an_admin_key_that_is_also_a_tenants_key_in_the_keys_file_opens_no
     assert "API" in refused.json()["error"]["message"]
     assert not gate.service.gate.paused
     assert (await act(client, gate, "pause", "ops-key")).status_code == 200
+
+
+async def test_a_request_id_reused_by_a_shorter_request_still_names_the_longer_one_after(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # A client sends its long generation as X, then another request as X that ends first: the
+    # long one must not become one no operator can cancel.
+    gate = await one_slot(tokens=1000)
+    running = gate.service.proxy.running
+    long = asyncio.create_task(
+        stream_until_cancelled(client, gate, CHAT, chat(stream=True), "reused-1", cancel=False)
+    )
+    await gate.until(lambda: "reused-1" in running and standin.running == 1)
+    first = running["reused-1"]
+    short = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(), headers={"x-request-id": "reused-1"})
+    )
+    await gate.until(lambda: running.get("reused-1") not in (None, first))
+    short.cancel()  # it leaves the line, and with it the registry
+    await asyncio.gather(short, return_exceptions=True)
+    await gate.until(lambda: gate.service.admission.queued == 0)
+    assert (await act(client, gate, "requests/reused-1/cancel")).status_code == 200
+    body = await long
+    assert b'"code":"cancelled_by_operator"' in body
+    assert "reused-1" not in running
+    assert not running.older
+
+
+def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of_ending() -> None:
+    running = Running()
+    a, b, c = (cast(Watch, object()) for _ in range(3))
+    for watch in (a, b, c):
+        running.enlist("x", watch)
+    assert running["x"] is c
+    running.delist("x", b)  # one in the middle ends first
+    running.delist("x", c)
+    assert running["x"] is a
+    running.delist("x", a)
+    assert "x" not in running
+    assert not running.older

@@ -34,7 +34,33 @@ _CANCELLED = refusal(
 class Running(dict[str, "Watch"]):
     """The requests an operator may cancel, by request id: each watched request from the
     moment its watch starts (WATCH_AFTER_S) until it ends. A request id a client chose and
-    sent on several requests at once names the newest of them."""
+    sent on several requests at once names the newest of them still running: one that ends
+    gives the id back to the one before it, so that a client reusing an id cannot make its
+    longer request one nobody can cancel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The older requests running under an id sent on several, oldest first; only live
+        #: ones (each leaves as it ends), and nothing at all while ids are not reused.
+        self.older: dict[str, list[Watch]] = {}
+
+    def enlist(self, request_id: str, watch: Watch) -> None:
+        newest = self.get(request_id)
+        if newest is not None:
+            self.older.setdefault(request_id, []).append(newest)
+        self[request_id] = watch
+
+    def delist(self, request_id: str, watch: Watch) -> None:
+        older = self.older.get(request_id)
+        if self.get(request_id) is watch:
+            if older:
+                self[request_id] = older.pop()
+            else:
+                del self[request_id]
+        elif older and watch in older:
+            older.remove(watch)
+        if older is not None and not older:
+            del self.older[request_id]
 
     def cancel(self, request_id: str) -> bool:
         """Cut the request, or take it out of the line; False when none runs by that id."""
@@ -91,7 +117,7 @@ class Watch:
         running, request = self._running, self._request
         if running is not None and request is not None:
             # Listed only now: a request answered sooner costs the registry nothing.
-            running[request.id] = self
+            running.enlist(request.id, self)
             self._listed = request.id
         self._connection = watch_disconnect(self._receive, self._disconnected)
         if self._connection is None:
@@ -126,9 +152,8 @@ class Watch:
         listed = self._listed
         if listed is not None:
             self._listed = None
-            running = self._running
-            if running is not None and running.get(listed) is self:
-                del running[listed]
+            if self._running is not None:
+                self._running.delist(listed, self)
         if self._timer is not None:
             self._timer.cancel()
         if self._connection is not None:
