@@ -283,7 +283,8 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         lifespan="on",
         access_log=False,
         server_header=False,
-        # slotgate reads no client address, so uvicorn need not rewrite it from X-Forwarded-*.
+        # The client's address is the peer's, never one a header claims: the operator controls
+        # trust loopback peers without keys (and refuse those a proxy relayed, app/controls.py).
         proxy_headers=False,
         log_config=None,
         # 0 = no drain (uvicorn cancels at once); None would make it wait forever.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from slotgate.errors import Forbidden, Unauthorized
 from slotgate.gate.tenants import credentials, roster
@@ -30,6 +31,12 @@ log = logging.getLogger("slotgate.operator")
 
 #: The path prefix of the controls, all POST.
 PREFIX = "/admin/"
+#: Headers a reverse proxy adds to say whom it relays for, or that it relays (Envoy, a service
+#: mesh's sidecar, sets x-forwarded-proto on everything): a request with one came from
+#: elsewhere, whatever address it arrived from.
+_RELAYED = (
+    "forwarded", "x-forwarded-for", "x-real-ip", "x-forwarded-proto", "x-forwarded-host", "via",
+)  # fmt: skip
 
 
 class Operators:
@@ -51,17 +58,33 @@ class Operators:
         self._running = running
         self._metrics = metrics
 
-    def who(self, client: str | None, authorization: bytes | None) -> str:
+    def who(
+        self,
+        client: str | None,
+        authorization: bytes | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> str:
         """The caller as the log names it: its admin key's name (`key-` and 8 hex digits of the
         key's SHA-256), or, without ADMIN_KEYS, the loopback address it called from. Raises
-        Unauthorized (no admin key, or a wrong one) or Forbidden (no way in for this caller)."""
+        Unauthorized (no admin key, or a wrong one) or Forbidden (no way in for this caller).
+
+        `headers` (the request's, lower-case names) matter without ADMIN_KEYS only, where the
+        address is all there is: see `_browsed_or_relayed`."""
         if self._keys.keyed:
             # Bearer only: an X-Api-Key is a client's, never an operator's.
-            owner = self._keys.identify(credentials(authorization, None))
+            presented = credentials(authorization, None)
+            owner = self._keys.identify(presented)
             if owner is None:
                 raise Unauthorized(
                     "operator controls need an admin key (ADMIN_KEYS): send "
                     "Authorization: Bearer <admin key>"
+                )
+            if self._access.enabled and self._access.tenants.identify(authorization, None):
+                # Settings refuse a key in both API_KEYS and ADMIN_KEYS; API_KEYS_FILE (read
+                # again on SIGHUP) is only known here. Its clients hold it too.
+                raise Forbidden(
+                    "this admin key is also an API key (API_KEYS_FILE); give operators keys "
+                    "of their own"
                 )
             return owner.name
         if self._access.enabled:
@@ -69,9 +92,10 @@ class Operators:
                 "operator controls are off while API_KEYS is set and ADMIN_KEYS is not; set "
                 "ADMIN_KEYS to use them"
             )
-        if client is None or not _loopback(client):
+        if client is None or not _loopback(client) or _browsed_or_relayed(headers or {}):
             raise Forbidden(
-                "operator controls answer loopback clients only unless ADMIN_KEYS is set"
+                "operator controls answer loopback clients only unless ADMIN_KEYS is set "
+                "(not one relayed by a proxy, nor a page of another origin)"
             )
         return client
 
@@ -123,3 +147,43 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:
         return False
+
+
+def _browsed_or_relayed(headers: Mapping[str, str]) -> bool:
+    """A loopback request that is not from someone on the host: relayed by a reverse proxy on
+    it, or sent by a browser on it for a page of another origin.
+
+    A page anywhere may make its visitor's browser POST to http://127.0.0.1:<port>/admin/...:
+    a POST without a body or custom headers needs no CORS preflight, so only the reading of
+    the answer is stopped, not the action. Browsers say whose page it is (`Origin`, and
+    `Sec-Fetch-Site`); slotgate's own page is of its origin. A page whose name an attacker
+    resolved to 127.0.0.1 (DNS rebinding) is of its own origin, so the name the request was
+    sent to (`Host`) must be a loopback one too.
+    """
+    if any(name in headers for name in _RELAYED):
+        return True
+    if headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return True
+    host = headers.get("host")
+    if host is not None and not _loopback_name(host):
+        return True
+    origin = headers.get("origin")
+    return origin is not None and (host is None or _netloc(origin) != host)
+
+
+def _loopback_name(host: str) -> bool:
+    """`host` (a Host header: a name or an address, and a port) names this host's loopback."""
+    try:
+        name = urlsplit("//" + host).hostname
+    except ValueError:  # an unclosed "[", say
+        return False
+    return name is not None and (
+        name == "localhost" or name.endswith(".localhost") or _loopback(name)
+    )
+
+
+def _netloc(origin: str) -> str | None:
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:
+        return None

@@ -184,7 +184,8 @@ class NotReady(AdmissionError):
     @property
     def message(self) -> str:
         return (
-            "llama-server is not ready (starting, loading the model or unreachable); retry shortly"
+            "llama-server is not ready (starting, loading the model, unreachable, or drained "
+            "by an operator); retry shortly"
         )
 
 

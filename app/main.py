@@ -381,8 +381,9 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
 
     def operator(request: Request) -> str:
         client = request.client.host if request.client is not None else None
+        headers = request.headers
         return operators.who(
-            client, request.headers.get("authorization", "").encode("latin-1") or None
+            client, headers.get("authorization", "").encode("latin-1") or None, headers
         )
 
     def upstream_named(name: str) -> Upstream:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -325,6 +325,16 @@ class Settings(BaseSettings):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value
 
+    @field_validator("admin_keys")
+    @classmethod
+    def _apart_from_api_keys(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        if set(value) & set(info.data.get("api_keys", ())):
+            # Its holders, every client among them, could pause, drain and cancel.
+            raise ValueError(
+                "a key is in API_KEYS too; an operator's key must be one no client holds"
+            )
+        return value
+
     @field_validator("api_keys_file")
     @classmethod
     def _tenants_file(cls, value: Path | None) -> Path | None:
@@ -484,7 +494,7 @@ def describe(error: ValidationError, env_file: Path | str = ".env") -> str:
         name = old  # the value came under the old name: name the variable the user set
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f"={value!s}"
-    if name in ("LLAMA_API_KEY", "API_KEYS") or (
+    if name in ("LLAMA_API_KEY", "API_KEYS", "ADMIN_KEYS") or (
         name in ("LLAMA_SERVER_URL", "REDIS_URL") and "@" in shown
     ):
         shown = ""  # a secret, or a URL that may carry one

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
+import orjson
 import pytest
+from slotgate.asgi import Message
 from slotgate.controls import Operators
 from slotgate.errors import Forbidden, Unauthorized
 from slotgate.gate.tenants import label
 from slotgate.main import Service
+from slotgate.proxy.watch import Running, Watch
 from slotgate.settings import Settings
 
 from tests.conftest import (
@@ -25,6 +30,15 @@ from tests.conftest import (
     hold_stream_of,
     occupy,
 )
+from tests.support.harness import (
+    SSE,
+    Client,
+    FakeResponse,
+    FakeUpstreamClient,
+    Rig,
+    chat_body,
+    http_scope,
+)
 from tests.support.standin import StandIn
 
 
@@ -32,6 +46,12 @@ async def act(
     client: httpx.AsyncClient, gate: RunningGate, path: str, key: str | None = None
 ) -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key is not None else {}
+    return await client.post(gate.url + "/admin/" + path, headers=headers)
+
+
+async def act_with(
+    client: httpx.AsyncClient, gate: RunningGate, path: str, headers: dict[str, str]
+) -> httpx.Response:
     return await client.post(gate.url + "/admin/" + path, headers=headers)
 
 
@@ -137,6 +157,24 @@ async def test_draining_every_ready_upstream_makes_slotgate_not_ready(
     assert readyz.json()["reason"] == "every ready upstream is drained"
     await act(client, gate, f"upstreams/{name}/restore")
     assert (await client.get(gate.url + "/readyz")).status_code == 200
+
+
+async def test_a_request_while_every_upstream_is_drained_waits_for_a_restore_then_hears_why(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(startup_wait_s=0.3)
+    name = gate.service.upstream.name
+    await act(client, gate, f"upstreams/{name}/drain")
+    # Held as while llama-server starts (STARTUP_WAIT_S): a restore in that time serves it.
+    waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await act(client, gate, f"upstreams/{name}/restore")
+    assert (await waiting).status_code == 200
+    await act(client, gate, f"upstreams/{name}/drain")
+    refused = await client.post(gate.url + CHAT, json=chat())
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "upstream_not_ready"
+    assert "operator" in refused.json()["error"]["message"]  # not only "starting"
 
 
 async def test_a_cancelled_waiter_leaves_the_line_with_a_final_503(
@@ -261,3 +299,221 @@ async def test_without_keys_only_loopback_clients_may_act() -> None:
     assert keyed.who("10.1.2.3", b"Bearer ops") == label(b"ops")
     with pytest.raises(Unauthorized):
         keyed.who("127.0.0.1", None)
+
+
+async def test_without_keys_a_page_on_another_origin_cannot_act_through_the_operators_browser(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # A page anywhere on the web may send the browser of someone on slotgate's host to
+    # http://127.0.0.1:<port>/admin/pause as a "simple" POST: no preflight, so CORS stops
+    # nothing; only its reading the answer. The request arrives from loopback.
+    gate = await start_gate()
+    host = gate.url.removeprefix("http://")
+    for headers in (
+        {"origin": "https://evil.example"},
+        {"origin": "http://localhost:3000"},  # another local server's page
+        {"origin": "null"},  # a sandboxed frame, a file:// page
+        {"sec-fetch-site": "cross-site"},
+        # DNS rebinding: the page's own name resolved to 127.0.0.1; same origin, foreign name.
+        {"host": "evil.example:80", "origin": "http://evil.example:80"},
+        {"host": "[", "origin": "http://["},  # unparsable: refused, not a 500
+    ):
+        refused = await act_with(client, gate, "pause", headers)
+        assert refused.status_code == 403, headers
+        assert refused.json()["error"]["code"] == "forbidden"
+    assert not gate.service.gate.paused
+    # slotgate's own page (same origin) and curl on the host still may.
+    same = await act_with(client, gate, "pause", {"origin": f"http://{host}"})
+    assert same.status_code == 200
+    assert (await act_with(client, gate, "resume", {"host": f"localhost:{gate.port}"})).is_success
+
+
+async def test_without_keys_a_request_relayed_by_a_proxy_on_the_host_is_not_loopback(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # A reverse proxy on the same host connects from loopback; the headers it adds say the
+    # client is elsewhere.
+    gate = await start_gate()
+    for headers in (
+        {"x-forwarded-for": "203.0.113.9"},
+        {"forwarded": "for=203.0.113.9"},
+        {"x-real-ip": "203.0.113.9"},
+        # What Envoy (a service mesh's sidecar connects from 127.0.0.6) sets on all it relays.
+        {"x-forwarded-proto": "http"},
+        {"via": "1.1 proxy"},
+    ):
+        refused = await act_with(client, gate, "pause", headers)
+        assert refused.status_code == 403, headers
+        assert "ADMIN_KEYS" in refused.json()["error"]["message"]
+    assert not gate.service.gate.paused
+    # With ADMIN_KEYS the key decides, wherever the request came from.
+    keyed = await start_gate(admin_keys="ops")
+    allowed = await act_with(
+        client, keyed, "pause", {"x-forwarded-for": "203.0.113.9", "authorization": "Bearer ops"}
+    )
+    assert allowed.status_code == 200
+
+
+async def test_a_bearer_scheme_is_read_in_any_case_and_other_schemes_are_refused(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(admin_keys="ops-key,k=y/+é")
+    for value in ("Bearer ops-key", "bearer ops-key", "BEARER  ops-key", "Bearer k=y/+é"):
+        headers = {b"authorization": value.encode()}
+        answer = await client.post(gate.url + "/admin/resume", headers=headers)
+        assert answer.status_code == 200, value
+    for value in ("Basic ops-key", "Bearer\tops-key", "Bearer", "ops-key", "Bearer ops-key2"):
+        answer = await client.post(gate.url + "/admin/resume", headers={"authorization": value})
+        assert answer.status_code == 401, value
+    # An API client's header opens nothing.
+    answer = await client.post(gate.url + "/admin/resume", headers={"x-api-key": "ops-key"})
+    assert answer.status_code == 401
+
+
+class SlowClient(Client):
+    """A client whose socket takes a while to take an answer's last bytes (uvicorn's send waits
+    for the socket to drain), and that can leave meanwhile."""
+
+    async def send(self, message: Message) -> None:
+        if not message.get("more_body", False) and message["type"] == "http.response.body":
+            for _ in range(5):
+                await asyncio.sleep(0)
+        await super().send(message)
+
+
+@pytest.mark.parametrize("steps_between", [0, 1, 2, 3])
+async def test_a_cancel_and_the_client_leaving_at_once_end_the_request_once_and_quietly(
+    steps_between: int,
+) -> None:
+    finish = asyncio.Event()
+    held = FakeResponse(200, SSE, [b"data: 1\n\n", b"data: [DONE]\n\n"], hold=finish)
+    rig = Rig(FakeUpstreamClient(held), keepalive_interval_s=0)
+    client = SlowClient(chat_body(stream=True))
+    scope = http_scope("POST", CHAT, [(b"x-request-id", b"both-1")])
+    calling = asyncio.ensure_future(rig.proxy(scope, client.receive, client.send))
+    while "both-1" not in rig.proxy.running:
+        await asyncio.sleep(0.001)
+    # The client's leaving is seen a few loop steps before or after the operator's cancel.
+    client.gone.set()
+    for _ in range(steps_between):
+        await asyncio.sleep(0)
+    cancelled = rig.proxy.running.cancel("both-1")  # False once the leaving was seen
+    # It ends as any request does: no CancelledError out of the app (uvicorn would log it as
+    # an exception), nor a shutdown it was not; as cancelled if the operator was first.
+    await calling
+    assert rig.admission.active == 0
+    assert "both-1" not in rig.proxy.running
+    assert b"shutting_down" not in client.body
+    reason = "cancelled" if cancelled else "client_gone"
+    assert_lines(
+        rig.metrics.render().decode(),
+        f'slotgate_requests_rejected_total{{family="chat",reason="{reason}"}} 1.0',
+    )
+
+
+async def stream_until_cancelled(
+    client: httpx.AsyncClient,
+    gate: RunningGate,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+    cancel: bool = True,
+) -> bytes:
+    """Open a stream as `request_id`, cancel it once its first bytes are in (unless `cancel`
+    is False: someone else will), read it to its end."""
+    chunks: list[bytes] = []
+    async with client.stream(
+        "POST", gate.url + path, json=body, headers={"x-request-id": request_id}
+    ) as response:
+        assert response.status_code == 200
+        async for chunk in response.aiter_raw():
+            if not chunks and cancel:
+                await gate.until(lambda: request_id in gate.service.proxy.running)
+                assert (await act(client, gate, f"requests/{request_id}/cancel")).is_success
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_a_cancelled_anthropic_stream_ends_with_an_error_event_in_its_shape(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot(tokens=1000)
+    body = {
+        "model": "m", "max_tokens": 1000, "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }  # fmt: skip
+    got = await stream_until_cancelled(client, gate, "/v1/messages", body, "msg-s1")
+    last = got.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    event, data = last.split(b"\n")
+    assert event == b"event: error"
+    error = orjson.loads(data.removeprefix(b"data: "))
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "overloaded_error"
+    assert gate.service.admission.active == 0
+    await gate.until(lambda: standin.cancelled == 1)
+
+
+async def test_a_cancelled_stream_still_waiting_after_its_head_ends_with_the_error_event(
+    one_slot_held: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # Its head and keep-alive comments went out while it waited: the error comes in-stream.
+    gate = await one_slot_held(stream_head_after_s=0.05, keepalive_interval_s=0.05)
+    got = await stream_until_cancelled(client, gate, CHAT, chat(stream=True), "wait-s1")
+    assert got.startswith(b":")
+    last = got.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    error = orjson.loads(last.removeprefix(b"data: "))
+    assert error["error"]["code"] == "cancelled_by_operator"
+    assert gate.service.admission.queued == 0
+
+
+async def test_an_admin_key_that_is_also_a_tenants_key_in_the_keys_file_opens_no_control(
+    start_gate: GateFactory, client: httpx.AsyncClient, keys_file: Path
+) -> None:
+    # API_KEYS_FILE is read (and reloaded on SIGHUP) apart from the settings' check: a key
+    # found there is a client's, whoever also lists it as an operator's.
+    gate = await start_gate(api_keys_file=keys_file, admin_keys="sk-chat,ops-key")
+    refused = await act(client, gate, "pause", "sk-chat")
+    assert refused.status_code == 403
+    assert "API" in refused.json()["error"]["message"]
+    assert not gate.service.gate.paused
+    assert (await act(client, gate, "pause", "ops-key")).status_code == 200
+
+
+async def test_a_request_id_reused_by_a_shorter_request_still_names_the_longer_one_after(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # A client sends its long generation as X, then another request as X that ends first: the
+    # long one must not become one no operator can cancel.
+    gate = await one_slot(tokens=1000)
+    running = gate.service.proxy.running
+    long = asyncio.create_task(
+        stream_until_cancelled(client, gate, CHAT, chat(stream=True), "reused-1", cancel=False)
+    )
+    await gate.until(lambda: "reused-1" in running and standin.running == 1)
+    first = running["reused-1"]
+    short = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(), headers={"x-request-id": "reused-1"})
+    )
+    await gate.until(lambda: running.get("reused-1") not in (None, first))
+    short.cancel()  # it leaves the line, and with it the registry
+    await asyncio.gather(short, return_exceptions=True)
+    await gate.until(lambda: gate.service.admission.queued == 0)
+    assert (await act(client, gate, "requests/reused-1/cancel")).status_code == 200
+    body = await long
+    assert b'"code":"cancelled_by_operator"' in body
+    assert "reused-1" not in running
+    assert not running.older
+
+
+def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of_ending() -> None:
+    running = Running()
+    a, b, c = (cast(Watch, object()) for _ in range(3))
+    for watch in (a, b, c):
+        running.enlist("x", watch)
+    assert running["x"] is c
+    running.delist("x", b)  # one in the middle ends first
+    running.delist("x", c)
+    assert running["x"] is a
+    running.delist("x", a)
+    assert "x" not in running
+    assert not running.older

@@ -103,3 +103,68 @@ def test_every_series_the_dashboard_and_the_alerts_read_is_one_slotgate_serves(
 def test_a_series_slotgate_does_not_serve_is_caught() -> None:
     assert used('rate(slotgate_no_such_total{instance="a"}[5m])') == {"slotgate_no_such_total"}
     assert "slotgate_no_such_total" not in served()
+
+
+def scraped(service: Service) -> list[str]:
+    """slotgate's series now as promtool's input series, constant for 6 hours of 1 m scrapes,
+    under one instance of job slotgate, beside Prometheus' own `up`."""
+    series = ['{__name__="up",job="slotgate",instance="a"}']
+    values = {series[0]: "1"}
+    for line in service.metrics.render().decode().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        selector, value = line.rsplit(" ", 1)
+        name, _, labels = selector.partition("{")
+        labels = labels.rstrip("}")
+        extra = f"{labels}," if labels else ""
+        one = f'{{__name__="{name}",{extra}job="slotgate",instance="a"}}'
+        series.append(one)
+        values[one] = value
+    return [f"{one} {values[one]}" for one in series]
+
+
+def alerts_firing(tmp_path: Path, service: Service, at: str) -> set[str]:
+    """The alerts of docs/prometheus/alerts.yml firing `at` (say "3h") into the scrapes, as
+    promtool's rule tests find them: each is expected silent, and those that are not named."""
+    promtool = tool("promtool", "prometheus")
+    names = [rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"]
+             for rule in group["rules"]]  # fmt: skip
+    inputs = [
+        {"series": line.rsplit(" ", 1)[0], "values": f"{line.rsplit(' ', 1)[1]}x360"}
+        for line in scraped(service)
+    ]
+    test = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": inputs,
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": name, "exp_alerts": []} for name in names
+            ],
+        }],
+    }  # fmt: skip
+    written = tmp_path / "at_rest.yml"
+    written.write_text(yaml.safe_dump(test))
+    run = subprocess.run(
+        [promtool, "test", "rules", str(written)], capture_output=True, text=True, check=False
+    )
+    said = run.stdout + run.stderr
+    firing = set(re.findall(r"alertname: (\w+), time:", said))
+    assert (run.returncode == 0) == (not firing), said  # failed for no alert: a misuse
+    return firing
+
+
+def test_no_alert_fires_on_an_idle_gate_whose_llama_server_is_ready(tmp_path: Path) -> None:
+    service = Service(Settings(_env_file=None))
+    service.upstream.ready = True
+    service.upstream.pool.resize(2)
+    assert alerts_firing(tmp_path, service, "5h") == set()
+
+
+def test_a_pause_left_on_fires_its_alert_and_nothing_else(tmp_path: Path) -> None:
+    service = Service(Settings(_env_file=None))
+    service.upstream.ready = True
+    service.upstream.pool.resize(2)
+    service.gate.pause()
+    assert alerts_firing(tmp_path, service, "1h") == {"SlotgatePausedTooLong"}

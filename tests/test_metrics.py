@@ -372,3 +372,20 @@ async def test_a_request_the_full_line_turns_away_counts_as_a_wait_of_nothing(
     assert b'outcome="bad_request"' not in text
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
+
+
+async def test_a_client_gone_before_its_first_byte_counts_as_a_wait_not_as_latency(
+    one_slot_held: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot_held()
+    leaving = asyncio.create_task(client.post(gate.url + ROUTE, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    await gate.until(lambda: b'outcome="client_gone"' in gate.service.metrics.render())
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    gone = 'slotgate_queue_wait_seconds_count{family="chat",outcome="client_gone"}'
+    assert sample(text, gone) == 1
+    # The slot holder's stream still runs: no request has ended served yet.
+    assert sample(text, 'slotgate_time_to_first_byte_seconds_count{family="chat"}') == 0
+    assert sample(text, 'slotgate_request_duration_seconds_count{family="chat"}') == 0

@@ -34,7 +34,33 @@ _CANCELLED = refusal(
 class Running(dict[str, "Watch"]):
     """The requests an operator may cancel, by request id: each gated request from the moment
     its watch starts (its body read) until it ends. A request id a client chose and
-    sent on several requests at once names the newest of them."""
+    sent on several requests at once names the newest of them still running: one that ends
+    gives the id back to the one before it, so that a client reusing an id cannot make its
+    longer request one nobody can cancel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The older requests running under an id sent on several, oldest first; only live
+        #: ones (each leaves as it ends), and nothing at all while ids are not reused.
+        self.older: dict[str, list[Watch]] = {}
+
+    def enlist(self, request_id: str, watch: Watch) -> None:
+        newest = self.get(request_id)
+        if newest is not None:
+            self.older.setdefault(request_id, []).append(newest)
+        self[request_id] = watch
+
+    def delist(self, request_id: str, watch: Watch) -> None:
+        older = self.older.get(request_id)
+        if self.get(request_id) is watch:
+            if older:
+                self[request_id] = older.pop()
+            else:
+                del self[request_id]
+        elif older and watch in older:
+            older.remove(watch)
+        if older is not None and not older:
+            del self.older[request_id]
 
     def cancel(self, request_id: str) -> bool:
         """Cut the request, or take it out of the line; False when none runs by that id."""
@@ -81,7 +107,7 @@ class Watch:
         if running is not None:
             # Listed at once for operators to cancel: a dict's set and delete cost less than
             # the timer that deferred it did.
-            running[request.id] = self
+            running.enlist(request.id, self)
             self._listed = request.id
         self._pending: asyncio.Future[Message] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -113,7 +139,10 @@ class Watch:
     def _disconnected(self) -> None:
         if not self.done and self._task is not None:
             self.gone = True
-            self._task.cancel(msg="client disconnected")
+            # An operator's cancel is under way already: a second one would count as one from
+            # outside (`ours` says no: a shutdown), or cut its client being told why.
+            if not self.cancelled:
+                self._task.cancel(msg="client disconnected")
 
     def cut(self) -> bool:
         """An operator's cancel: the request's task is cancelled, as when its client leaves;
@@ -129,9 +158,8 @@ class Watch:
         listed = self._listed
         if listed is not None:
             self._listed = None
-            running = self._running
-            if running is not None and running.get(listed) is self:
-                del running[listed]
+            if self._running is not None:
+                self._running.delist(listed, self)
         if self._timer is not None:
             self._timer.cancel()
         if self._connection is not None:
@@ -161,10 +189,10 @@ class Watch:
             if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
                 return False
             if self.ours():
-                if self.gone:
-                    request.outcome = Outcome.CLIENT_GONE
-                    return True
-                return await self._cancelled(request, answer)
+                if self.cancelled:  # first, whether or not its client left since
+                    return await self._cancelled(request, answer)
+                request.outcome = Outcome.CLIENT_GONE
+                return True
             return await cut_short(request, answer, self._own)
         finally:
             self.stop()

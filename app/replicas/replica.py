@@ -58,23 +58,31 @@ def fleet_name(url: str) -> str:
 
 @dataclass(slots=True, eq=False, repr=False)
 class ReplicaTicket:
-    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/ticket.py)."""
+    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/ticket.py).
+
+    Entered while an operator paused this replica (shared mode), it is held back: no shared
+    ticket yet (`_shared` None) until its `wait` sees the resume and joins the shared line, so
+    that the request waits where its client's leaving and an operator's cancel reach it.
+    """
 
     _gate: ReplicaAdmission
-    _shared: SharedTicket
+    _shared: SharedTicket | None
     weight: int
     cost: int
     affinity: int | None
     tenant: Tenant
     conversation: int | None = None
+    #: Held back by a pause: what it joins the shared line with once resumed.
+    _join: Entry | None = None
+    entered_at: float = field(init=False)
     #: The core's ticket on the granted upstream's pool, once granted.
     _local: Ticket | None = field(default=None, init=False)
     rerouted: bool = field(default=False, init=False)
     _released: bool = field(default=False, init=False)
 
-    @property
-    def entered_at(self) -> float:
-        return self._shared.entered_at
+    def __post_init__(self) -> None:
+        shared = self._shared
+        self.entered_at = time.monotonic() if shared is None else shared.entered_at
 
     @property
     def admitted(self) -> bool:
@@ -97,6 +105,8 @@ class ReplicaTicket:
         """1-based place in the fleet's line (0 once admitted), as this replica last heard."""
         if self.admitted:
             return 0
+        if self._shared is None:  # behind the whole shared line
+            return self._gate.shared.snapshot().queued + 1
         return max(self._shared.place, 1)
 
     async def wait(self) -> None:
@@ -105,15 +115,18 @@ class ReplicaTicket:
         if self.admitted:
             return
         gate = self._gate
+        shared = self._shared
         try:
-            if not self._shared.granted:
-                await gate._until_granted(self._shared)
+            if shared is None:
+                shared = self._shared = await gate._after_pause(self)
+            if not shared.granted:
+                await gate._until_granted(shared)
         except TooLarge as exc:
             self.release()
             limit = self.tenant.max_active
             # Its slots as the shared line counts them against the limit (a prompt array: on
             # the largest upstream).
-            weight = self._shared.weighs(gate.admission.largest or 0)
+            weight = self.weight if shared is None else shared.weighs(gate.admission.largest or 0)
             if limit is not None and weight > limit:
                 # Its tenant's max_active was lowered under its slots while it waited.
                 raise TenantTooLarge(exc.snapshot, weight, self.tenant) from None
@@ -126,6 +139,7 @@ class ReplicaTicket:
     def _hold(self) -> None:
         shared = self._shared
         gate = self._gate
+        assert shared is not None  # noqa: S101 - granted: it joined the shared line
         pool = gate.pool_of(shared.upstream)
         if pool is None:
             # Granted on an upstream this replica does not know (configured differently, or gone
@@ -151,6 +165,7 @@ class ReplicaTicket:
         self.rerouted = True
         # Sent back by its upstream: it waits at the head of the shared line, and is refused
         # (NotReady) if no upstream is known by `known_by` (STARTUP_WAIT_S after the refusal).
+        assert self._shared is not None  # noqa: S101 - it was admitted
         self._shared.reroute(known_by)
 
     def recost(self, cost: int) -> None:
@@ -171,7 +186,10 @@ class ReplicaTicket:
         local, self._local = self._local, None
         if local is not None:
             local.release()
-        self._shared.release()
+        if self._shared is not None:
+            self._shared.release()
+        else:
+            self._gate._held.discard(self)
         return local is not None
 
     async def __aenter__(self) -> ReplicaTicket:
@@ -204,7 +222,7 @@ class ReplicaAdmission:
         # mode: they wait here, before the shared line).
         self._resumed = asyncio.Event()
         self._resumed.set()
-        self._held_back = 0
+        self._held: set[ReplicaTicket] = set()
         self._affinity = settings.routing == "affinity"
         #: The key, capacity and budget each pool is known by in Redis, as last told.
         self._told: dict[Pool, tuple[str, int | None, int | None]] = {}
@@ -272,22 +290,32 @@ class ReplicaAdmission:
     @property
     def held_back(self) -> int:
         """Requests a pause holds before the shared line (shared mode)."""
-        return self._held_back
+        return len(self._held)
 
-    async def _while_paused(self) -> None:
-        """Wait for `resume`, as one of the line: refused past its limit or its timeout."""
+    def _hold_back(self, ticket: ReplicaTicket) -> ReplicaTicket:
+        """Hold `ticket` back until `resume`, as one of the line: refused past its limit."""
         shared = self.shared
         limit = shared._limit()
-        if limit is not None and self._held_back + shared.snapshot().queued >= limit:
+        if limit is not None and len(self._held) + shared.snapshot().queued >= limit:
             raise QueueFull(shared._snapshot(), 1.0)
-        self._held_back += 1
+        self._held.add(ticket)
+        return ticket
+
+    async def _after_pause(self, ticket: ReplicaTicket) -> SharedTicket:
+        """`ticket`'s wait while held back: for `resume` (refused past QUEUE_TIMEOUT_S), then
+        into the shared line. Its leaving meanwhile (a cancel) is its `release`."""
+        join = ticket._join
+        assert join is not None  # noqa: S101 - only a held-back ticket comes here
         try:
             async with asyncio.timeout(self._queue_timeout_s):
                 await self._resumed.wait()
         except TimeoutError:
-            raise QueueTimeout(shared._snapshot(), 1.0) from None
+            raise QueueTimeout(self.shared._snapshot(), 1.0) from None
         finally:
-            self._held_back -= 1
+            self._held.discard(ticket)
+        if ticket._released:  # released while the resume was on its way
+            raise asyncio.CancelledError
+        return await self._join_line(join)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -351,15 +379,15 @@ class ReplicaAdmission:
         if limit is not None and heaviest > limit:
             # Refused before Redis is asked.
             raise TenantTooLarge(self.admission.snapshot(), heaviest, tenant)
-        if not self._resumed.is_set() and self.shared.mode is Mode.SHARED:
-            await self._while_paused()
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
-        if not self._affinity and affinity is not None:
-            # The core routes by the key only under ROUTING=affinity, as the shared line does.
-            entry = entry._replace(affinity=None)
-        shared = await self.shared.enter(entry, self._ranking(affinity, conversation))
+        if not self._resumed.is_set() and self.shared.mode is Mode.SHARED:
+            # Not awaited here: the request waits for the resume in its ticket's `wait`.
+            return self._hold_back(
+                ReplicaTicket(self, None, weight, cost, affinity, tenant, conversation, entry)
+            )
+        shared = await self._join_line(entry)
         ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:
             try:
@@ -368,6 +396,17 @@ class ReplicaAdmission:
                 ticket.release()
                 raise
         return ticket
+
+    async def _join_line(self, entry: Entry) -> SharedTicket:
+        """A place in the fleet's line through Redis (or its slots at once)."""
+        closing = self._closing
+        if closing is None or closing.done():
+            raise ShuttingDown(self.admission.snapshot(), 1.0)
+        affinity, conversation = entry.affinity, entry.conversation
+        if not self._affinity and affinity is not None:
+            # The core routes by the key only under ROUTING=affinity, as the shared line does.
+            entry = entry._replace(affinity=None)
+        return await self.shared.enter(entry, self._ranking(affinity, conversation))
 
     def _ranking(self, affinity: int | None, conversation: int | None) -> list[str]:
         """The upstreams in the key's order (its conversation's last one first), as

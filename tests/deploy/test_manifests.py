@@ -14,10 +14,11 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from pydantic import ValidationError
 from slotgate.gate.admission import Admission
 from slotgate.gate.policy import QueuePolicy
 from slotgate.metrics import ENGINE_CONFIG, Metrics
-from slotgate.settings import Settings
+from slotgate.settings import Settings, describe
 
 from tests.support.tools import tool
 from tests.test_docs import settings_variables
@@ -280,17 +281,59 @@ def test_the_service_monitor_scrapes_slotgates_metrics_port(
 # -- the wiring ---------------------------------------------------------------------------------
 
 
+def slotgate_env_problems(one: Object, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What is wrong with the variables a container gives slotgate: a name Settings does not
+    read (a value from a Secret included), an `envFrom` (whose names cannot be checked here),
+    or values Settings refuses when it reads them from the environment, as at start-up."""
+    known = settings_variables()
+    problems = [f"envFrom {source}" for source in one.get("envFrom", [])]
+    problems += [
+        f"{item['name']} is no setting" for item in one.get("env", []) if item["name"] not in known
+    ]
+    with monkeypatch.context() as patch:
+        for variable in known:
+            patch.delenv(variable, raising=False)
+        for item in one.get("env", []):
+            # A value from a Secret or the downward API is unknown here: its name was checked.
+            if "value" in item and item["name"] in known:
+                patch.setenv(item["name"], item["value"])
+        try:
+            Settings(_env_file=None)
+        except ValidationError as exc:
+            problems.append(describe(exc))
+    return problems
+
+
 def test_every_variable_a_manifest_gives_slotgate_is_a_setting_with_a_valid_value(
-    rendered: dict[str, list[Object]],
+    rendered: dict[str, list[Object]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gates = every_slotgate(rendered)
     assert sorted(name for name, _, _ in gates) == sorted(rendered)  # one in each rendering
     for name, _, one in gates:
-        given = env(one)
-        assert set(given) <= set(settings_variables()), (name, given)
-        # And Settings takes the values, as slotgate would at start-up.
-        values: dict[str, Any] = {key.lower(): value for key, value in given.items()}
-        Settings(_env_file=None, **values)
+        assert slotgate_env_problems(one, monkeypatch) == [], name
+
+
+def test_the_variables_check_reads_secrets_names_and_values_as_slotgate_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = {"secretKeyRef": {"name": "slotgate", "key": "admin-keys"}}
+    fine = {"env": [
+        {"name": "ADMIN_KEYS", "valueFrom": secret},
+        {"name": "API_KEYS", "value": "a,b"},
+        {"name": "PORT", "value": "8000"},
+    ]}  # fmt: skip
+    assert slotgate_env_problems(fine, monkeypatch) == []
+    wrong = {
+        "env": [
+            {"name": "ADMIN_KEY", "valueFrom": secret},  # misspelt: read by nobody
+            {"name": "PORT", "value": "eight thousand"},
+        ],
+        "envFrom": [{"configMapRef": {"name": "slotgate"}}],
+    }
+    problems = slotgate_env_problems(wrong, monkeypatch)
+    assert len(problems) == 3, problems
+    assert problems[1] == "ADMIN_KEY is no setting"
+    assert problems[2].startswith("slotgate: invalid PORT=eight thousand")
 
 
 def test_slotgate_is_probed_on_its_own_endpoints_on_the_port_it_listens_on(

@@ -876,3 +876,34 @@ async def test_a_drained_pool_runs_its_requests_to_their_end_and_takes_no_new_on
     first.restore()
     assert (admission.capacity, first.draining) == (2, False)
     assert admission.enter().pool is first
+
+
+async def test_a_shutdown_while_paused_turns_the_waiters_away_and_a_resume_grants_nobody() -> None:
+    admission = pool(1)
+    running = admission.enter()
+    admission.pause()
+    waiter = admission.enter()
+    admission.close()
+    with pytest.raises(ShuttingDown):
+        await waiter.wait()
+    admission.resume()  # after the close: still closed
+    running.release()
+    assert (admission.active, admission.queued, admission.paused) == (0, 0, False)
+    with pytest.raises(ShuttingDown):
+        admission.enter()
+
+
+async def test_a_cancelled_waiter_handed_the_slot_by_a_resume_passes_it_on() -> None:
+    admission = pool(1)
+    admission.pause()
+    first, second = admission.enter(), admission.enter()
+    waiting = asyncio.ensure_future(first.wait())
+    await settle()
+    admission.resume()  # hands the slot to `first`, whose task has not run yet
+    waiting.cancel()  # an operator's cancel, or its client leaving, at that moment
+    await asyncio.gather(waiting, return_exceptions=True)
+    first.release()
+    assert second.granted
+    assert (admission.active, admission.queued) == (1, 0)
+    second.release()
+    assert admission.active == 0

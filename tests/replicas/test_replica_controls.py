@@ -100,3 +100,46 @@ async def test_an_upstream_drained_on_one_replica_is_granted_to_no_replica(
     assert (drained.started, kept.started) == (0, 6)
     assert (await client.post(first.url + f"/admin/upstreams/{name}/restore")).status_code == 200
     await second.until(lambda: replica_view(second)["fleet"]["capacity"] == 2)
+
+
+@pytest.fixture
+async def one_replica(
+    valkey: Valkey, served: list[RunningGate], start_upstreams: StartUpstreams
+) -> tuple[StandIn, RunningGate, ReplicaAdmission]:
+    """One replica on the shared line before a one-slot stand-in, its slots known in Redis."""
+    standin = StandIn(total_slots=1, tokens=3)
+    await start_upstreams(standin)
+    gate = await sharing(valkey.url, served, [standin], max_queue=2)
+    await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == 1)
+    replica = gate.service.gate
+    assert isinstance(replica, ReplicaAdmission)
+    return standin, gate, replica
+
+
+async def test_a_request_a_paused_replica_holds_back_can_leave_or_be_cancelled(
+    one_replica: tuple[StandIn, RunningGate, ReplicaAdmission], client: httpx.AsyncClient
+) -> None:
+    standin, gate, replica = one_replica
+    assert (await client.post(gate.url + "/admin/pause")).status_code == 200
+    # A client that gives up while held back leaves no ghost counted against the line.
+    leaving = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: replica.held_back == 1)
+    leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    await gate.until(lambda: replica.held_back == 0)
+    # An operator can cancel one held back, as any waiter.
+    cancelled = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(), headers={"x-request-id": "held-1"})
+    )
+    await gate.until(lambda: "held-1" in gate.service.proxy.running)
+    assert (await client.post(gate.url + "/admin/requests/held-1/cancel")).status_code == 200
+    answer = await cancelled
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "cancelled_by_operator"
+    assert replica.held_back == 0
+    # One held back still goes on at the resume.
+    kept = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
+    await gate.until(lambda: replica.held_back == 1)
+    assert (await client.post(gate.url + "/admin/resume")).status_code == 200
+    assert (await kept).status_code == 200
+    assert standin.started == 1
