@@ -20,10 +20,11 @@
     │   │   ├── QueueTimeout
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
-    │   └── UpstreamError         llama-server could not give its answer
-    │       ├── UpstreamUnavailable
-    │       │   └── UpstreamStarting
-    │       └── UpstreamFailed
+    │   ├── UpstreamError         llama-server could not give its answer
+    │   │   ├── UpstreamUnavailable
+    │   │   │   └── UpstreamStarting
+    │   │   └── UpstreamFailed
+    │   └── TooManyWatchers       the status stream has all the watchers it takes
     ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
     │   ├── ConnectFailed
     │   ├── Disconnected
@@ -276,6 +277,12 @@ class UpstreamFailed(UpstreamError):
 # -- the upstream client's ---------------------------------------------------------------------
 
 
+class TooManyWatchers(GateError):
+    """`GET /admission/events` has STATUS_WATCHERS watchers already."""
+
+    retry_after_s = 5.0
+
+
 class ExchangeFailed(SlotgateError):
     """The exchange with the upstream failed."""
 
@@ -369,6 +376,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
+    TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),
 }
 # fmt: on
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,10 @@ from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
 from slotgate.proxy.request import request_id
 from slotgate.settings import Settings
+from slotgate.status import page
+from slotgate.status.events import Events
+from slotgate.status.recent import Recent
+from slotgate.status.waiting import waiting
 from slotgate.upstreams.fleet import Fleet, Resolver
 from slotgate.upstreams.upstream import Upstream
 from starlette.exceptions import HTTPException
@@ -29,7 +34,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("slotgate")
 
 #: The paths slotgate answers itself; everything else belongs to llama-server.
-OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz"})
+OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz", *page.PATHS})
 #: What `GET /metrics?source=...` serves: both, slotgate's own series (which promtool passes),
 #: or llama-server's `llamacpp:*` alone (which promtool fails on their names).
 METRICS_SOURCES = ("all", "slotgate", "llama-server")
@@ -102,6 +107,12 @@ class Service:
             settings, self.admission, self.fleet, self.metrics, self.access, self.gate
         )
         self.draining = False
+        #: The status page's figures of the last minutes, and its stream's watchers.
+        self.recent = Recent()
+        self.events = Events(
+            lambda: json.dumps(self.snapshot(), separators=(",", ":")).encode(),
+            settings.status_watchers,
+        )
 
     def drain(self) -> None:
         """Shutdown has begun: refuse new work and turn the queue away; streams run on."""
@@ -109,6 +120,7 @@ class Service:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
         self.gate.drain()
+        self.events.close()
 
     @property
     def upstream(self) -> Upstream:
@@ -117,6 +129,8 @@ class Service:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.admission.snapshot()
+        now = time.monotonic()
+        self.recent.read(self.metrics.totals(), now)
         primary = self.fleet.primary
         props = primary.props
         models = self.fleet.models()
@@ -160,6 +174,9 @@ class Service:
             ],
             "tenants": self.tenants(),
             "replication": self.gate.view(),
+            # Read from the proxy's waiters and the metrics' counts now, not kept per request.
+            "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
+            "recent": self.recent.view(now),
         }
 
     def tenants(self) -> list[dict[str, Any]]:
@@ -269,9 +286,15 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
     @app.get("/admission", dependencies=[Depends(authorized)])
-    async def admission() -> dict[str, Any]:
+    async def admission(request: Request) -> Response:
         """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
-        return service.snapshot()
+        answer = JSONResponse(service.snapshot())
+        answer.raw_headers.extend(
+            page.data_headers(service.fleet.primary.cors, request.headers.get("origin"))
+        )
+        return answer
+
+    page.install(app, service.events, lambda: service.fleet.primary.cors, authorized)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics(source: str = "all") -> Response:

@@ -28,6 +28,7 @@ from slotgate.errors import (
     TenantQueueFull,
     TenantTooLarge,
     TooLarge,
+    TooManyWatchers,
     Unauthorized,
     UnsupportedMediaType,
     UpgradeRefused,
@@ -67,6 +68,7 @@ RAISED: list[GateError] = [
     UpstreamUnavailable("away"),
     UpstreamStarting("starting", sent=True),
     UpstreamFailed("broke"),
+    TooManyWatchers("watched"),
 ]
 
 

@@ -90,6 +90,8 @@ class Proxy:
         self._body_limit = settings.max_body_bytes
         #: Bytes of gated bodies not yet admitted, bounded by QUEUE_BODY_BYTES.
         self.body_bytes = BodyBytes(settings.queue_body_bytes, admission)
+        #: The requests waiting for slots now, in the order they began to wait.
+        self.waiting: dict[Request, Claim] = {}
         self._keepalive_s = settings.keepalive_interval_s
         self._head_after_s = settings.stream_head_after_s
         self._startup_wait_s = settings.startup_wait_s
@@ -254,7 +256,14 @@ class Proxy:
                         # costs none.
                         await self._fleet.primary.count(ticket, request.estimate)
                     if not ticket.admitted:
-                        await self._wait(request, answer, ticket)
+                        # Listed while it waits, for /admission's `waiting` (read only when
+                        # asked for): a request admitted at once is never listed.
+                        waiting = self.waiting
+                        waiting[request] = ticket
+                        try:
+                            await self._wait(request, answer, ticket)
+                        finally:
+                            del waiting[request]
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
                 await self._forward_when_up(request, answer, ticket)
