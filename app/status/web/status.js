@@ -136,7 +136,7 @@ function show(snap) {
   if (!snap.admission_control) words.push("admission control off");
   words.push(ready + " of " + snap.upstreams.length + " upstreams ready");
   if (!ready) kind = "bad";
-  words.push(snap.active + " of " + (snap.capacity ?? "?") + " slots busy");
+  words.push(snap.capacity === null ? "slot count not known yet" : snap.active + " of " + snap.capacity + " slots busy");
   words.push(snap.queued + " waiting");
   say(words.join(" · "), kind);
   gateActions(snap);
@@ -248,7 +248,9 @@ function recent(r) {
   svg.setAttribute("aria-label", "requests per second over the last " + Math.round(r.window_s / 60) + " minutes");
   let top = 1;
   for (const [name] of SERIES) for (const v of r.per_s[name]) top = Math.max(top, v);
-  const x = (ago) => left + (width - left) * (1 - ago / r.window_s);
+  // The span shown: what there is of the window, a minute at least.
+  const span = Math.min(r.window_s, Math.max(60, ...r.ago_s.map((ago) => ago + 1)));
+  const x = (ago) => left + (width - left) * (1 - ago / span);
   const y = (v) => (height - bottom) * (1 - v / top) + 2;
   const add = (tag, attrs, text) => {
     const node = document.createElementNS(ns, tag);
@@ -260,7 +262,7 @@ function recent(r) {
   add("line", { class: "axis", x1: left, y1: 2, x2: left, y2: height - bottom + 2 });
   add("text", { x: 2, y: 12 }, fmt(top) + "/s");
   add("text", { x: 2, y: height - bottom }, "0");
-  add("text", { x: left, y: height - 4 }, "-" + Math.round(r.window_s / 60) + " min");
+  add("text", { x: left + 2, y: height - 4 }, "-" + (span < 120 ? Math.round(span) + " s" : Math.round(span / 60) + " min"));
   add("text", { x: width - 30, y: height - 4 }, "now");
   for (const [name] of SERIES) {
     const points = r.ago_s.map((ago, i) => x(ago).toFixed(1) + "," + y(r.per_s[name][i]).toFixed(1));
@@ -297,11 +299,14 @@ function replicas(view) {
   const shared = view && view.mode !== "local";
   $("replicas-section").hidden = !shared;
   if (!shared) return;
-  const parts = ["mode " + view.mode];
-  for (const [name, value] of Object.entries(view)) {
-    if (name !== "mode" && (typeof value === "number" || typeof value === "string")) parts.push(name + " " + value);
-  }
-  if (Array.isArray(view.replicas)) parts.push(view.replicas.length + " replicas");
+  const fleet = view.fleet || {};
+  const mine = view.this_replica || {};
+  const parts = [
+    "mode " + view.mode + (view.mode === "shared" ? "" : " (Redis away: " + (view.last_error || "no answer") + ")"),
+    (fleet.replicas ?? "?") + " replicas",
+    "fleet " + (fleet.active ?? "?") + " of " + (fleet.capacity ?? "?") + " slots busy, " + (fleet.queued ?? "?") + " waiting",
+    "this replica (" + view.replica + ") " + (mine.active ?? 0) + " busy, " + (mine.queued ?? 0) + " waiting",
+  ];
   $("replicas").textContent = parts.join(" · ");
 }
 
