@@ -93,6 +93,20 @@ async def test_the_page_shows_slots_the_line_refusals_and_an_upstream_going_away
     await text(page, "#waiting tbody", r"nobody waits")
     await shot(page, tmp_path, "status-at-rest")
 
+    # Some seconds of quick requests, six at a time against two slots and a line of three:
+    # admitted ones, and some refused, on the chart.
+    standin.tokens, standin.token_delay_s = 3, 0.01
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 6
+
+    async def traffic() -> None:
+        while loop.time() < until:
+            await client.post(gate.url + CHAT, json=chat())
+
+    await asyncio.gather(*(traffic() for _ in range(6)))
+    await text(page, "#percentiles", r"slot hold p50 \d")
+    standin.tokens, standin.token_delay_s = 2000, 0.05
+
     # Two slots held, three requests in line.
     holders = []
     for _ in range(2):

@@ -31,6 +31,7 @@ function el(tag, attrs, ...children) {
 
 function seconds(value) {
   if (value === null || value === undefined) return "–";
+  if (value < 1) return Math.round(value * 1000) + " ms";
   if (value < 10) return value.toFixed(1) + " s";
   if (value < 120) return Math.round(value) + " s";
   return Math.round(value / 60) + " min";
