@@ -6,6 +6,7 @@
     │   │   ├── BadRequest
     │   │   │   └── UpgradeRefused
     │   │   ├── Unauthorized
+    │   │   ├── Forbidden
     │   │   ├── PayloadTooLarge
     │   │   ├── HeadersTooLarge
     │   │   ├── UnsupportedMediaType
@@ -20,6 +21,7 @@
     │   │   ├── QueueTimeout
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
+    │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
     │   ├── UpstreamError         llama-server could not give its answer
     │   │   ├── UpstreamUnavailable
     │   │   │   └── UpstreamStarting
@@ -104,6 +106,11 @@ class UpgradeRefused(BadRequest):
 
 class Unauthorized(ClientError):
     pass
+
+
+class Forbidden(ClientError):
+    """Not allowed to this client, whatever it sends (operator controls from elsewhere than
+    loopback without ADMIN_KEYS)."""
 
 
 class PayloadTooLarge(ClientError):
@@ -248,6 +255,11 @@ class TenantTooLarge(TooLarge):
         )
 
 
+class Cancelled(GateError):
+    """An operator cancelled the request: it left the line, or its generation was cut. Not
+    to be sent again as it is: its answer says so (`x-should-retry: false`)."""
+
+
 class UpstreamError(GateError):
     """llama-server could not give its answer."""
 
@@ -346,6 +358,9 @@ class Shape:
     reason: str
     #: A retry can pass: Retry-After headers, and the pool's snapshot when the refusal has one.
     retry: bool = False
+    #: Meant to end the request for good: `x-should-retry: false`, which the OpenAI and
+    #: Anthropic SDKs obey, where a 5xx alone makes them send it again.
+    final: bool = False
 
 
 _BAD = "invalid_request_error"
@@ -359,6 +374,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     BadRequest:           Shape(400, _BAD, "invalid_request", "bad_request"),
     UpgradeRefused:       Shape(400, _BAD, "upgrade_not_supported", "bad_request"),
     Unauthorized:         Shape(401, "authentication_error", "invalid_api_key", "unauthorized"),
+    Forbidden:            Shape(403, "permission_error", "forbidden", "unauthorized"),
     PayloadTooLarge:      Shape(413, _BAD, "body_too_large", "bad_request"),
     HeadersTooLarge:      Shape(431, _BAD, "headers_too_large", "bad_request"),
     UnsupportedMediaType: Shape(415, _BAD, "unsupported_media_type", "bad_request"),
@@ -376,6 +392,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
+    Cancelled:            Shape(503, _AWAY, "cancelled_by_operator", "cancelled", final=True),
     TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),
 }
 # fmt: on
@@ -405,6 +422,7 @@ class Refusal:
     retry_after_s: float | None = None
     snapshot: Snapshot | None = None
     extra: dict[str, Any] | None = None  # llama-server's own fields beside its error's
+    final: bool = False  # `Shape.final`
 
 
 def refusal(exc: BaseException) -> Refusal:
@@ -416,7 +434,7 @@ def refusal(exc: BaseException) -> Refusal:
     snapshot = exc.snapshot if shape.retry and isinstance(exc, AdmissionError) else None
     return Refusal(
         shape.status, shape.type, shape.code, exc.message, shape.reason, exc.param,
-        retry_after_s, snapshot, exc.extra,
+        retry_after_s, snapshot, exc.extra, shape.final,
     )  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from slotgate.asgi import Message, Receive, Scope, Send
+from slotgate.controls import PREFIX, Operators
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
@@ -53,7 +54,8 @@ class Gateway(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        if scope["path"] not in OWN_PATHS:
+        path = scope["path"]
+        if path not in OWN_PATHS and not path.startswith(PREFIX):
             await self.proxy(scope, receive, send)
             return
         # slotgate's own answers carry the request id as relayed ones do, errors included.
@@ -106,6 +108,14 @@ class Service:
         self.proxy = Proxy(
             settings, self.admission, self.fleet, self.metrics, self.access, self.gate
         )
+        self.operators = Operators(
+            settings.admin_keys,
+            self.access,
+            self.gate,
+            self.fleet,
+            self.proxy.running,
+            self.metrics,
+        )
         self.draining = False
         #: The status page's figures of the last minutes, and its stream's watchers.
         self.recent = Recent()
@@ -144,6 +154,8 @@ class Service:
             "committed_tokens": snap.committed_tokens,
             "free_tokens": snap.free_tokens,
             "admission_control": self.settings.admission_control,
+            # An operator paused admission (POST /admin/pause): new requests wait in line.
+            "paused": self.gate.paused,
             "retry_after_estimate_s": round(self.admission.estimate_s(), 3),
             "upstream": {
                 "url": primary.url,
@@ -159,8 +171,12 @@ class Service:
             "models_differ": len(models) > 1,
             "upstreams": [
                 {
+                    "name": upstream.name,
                     "url": upstream.url,
                     "ready": upstream.ready,
+                    # Drained by an operator: its running requests finish, nothing new goes
+                    # there, and its slots are not counted in `capacity`.
+                    "draining": upstream.pool.draining,
                     "reason": upstream.reason,
                     "capacity": upstream.pool.capacity,
                     "active": upstream.pool.active,
@@ -274,6 +290,13 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
+        if all(u.pool.draining for u in service.fleet if u.ready):
+            # Ready while another upstream serves; with every ready one drained, nothing does.
+            return JSONResponse(
+                {"status": "not ready", "reason": "every ready upstream is drained"},
+                503,
+                {"retry-after": "1"},
+            )
         gate = service.gate
         mode = gate.mode
         # A shared line says how it is kept: degraded (Redis away) is still ready.
@@ -313,5 +336,58 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         return Response(
             text, media_type="text/plain; version=0.0.4; charset=utf-8", headers=headers
         )
+
+    # -- operator controls (app/controls.py) ----------------------------------------------------
+
+    operators = service.operators
+
+    def operator(request: Request) -> str:
+        client = request.client.host if request.client is not None else None
+        return operators.who(
+            client, request.headers.get("authorization", "").encode("latin-1") or None
+        )
+
+    def upstream_named(name: str) -> Upstream:
+        upstream = operators.upstream(name)
+        if upstream is None:
+            names = ", ".join(u.name for u in service.fleet)
+            raise HTTPException(404, f"no upstream is named {name!r}; upstreams: {names}")
+        return upstream
+
+    @app.post(PREFIX + "upstreams/{name:path}/drain")
+    async def drain(name: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """Take one upstream out of rotation: its running requests finish, nothing new goes
+        there."""
+        upstream = upstream_named(name)
+        operators.drain(who, upstream)
+        return {"ok": True, "upstream": upstream.name, "draining": True}
+
+    @app.post(PREFIX + "upstreams/{name:path}/restore")
+    async def restore(name: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """Put a drained upstream back in rotation."""
+        upstream = upstream_named(name)
+        operators.restore(who, upstream)
+        return {"ok": True, "upstream": upstream.name, "draining": False}
+
+    @app.post(PREFIX + "pause")
+    async def pause(who: str = Depends(operator)) -> dict[str, Any]:
+        """Hold admission: new requests wait in line (its limit and timeout apply), running
+        ones finish."""
+        operators.pause(who)
+        return {"ok": True, "paused": True}
+
+    @app.post(PREFIX + "resume")
+    async def resume(who: str = Depends(operator)) -> dict[str, Any]:
+        operators.resume(who)
+        return {"ok": True, "paused": False}
+
+    @app.post(PREFIX + "requests/{request_id}/cancel")
+    async def cancel(request_id: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """End one request by its id (X-Request-Id): out of the line, or its generation cut."""
+        if not operators.cancel(who, request_id):
+            raise HTTPException(
+                404, f"no request {request_id!r} is waiting or running (or it began <20 ms ago)"
+            )
+        return {"ok": True, "request_id": request_id, "cancelled": True}
 
     return app

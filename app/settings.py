@@ -162,6 +162,11 @@ class Settings(BaseSettings):
         description="TOML file of tenants: per key a name, weight, band, max_active and "
         "max_queued; reloaded on SIGHUP; unset = each API_KEYS key is a tenant of weight 1.",
     )
+    admin_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Comma-separated keys for the operator controls (/admin/...), apart from "
+        "API_KEYS; unset = loopback clients only, and none while API_KEYS is set.",
+    )
     metrics_tenants: int = Field(
         10,
         ge=0,
@@ -313,7 +318,7 @@ class Settings(BaseSettings):
         # [::1] is how an IPv6 address is written in a URL; the socket wants ::1.
         return value[1:-1] if value.startswith("[") and value.endswith("]") else value
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):

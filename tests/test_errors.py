@@ -13,8 +13,10 @@ from slotgate.errors import (
     INTERNAL,
     AdmissionError,
     BadRequest,
+    Cancelled,
     ClientError,
     ContextExceeded,
+    Forbidden,
     GateError,
     HeadersTooLarge,
     HeadTimeout,
@@ -68,6 +70,8 @@ RAISED: list[GateError] = [
     UpstreamUnavailable("away"),
     UpstreamStarting("starting", sent=True),
     UpstreamFailed("broke"),
+    Forbidden("not here"),
+    Cancelled("an operator"),
     TooManyWatchers("watched"),
 ]
 

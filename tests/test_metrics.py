@@ -17,7 +17,7 @@ from slotgate.gate.policy import QueuePolicy
 from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
 from slotgate.settings import Settings
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import GateFactory, assert_lines, chat
 from tests.support.standin import StandIn
 from tests.support.tools import tool
 
@@ -311,3 +311,42 @@ def test_metrics_carry_the_process_series_and_the_build_info() -> None:
         assert sample(text.encode(), "process_resident_memory_bytes") > 0
         assert "process_cpu_seconds_total " in text
         assert "process_open_fds " in text
+
+
+async def test_time_to_first_byte_and_duration_are_observed_for_answered_requests_only(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot(3, max_queue=0)
+    standin.hold_s = 0.2  # before the first token
+    for stream in (True, False):
+        assert (await client.post(gate.url + ROUTE, json=chat(stream=stream))).status_code == 200
+    refused = await client.post(
+        gate.url + ROUTE, content=b"{", headers={"content-type": "application/json"}
+    )
+    assert refused.status_code == 400
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    first = 'slotgate_time_to_first_byte_seconds_{}{{family="chat"}}'
+    whole = 'slotgate_request_duration_seconds_{}{{family="chat"}}'
+    assert sample(text, first.format("count")) == 2
+    assert sample(text, whole.format("count")) == 2
+    # Nothing can come before llama-server's first token, nor end before it.
+    assert sample(text, first.format("sum")) >= 2 * standin.hold_s
+    assert sample(text, whole.format("sum")) >= sample(text, first.format("sum"))
+    assert sample(text, 'slotgate_time_to_first_byte_seconds_bucket{family="chat",le="0.025"}') == 0
+
+
+def test_each_upstream_shows_its_kv_budget_and_what_is_committed_of_it() -> None:
+    admission = Admission(QueuePolicy(), epsilon=1.0)
+    pool = admission.add_pool("http://10.0.0.1:8080")
+    pool.resize(2)
+    pool.resize_budget(4096)
+    ticket = admission.enter(cost=1000)
+    text = Metrics(admission, lambda: True).render()
+    assert_lines(
+        text.decode(),
+        'slotgate_upstream_kv_budget_tokens{upstream="http://10.0.0.1:8080"} 4096.0',
+        'slotgate_upstream_kv_committed_tokens{upstream="http://10.0.0.1:8080"} 1000.0',
+        'slotgate_upstream_draining{upstream="http://10.0.0.1:8080"} 0.0',
+        "slotgate_admission_paused 0.0",
+    )
+    ticket.release()

@@ -46,6 +46,17 @@ class Gate(Protocol):
     def retune(self, tenants: Iterable[Tenant]) -> None:
         """Reloaded tenants: their weights and limits from now on."""
 
+    def pause(self) -> None:
+        """An operator holds admission: new requests wait in line, running ones finish."""
+
+    def resume(self) -> None:
+        """Admission goes on: the line moves in its order."""
+
+    @property
+    def paused(self) -> bool:
+        """Between `pause` and `resume`."""
+        ...
+
     def unready(self) -> str | None:
         """Why the gate takes no requests now (`/readyz`), or None."""
         ...
@@ -86,6 +97,16 @@ class Local:
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
         self.admission.retune(tenants)
+
+    def pause(self) -> None:
+        self.admission.pause()
+
+    def resume(self) -> None:
+        self.admission.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.admission.paused
 
     def unready(self) -> str | None:
         return None

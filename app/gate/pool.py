@@ -50,8 +50,8 @@ class Pool:
     upstream is not ready (starting, restarting, down), and then nothing is routed to it."""
 
     __slots__ = (
-        "_admission", "active", "budget", "capacity", "committed", "key", "retired", "routed",
-        "salt", "seen",
+        "_admission", "active", "budget", "capacity", "committed", "draining", "key", "reported",
+        "retired", "routed", "salt", "seen",
     )  # fmt: skip
 
     def __init__(self, admission: Pools, key: str) -> None:
@@ -70,6 +70,11 @@ class Pool:
         #: Grants by how the pool was chosen: its key's first choice, by load, or on a retry.
         self.routed = {"affinity": 0, "load": 0, "retry": 0}
         self.retired = False
+        #: An operator drained it: its running requests finish, nothing new is granted on it,
+        #: and its slots leave the fleet's capacity until `restore`.
+        self.draining = False
+        #: The capacity its upstream last reported, drained or not: what `restore` gives back.
+        self.reported: int | None = None
 
     @property
     def free(self) -> int:
@@ -93,7 +98,8 @@ class Pool:
         """
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
-        if self.retired:
+        self.reported = capacity
+        if self.retired or self.draining:
             capacity = None
         self.capacity = capacity
         if capacity is not None:
@@ -112,6 +118,24 @@ class Pool:
         # nothing: taken as one, every cost cut to it would make the committed count negative.
         self.budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
         self._admission._rebudgeted(self)
+
+    def drain(self) -> None:
+        """Take it out of rotation (maintenance): held as an upstream that is not ready, so
+        nothing new is routed to it and its slots leave the capacity, while the requests it
+        runs finish and release as ever. Its upstream's readings still arrive (`reported`)."""
+        if self.draining:
+            return
+        reported = self.reported
+        self.draining = True
+        self.resize(None)
+        self.reported = reported
+
+    def restore(self) -> None:
+        """Back in rotation with the capacity its upstream last reported."""
+        if not self.draining:
+            return
+        self.draining = False
+        self.resize(self.reported)
 
     def retire(self) -> None:
         """The upstream is gone for good (its address left DNS): route nothing more to it; it

@@ -23,7 +23,11 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
         # was observed when it was admitted.
         waited = ticket is not None and request.upstream is None
         wait_s = ticket.wait_s if waited and ticket is not None else None
-        metrics.ended(route, request.outcome, request.tenant.name, wait_s)
+        first = request.first_byte_at
+        metrics.ended(
+            route, request.outcome, request.tenant.name, wait_s,
+            None if first is None else first - request.started, now - request.started,
+        )  # fmt: skip
     hold_s = None
     if ticket is not None and ticket.admitted_at is not None:
         hold_s = now - ticket.admitted_at

@@ -46,7 +46,7 @@ from slotgate.proxy.request import (
     preflight_body,
     read_body,
 )
-from slotgate.proxy.watch import Watch
+from slotgate.proxy.watch import Running, Watch
 from slotgate.settings import Settings
 from slotgate.upstreams.client import Response
 from slotgate.upstreams.fleet import Fleet
@@ -104,6 +104,8 @@ class Proxy:
         self._auth = fleet.primary.auth
         # Bound once: the relay modes and the watch take it for every request.
         self._own: Callable[[Request], Headers] = self._own_headers
+        #: The requests under way that an operator may cancel, by request id.
+        self.running = Running()
 
     # -- one request, top to bottom ------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class Proxy:
         if request.endpoint is None:
             await self._forward(request, answer)
             return
-        async with Watch(receive, request, answer, self._own):
+        async with Watch(receive, request, answer, self._own, self.running):
             await self._forward(request, answer)
 
     async def _enter(self, request: Request) -> Claim:
@@ -247,7 +249,7 @@ class Proxy:
         self, request: Request, receive: Receive, answer: Answer, ticket: Claim
     ) -> None:
         """Count, wait for the slot, forward; the client leaving cancels whatever is under way."""
-        async with Watch(receive, request, answer, self._own) as watch:
+        async with Watch(receive, request, answer, self._own, self.running) as watch:
             try:
                 # Its body counts while it waits: until admitted, or its wait ends otherwise.
                 with request.held:

@@ -46,9 +46,9 @@ class Request:
     """What slotgate knows of one request, from its head to its access-log line."""
 
     __slots__ = (
-        "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held", "id",
-        "method", "origin", "outcome", "path", "query", "started", "stream", "teaches", "tenant",
-        "ticket", "upstream", "upstream_status", "weight",
+        "assembly", "body", "endpoint", "estimate", "first_byte_at", "gated", "head", "headers",
+        "held", "id", "method", "origin", "outcome", "path", "query", "started", "stream",
+        "teaches", "tenant", "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, scope: Scope, held: HeldBody) -> None:
@@ -82,6 +82,8 @@ class Request:
         #: The llama-server it goes to: its pool's, once admitted (any, until then).
         self.upstream: Upstream | None = None
         self.upstream_status: int | None = None
+        #: When (time.monotonic()) the first byte of llama-server's answer body arrived.
+        self.first_byte_at: float | None = None
         self.outcome: Outcome = _SERVED
 
     @property

@@ -1,11 +1,12 @@
-"""A request's cancellation, handled in one place: its client leaving, or the drain timeout
-running out at shutdown.
+"""A request's cancellation, handled in one place: its client leaving, an operator cancelling
+it, or the drain timeout running out at shutdown.
 
 `Watch` is an async scope around whatever a request does while its client may leave (wait for
-a slot, forward, relay). It cancels the request's task the moment the client disconnects, and
-on the way out it tells the two cancellations apart: one of its own ends the request as
-`client_gone`; one from outside (the drain timeout) is told to the client while its answer can
-still carry an error, and otherwise goes on up.
+a slot, forward, relay). It cancels the request's task the moment the client disconnects, or
+when an operator asks (`Running.cancel`), and on the way out it tells the cancellations apart:
+the client leaving ends the request as `client_gone`; an operator's ends it as `cancelled`,
+its slot given back before its client is told; one from outside (the drain timeout) is told
+to the client while its answer can still carry an error, and otherwise goes on up.
 """
 
 from __future__ import annotations
@@ -15,14 +16,30 @@ from collections.abc import Callable
 from types import TracebackType
 
 from slotgate.asgi import Headers, Message, Receive
-from slotgate.errors import Refusal
+from slotgate.errors import Cancelled, Refusal, refusal
 from slotgate.outcome import Outcome
 from slotgate.proxy.answer import Answer
 from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
 from slotgate.proxy.request import Request
 
-#: How long a request runs before slotgate starts watching for its client to leave.
+#: How long a request runs before slotgate starts watching for its client to leave (and lists
+#: it for operators to cancel).
 WATCH_AFTER_S = 0.02
+#: The answer of a request an operator cancelled.
+_CANCELLED = refusal(
+    Cancelled("an operator cancelled this request; it was not completed, do not resend it as is")
+)
+
+
+class Running(dict[str, "Watch"]):
+    """The requests an operator may cancel, by request id: each watched request from the
+    moment its watch starts (WATCH_AFTER_S) until it ends. A request id a client chose and
+    sent on several requests at once names the newest of them."""
+
+    def cancel(self, request_id: str) -> bool:
+        """Cut the request, or take it out of the line; False when none runs by that id."""
+        watch = self.get(request_id)
+        return watch is not None and watch.cut()
 
 
 class Watch:
@@ -39,8 +56,8 @@ class Watch:
     """
 
     __slots__ = (
-        "_answer", "_connection", "_own", "_pending", "_receive", "_request", "_task", "_timer",
-        "done", "gone",
+        "_answer", "_connection", "_listed", "_own", "_pending", "_receive", "_request",
+        "_running", "_task", "_timer", "cancelled", "done", "gone",
     )  # fmt: skip
 
     def __init__(
@@ -49,6 +66,7 @@ class Watch:
         request: Request,
         answer: Answer,
         own: Callable[[Request], Headers],
+        running: Running | None = None,
     ) -> None:
         task = self._task = asyncio.current_task()
         self._receive = receive
@@ -56,7 +74,11 @@ class Watch:
         self._answer: Answer | None = answer
         self._own = own
         self.gone = False
+        #: An operator cancelled it (`cut`).
+        self.cancelled = False
         self.done = False
+        self._running = running
+        self._listed: str | None = None
         self._connection: DisconnectWatch | None = None
         self._pending: asyncio.Future[Message] | None = None
         # The task's loop, not asyncio.get_running_loop(): on Python 3.11 that is a getpid
@@ -66,6 +88,11 @@ class Watch:
 
     def _start(self) -> None:
         self._timer = None
+        running, request = self._running, self._request
+        if running is not None and request is not None:
+            # Listed only now: a request answered sooner costs the registry nothing.
+            running[request.id] = self
+            self._listed = request.id
         self._connection = watch_disconnect(self._receive, self._disconnected)
         if self._connection is None:
             self._pending = asyncio.ensure_future(self._receive())
@@ -82,8 +109,23 @@ class Watch:
             self.gone = True
             self._task.cancel(msg="client disconnected")
 
+    def cut(self) -> bool:
+        """An operator's cancel: the request's task is cancelled, as when its client leaves;
+        False when it is over already."""
+        if self.done or self.gone or self.cancelled or self._task is None:
+            return False
+        self.cancelled = True
+        self._task.cancel(msg="cancelled by an operator")
+        return True
+
     def stop(self) -> None:
         self.done = True
+        listed = self._listed
+        if listed is not None:
+            self._listed = None
+            running = self._running
+            if running is not None and running.get(listed) is self:
+                del running[listed]
         if self._timer is not None:
             self._timer.cancel()
         if self._connection is not None:
@@ -93,7 +135,9 @@ class Watch:
 
     def ours(self) -> bool:
         """After a CancelledError: was it only this watch's doing (so it may end here)?"""
-        return self.gone and self._task is not None and self._task.uncancel() == 0
+        return (
+            (self.gone or self.cancelled) and self._task is not None and self._task.uncancel() == 0
+        )
 
     async def __aenter__(self) -> Watch:
         return self
@@ -111,14 +155,30 @@ class Watch:
             if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
                 return False
             if self.ours():
-                request.outcome = Outcome.CLIENT_GONE
-                return True
+                if self.gone:
+                    request.outcome = Outcome.CLIENT_GONE
+                    return True
+                return await self._cancelled(request, answer)
             return await cut_short(request, answer, self._own)
         finally:
             self.stop()
             # Whatever still holds the watch (a connection's, a timer's reference on its way
             # out) must not hold the request's body with it.
             self._request = self._answer = None
+
+    async def _cancelled(self, request: Request, answer: Answer) -> bool:
+        """Cancelled by an operator: its slot (or its place) back at once, then the client told
+        in the route's shape, an error event if its stream had begun; a plain answer whose
+        head went out can only be left unfinished, which its client sees as a truncation."""
+        request.outcome = Outcome.CANCELLED
+        # Its upstream connection was closed on the way here (the relay's scope), so
+        # llama-server has stopped; the slot is not held while the client is told.
+        if request.ticket is not None:
+            request.ticket.release()
+        if answer.started and not answer.stream and not answer.ending:
+            return True
+        await answer.final_words(_CANCELLED, request.flavor, self._own(request))
+        return True
 
 
 async def cut_short(request: Request, answer: Answer, own: Callable[[Request], Headers]) -> bool:

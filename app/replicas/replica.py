@@ -19,7 +19,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from slotgate.errors import NotReady, ShuttingDown, TenantTooLarge, TooLarge
+from slotgate.errors import (
+    NotReady,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    TenantTooLarge,
+    TooLarge,
+)
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry
 from slotgate.gate.pool import Pool
@@ -202,6 +209,12 @@ class ReplicaAdmission:
         )
         self.failure_mode = settings.redis_failure_mode
         self._timeout_s = settings.redis_timeout_s
+        self._queue_timeout_s = settings.queue_timeout_s or None
+        # Set unless an operator paused this replica; requests held back meanwhile (shared
+        # mode: they wait here, before the shared line).
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._held_back = 0
         self._affinity = settings.routing == "affinity"
         #: The key, capacity and budget each pool is known by in Redis, as last told.
         self._told: dict[Pool, tuple[str, int | None, int | None]] = {}
@@ -228,6 +241,7 @@ class ReplicaAdmission:
     def drain(self) -> None:
         """Shutdown has begun: no new requests; the waiters are turned away (ShuttingDown)."""
         self.admission.close()
+        self._resumed.set()  # those held back by a pause: refused as they go on
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
 
@@ -246,6 +260,44 @@ class ReplicaAdmission:
                 elif not task.cancelled():
                     task.exception()  # seen: RETIRE follows, whatever the change did
         await self.shared.close()
+
+    def pause(self) -> None:
+        """Pause this replica, not the fleet: in shared mode its new requests wait here, before
+        the shared line (bounded by the line's limit and QUEUE_TIMEOUT_S), and its waiters
+        already in the shared line may still be granted; degraded, its own core grants
+        nobody, as in one process. The other replicas admit as ever."""
+        self.admission.pause()
+        self.shared.pause(True)
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self.admission.resume()
+        self.shared.pause(False)
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self.admission.paused
+
+    @property
+    def held_back(self) -> int:
+        """Requests a pause holds before the shared line (shared mode)."""
+        return self._held_back
+
+    async def _while_paused(self) -> None:
+        """Wait for `resume`, as one of the line: refused past its limit or its timeout."""
+        shared = self.shared
+        limit = shared._limit()
+        if limit is not None and self._held_back + shared.snapshot().queued >= limit:
+            raise QueueFull(shared._snapshot(), 1.0)
+        self._held_back += 1
+        try:
+            async with asyncio.timeout(self._queue_timeout_s):
+                await self._resumed.wait()
+        except TimeoutError:
+            raise QueueTimeout(shared._snapshot(), 1.0) from None
+        finally:
+            self._held_back -= 1
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -305,6 +357,8 @@ class ReplicaAdmission:
         if limit is not None and heaviest > limit:
             # Refused before Redis is asked.
             raise TenantTooLarge(self.admission.snapshot(), heaviest, tenant)
+        if not self._resumed.is_set() and self.shared.mode is Mode.SHARED:
+            await self._while_paused()
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)

@@ -123,6 +123,8 @@ class SharedAdmission:
         self._waiters: dict[str, SharedTicket] = {}
         #: Grants that arrived before the reply that named their member.
         self._early: dict[str, tuple[str, str, int, int]] = {}
+        #: An operator paused this replica's admission: degraded, its core grants nobody.
+        self.paused = False
         #: Degraded mode's gating, on this replica's share.
         self._alone = Alone(self)
         #: Its heartbeat, the grants' channel, falling back and rejoining.
@@ -177,6 +179,15 @@ class SharedAdmission:
             if left is not None and left <= 0:
                 return
             await asyncio.wait(list(self._pending), timeout=left)
+
+    def pause(self, paused: bool) -> None:
+        """Hold (or let go) degraded mode's gating: its core grants nobody while paused, and
+        moves its line once resumed. Shared mode's part is the replica's (ReplicaAdmission)."""
+        self.paused = paused
+        if paused:
+            self._alone.core.pause()
+        else:
+            self._alone.core.resume()
 
     # -- reading -----------------------------------------------------------------------------
 

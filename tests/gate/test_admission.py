@@ -797,3 +797,60 @@ async def test_a_burst_at_short_holds_is_spread_over_the_places_that_free(
     assert all(t is not None for t in told)
     assert max(t for t in told if t is not None) >= 0.8 * 100 * 0.05, told[-5:]
     await gate.close()
+
+
+async def test_a_pause_keeps_every_waiter_and_resume_grants_them_in_arrival_order() -> None:
+    admission = pool(1)
+    running = admission.enter()
+    admission.pause()
+    waiters = [admission.enter() for _ in range(3)]
+    assert not any(w.admitted for w in waiters)
+    waits = [asyncio.ensure_future(w.wait()) for w in waiters]
+    running.release()  # its slot goes to nobody while paused
+    await settle()
+    assert (admission.active, admission.queued, admission.paused) == (0, 3, True)
+    assert not any(w.done() for w in waits)
+    admission.resume()
+    await settle()
+    assert waits[0].done()
+    assert not waits[1].done()
+    assert [w.granted for w in waiters] == [True, False, False]
+    for w in waiters:
+        w.release()
+        await settle()
+    assert all(w.done() for w in waits)
+
+
+async def test_a_paused_line_keeps_its_limit_and_its_timeout() -> None:
+    admission = Admission(QueuePolicy(max_queue=1), capacity=1, queue_timeout_s=0.05)
+    admission.pause()
+    waiter = admission.enter()  # a free slot, but paused: it waits
+    assert not waiter.admitted
+    with pytest.raises(QueueFull):
+        admission.enter()
+    with pytest.raises(QueueTimeout):
+        await waiter.wait()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_a_drained_pool_runs_its_requests_to_their_end_and_takes_no_new_one() -> None:
+    admission = Admission(QueuePolicy(), epsilon=1.0)
+    first, second = admission.add_pool("a"), admission.add_pool("b")
+    first.resize(1)
+    second.resize(1)
+    held = [admission.enter(), admission.enter()]
+    on_first = next(t for t in held if t.pool is first)
+    first.drain()
+    assert (admission.capacity, first.draining, first.active) == (1, True, 1)
+    first.resize(1)  # its upstream's next reading keeps it out
+    assert admission.capacity == 1
+    on_first.release()  # finishes as ever
+    waiter = admission.enter()
+    assert not waiter.admitted  # the drained pool has a free slot: not for new work
+    other = next(t for t in held if t is not on_first)
+    other.release()
+    await waiter.wait()
+    assert waiter.pool is second
+    first.restore()
+    assert (admission.capacity, first.draining) == (2, False)
+    assert admission.enter().pool is first
