@@ -308,7 +308,10 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
             )
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
-    @app.get("/admission", dependencies=[Depends(authorized)])
+    # The page's data: a client's key, or an operator's (app/status/page.py).
+    watching = page.watchers(service.access, settings.admin_keys)
+
+    @app.get("/admission", dependencies=[Depends(watching)])
     async def admission(request: Request) -> Response:
         """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
         answer = JSONResponse(service.snapshot())
@@ -317,7 +320,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         )
         return answer
 
-    page.install(app, service.events, lambda: service.fleet.primary.cors, authorized)
+    page.install(app, service.events, lambda: service.fleet.primary.cors, watching)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics(source: str = "all") -> Response:

@@ -10,13 +10,16 @@ never in a frame.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from slotgate.asgi import Header
+from slotgate.errors import Unauthorized
+from slotgate.gate.tenants import credentials, roster
+from slotgate.proxy.access import Access
 from slotgate.status.events import Events
 from slotgate.upstreams.cors import CorsPolicy
 
@@ -54,11 +57,36 @@ def data_headers(cors: CorsPolicy, origin: str | None) -> list[Header]:
     return [*given, (b"x-content-type-options", b"nosniff")]
 
 
+Check = Callable[[Request], Coroutine[Any, Any, None]]
+
+
+def watchers(access: Access, admin_keys: Iterable[str]) -> Check:
+    """Who may read the page's data (`/admission` and its stream): with API_KEYS, a client's
+    key; with ADMIN_KEYS, an admin key too (an operator sees what they steer), and with
+    ADMIN_KEYS alone, only an admin key; with neither, anyone, as before."""
+    admins = roster(admin_keys)
+
+    async def check(request: Request) -> None:
+        authorization = request.headers.get("authorization", "").encode("latin-1") or None
+        # Bearer only, as for the controls: an X-Api-Key is a client's, never an operator's.
+        if admins.keyed and admins.identify(credentials(authorization, None)) is not None:
+            return
+        if access.enabled:
+            api_key = request.headers.get("x-api-key", "").encode("latin-1") or None
+            access.check(request.url.path, authorization, api_key)
+        elif admins.keyed:
+            raise Unauthorized(
+                "the status data needs a key: send Authorization: Bearer <admin key>"
+            )
+
+    return check
+
+
 def install(
     app: FastAPI,
     events: Events,
     cors: Callable[[], CorsPolicy],
-    authorized: Callable[..., Coroutine[Any, Any, None]],
+    authorized: Check,
 ) -> None:
     """Add the page, its files, the event stream and the preflights to `app`."""
     files = resources.files("slotgate.status") / "web"

@@ -216,3 +216,36 @@ async def test_a_held_slot_shows_in_the_stream_within_a_tick(
         if snapshot["active"] == 1:
             assert snapshot["upstreams"][0]["active"] == 1
             break
+
+
+ADMIN = "sk-status-admin-key"
+
+
+async def test_with_admin_keys_an_operator_reads_the_data_with_the_admin_key(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(admin_keys=(ADMIN,))
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    assert (await client.get(gate.url + "/admission")).status_code == 401
+    assert (await client.get(gate.url + "/admission/events")).status_code == 401
+    # An admin key is an operator's, sent as a Bearer token only.
+    assert (
+        await client.get(gate.url + "/admission", headers={"x-api-key": ADMIN})
+    ).status_code == 401
+    assert (await client.get(gate.url + "/admission", headers=admin)).status_code == 200
+    async for snapshot in events(client, gate, **admin):
+        assert snapshot["capacity"] == 2
+        break
+
+
+async def test_with_both_kinds_of_key_either_reads_the_data(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await start_gate(api_keys=(KEY,), admin_keys=(ADMIN,))
+    for key in (KEY, ADMIN):
+        answer = await client.get(
+            gate.url + "/admission", headers={"authorization": f"Bearer {key}"}
+        )
+        assert answer.status_code == 200
+    wrong = {"authorization": "Bearer sk-neither"}
+    assert (await client.get(gate.url + "/admission", headers=wrong)).status_code == 401

@@ -9,7 +9,7 @@ import asyncio
 import os
 import re
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +78,33 @@ async def stream(
         return r.status_code
 
 
+Opened = Callable[..., Awaitable[tuple[RunningGate, Any]]]
+
+
+@pytest.fixture
+def two_slots_open(start_gate: GateFactory, standin: StandIn, browser: Any) -> Opened:
+    """Start slotgate with the given settings over a stand-in with two slots whose generations
+    last (until `hurry()`), and open the page on it, showing them free."""
+
+    async def start(**settings: Any) -> tuple[RunningGate, Any]:
+        standin.total_slots, standin.tokens, standin.token_delay_s = 2, 2000, 0.05
+        gate = await start_gate(**settings)
+        page = await open_page(browser, gate, viewport={"width": 1100, "height": 900})
+        await text(page, "#upstreams", r"0 busy, 2 free")
+        return gate, page
+
+    return start
+
+
 async def test_the_page_shows_slots_the_line_refusals_and_an_upstream_going_away(
-    start_gate: GateFactory,
+    two_slots_open: Opened,
     standin: StandIn,
     client: httpx.AsyncClient,
     browser: Any,
     tmp_path: Path,
 ) -> None:
-    standin.total_slots, standin.tokens, standin.token_delay_s = 2, 2000, 0.05
-    gate = await start_gate(max_queue=3)
-    page = await open_page(browser, gate, viewport={"width": 1100, "height": 900})
-    await text(page, "#state", r"2 of 2 upstreams ready|1 of 1 upstreams ready")
-    await text(page, "#upstreams", r"0 busy, 2 free")
+    gate, page = await two_slots_open(max_queue=3)
+    await text(page, "#state", r"1 of 1 upstreams ready")
     await text(page, "#waiting tbody", r"nobody waits")
     await shot(page, tmp_path, "status-at-rest")
 
@@ -183,3 +198,39 @@ async def test_with_keys_the_page_shows_nothing_before_the_key_and_everything_af
     # The 401 answers to the unkeyed and wrong tries are logged by the browser as failed
     # loads; the page's own script raised nothing.
     assert [e for e in page.errors if "401" not in e] == []
+
+
+async def test_the_page_drains_pauses_and_cancels_through_the_operator_controls(
+    two_slots_open: Opened, standin: StandIn, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # Neither ADMIN_KEYS nor API_KEYS: the controls answer loopback clients, as this browser is.
+    gate, page = await two_slots_open()
+    name = gate.service.upstream.name
+
+    await page.get_by_role("button", name=f"Drain {name}").click()
+    await text(page, "#upstreams", r"DRAINING")
+    assert gate.service.upstream.pool.draining
+    await page.get_by_role("button", name=f"Restore {name}").click()
+    await text(page, "#upstreams", rf"{re.escape(name)} ready")
+    assert not gate.service.upstream.pool.draining
+
+    await page.get_by_role("button", name="Pause admission").click()
+    await text(page, "#state", r"PAUSED")
+    waiter = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(), headers={"x-request-id": "to-cancel"})
+    )
+    await text(page, "#waiting tbody", r"to-cancel")
+    await shot(page, tmp_path, "status-paused")
+    await (
+        page.locator("#waiting tbody tr", has_text="to-cancel")
+        .get_by_role("button", name="Cancel")
+        .click()
+    )
+    answer = await waiter
+    assert answer.json()["error"]["code"] == "cancelled_by_operator"
+    await text(page, "#waiting tbody", r"nobody waits")
+    await page.get_by_role("button", name="Resume admission").click()
+    await text(page, "#state", r"^(?!.*PAUSED).*1 of 1 upstreams ready")
+    standin.hurry()
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    assert page.errors == []

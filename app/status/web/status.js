@@ -146,6 +146,7 @@ function show(snap) {
   recent(snap.recent);
   tenants(snap.tenants);
   replicas(snap.replication);
+  for (const [key, button] of buttons) if (!button.isConnected) buttons.delete(key);
 }
 
 function gateActions(snap) {
@@ -159,8 +160,15 @@ function gateActions(snap) {
   );
 }
 
+// Each button is made once and moved into every new picture, so that a click that spans a
+// tick still lands on the button it began on.
+const buttons = new Map();
+
 function action(label, path) {
+  const known = buttons.get(label + " " + path);
+  if (known) return known;
   const button = el("button", { type: "button" }, label);
+  buttons.set(label + " " + path, button);
   button.addEventListener("click", async () => {
     button.disabled = true;
     try {
