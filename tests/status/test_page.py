@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
 from tests.support.tools import tool
+from tests.support.valkey import Valkey
 
 pytestmark = pytest.mark.browser
 
@@ -234,3 +235,18 @@ async def test_the_page_drains_pauses_and_cancels_through_the_operator_controls(
     standin.hurry()
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
     assert page.errors == []
+
+
+async def test_with_a_shared_line_the_page_names_the_mode_and_the_replicas(
+    start_gate: GateFactory, valkey: Valkey, browser: Any, tmp_path: Path
+) -> None:
+    shared = {"redis_url": valkey.url, "redis_fleet": "status", "redis_timeout_s": 1.0}
+    first = await start_gate(**shared)
+    await start_gate(**shared)
+    page = await open_page(browser, first)
+    await text(page, "#replicas", r"^mode shared · 2 replicas · fleet \d+ of \d+ slots busy")
+    # Redis goes away: the page says the line is kept apart, and why.
+    valkey.kill()
+    await text(page, "#replicas", r"^mode degraded \(Redis away: .+\)")
+    await text(page, "#state", r"shared line DEGRADED")
+    await shot(page, tmp_path, "status-replicas-degraded")

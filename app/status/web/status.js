@@ -139,6 +139,11 @@ function show(snap) {
   if (!ready) kind = "bad";
   words.push(snap.capacity === null ? "slot count not known yet" : snap.active + " of " + snap.capacity + " slots busy");
   words.push(snap.queued + " waiting");
+  const mode = snap.replication?.mode;
+  if (mode && mode !== "local" && mode !== "shared") {
+    words.push("shared line " + mode.toUpperCase());
+    if (kind === "ok") kind = "warn";
+  }
   say(words.join(" · "), kind);
   gateActions(snap);
   upstreams(snap);
