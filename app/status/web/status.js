@@ -1,5 +1,6 @@
 // slotgate's status page: reads GET /admission/events (server-sent events) with fetch(), so
 // that a key travels in a header and never in a URL, and draws each snapshot as it comes.
+// Every path is relative to the page's, so that it works behind a proxy's path prefix too.
 "use strict";
 
 const KEY = "slotgate-key"; // sessionStorage: this tab only, gone when it closes
@@ -43,7 +44,7 @@ async function watch() {
   for (;;) {
     let answer;
     try {
-      answer = await fetch("/admission/events", { headers: headers(), cache: "no-store" });
+      answer = await fetch("admission/events", { headers: headers(), cache: "no-store" });
     } catch (error) {
       say("cannot reach slotgate; trying again", "bad");
       await sleep(2000);
@@ -98,7 +99,7 @@ async function read(reader) {
 async function poll(times) {
   for (let i = 0; i < times; i++) {
     try {
-      const answer = await fetch("/admission", { headers: headers(), cache: "no-store" });
+      const answer = await fetch("admission", { headers: headers(), cache: "no-store" });
       if (answer.ok) show(await answer.json());
     } catch (error) {
       /* shown as stale below */
@@ -160,8 +161,8 @@ function gateActions(snap) {
   if (snap.paused === undefined) return; // this gate has no operator controls
   box.append(
     snap.paused
-      ? action("Resume admission", "/admin/resume")
-      : action("Pause admission", "/admin/pause")
+      ? action("Resume admission", "admin/resume")
+      : action("Pause admission", "admin/pause")
   );
 }
 
@@ -218,7 +219,7 @@ function upstreams(snap) {
         model + (pool.active || 0) + " busy, " + Math.max((pool.capacity || 0) - (pool.active || 0), 0) + " free" + tokens));
     }
     if (u.draining !== undefined) {
-      const path = "/admin/upstreams/" + encodeURIComponent(name) + (u.draining ? "/restore" : "/drain");
+      const path = "admin/upstreams/" + encodeURIComponent(name) + (u.draining ? "/restore" : "/drain");
       row.append(action(u.draining ? "Restore " + name : "Drain " + name, path));
     }
     box.append(row);
@@ -242,7 +243,7 @@ function line(snap) {
   const controls = snap.paused !== undefined;
   for (const w of waiting) {
     const cancel = controls
-      ? action("Cancel", "/admin/requests/" + encodeURIComponent(w.request_id) + "/cancel")
+      ? action("Cancel", "admin/requests/" + encodeURIComponent(w.request_id) + "/cancel")
       : "";
     body.append(el("tr", {},
       el("td", {}, w.position), el("td", {}, w.tenant), el("td", {}, w.band),
