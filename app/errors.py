@@ -24,10 +24,11 @@
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
     │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
-    │   └── UpstreamError         llama-server could not give its answer
-    │       ├── UpstreamUnavailable
-    │       │   └── UpstreamStarting
-    │       └── UpstreamFailed
+    │   ├── UpstreamError         llama-server could not give its answer
+    │   │   ├── UpstreamUnavailable
+    │   │   │   └── UpstreamStarting
+    │   │   └── UpstreamFailed
+    │   └── TooManyWatchers       the status stream has all the watchers it takes
     ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
     │   ├── ConnectFailed
     │   ├── Disconnected
@@ -310,6 +311,12 @@ class UpstreamFailed(UpstreamError):
 # -- the upstream client's ---------------------------------------------------------------------
 
 
+class TooManyWatchers(GateError):
+    """`GET /admission/events` has STATUS_WATCHERS watchers already."""
+
+    retry_after_s = 5.0
+
+
 class ExchangeFailed(SlotgateError):
     """The exchange with the upstream failed."""
 
@@ -410,6 +417,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
     Cancelled:            Shape(503, _AWAY, "cancelled_by_operator", "cancelled", final=True),
+    TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),
 }
 # fmt: on
 

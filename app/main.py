@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,10 @@ from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
 from slotgate.proxy.request import request_id
 from slotgate.settings import Settings
+from slotgate.status import page
+from slotgate.status.events import Events
+from slotgate.status.recent import Recent
+from slotgate.status.waiting import waiting
 from slotgate.upstreams.fleet import Fleet, Resolver
 from slotgate.upstreams.upstream import Upstream
 from starlette.exceptions import HTTPException
@@ -32,7 +37,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("slotgate")
 
 #: The paths slotgate answers itself; everything else belongs to llama-server.
-OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz"})
+OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz", *page.PATHS})
 #: What `GET /metrics?source=...` serves: both, slotgate's own series (which promtool passes),
 #: or llama-server's `llamacpp:*` alone (which promtool fails on their names).
 METRICS_SOURCES = ("all", "slotgate", "llama-server")
@@ -118,6 +123,12 @@ class Service:
             self.metrics,
         )
         self.draining = False
+        #: The status page's figures of the last minutes, and its stream's watchers.
+        self.recent = Recent()
+        self.events = Events(
+            lambda: json.dumps(self.snapshot(), separators=(",", ":")).encode(),
+            settings.status_watchers,
+        )
 
     def _model_admission(self) -> Admission:
         """A model's own admission core: the settings of the one line, for its line."""
@@ -136,6 +147,7 @@ class Service:
         self.draining = True
         self.gate.drain()
         self.models.close()
+        self.events.close()
 
     @property
     def upstream(self) -> Upstream:
@@ -144,6 +156,8 @@ class Service:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.admission.snapshot()
+        now = time.monotonic()
+        self.recent.read(self.metrics.totals(), now)
         primary = self.fleet.primary
         props = primary.props
         models = self.fleet.models()
@@ -187,6 +201,9 @@ class Service:
             "tenants": self.tenants(),
             "replication": self.gate.view(),
             **({"models": self.models_view()} if self.models.routed else {}),
+            # Read from the proxy's waiters and the metrics' counts now, not kept per request.
+            "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
+            "recent": self.recent.view(now),
         }
 
     def models_view(self) -> list[dict[str, Any]]:
@@ -352,10 +369,19 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
             said["models"] = {"listed": len(models), "loaded": loaded}
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
-    @app.get("/admission", dependencies=[Depends(authorized)])
-    async def admission() -> dict[str, Any]:
+    # The page's data: a client's key, or an operator's (app/status/page.py).
+    watching = page.watchers(service.access, settings.admin_keys)
+
+    @app.get("/admission", dependencies=[Depends(watching)])
+    async def admission(request: Request) -> Response:
         """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
-        return service.snapshot()
+        answer = JSONResponse(service.snapshot())
+        answer.raw_headers.extend(
+            page.data_headers(service.fleet.primary.cors, request.headers.get("origin"))
+        )
+        return answer
+
+    page.install(app, service.events, lambda: service.fleet.primary.cors, watching)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics(source: str = "all") -> Response:

@@ -13,7 +13,7 @@ import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -575,3 +575,33 @@ class Metrics(Collector):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def totals(self) -> Totals:
+        """Everyone's counts since start, summed over tenants and families: read when the
+        status page's figures are asked for, never per request."""
+        admitted = 0
+        rejected: dict[str, int] = {}
+        wait = [0] * (len(BUCKETS_S) + 1)
+        hold = [0] * (len(BUCKETS_S) + 1)
+        for series in self._series.values():
+            admitted += sum(series.admitted.values())
+            for (_, reason), count in series.rejected.items():
+                rejected[reason] = rejected.get(reason, 0) + count
+            for histograms, into in (
+                (series.histograms["wait"], wait),
+                (series.histograms["hold"], hold),
+            ):
+                for histogram in histograms.values():
+                    for index, count in enumerate(histogram.counts):
+                        into[index] += count
+        return Totals(admitted, rejected, wait, hold)
+
+
+class Totals(NamedTuple):
+    """`Metrics.totals`: requests admitted, not served by reason, and the bucket counts (as
+    `BUCKETS_S`, then past the last) of every admitted wait and every slot hold."""
+
+    admitted: int
+    rejected: dict[str, int]
+    wait: list[int]
+    hold: list[int]

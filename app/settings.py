@@ -181,6 +181,13 @@ class Settings(BaseSettings):
         description="With keys: the first this many tenants seen keep their name in the metrics' "
         "tenant label, later ones share `other`; 0 = no tenant label.",
     )
+    status_watchers: int = Field(
+        16,
+        ge=0,
+        le=10_000,
+        description="Clients that may watch GET /admission/events (and the status page) at "
+        "once; one more is answered 429 too_many_watchers; 0 = the stream is off.",
+    )
     max_body_bytes: int = Field(
         32 * MIB, ge=1, le=2**31, description="Largest request body accepted, in bytes."
     )

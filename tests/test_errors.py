@@ -31,6 +31,7 @@ from slotgate.errors import (
     TenantQueueFull,
     TenantTooLarge,
     TooLarge,
+    TooManyWatchers,
     Unauthorized,
     UnknownModel,
     UnsupportedMediaType,
@@ -75,6 +76,7 @@ RAISED: list[GateError] = [
     UpstreamFailed("broke"),
     Forbidden("not here"),
     Cancelled("an operator"),
+    TooManyWatchers("watched"),
 ]
 
 

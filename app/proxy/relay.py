@@ -116,6 +116,8 @@ class Proxy:
         self._body_limit = settings.max_body_bytes
         #: Bytes of gated bodies not yet admitted, bounded by QUEUE_BODY_BYTES.
         self.body_bytes = BodyBytes(settings.queue_body_bytes, admission)
+        #: The requests waiting for slots now, in the order they began to wait.
+        self.waiting: dict[Request, Claim] = {}
         self._keepalive_s = settings.keepalive_interval_s
         self._head_after_s = settings.stream_head_after_s
         self._startup_wait_s = settings.startup_wait_s
@@ -303,7 +305,14 @@ class Proxy:
                         counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
                         await counter.count(ticket, request.estimate)
                     if not ticket.admitted:
-                        await self._wait(request, answer, ticket)
+                        # Listed while it waits, for /admission's `waiting` (read only when
+                        # asked for): a request admitted at once is never listed.
+                        waiting = self.waiting
+                        waiting[request] = ticket
+                        try:
+                            await self._wait(request, answer, ticket)
+                        finally:
+                            del waiting[request]
                 finally:
                     request.held.release()
                 request.weight = ticket.weight
