@@ -6,11 +6,14 @@
     │   │   ├── BadRequest
     │   │   │   └── UpgradeRefused
     │   │   ├── Unauthorized
+    │   │   ├── Forbidden
     │   │   ├── PayloadTooLarge
     │   │   ├── HeadersTooLarge
     │   │   ├── UnsupportedMediaType
     │   │   ├── HeadTimeout
-    │   │   └── ContextExceeded
+    │   │   ├── ContextExceeded
+    │   │   ├── UnknownModel
+    │   │   └── ModelNotLoaded
     │   ├── AdmissionError        not admitted: the pool's Snapshot and a retry estimate
     │   │   ├── NotReady
     │   │   ├── ShuttingDown
@@ -22,10 +25,12 @@
     │   │       └── TenantTooLarge
     │   ├── QuotaExceeded         the tenant used up a quota of its keys file; its window frees
     │   ├── DeadlineUnmet         no slot within the request's X-Max-Wait; the line may shorten
-    │   └── UpstreamError         llama-server could not give its answer
-    │       ├── UpstreamUnavailable
-    │       │   └── UpstreamStarting
-    │       └── UpstreamFailed
+    │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
+    │   ├── UpstreamError         llama-server could not give its answer
+    │   │   ├── UpstreamUnavailable
+    │   │   │   └── UpstreamStarting
+    │   │   └── UpstreamFailed
+    │   └── TooManyWatchers       the status stream has all the watchers it takes
     ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
     │   ├── ConnectFailed
     │   ├── Disconnected
@@ -108,6 +113,11 @@ class Unauthorized(ClientError):
     pass
 
 
+class Forbidden(ClientError):
+    """Not allowed to this client, whatever it sends (operator controls from elsewhere than
+    loopback without ADMIN_KEYS)."""
+
+
 class PayloadTooLarge(ClientError):
     pass
 
@@ -136,6 +146,25 @@ class ContextExceeded(ClientError):
         self.extra = {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}
 
 
+class UnknownModel(ClientError):
+    """A router serves no model of that id or alias (or the request named none): said in
+    llama-server's router's own words, before the request waits for anything."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"model '{name}' not found" if name else "model name is missing from the request",
+            param="model",
+        )
+
+
+class ModelNotLoaded(ClientError):
+    """The model is not loaded and must not be loaded for this request (`?autoload=false`, or
+    a router started with --no-models-autoload): the router's own answer."""
+
+    def __init__(self) -> None:
+        super().__init__("model is not loaded", param="model")
+
+
 class AdmissionError(GateError):
     """A request was not admitted; `snapshot` shows the pool at that moment. The message is
     made only when an answer reads it."""
@@ -159,7 +188,8 @@ class NotReady(AdmissionError):
     @property
     def message(self) -> str:
         return (
-            "llama-server is not ready (starting, loading the model or unreachable); retry shortly"
+            "llama-server is not ready (starting, loading the model, unreachable, or drained "
+            "by an operator); retry shortly"
         )
 
 
@@ -308,6 +338,11 @@ class DeadlineUnmet(GateError):
         )
 
 
+class Cancelled(GateError):
+    """An operator cancelled the request: it left the line, or its generation was cut. Not
+    to be sent again as it is: its answer says so (`x-should-retry: false`)."""
+
+
 class UpstreamError(GateError):
     """llama-server could not give its answer."""
 
@@ -335,6 +370,12 @@ class UpstreamFailed(UpstreamError):
 
 
 # -- the upstream client's ---------------------------------------------------------------------
+
+
+class TooManyWatchers(GateError):
+    """`GET /admission/events` has STATUS_WATCHERS watchers already."""
+
+    retry_after_s = 5.0
 
 
 class ExchangeFailed(SlotgateError):
@@ -400,6 +441,9 @@ class Shape:
     reason: str
     #: A retry can pass: Retry-After headers, and the pool's snapshot when the refusal has one.
     retry: bool = False
+    #: Meant to end the request for good: `x-should-retry: false`, which the OpenAI and
+    #: Anthropic SDKs obey, where a 5xx alone makes them send it again.
+    final: bool = False
 
 
 _BAD = "invalid_request_error"
@@ -413,12 +457,15 @@ ANSWERS: dict[type[GateError], Shape] = {
     BadRequest:           Shape(400, _BAD, "invalid_request", "bad_request"),
     UpgradeRefused:       Shape(400, _BAD, "upgrade_not_supported", "bad_request"),
     Unauthorized:         Shape(401, "authentication_error", "invalid_api_key", "unauthorized"),
+    Forbidden:            Shape(403, "permission_error", "forbidden", "unauthorized"),
     PayloadTooLarge:      Shape(413, _BAD, "body_too_large", "bad_request"),
     HeadersTooLarge:      Shape(431, _BAD, "headers_too_large", "bad_request"),
     UnsupportedMediaType: Shape(415, _BAD, "unsupported_media_type", "bad_request"),
     HeadTimeout:          Shape(408, _BAD, "request_timeout", "bad_request"),
     ContextExceeded:      Shape(400, "exceed_context_size_error", "exceed_context_size_error",
                                 "bad_request"),
+    UnknownModel:         Shape(400, _BAD, "model_not_found", "bad_request"),
+    ModelNotLoaded:       Shape(400, _BAD, "model_not_loaded", "bad_request"),
     NotReady:             Shape(503, _AWAY, "upstream_not_ready", "upstream_unavailable", True),
     ShuttingDown:         Shape(503, _AWAY, "shutting_down", "upstream_unavailable", True),
     QueueFull:            Shape(429, _RATE, "queue_full", "queue_full", True),
@@ -432,6 +479,8 @@ ANSWERS: dict[type[GateError], Shape] = {
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
+    Cancelled:            Shape(503, _AWAY, "cancelled_by_operator", "cancelled", final=True),
+    TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),
 }
 # fmt: on
 
@@ -460,6 +509,7 @@ class Refusal:
     retry_after_s: float | None = None
     snapshot: Snapshot | None = None
     extra: dict[str, Any] | None = None  # llama-server's own fields beside its error's
+    final: bool = False  # `Shape.final`
 
 
 def refusal(exc: BaseException) -> Refusal:
@@ -471,7 +521,7 @@ def refusal(exc: BaseException) -> Refusal:
     snapshot = exc.snapshot if shape.retry and isinstance(exc, AdmissionError) else None
     return Refusal(
         shape.status, shape.type, shape.code, exc.message, shape.reason, exc.param,
-        retry_after_s, snapshot, exc.extra,
+        retry_after_s, snapshot, exc.extra, shape.final,
     )  # fmt: skip
 
 

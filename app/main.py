@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,9 +13,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from slotgate.asgi import Message, Receive, Scope, Send
+from slotgate.controls import PREFIX, Operators
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
+from slotgate.gate.models import Models
+from slotgate.gate.pool import Snapshot
 from slotgate.gate.quotas import Ledger, Windows
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
@@ -23,6 +27,10 @@ from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
 from slotgate.proxy.request import request_id
 from slotgate.settings import Settings
+from slotgate.status import page
+from slotgate.status.events import Events
+from slotgate.status.recent import Recent
+from slotgate.status.waiting import waiting
 from slotgate.upstreams.fleet import Fleet, Resolver
 from slotgate.upstreams.upstream import Upstream
 from starlette.exceptions import HTTPException
@@ -30,7 +38,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("slotgate")
 
 #: The paths slotgate answers itself; everything else belongs to llama-server.
-OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz"})
+OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz", *page.PATHS})
 #: What `GET /metrics?source=...` serves: both, slotgate's own series (which promtool passes),
 #: or llama-server's `llamacpp:*` alone (which promtool fails on their names).
 METRICS_SOURCES = ("all", "slotgate", "llama-server")
@@ -49,7 +57,8 @@ class Gateway(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        if scope["path"] not in OWN_PATHS:
+        path = scope["path"]
+        if path not in OWN_PATHS and not path.startswith(PREFIX):
             await self.proxy(scope, receive, send)
             return
         # slotgate's own answers carry the request id as relayed ones do, errors included.
@@ -74,8 +83,10 @@ class Service:
             startup_wait_s=settings.startup_wait_s,
             epsilon=settings.routing_epsilon,
         )
-        self.fleet = Fleet(settings, self.admission, resolver)
         self.access = Access(settings.api_keys, settings.api_keys_file)
+        #: One line per model, once an upstream turns out to be a llama-server router.
+        self.models = Models(self._model_admission)
+        self.fleet = Fleet(settings, self.admission, resolver, self.models)
         #: The way into admission: the core's own, or the line shared with other replicas
         #: through Redis (REDIS_URL; without it no Redis code is even imported).
         self.gate: Gate = Local(self.admission)
@@ -107,14 +118,40 @@ class Service:
             by_tenant=self.access.enabled,
             tenants=settings.metrics_tenants,
             gate=self.gate,
+            models=self.models,
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
+        self.access.tenants.listeners.append(lambda roster: self.models.retune(roster.tenants))
         self.proxy = Proxy(
             settings, self.admission, self.fleet, self.metrics, self.access, self.gate,
             self.ledger,
         )  # fmt: skip
+        self.operators = Operators(
+            settings.admin_keys,
+            self.access,
+            self.gate,
+            self.fleet,
+            self.proxy.running,
+            self.metrics,
+        )
         self.draining = False
+        #: The status page's figures of the last minutes, and its stream's watchers.
+        self.recent = Recent()
+        self.events = Events(
+            lambda: json.dumps(self.snapshot(), separators=(",", ":")).encode(),
+            settings.status_watchers,
+        )
+
+    def _model_admission(self) -> Admission:
+        """A model's own admission core: the settings of the one line, for its line."""
+        settings = self.settings
+        return Admission(
+            settings.queue_policy,
+            queue_timeout_s=settings.queue_timeout_s,
+            startup_wait_s=settings.startup_wait_s,
+            epsilon=settings.routing_epsilon,
+        )
 
     def drain(self) -> None:
         """Shutdown has begun: refuse new work and turn the queue away; streams run on."""
@@ -122,6 +159,8 @@ class Service:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
         self.gate.drain()
+        self.models.close()
+        self.events.close()
 
     @property
     def upstream(self) -> Upstream:
@@ -130,19 +169,16 @@ class Service:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.admission.snapshot()
+        now = time.monotonic()
+        self.recent.read(self.metrics.totals(), now)
         primary = self.fleet.primary
         props = primary.props
         models = self.fleet.models()
         return {
-            "capacity": snap.capacity,
-            "active": snap.active,
-            "queued": snap.queued,
-            "free": snap.free,
-            "queue_limit": snap.queue_limit,
-            "budget_tokens": snap.budget_tokens,
-            "committed_tokens": snap.committed_tokens,
-            "free_tokens": snap.free_tokens,
+            **_figures(snap),
             "admission_control": self.settings.admission_control,
+            # An operator paused admission (POST /admin/pause): new requests wait in line.
+            "paused": self.gate.paused,
             "retry_after_estimate_s": round(self.admission.estimate_s(), 3),
             "upstream": {
                 "url": primary.url,
@@ -158,8 +194,12 @@ class Service:
             "models_differ": len(models) > 1,
             "upstreams": [
                 {
+                    "name": upstream.name,
                     "url": upstream.url,
                     "ready": upstream.ready,
+                    # Drained by an operator: its running requests finish, nothing new goes
+                    # there, and its slots are not counted in `capacity`.
+                    "draining": upstream.pool.draining,
                     "reason": upstream.reason,
                     "capacity": upstream.pool.capacity,
                     "active": upstream.pool.active,
@@ -173,9 +213,44 @@ class Service:
             ],
             "tenants": self.tenants(),
             "replication": self.gate.view(),
+            **({"models": self.models_view()} if self.models.routed else {}),
+            # Read from the proxy's waiters and the metrics' counts now, not kept per request.
+            "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
+            "recent": self.recent.view(now),
             # PREEMPT_AFTER_S: requests preempted before their first byte so far.
             "preemptions": None if (p := self.proxy.preemption) is None else p.count,
         }
+
+    def models_view(self) -> list[dict[str, Any]]:
+        """Each model a router serves: its state, its line and its pools."""
+        shown = []
+        for lane in self.models:
+            snap = lane.admission.snapshot()
+            shown.append(
+                {
+                    "model": lane.model,
+                    "aliases": sorted(lane.aliases),
+                    "state": lane.state,
+                    "states": dict(lane.states),
+                    **({"exit_codes": dict(lane.exit_codes)} if lane.exit_codes else {}),
+                    "autoload": lane.autoload,
+                    "held": lane.held,
+                    **_figures(snap),
+                    "retry_after_estimate_s": round(lane.admission.estimate_s(), 3),
+                    "pools": [
+                        {
+                            "key": pool.key,
+                            "model": lane.model,
+                            "capacity": pool.capacity,
+                            "active": pool.active,
+                            "budget_tokens": pool.budget,
+                            "committed_tokens": pool.committed,
+                        }
+                        for pool in lane.admission.pools
+                    ],
+                }
+            )
+        return shown
 
     def tenants(self) -> list[dict[str, Any]]:
         """Each tenant by name (never a key), its share and what it holds and waits for."""
@@ -198,6 +273,20 @@ class Service:
                 }
             )
         return shown
+
+
+def _figures(snap: Snapshot) -> dict[str, Any]:
+    """A line's figures as `/admission` shows them."""
+    return {
+        "capacity": snap.capacity,
+        "active": snap.active,
+        "queued": snap.queued,
+        "free": snap.free,
+        "queue_limit": snap.queue_limit,
+        "budget_tokens": snap.budget_tokens,
+        "committed_tokens": snap.committed_tokens,
+        "free_tokens": snap.free_tokens,
+    }
 
 
 def create_app(settings: Settings | None = None, resolver: Resolver | None = None) -> Gateway:
@@ -273,21 +362,42 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
+        if all(u.pool.draining for u in service.fleet if u.ready):
+            # Ready while another upstream serves; with every ready one drained, nothing does.
+            return JSONResponse(
+                {"status": "not ready", "reason": "every ready upstream is drained"},
+                503,
+                {"retry-after": "1"},
+            )
         gate = service.gate
         mode = gate.mode
         # A shared line says how it is kept: degraded (Redis away) is still ready.
-        said = {} if mode == "local" else {"replication": mode}
+        said: dict[str, Any] = {} if mode == "local" else {"replication": mode}
         reason = gate.unready()
         if reason is not None:
             return JSONResponse(
                 {"status": "not ready", "reason": reason, **said}, 503, {"retry-after": "1"}
             )
+        models = service.models
+        if models.routed:
+            # Ready while the routers answer, whatever their models' states (in /admission).
+            loaded = sum(lane.running for lane in models)
+            said["models"] = {"listed": len(models), "loaded": loaded}
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
-    @app.get("/admission", dependencies=[Depends(authorized)])
-    async def admission() -> dict[str, Any]:
+    # The page's data: a client's key, or an operator's (app/status/page.py).
+    watching = page.watchers(service.access, settings.admin_keys)
+
+    @app.get("/admission", dependencies=[Depends(watching)])
+    async def admission(request: Request) -> Response:
         """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
-        return service.snapshot()
+        answer = JSONResponse(service.snapshot())
+        answer.raw_headers.extend(
+            page.data_headers(service.fleet.primary.cors, request.headers.get("origin"))
+        )
+        return answer
+
+    page.install(app, service.events, lambda: service.fleet.primary.cors, watching)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics(source: str = "all") -> Response:
@@ -306,5 +416,57 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         return Response(
             text, media_type="text/plain; version=0.0.4; charset=utf-8", headers=headers
         )
+
+    # -- operator controls (app/controls.py) ----------------------------------------------------
+
+    operators = service.operators
+
+    def operator(request: Request) -> str:
+        client = request.client.host if request.client is not None else None
+        headers = request.headers
+        return operators.who(
+            client, headers.get("authorization", "").encode("latin-1") or None, headers
+        )
+
+    def upstream_named(name: str) -> Upstream:
+        upstream = operators.upstream(name)
+        if upstream is None:
+            names = ", ".join(u.name for u in service.fleet)
+            raise HTTPException(404, f"no upstream is named {name!r}; upstreams: {names}")
+        return upstream
+
+    @app.post(PREFIX + "upstreams/{name:path}/drain")
+    async def drain(name: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """Take one upstream out of rotation: its running requests finish, nothing new goes
+        there."""
+        upstream = upstream_named(name)
+        operators.drain(who, upstream)
+        return {"ok": True, "upstream": upstream.name, "draining": True}
+
+    @app.post(PREFIX + "upstreams/{name:path}/restore")
+    async def restore(name: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """Put a drained upstream back in rotation."""
+        upstream = upstream_named(name)
+        operators.restore(who, upstream)
+        return {"ok": True, "upstream": upstream.name, "draining": False}
+
+    @app.post(PREFIX + "pause")
+    async def pause(who: str = Depends(operator)) -> dict[str, Any]:
+        """Hold admission: new requests wait in line (its limit and timeout apply), running
+        ones finish."""
+        operators.pause(who)
+        return {"ok": True, "paused": True}
+
+    @app.post(PREFIX + "resume")
+    async def resume(who: str = Depends(operator)) -> dict[str, Any]:
+        operators.resume(who)
+        return {"ok": True, "paused": False}
+
+    @app.post(PREFIX + "requests/{request_id}/cancel")
+    async def cancel(request_id: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """End one request by its id (X-Request-Id): out of the line, or its generation cut."""
+        if not operators.cancel(who, request_id):
+            raise HTTPException(404, f"no request {request_id!r} is waiting or running")
+        return {"ok": True, "request_id": request_id, "cancelled": True}
 
     return app

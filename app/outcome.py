@@ -33,6 +33,8 @@ class Outcome(StrEnum):
     BAD_REQUEST = "bad_request"
     UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
+    #: An operator cancelled it (POST /admin/requests/{id}/cancel), waiting or running.
+    CANCELLED = "cancelled"
     #: A wait's outcome only (the wait histogram's label): it ended in a slot. The request it
     #: was for ends as one of the others.
     ADMITTED = "admitted"
@@ -59,6 +61,7 @@ REASONS: tuple[str, ...] = (
     Outcome.BAD_REQUEST,
     Outcome.UNAUTHORIZED,
     Outcome.INTERNAL,
+    Outcome.CANCELLED,
 )
 
 _REASON: dict[Outcome, Outcome | None] = {

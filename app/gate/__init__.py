@@ -10,6 +10,6 @@ and `policy` the line's numbers, which the shared line's scripts follow too. `ad
 `fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants`, `quotas` (each
 tenant's windows of requests and tokens), `deadlines` (a request's bound on waiting),
 `sessions` (agent sessions' routing keys and flows), `preemption` (whom a long waiter may
-preempt before its first byte) and `clock` (the hold average and every
-estimate from it).
+preempt before its first byte) and `clock` (the hold average and every estimate from it).
+`models` keeps one admission core per model when llama-server routers serve several.
 """

@@ -14,7 +14,7 @@ import functools
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 from slotgate.asgi import Headers, Receive, Scope, Send
 from slotgate.errors import (
@@ -22,7 +22,9 @@ from slotgate.errors import (
     ClientGone,
     DeadlineUnmet,
     GateError,
+    ModelNotLoaded,
     QuotaExceeded,
+    UnknownModel,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
@@ -30,12 +32,13 @@ from slotgate.errors import (
 from slotgate.gate import deadlines
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
+from slotgate.gate.models import Lane, Models
 from slotgate.gate.preemption import Preemption
 from slotgate.gate.quotas import Ledger, Windows
 from slotgate.gate.sessions import Sessions, routing_key, session_of
 from slotgate.gate.ticket import Claim
-from slotgate.intake.body import Wants, take_off_loop
-from slotgate.intake.endpoints import check_content_type, route_of
+from slotgate.intake.body import Reading, Wants, take_off_loop
+from slotgate.intake.endpoints import check_content_type, parse_json, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
 from slotgate.proxy.access import OPEN_PATHS, Access
@@ -53,7 +56,7 @@ from slotgate.proxy.request import (
     preflight_body,
     read_body,
 )
-from slotgate.proxy.watch import Watch
+from slotgate.proxy.watch import Running, Watch
 from slotgate.settings import Settings
 from slotgate.upstreams.client import Response
 from slotgate.upstreams.fleet import Fleet
@@ -66,6 +69,27 @@ _PREEMPTED_WAIT_S = 3600.0
 #: What the gate wants from a body when no budget binds, the gate is warm and nothing is
 #: routed by key: its demand alone (one shared object, not one per request).
 _NOTHING_MORE = Wants()
+
+
+def _lane(models: Models, request: Request) -> Lane:
+    """The line of the model a request names (its body's `model`), or the router's refusal:
+    an unknown model at once, as the router would; an unloaded one when the request or the
+    router says not to load it (`?autoload=false`, --no-models-autoload)."""
+    name = parse_json(request.body).get("model")
+    lane = models.find(name) if isinstance(name, str) else None
+    if lane is None or not lane.states:  # never listed, or no longer listed anywhere
+        raise UnknownModel(name if isinstance(name, str) else "")
+    autoload = lane.autoload
+    if b"autoload=" in request.query:
+        said = parse_qs(request.query.decode("latin-1")).get("autoload")
+        if said:
+            autoload = said[-1] in ("true", "1")
+    if not lane.running:
+        if not autoload:
+            raise ModelNotLoaded
+        if not lane.autoload:
+            lane.wanted = True  # asked for by this request, against the router's default
+    return lane
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,6 +119,8 @@ class Proxy:
         #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
         self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
+        #: The lines of several models (app/gate/models.py), read once `routed`.
+        self._models = fleet.lanes if fleet.lanes is not None else Models(Admission)
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
         #: Agent sessions' flows in the fair order (SESSION_FLOWS; None: off).
@@ -107,6 +133,8 @@ class Proxy:
         self._body_limit = settings.max_body_bytes
         #: Bytes of gated bodies not yet admitted, bounded by QUEUE_BODY_BYTES.
         self.body_bytes = BodyBytes(settings.queue_body_bytes, admission)
+        #: The requests waiting for slots now, in the order they began to wait.
+        self.waiting: dict[Request, Claim] = {}
         self._keepalive_s = settings.keepalive_interval_s
         self._head_after_s = settings.stream_head_after_s
         self._startup_wait_s = settings.startup_wait_s
@@ -119,6 +147,8 @@ class Proxy:
         self._auth = fleet.primary.auth
         # Bound once: the relay modes and the watch take it for every request.
         self._own: Callable[[Request], Headers] = self._own_headers
+        #: The requests under way that an operator may cancel, by request id.
+        self.running = Running()
 
     # -- one request, top to bottom ------------------------------------------------------------
 
@@ -132,8 +162,9 @@ class Proxy:
         answer = Answer(send)
         try:
             # Its body counts from its first byte until it is admitted (an early release) or
-            # this scope ends, whichever way it ends.
-            with held:
+            # this block ends, whichever way it ends: a `finally`, not `with held:`, as a
+            # `with` keeps a bound `__exit__` (64 bytes) on the frame of every waiting request.
+            try:
                 try:
                     await self._take_in(request, receive)
                     if not request.gated:
@@ -150,9 +181,13 @@ class Proxy:
                     request.outcome = Outcome.CLIENT_GONE
                     return
                 # The one place its slot (or its place in the queue) is given back, whatever
-                # happens.
-                async with ticket:
+                # happens: what `async with ticket` does, without its two coroutines.
+                try:
                     await self._gated_exchange(request, receive, answer, ticket)
+                finally:
+                    ticket.release()
+            finally:
+                held.release()
         finally:
             account(request, answer, self._metrics)
 
@@ -181,7 +216,7 @@ class Proxy:
         if request.endpoint is None:
             await self._forward(request, answer)
             return
-        async with Watch(receive, request, answer, self._own):
+        async with Watch(receive, request, answer, self._own, self.running):
             await self._forward(request, answer)
 
     async def _count(self, request: Request, answer: Answer) -> None:
@@ -199,8 +234,16 @@ class Proxy:
         assert endpoint is not None  # noqa: S101 - gated: _take_in found it
         assert head is not None  # noqa: S101 - read by _take_in
         check_content_type(endpoint, head.content_type)
+        admission = self._admission
+        gate = self._gate
+        lane = None
+        if self._models.routed:
+            # Upstreams serve several models: the request waits in its model's line.
+            lane = request.lane = _lane(self._models, request)
+            admission = lane.admission
+            gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.
-        capacity = self._admission.largest
+        capacity = admission.largest
         unknown = capacity is None
         if unknown:
             if (unreached := self._fleet.unreached) is not None:
@@ -209,9 +252,11 @@ class Proxy:
             # known (app/gate/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
         # Read for the request's shape only: which upstream runs it is known once admitted.
-        budget = self._admission.budget_tokens
-        cold = self._admission.cold
-        affinity = self._affinity and self._fleet.several
+        budget = admission.budget_tokens
+        cold = admission.cold
+        affinity = self._affinity and (
+            self._fleet.several if lane is None else len(admission.pools) > 1
+        )
         wants = _NOTHING_MORE
         if budget or cold or affinity:
             upstream = self._fleet.primary
@@ -225,11 +270,13 @@ class Proxy:
         taken = await take_off_loop(
             endpoint,
             request.body,
-            _UNSIZED if capacity is None else capacity,
-            assemble=self._assemble,
-            # Read only to decide an assembly: a walk over every upstream otherwise wasted.
-            quiet=self._fleet.quiet if self._assemble else True,
-            wants=wants,
+            Reading(
+                _UNSIZED if capacity is None else capacity,
+                self._assemble,
+                # Read only to decide an assembly: a walk over every upstream otherwise wasted.
+                self._fleet.quiet if self._assemble else True,
+                wants,
+            ),
         )
         want, body = taken.demand, taken.body
         request.body = body
@@ -249,7 +296,7 @@ class Proxy:
                 return unsized.at(capacity).weight
 
         if taken.expected_hold_s is not None:
-            self._admission.expect(taken.expected_hold_s)
+            admission.expect(taken.expected_hold_s)
         request.weight = want.weight
         cost = taken.estimate
         tenant = request.tenant
@@ -271,16 +318,17 @@ class Proxy:
             request.band = flow.band if band is None else band
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
-        ticket = await self._gate.enter(
-            Entry(
-                want.choices, cost.reserve if cost else 0, weigh, key, flow, band,
-                conversation, want.choices * want.tasks if want.tasks > 1 else 0,
-            )
+        entry = Entry(
+            want.choices, cost.reserve if cost else 0, weigh, key, flow, band,
+            conversation, want.choices * want.tasks if want.tasks > 1 else 0,
         )  # fmt: skip
+        ticket = gate.enter_now(entry)
+        if ticket is None:  # the shared line: its answer is Redis's
+            ticket = await gate.enter(entry)
         if ticket.admitted:
             self._let_go(request)
         elif request.max_wait_s is not None:
-            self._in_time(ticket, request.max_wait_s)
+            self._in_time(ticket, request.max_wait_s, admission)
         request.ticket = ticket
         request.estimate = cost
         return ticket
@@ -289,24 +337,33 @@ class Proxy:
         self, request: Request, receive: Receive, answer: Answer, ticket: Claim
     ) -> None:
         """Count, wait for the slot, forward; the client leaving cancels whatever is under way."""
-        async with Watch(receive, request, answer, self._own) as watch:
+        async with Watch(receive, request, answer, self._own, self.running) as watch:
             try:
-                # Its body counts while it waits: until admitted, or its wait ends otherwise.
-                with request.held:
+                # Its body counts while it waits: until admitted, or its wait ends otherwise
+                # (a `finally` for the frame's sake, as in `__call__`).
+                try:
                     if request.estimate is not None:
                         # Counted exactly while it holds its place (or its slot): a refusal
                         # costs none.
-                        await self._fleet.primary.count(ticket, request.estimate)
+                        lane = request.lane
+                        counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
+                        await counter.count(ticket, request.estimate)
                     if not ticket.admitted:
-                        waiting = self._wait(request, answer, ticket)
-                        if request.max_wait_s is not None:
-                            waiting = deadlines.within(
-                                waiting, request.max_wait_s, ticket.wait_s,
-                                lambda: self._admission.eta_s(max(ticket.position, 1)),
-                            )  # fmt: skip
-                        if self.preemption is not None and request.band:
-                            waiting = self._patient(waiting, request, ticket)
-                        await waiting
+                        # Listed while it waits, for /admission's `waiting` (read only when
+                        # asked for): a request admitted at once is never listed.
+                        waiting = self.waiting
+                        waiting[request] = ticket
+                        try:
+                            awaited = self._wait(request, answer, ticket)
+                            if request.max_wait_s is not None:
+                                awaited = self._within(awaited, request, ticket)
+                            if self.preemption is not None and request.band:
+                                awaited = self._patient(awaited, request, ticket)
+                            await awaited
+                        finally:
+                            del waiting[request]
+                finally:
+                    request.held.release()
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
                 # Only a request that goes upstream as a stream is preempted: llama-server stops
@@ -336,8 +393,12 @@ class Proxy:
                 if exc.sent and resent:
                     raise
                 resent = resent or exc.sent
-                upstream.lost(exc.message)
-                if not self._startup_wait_s and self._admission.capacity is None:
+                if upstream.router is None:
+                    upstream.lost(exc.message)
+                else:
+                    upstream.poke()  # one model of a router, not the router: read it again
+                admission = self._admission if request.lane is None else request.lane.admission
+                if not self._startup_wait_s and admission.capacity is None:
                     raise  # no other upstream to send it to, and no wait for this one
                 if back_by is None:
                     back_by = time.monotonic() + self._startup_wait_s
@@ -346,6 +407,15 @@ class Proxy:
                 await self._wait(request, answer, ticket)
             else:
                 return
+
+    def _within(self, waiting: Awaitable[None], request: Request, ticket: Claim) -> Awaitable[None]:
+        """The wait, out of the line with DeadlineUnmet once its bound (X-Max-Wait) is reached."""
+        assert request.max_wait_s is not None  # noqa: S101 - only for a request with a bound
+        admission = self._admission if request.lane is None else request.lane.admission
+        return deadlines.within(
+            waiting, request.max_wait_s, ticket.wait_s,
+            lambda: admission.eta_s(max(ticket.position, 1)),
+        )  # fmt: skip
 
     # -- preemption (PREEMPT_AFTER_S) ----------------------------------------------------------
 
@@ -401,10 +471,10 @@ class Proxy:
 
     # -- waiting -------------------------------------------------------------------------------
 
-    def _in_time(self, ticket: Claim, bound_s: float) -> None:
+    def _in_time(self, ticket: Claim, bound_s: float, admission: Admission) -> None:
         """Refuse at once a request whose place in line promises a slot only past its bound."""
         try:
-            deadlines.check(self._admission.eta_s(max(ticket.position, 1)), bound_s)
+            deadlines.check(admission.eta_s(max(ticket.position, 1)), bound_s)
         except DeadlineUnmet:
             ticket.release()  # its place, before anyone waits behind it for nothing
             raise
@@ -431,6 +501,7 @@ class Proxy:
         short, so the head waits until the wait is long enough to risk an idle timeout.
         """
         waiting = asyncio.ensure_future(ticket.wait())
+        admission = self._admission if request.lane is None else request.lane.admission
         try:
             if not answer.stream:
                 if self._head_after_s:
@@ -440,7 +511,7 @@ class Proxy:
                         return
                 await answer.start(200, [*SSE_HEAD, *self._own_headers(request)], stream=True)
             while True:
-                eta = self._admission.retry_after_s(max(ticket.position, 1))
+                eta = admission.retry_after_s(max(ticket.position, 1))
                 await answer.comment(
                     f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
                 )
@@ -468,8 +539,8 @@ class Proxy:
             # Leaving this block by an exception closes the connection, not pools it, which is
             # what makes llama-server cancel the task behind it.
             upstream = request.upstream
-            if upstream is None:  # not gated: any upstream answers it
-                upstream = request.upstream = self._fleet.primary
+            if upstream is None:  # not gated: any upstream answers it (of its ?model=)
+                upstream = request.upstream = self._fleet.serving(request.query)
             async with upstream.request(request.method, target, headers, request.body) as r:
                 await self._relay_answer(request, answer, r)
         except GateError as exc:

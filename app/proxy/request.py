@@ -18,6 +18,7 @@ from slotgate.gate.tenants import EVERYONE
 from slotgate.outcome import Outcome
 
 if TYPE_CHECKING:
+    from slotgate.gate.models import Lane
     from slotgate.gate.ticket import Claim
     from slotgate.intake.cost import Estimate
     from slotgate.intake.endpoints import Endpoint
@@ -46,8 +47,9 @@ class Request:
     """What slotgate knows of one request, from its head to its access-log line."""
 
     __slots__ = (
-        "assembly", "band", "body", "endpoint", "estimate", "gated", "head", "headers", "held",
-        "id", "max_wait_s", "method", "origin", "outcome", "path", "query", "started", "stream",
+        "assembly", "band", "body", "endpoint", "estimate", "first_byte_at", "gated", "head",
+        "headers", "held", "id", "lane", "max_wait_s", "method", "origin", "outcome", "path",
+        "query", "started", "stream",
         "teaches", "tenant", "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
@@ -86,7 +88,11 @@ class Request:
         #: The llama-server it goes to: its pool's, once admitted (any, until then).
         self.upstream: Upstream | None = None
         self.upstream_status: int | None = None
+        #: When (time.monotonic()) the first byte of llama-server's answer body arrived.
+        self.first_byte_at: float | None = None
         self.outcome: Outcome = _SERVED
+        #: Its model's line, when routers serve several models (app/gate/models.py).
+        self.lane: Lane | None = None
 
     @property
     def route(self) -> str | None:

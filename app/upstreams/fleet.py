@@ -9,13 +9,15 @@ import logging
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
+from slotgate.gate.models import Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
-from slotgate.upstreams.upstream import Upstream, address_url
+from slotgate.upstreams.router import Router, served_names
+from slotgate.upstreams.upstream import Props, Upstream, address_url
 
 log = logging.getLogger("slotgate.fleet")
 
@@ -71,13 +73,21 @@ class Fleet:
     current; slotgate is ready while any upstream is."""
 
     def __init__(
-        self, settings: Settings, admission: Admission, resolver: Resolver | None = None
+        self,
+        settings: Settings,
+        admission: Admission,
+        resolver: Resolver | None = None,
+        models: Models | None = None,
     ) -> None:
         self._settings = settings
         self._admission = admission
         self._resolve = resolver or system_resolver
         self._sources = [_Source(url) for url in settings.llama_server_urls]
         self._by_pool: dict[Pool, Upstream] = {}
+        #: The lines of the models routers serve (app/gate/models.py); their pools' upstreams.
+        self.lanes = models
+        self._model_pools: dict[Pool, Upstream] = {}
+        self._placing: asyncio.Task[None] | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
         #: Upstreams whose address left, each until its last request has ended.
@@ -131,6 +141,23 @@ class Fleet:
                 return upstream
         return upstreams[0]
 
+    def serving(self, query: bytes) -> Upstream:
+        """The upstream for a request that takes no slot: with lines per model, one that
+        serves its `?model=` (a router's `/props?model=`, `/metrics?model=`), else `primary`."""
+        lanes = self.lanes
+        if lanes is None or not lanes.routed or b"model=" not in query:
+            return self.primary
+        names = parse_qs(query.decode("latin-1")).get("model")
+        lane = lanes.find(names[-1]) if names else None
+        return self.primary if lane is None else self.of_lane(lane)
+
+    def of_lane(self, lane: Lane) -> Upstream:
+        """An upstream that serves `lane`'s model: one with its slots known, if any."""
+        for pool in sorted(lane.admission.pools, key=lambda p: p.capacity is None):
+            if (upstream := self._model_pools.get(pool)) is not None:
+                return upstream
+        return self.primary
+
     @property
     def quiet(self) -> bool:
         """Every upstream has shown that it adds no `__verbose` unasked (no --verbose): a
@@ -139,7 +166,27 @@ class Fleet:
         return all(upstream.verbose is False for upstream in self._all)
 
     def of(self, pool: Pool) -> Upstream:
-        return self._by_pool[pool]
+        try:
+            return self._by_pool[pool]
+        except KeyError:  # a model's pool (app/upstreams/router.py, `_place`)
+            return self._model_pools[pool]
+
+    def _routing(self, upstream: Upstream) -> Router:
+        """`upstream` is a llama-server in router mode: its models' pools join their lanes."""
+        models = self.lanes
+        assert models is not None  # noqa: S101 - given to upstreams only with models
+        models.routed = True
+        if any(u.router is None for u in self._all):
+            self._place_all()  # servers of one model beside the router join their lines
+
+        def adopt(pool: Pool) -> None:
+            self._model_pools[pool] = upstream
+
+        return Router(
+            upstream.url, upstream.get, upstream.post, models, adopt,
+            upstream.kv_budget_tokens, Props.parse, self._settings.model_swap_after_s,
+            self._settings.props_refresh_interval_s,
+        )  # fmt: skip
 
     def models(self) -> set[str]:
         """The models the ready upstreams serve (one, as meant, unless they disagree)."""
@@ -149,15 +196,46 @@ class Fleet:
 
     def _check_models(self) -> None:
         models = self.models()
+        lanes = self.lanes
         if len(models) > 1 and models != self._warned_models:
-            # Requests are routed by slots and cache, not by `model`: a request may be answered
-            # by any of them.
             log.warning(
-                "the upstreams serve different models (%s): slotgate routes by slots and cache, "
-                "not by model, so give it upstreams of one model",
+                "the upstreams serve different models (%s): %s",
                 ", ".join(sorted(models)),
+                "requests are routed by their model"
+                if lanes is not None
+                else "slotgate routes by slots and cache, not by model",
             )
         self._warned_models = models
+        if lanes is not None and (lanes.routed or len(models) > 1):
+            self._place_all()
+
+    def _place_all(self) -> None:
+        """Each ready server of one model joins its model's line (once), in a task of its own:
+        its names come from its `/v1/models`."""
+        if self._placing is None or self._placing.done():
+            self._placing = asyncio.create_task(self._place(), name="slotgate-models")
+
+    async def _place(self) -> None:
+        lanes = self.lanes
+        assert lanes is not None  # noqa: S101 - placed only with lanes
+        for upstream in list(self._all):
+            if upstream.router is not None or upstream.model_pool is not None:
+                continue
+            if not upstream.ready:
+                continue
+            names = await served_names(upstream)
+            lane = lanes.lane(names[0], names[1:]) if names else None
+            if lane is None or upstream.model_pool is not None:
+                continue
+            pool = lane.admission.add_pool(upstream.url)
+            self._model_pools[pool] = upstream
+            upstream.model_pool = pool
+            lane.states[upstream.url] = "loaded"
+            pool.resize_budget(upstream.pool.budget)
+            pool.resize(upstream.pool.capacity)
+            log.info("upstream joins the line of model %s url=%s", lane.model, upstream.url)
+        # From now on a request waits in its model's line (servers placed before it is read).
+        lanes.routed = True
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -170,7 +248,7 @@ class Fleet:
             self._discovery = asyncio.create_task(self._rediscover(), name="slotgate-discovery")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._discovery, *self._leaving) if t is not None]
+        tasks = [t for t in (self._discovery, self._placing, *self._leaving) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -192,14 +270,24 @@ class Fleet:
         """llama-server's own /metrics: as it is from one upstream; from several, each sample
         labelled with its upstream, and each family's HELP and TYPE once."""
         upstreams = self.upstreams
-        if len(upstreams) == 1:
+        if len(upstreams) == 1 and upstreams[0].router is None:
             return await upstreams[0].metrics()
-        answers = await asyncio.gather(*(u.metrics() for u in upstreams))
+        sources: list[tuple[bytes, Awaitable[tuple[bytes, list[Header]]]]] = []
+        for upstream in upstreams:
+            label = b'upstream="' + _escape(upstream.url) + b'"'
+            router = upstream.router
+            if router is None:
+                sources.append((label, upstream.metrics()))
+                continue
+            # A router's own /metrics is a 400: each running child's, labelled with its model.
+            for model, path in router.metrics_targets():
+                labels = label + b',model="' + _escape(model) + b'"'
+                sources.append((labels, upstream.metrics(path)))
+        answers = await asyncio.gather(*(answer for _, answer in sources))
         # The text format wants each family as one group: its HELP and TYPE once (the first
         # upstream's, should builds word them differently), then every upstream's samples.
         families: dict[bytes, tuple[dict[bytes, bytes], list[bytes]]] = {}
-        for upstream, (text, _) in zip(upstreams, answers, strict=True):
-            label = b'upstream="' + _escape(upstream.url) + b'"'
+        for (label, _), (text, _) in zip(sources, answers, strict=True):
             family: bytes | None = None
             for line in text.splitlines():
                 if line.startswith(b"#"):
@@ -275,7 +363,8 @@ class Fleet:
     def _add(self, source: _Source, address: str | None) -> Upstream:
         url = source.url
         pool = self._admission.add_pool(_pool_key(source, address))
-        upstream = Upstream(self._settings, pool, url, address, self._check_models)
+        routing = self._routing if self.lanes is not None else None
+        upstream = Upstream(self._settings, pool, url, address, self._check_models, routing)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
         self._list()
@@ -286,6 +375,8 @@ class Fleet:
         self._list()
         log.info("upstream leaves: %s", upstream.url)
         upstream.pool.retire()
+        if upstream.model_pool is not None:
+            upstream.model_pool.retire()
         task = asyncio.create_task(self._leave(upstream), name="slotgate-upstream-leaves")
         self._leaving[task] = upstream
         task.add_done_callback(self._left)
@@ -301,6 +392,8 @@ class Fleet:
             if upstream.pool.key == key and upstream.pool.active:
                 task.cancel()
                 upstream.pool.revive()
+                if upstream.model_pool is not None:
+                    upstream.model_pool.revive()
                 source.upstreams[address] = upstream
                 self._list()
                 upstream.poke()  # its slot count now, not at the next tick
