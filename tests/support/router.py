@@ -66,21 +66,51 @@ def model() -> Path:
         raise
 
 
-def models_dir(directory: Path, ids: Iterable[str]) -> Path:
-    """`directory` holding the demo model once per id (`ID.gguf`, a symbolic link)."""
-    source = model()
+def models_dir(directory: Path, ids: Iterable[str], source: Path | None = None) -> Path:
+    """`directory` holding `source` (the demo model by default) once per id: `ID.gguf`, a
+    symbolic link."""
+    source = source or model()
     directory.mkdir(parents=True, exist_ok=True)
     for each in ids:
         (directory / f"{each}.gguf").symlink_to(source)
     return directory
 
 
-class Router:
-    """One router-mode llama-server on a loopback port, its log in a file.
+def command(
+    binary: Path,
+    port: int,
+    serves: Iterable[str],
+    *,
+    parallel: int = 2,
+    ctx_size: int = 2048,
+) -> list[str]:
+    """llama-server on a loopback port serving what `serves` names (`--models-dir DIR
+    --models-max N` for a router, `-m FILE` for one model): 2 slots of 1,024 tokens each,
+    1 thread (2 cores are shared with slotgate and the client), the demo's chat template,
+    `/metrics` on. A router's children inherit all of it."""
+    return [
+        str(binary),
+        *serves,
+        "-np", str(parallel),
+        "-c", str(ctx_size),
+        "-t", "1",
+        "--no-warmup",
+        "--metrics",
+        "--no-ui",
+        "--jinja",
+        "--chat-template-file", str(DEMO_CHAT_TEMPLATE),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+    ]  # fmt: skip
 
-    Its children inherit its flags: 2 slots of 1,024 tokens each, 1 thread (2 cores are shared
-    with slotgate and the client), the demo's chat template, `/metrics` on.
-    """
+
+def loads(log: str) -> list[str]:
+    """The models a router started a child for, in order, from its log."""
+    return _SPAWN.findall(log)
+
+
+class Router:
+    """One router-mode llama-server on a loopback port (see `command`), its log in a file."""
 
     def __init__(
         self,
@@ -90,28 +120,13 @@ class Router:
         models_max: int,
         parallel: int = 2,
         ctx_size: int = 2048,
-        extra: Iterable[str] = (),
     ) -> None:
         self.models = models
         self.log = log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [
-            str(binary()),
-            "--models-dir", str(models),
-            "--models-max", str(models_max),
-            "-np", str(parallel),
-            "-c", str(ctx_size),
-            "-t", "1",
-            "--no-warmup",
-            "--metrics",
-            "--no-ui",
-            "--jinja",
-            "--chat-template-file", str(DEMO_CHAT_TEMPLATE),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            *extra,
-        ]  # fmt: skip
+        serves = ["--models-dir", str(models), "--models-max", str(models_max)]
+        self.command = command(binary(), self.port, serves, parallel=parallel, ctx_size=ctx_size)
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -165,7 +180,7 @@ class Router:
 
     def loads(self) -> list[str]:
         """The models it has started a child for, in order, from its log."""
-        return _SPAWN.findall(self.text())
+        return loads(self.text())
 
     def __enter__(self) -> Router:
         self.start()
