@@ -10,7 +10,9 @@
     │   │   ├── HeadersTooLarge
     │   │   ├── UnsupportedMediaType
     │   │   ├── HeadTimeout
-    │   │   └── ContextExceeded
+    │   │   ├── ContextExceeded
+    │   │   ├── UnknownModel
+    │   │   └── ModelNotLoaded
     │   ├── AdmissionError        not admitted: the pool's Snapshot and a retry estimate
     │   │   ├── NotReady
     │   │   ├── ShuttingDown
@@ -131,6 +133,25 @@ class ContextExceeded(ClientError):
             f"({n_ctx} tokens), try increasing it"
         )
         self.extra = {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx}
+
+
+class UnknownModel(ClientError):
+    """A router serves no model of that id or alias (or the request named none): said in
+    llama-server's router's own words, before the request waits for anything."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"model '{name}' not found" if name else "model name is missing from the request",
+            param="model",
+        )
+
+
+class ModelNotLoaded(ClientError):
+    """The model is not loaded and must not be loaded for this request (`?autoload=false`, or
+    a router started with --no-models-autoload): the router's own answer."""
+
+    def __init__(self) -> None:
+        super().__init__("model is not loaded", param="model")
 
 
 class AdmissionError(GateError):
@@ -358,6 +379,8 @@ ANSWERS: dict[type[GateError], Shape] = {
     HeadTimeout:          Shape(408, _BAD, "request_timeout", "bad_request"),
     ContextExceeded:      Shape(400, "exceed_context_size_error", "exceed_context_size_error",
                                 "bad_request"),
+    UnknownModel:         Shape(400, _BAD, "model_not_found", "bad_request"),
+    ModelNotLoaded:       Shape(400, _BAD, "model_not_loaded", "bad_request"),
     NotReady:             Shape(503, _AWAY, "upstream_not_ready", "upstream_unavailable", True),
     ShuttingDown:         Shape(503, _AWAY, "shutting_down", "upstream_unavailable", True),
     QueueFull:            Shape(429, _RATE, "queue_full", "queue_full", True),

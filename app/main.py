@@ -15,6 +15,8 @@ from slotgate.asgi import Message, Receive, Scope, Send
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
+from slotgate.gate.models import Models
+from slotgate.gate.pool import Snapshot
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.headers import id_headers
@@ -73,8 +75,10 @@ class Service:
             startup_wait_s=settings.startup_wait_s,
             epsilon=settings.routing_epsilon,
         )
-        self.fleet = Fleet(settings, self.admission, resolver)
         self.access = Access(settings.api_keys, settings.api_keys_file)
+        #: One line per model, once an upstream turns out to be a llama-server router.
+        self.models = Models(self._model_admission)
+        self.fleet = Fleet(settings, self.admission, resolver, self.models)
         #: The way into admission: the core's own, or the line shared with other replicas
         #: through Redis (REDIS_URL; without it no Redis code is even imported).
         self.gate: Gate = Local(self.admission)
@@ -98,10 +102,21 @@ class Service:
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
+        self.access.tenants.listeners.append(lambda roster: self.models.retune(roster.tenants))
         self.proxy = Proxy(
             settings, self.admission, self.fleet, self.metrics, self.access, self.gate
         )
         self.draining = False
+
+    def _model_admission(self) -> Admission:
+        """A model's own admission core: the settings of the one line, for its line."""
+        settings = self.settings
+        return Admission(
+            settings.queue_policy,
+            queue_timeout_s=settings.queue_timeout_s,
+            startup_wait_s=settings.startup_wait_s,
+            epsilon=settings.routing_epsilon,
+        )
 
     def drain(self) -> None:
         """Shutdown has begun: refuse new work and turn the queue away; streams run on."""
@@ -109,6 +124,7 @@ class Service:
             log.info("draining: no new requests; running streams may finish")
         self.draining = True
         self.gate.drain()
+        self.models.close()
 
     @property
     def upstream(self) -> Upstream:
@@ -121,14 +137,7 @@ class Service:
         props = primary.props
         models = self.fleet.models()
         return {
-            "capacity": snap.capacity,
-            "active": snap.active,
-            "queued": snap.queued,
-            "free": snap.free,
-            "queue_limit": snap.queue_limit,
-            "budget_tokens": snap.budget_tokens,
-            "committed_tokens": snap.committed_tokens,
-            "free_tokens": snap.free_tokens,
+            **_figures(snap),
             "admission_control": self.settings.admission_control,
             "retry_after_estimate_s": round(self.admission.estimate_s(), 3),
             "upstream": {
@@ -160,7 +169,38 @@ class Service:
             ],
             "tenants": self.tenants(),
             "replication": self.gate.view(),
+            **({"models": self.models_view()} if self.models.routed else {}),
         }
+
+    def models_view(self) -> list[dict[str, Any]]:
+        """Each model a router serves: its state, its line and its pools."""
+        shown = []
+        for lane in self.models:
+            snap = lane.admission.snapshot()
+            shown.append(
+                {
+                    "model": lane.model,
+                    "aliases": sorted(lane.aliases),
+                    "state": lane.state,
+                    "states": dict(lane.states),
+                    **({"exit_codes": dict(lane.exit_codes)} if lane.exit_codes else {}),
+                    "autoload": lane.autoload,
+                    **_figures(snap),
+                    "retry_after_estimate_s": round(lane.admission.estimate_s(), 3),
+                    "pools": [
+                        {
+                            "key": pool.key,
+                            "model": lane.model,
+                            "capacity": pool.capacity,
+                            "active": pool.active,
+                            "budget_tokens": pool.budget,
+                            "committed_tokens": pool.committed,
+                        }
+                        for pool in lane.admission.pools
+                    ],
+                }
+            )
+        return shown
 
     def tenants(self) -> list[dict[str, Any]]:
         """Each tenant by name (never a key), its share and what it holds and waits for."""
@@ -183,6 +223,20 @@ class Service:
                 }
             )
         return shown
+
+
+def _figures(snap: Snapshot) -> dict[str, Any]:
+    """A line's figures as `/admission` shows them."""
+    return {
+        "capacity": snap.capacity,
+        "active": snap.active,
+        "queued": snap.queued,
+        "free": snap.free,
+        "queue_limit": snap.queue_limit,
+        "budget_tokens": snap.budget_tokens,
+        "committed_tokens": snap.committed_tokens,
+        "free_tokens": snap.free_tokens,
+    }
 
 
 def create_app(settings: Settings | None = None, resolver: Resolver | None = None) -> Gateway:

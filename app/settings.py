@@ -132,6 +132,13 @@ class Settings(BaseSettings):
         description="Seconds a request may wait in the queue while llama-server starts or restarts "
         "(its slot count unknown); 0 = answer 503 at once.",
     )
+    model_swap_after_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="Seconds the oldest waiter of a model a full llama-server router does not "
+        "run may wait before a busy model is emptied and swapped for it (docs/models.md).",
+    )
     keepalive_interval_s: float = Field(
         5.0, ge=0, le=3600, description="Seconds between SSE comments to a waiting stream; 0 = off."
     )

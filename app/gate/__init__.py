@@ -8,5 +8,6 @@ and `policy` the line's numbers, which the shared line's scripts follow too. `ad
 (entering and the hand-off) builds on `pool` (the pools and where a ticket runs),
 `ticket` (a request's claim), `line` (the FIFO line and the interface the fair one shares),
 `fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants` and `clock` (the
-hold average and every estimate from it).
+hold average and every estimate from it). `models` keeps one admission core per model when
+llama-server routers serve several.
 """

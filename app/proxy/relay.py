@@ -14,22 +14,25 @@ import functools
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 from slotgate.asgi import Headers, Receive, Scope, Send
 from slotgate.errors import (
     AdmissionError,
     ClientGone,
     GateError,
+    ModelNotLoaded,
+    UnknownModel,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
 )
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
+from slotgate.gate.models import Lane, Models
 from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Wants, take_off_loop
-from slotgate.intake.endpoints import check_content_type, route_of
+from slotgate.intake.endpoints import check_content_type, parse_json, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
 from slotgate.proxy.access import OPEN_PATHS, Access
@@ -56,6 +59,24 @@ _UNSIZED = sys.maxsize
 #: What the gate wants from a body when no budget binds, the gate is warm and nothing is
 #: routed by key: its demand alone (one shared object, not one per request).
 _NOTHING_MORE = Wants()
+
+
+def _lane(models: Models, request: Request) -> Lane:
+    """The line of the model a request names (its body's `model`), or the router's refusal:
+    an unknown model at once, as the router would; an unloaded one when the request or the
+    router says not to load it (`?autoload=false`, --no-models-autoload)."""
+    name = parse_json(request.body).get("model")
+    lane = models.find(name) if isinstance(name, str) else None
+    if lane is None:
+        raise UnknownModel(name if isinstance(name, str) else "")
+    autoload = lane.autoload
+    if b"autoload=" in request.query:
+        said = parse_qs(request.query.decode("latin-1")).get("autoload")
+        if said:
+            autoload = said[-1] in ("true", "1")
+    if not autoload and not lane.running:
+        raise ModelNotLoaded
+    return lane
 
 
 @functools.lru_cache(maxsize=256)
@@ -172,8 +193,16 @@ class Proxy:
         assert endpoint is not None  # noqa: S101 - gated: _take_in found it
         assert head is not None  # noqa: S101 - read by _take_in
         check_content_type(endpoint, head.content_type)
+        admission, gate = self._admission, self._gate
+        several = self._fleet.several
+        models = self._fleet.lanes
+        if models is not None and models.routed:
+            # A router serves several models: the request waits in its model's line.
+            lane = request.lane = _lane(models, request)
+            admission, gate = lane.admission, lane.gate
+            several = len(admission.pools) > 1
         # A request runs in one upstream, so the largest one's slots bound its weight.
-        capacity = self._admission.largest
+        capacity = admission.largest
         unknown = capacity is None
         if unknown:
             if (unreached := self._fleet.unreached) is not None:
@@ -182,9 +211,9 @@ class Proxy:
             # known (app/gate/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
         # Read for the request's shape only: which upstream runs it is known once admitted.
-        budget = self._admission.budget_tokens
-        cold = self._admission.cold
-        affinity = self._affinity and self._fleet.several
+        budget = admission.budget_tokens
+        cold = admission.cold
+        affinity = self._affinity and several
         wants = _NOTHING_MORE
         if budget or cold or affinity:
             upstream = self._fleet.primary
@@ -222,14 +251,14 @@ class Proxy:
                 return unsized.at(capacity).weight
 
         if taken.expected_hold_s is not None:
-            self._admission.expect(taken.expected_hold_s)
+            admission.expect(taken.expected_hold_s)
         request.weight = want.weight
         cost = taken.estimate
         tenant = request.tenant
         band = None if head.priority is None else tenant.band_for(head.priority)
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
-        ticket = await self._gate.enter(
+        ticket = await gate.enter(
             Entry(
                 want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
                 taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
@@ -280,7 +309,8 @@ class Proxy:
                     raise
                 resent = resent or exc.sent
                 upstream.lost(exc.message)
-                if not self._startup_wait_s and self._admission.capacity is None:
+                admission = self._admission if request.lane is None else request.lane.admission
+                if not self._startup_wait_s and admission.capacity is None:
                     raise  # no other upstream to send it to, and no wait for this one
                 if back_by is None:
                     back_by = time.monotonic() + self._startup_wait_s
@@ -314,6 +344,7 @@ class Proxy:
         short, so the head waits until the wait is long enough to risk an idle timeout.
         """
         waiting = asyncio.ensure_future(ticket.wait())
+        admission = self._admission if request.lane is None else request.lane.admission
         try:
             if not answer.stream:
                 if self._head_after_s:
@@ -323,7 +354,7 @@ class Proxy:
                         return
                 await answer.start(200, [*SSE_HEAD, *self._own_headers(request)], stream=True)
             while True:
-                eta = self._admission.retry_after_s(max(ticket.position, 1))
+                eta = admission.retry_after_s(max(ticket.position, 1))
                 await answer.comment(
                     f": queued position={ticket.position} eta_s={eta:.0f}\n\n".encode()
                 )

@@ -18,6 +18,7 @@ from slotgate.gate.tenants import EVERYONE
 from slotgate.outcome import Outcome
 
 if TYPE_CHECKING:
+    from slotgate.gate.models import Lane
     from slotgate.gate.ticket import Claim
     from slotgate.intake.cost import Estimate
     from slotgate.intake.endpoints import Endpoint
@@ -47,8 +48,8 @@ class Request:
 
     __slots__ = (
         "assembly", "body", "endpoint", "estimate", "gated", "head", "headers", "held", "id",
-        "method", "origin", "outcome", "path", "query", "started", "stream", "teaches", "tenant",
-        "ticket", "upstream", "upstream_status", "weight",
+        "lane", "method", "origin", "outcome", "path", "query", "started", "stream", "teaches",
+        "tenant", "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
     def __init__(self, scope: Scope, held: HeldBody) -> None:
@@ -83,6 +84,8 @@ class Request:
         self.upstream: Upstream | None = None
         self.upstream_status: int | None = None
         self.outcome: Outcome = _SERVED
+        #: Its model's line, when routers serve several models (app/gate/models.py).
+        self.lane: Lane | None = None
 
     @property
     def route(self) -> str | None:

@@ -13,9 +13,11 @@ from urllib.parse import urlsplit
 
 from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
+from slotgate.gate.models import Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
-from slotgate.upstreams.upstream import Upstream, address_url
+from slotgate.upstreams.router import Router
+from slotgate.upstreams.upstream import Props, Upstream, address_url
 
 log = logging.getLogger("slotgate.fleet")
 
@@ -71,13 +73,20 @@ class Fleet:
     current; slotgate is ready while any upstream is."""
 
     def __init__(
-        self, settings: Settings, admission: Admission, resolver: Resolver | None = None
+        self,
+        settings: Settings,
+        admission: Admission,
+        resolver: Resolver | None = None,
+        models: Models | None = None,
     ) -> None:
         self._settings = settings
         self._admission = admission
         self._resolve = resolver or system_resolver
         self._sources = [_Source(url) for url in settings.llama_server_urls]
         self._by_pool: dict[Pool, Upstream] = {}
+        #: The lines of the models routers serve (app/gate/models.py); their pools' upstreams.
+        self.lanes = models
+        self._model_pools: dict[Pool, Upstream] = {}
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
         #: Upstreams whose address left, each until its last request has ended.
@@ -139,7 +148,22 @@ class Fleet:
         return all(upstream.verbose is False for upstream in self._all)
 
     def of(self, pool: Pool) -> Upstream:
-        return self._by_pool[pool]
+        upstream = self._by_pool.get(pool)
+        return upstream if upstream is not None else self._model_pools[pool]
+
+    def _routing(self, upstream: Upstream) -> Router:
+        """`upstream` is a llama-server in router mode: its models' pools join their lanes."""
+        models = self.lanes
+        assert models is not None  # noqa: S101 - given to upstreams only with models
+        models.routed = True
+
+        def adopt(pool: Pool) -> None:
+            self._model_pools[pool] = upstream
+
+        return Router(
+            upstream.url, upstream.get, upstream.post, models, adopt,
+            upstream.kv_budget_tokens, Props.parse, self._settings.model_swap_after_s,
+        )  # fmt: skip
 
     def models(self) -> set[str]:
         """The models the ready upstreams serve (one, as meant, unless they disagree)."""
@@ -192,14 +216,24 @@ class Fleet:
         """llama-server's own /metrics: as it is from one upstream; from several, each sample
         labelled with its upstream, and each family's HELP and TYPE once."""
         upstreams = self.upstreams
-        if len(upstreams) == 1:
+        if len(upstreams) == 1 and upstreams[0].router is None:
             return await upstreams[0].metrics()
-        answers = await asyncio.gather(*(u.metrics() for u in upstreams))
+        sources: list[tuple[bytes, Awaitable[tuple[bytes, list[Header]]]]] = []
+        for upstream in upstreams:
+            label = b'upstream="' + _escape(upstream.url) + b'"'
+            router = upstream.router
+            if router is None:
+                sources.append((label, upstream.metrics()))
+                continue
+            # A router's own /metrics is a 400: each running child's, labelled with its model.
+            for model, path in router.metrics_targets():
+                labels = label + b',model="' + _escape(model) + b'"'
+                sources.append((labels, upstream.metrics(path)))
+        answers = await asyncio.gather(*(answer for _, answer in sources))
         # The text format wants each family as one group: its HELP and TYPE once (the first
         # upstream's, should builds word them differently), then every upstream's samples.
         families: dict[bytes, tuple[dict[bytes, bytes], list[bytes]]] = {}
-        for upstream, (text, _) in zip(upstreams, answers, strict=True):
-            label = b'upstream="' + _escape(upstream.url) + b'"'
+        for (label, _), (text, _) in zip(sources, answers, strict=True):
             family: bytes | None = None
             for line in text.splitlines():
                 if line.startswith(b"#"):
@@ -275,7 +309,8 @@ class Fleet:
     def _add(self, source: _Source, address: str | None) -> Upstream:
         url = source.url
         pool = self._admission.add_pool(_pool_key(source, address))
-        upstream = Upstream(self._settings, pool, url, address, self._check_models)
+        routing = self._routing if self.lanes is not None else None
+        upstream = Upstream(self._settings, pool, url, address, self._check_models, routing)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
         self._list()

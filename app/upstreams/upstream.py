@@ -29,6 +29,7 @@ from slotgate.settings import Settings
 from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
 from slotgate.upstreams.reuse import UpstreamClient
+from slotgate.upstreams.router import Router
 
 log = logging.getLogger("slotgate.upstream")
 
@@ -138,6 +139,7 @@ class Upstream:
         url: str | None = None,
         address: str | None = None,
         on_ready: Callable[[], None] | None = None,
+        routing: Callable[[Upstream], Router] | None = None,
     ) -> None:
         parts = urlsplit(url or settings.llama_server_url)
         #: Its base URL; for one of the addresses a name resolves to, with that address in it.
@@ -191,6 +193,11 @@ class Upstream:
         self.verbose: bool | None = None
         self._follower: asyncio.Task[None] | None = None
         self._poke = asyncio.Event()
+        #: Makes its `Router` once its /props says it is one (the fleet's models); None: a
+        #: router is followed as nothing more than a server that is not ready.
+        self._routing = routing
+        #: The models it serves, when it is a llama-server in router mode; else None.
+        self.router: Router | None = None
 
     def readdress(self, address: str | None) -> None:
         """Known by its name so far, it is now one of the name's several addresses: this one;
@@ -212,6 +219,8 @@ class Upstream:
         self._follower = asyncio.create_task(self._follow(), name="slotgate-props-follower")
 
     async def close(self) -> None:
+        if self.router is not None:
+            self.router.close()
         if self._follower is not None:
             self._follower.cancel()
             # Not `await` under suppress(CancelledError): that would swallow a cancellation
@@ -266,6 +275,16 @@ class Upstream:
         self._answered = True
         self.unreached = None
 
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """GET one of llama-server's control paths (its own key sent), within
+        CONNECT_TIMEOUT_S; its status and body, read up to CONTROL_BODY_BYTES."""
+        return await self._get(path)
+
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """POST JSON to one of llama-server's control paths, within CONNECT_TIMEOUT_S."""
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            return await self._post(path, payload)
+
     async def _get(self, path: str) -> tuple[int, bytes]:
         status, body, _ = await self._get_with_headers(path)
         return status, body
@@ -282,13 +301,14 @@ class Upstream:
             response.release()
             return response.status, body, response.headers
 
-    async def metrics(self) -> tuple[bytes, list[Header]]:
+    async def metrics(self, path: str = "/metrics") -> tuple[bytes, list[Header]]:
         """llama-server's own /metrics (it needs --metrics) and the headers of its own that
-        the merged answer keeps (Process-Start-Time-Unix); nothing when it has none."""
+        the merged answer keeps (Process-Start-Time-Unix); nothing when it has none. `path`
+        names a router's child (`/metrics?model=ID`)."""
         if not self.ready:
             return b"", []
         try:
-            status, body, headers = await self._get_with_headers("/metrics")
+            status, body, headers = await self._get_with_headers(path)
         except (ExchangeFailed, TimeoutError):
             return b"", []
         if status != 200:
@@ -335,7 +355,11 @@ class Upstream:
                         "root URL, without /v1"
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
-            props = Props.parse(json.loads(body))
+            data = json.loads(body)
+            if isinstance(data, dict) and data.get("role") == "router" and self._routing:
+                await self._follow_router(data)
+                return
+            props = Props.parse(data)
         except TimeoutError:
             if self.ready and self.answers != answers:
                 # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
@@ -376,6 +400,24 @@ class Upstream:
         # must be weighed by the budget too.
         self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
+
+    async def _follow_router(self, props: dict[str, Any]) -> None:
+        """It is a router: ready while it answers; its models' slots come from each child."""
+        router = self.router
+        if router is None:
+            assert self._routing is not None  # noqa: S101 - checked by the caller
+            router = self.router = self._routing(self)
+            log.info("llama-server is a router (several models) url=%s", self.url)
+        if not self.ready:
+            self.ready = True
+            self.reason = "ready (router)"
+            if self._on_ready is not None:
+                self._on_ready()
+        try:
+            await router.refresh(props)
+        except (ExchangeFailed, TimeoutError, ValueError) as exc:
+            # The router answered its /props: it is there; its models are read again next time.
+            log.warning("cannot follow the router's models: %r url=%s", exc, self.url)
 
     def kv_budget_tokens(self, props: Props) -> int | None:
         """The KV-cache tokens the slots share, when that binds admission; else None.
@@ -497,12 +539,17 @@ class Upstream:
         self.ready = False
         self.reason = reason
         self.pool.resize(None)
+        if self.router is not None:
+            self.router.lost()
 
     async def _follow(self) -> None:
         while True:
             self._poke.clear()
             await self.refresh()
-            if self.ready:
+            if self.router is not None and self.router.awaiting:
+                # A model loads for its line: its waiters are let in as soon as it is up.
+                interval_s = STARTING_POLL_S
+            elif self.ready:
                 interval_s = self._refresh_s
             elif self.pool.awaiting_capacity:
                 interval_s = STARTING_POLL_S

@@ -1,235 +1,224 @@
-"""A real llama-server in router mode: started without a model, it serves every GGUF file of a
-`--models-dir`, each from a child llama-server it starts on demand (and stops to make room
-under `--models-max`).
+"""The stand-in's router mode: llama-server started without a model (`--models-dir`), one
+child per model, each request forwarded by its `model` (the body's for a POST, `?model=` for a
+GET), as llama.cpp's tools/server/server-models.cpp does.
 
-xllamacpp disables router mode, so the binary is llama.cpp's own `llama-server`, built once by
-`scripts/build-llama-server` into the user's cache; `scripts/check` builds it and passes its
-path as LLAMA_ROUTER_BIN. Without it the tests that need it skip on a person's machine and fail
-under CI, as `tests.support.tools` does for the system tools. The models are the demo's gemma
-GGUF under several ids: symbolic links to the one cached file, never copies of 253 MB.
+A child is a `StandIn` that never listens: the router's connection serves a request with the
+child's knobs and counters. What it copies of the real router: `/props` (`"role": "router"`,
+`max_instances`, `models_autoload`) and `/props?model=ID` (the child's), `GET /models` (ids,
+aliases, `status.value`, failed loads with `exit_code`), `POST /models/load`, `/metrics` a 400
+without `?model=`, the errors of `router_validate_model`, a load that takes `load_delay_s`, and
+`--models-max`: a load past it evicts the least recently used idle child first (a busy one is
+waited for, as llama.cpp's scheduler does).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import signal
-import subprocess
+import asyncio
 import time
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
-from urllib.parse import quote
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
-import httpx
-import pytest
-from slotgate.engine.model import DEMO_CHAT_TEMPLATE, EngineFailed, demo_model
+if TYPE_CHECKING:
+    from tests.support.standin import Connection, StandIn
 
-from tests.support.tools import required
-from tests.support.valkey import free_port
-
-#: The variable naming the router-capable llama-server (scripts/build-llama-server's output).
-BINARY_VARIABLE = "LLAMA_ROUTER_BIN"
-#: The router's log line for every child it starts: one per model load.
-_SPAWN = re.compile(r"spawning server instance with name=(\S+) on port")
-#: How long the router may take to stop its children and leave after SIGTERM.
-STOP_GRACE_S = 30.0
+#: How often a load that waits for an idle child to evict looks again.
+_EVICT_POLL_S = 0.01
 
 
-def _missing(message: str) -> None:
-    if required():
-        pytest.fail(message + "; under CI scripts/check builds it")
-    pytest.skip(message)
+def _invalid(message: str) -> dict[str, Any]:
+    return {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
 
 
-def binary() -> Path:
-    """The router-capable llama-server; skips (fails under CI) when there is none."""
-    named = os.environ.get(BINARY_VARIABLE, "")
-    if not named:
-        _missing(
-            f"{BINARY_VARIABLE} is not set: build llama-server with scripts/build-llama-server "
-            f"(needs cmake and g++) and set {BINARY_VARIABLE} to the path it prints"
-        )
-    path = Path(named)
-    if not os.access(path, os.X_OK):
-        _missing(f"{BINARY_VARIABLE}={named} is not an executable file")
-    return path
+@dataclass(eq=False)
+class Hosted:
+    """One model of a router: its child and its state."""
+
+    child: StandIn
+    aliases: list[str] = field(default_factory=list)
+    #: unloaded | loading | loaded (| failed, with `exit_code`)
+    state: str = "unloaded"
+    exit_code: int | None = None
+    #: A load fails (the child exits with this code) instead of loading.
+    fails_with: int | None = None
+    used: float = 0.0
+    #: Requests waiting for it to load, each called once it has (or has failed).
+    waiters: list[Any] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.state == "loaded"
 
 
-def model() -> Path:
-    """The demo model's cached GGUF file (assembled from its PyPI package on first use)."""
-    try:
-        return demo_model()
-    except EngineFailed as exc:
-        _missing(str(exc))
-        raise
+class Routing:
+    """A router's models and its scheduler (one per router stand-in)."""
 
+    def __init__(self, standin: StandIn, hosted: dict[str, Hosted]) -> None:
+        self.standin = standin
+        self.hosted = hosted
+        self.loads = 0
+        #: Children the router evicted for a load, and those unloaded when asked to.
+        self.evictions = 0
+        self.unloads = 0
+        #: The most children loaded at once.
+        self.peak_loaded = 0
 
-def models_dir(directory: Path, ids: Iterable[str], source: Path | None = None) -> Path:
-    """`directory` holding `source` (the demo model by default) once per id: `ID.gguf`, a
-    symbolic link."""
-    source = source or model()
-    directory.mkdir(parents=True, exist_ok=True)
-    for each in ids:
-        (directory / f"{each}.gguf").symlink_to(source)
-    return directory
+    def find(self, name: str) -> tuple[str, Hosted] | None:
+        if name in self.hosted:
+            return name, self.hosted[name]
+        for model, hosted in self.hosted.items():
+            if name in hosted.aliases:
+                return model, hosted
+        return None
 
+    def models(self) -> dict[str, Any]:
+        data = []
+        for model, hosted in self.hosted.items():
+            status: dict[str, Any] = {"value": hosted.state, "args": []}
+            if hosted.state == "failed":
+                status = {"value": "unloaded", "args": [], "failed": True,
+                          "exit_code": hosted.exit_code}  # fmt: skip
+            data.append({"id": model, "aliases": hosted.aliases, "tags": [], "object": "model",
+                         "owned_by": "llamacpp", "created": 0, "status": status})  # fmt: skip
+        return {"data": data, "object": "list"}
 
-def command(
-    binary: Path,
-    port: int,
-    serves: Iterable[str],
-    *,
-    parallel: int = 2,
-    ctx_size: int = 2048,
-) -> list[str]:
-    """llama-server on a loopback port serving what `serves` names (`--models-dir DIR
-    --models-max N` for a router, `-m FILE` for one model): 2 slots of 1,024 tokens each,
-    1 thread (2 cores are shared with slotgate and the client), the demo's chat template,
-    `/metrics` on. A router's children inherit all of it."""
-    return [
-        str(binary),
-        *serves,
-        "-np", str(parallel),
-        "-c", str(ctx_size),
-        "-t", "1",
-        "--no-warmup",
-        "--metrics",
-        "--no-ui",
-        "--jinja",
-        "--chat-template-file", str(DEMO_CHAT_TEMPLATE),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-    ]  # fmt: skip
+    def props(self) -> dict[str, Any]:
+        standin = self.standin
+        return {
+            "role": "router", "max_instances": standin.models_max,
+            "models_autoload": standin.models_autoload, "model_alias": "llama-server",
+            "model_path": "none", "default_generation_settings": {"params": None, "n_ctx": 0},
+            "build_info": "standin",
+        }  # fmt: skip
 
-
-def loads(log: str) -> list[str]:
-    """The models a router started a child for, in order, from its log."""
-    return _SPAWN.findall(log)
-
-
-class Router:
-    """One router-mode llama-server on a loopback port (see `command`), its log in a file."""
-
-    def __init__(
-        self,
-        models: Path,
-        log: Path,
-        *,
-        models_max: int,
-        parallel: int = 2,
-        ctx_size: int = 2048,
-    ) -> None:
-        self.models = models
-        self.log = log
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        serves = ["--models-dir", str(models), "--models-max", str(models_max)]
-        self.command = command(binary(), self.port, serves, parallel=parallel, ctx_size=ctx_size)
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        """Start it and wait until it answers `/health` (the router needs no model for that)."""
-        with self.log.open("ab") as out:
-            # A process group of its own: its children are in it, so that a stop that has to
-            # kill leaves none behind.
-            self.process = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                process_group=0,
-            )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the router exited at start:\n{self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(
-            f"the router did not answer /health in {timeout_s:.0f} s:\n{self.tail()}"
-        )
-
-    def stop(self) -> None:
-        """SIGTERM: the router stops its children and leaves; then kill whatever is left of its
-        process group, and reap the router."""
-        process = self.process
-        if process is None:
+    def load(self, model: str) -> None:
+        """Start loading `model` (evicting first if the router is full)."""
+        hosted = self.hosted[model]
+        if hosted.state in ("loading", "loaded"):
             return
-        self.process = None
-        if process.poll() is None:
-            process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=STOP_GRACE_S)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        hosted.state = "loading"
+        asyncio.get_running_loop().call_soon(self._make_room, model)
 
-    def text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except OSError:
-            return ""
+    def _full(self) -> bool:
+        running = [h for h in self.hosted.values() if h.state in ("loaded", "loading")]
+        return len(running) >= self.standin.models_max
 
-    def tail(self, chars: int = 3000) -> str:
-        return self.text()[-chars:]
+    def _idle(self) -> list[Hosted]:
+        return [h for h in self.hosted.values() if h.state == "loaded" and h.child.running == 0]
 
-    def loads(self) -> list[str]:
-        """The models it has started a child for, in order, from its log."""
-        return loads(self.text())
+    def _make_room(self, model: str) -> None:
+        busy = [h for h in self.hosted.values() if h.state in ("loaded", "loading")]
+        if len(busy) > self.standin.models_max:
+            idle = self._idle()
+            if not idle:
+                asyncio.get_running_loop().call_later(_EVICT_POLL_S, self._make_room, model)
+                return
+            victim = min(idle, key=lambda h: h.used)
+            victim.state = "unloaded"
+            self.evictions += 1
+        asyncio.get_running_loop().call_later(self.standin.load_delay_s, self._loaded, model)
 
-    def __enter__(self) -> Router:
-        self.start()
-        return self
+    def _loaded(self, model: str) -> None:
+        hosted = self.hosted[model]
+        if hosted.fails_with is not None:
+            hosted.state, hosted.exit_code = "failed", hosted.fails_with
+        else:
+            hosted.state = "loaded"
+            self.loads += 1
+            loaded = sum(1 for h in self.hosted.values() if h.state == "loaded")
+            self.peak_loaded = max(self.peak_loaded, loaded)
+        waiters, hosted.waiters = hosted.waiters, []
+        for waiter in waiters:
+            waiter()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def handle(
+        self, conn: Connection, method: str, path: str, query: bytes, lower: bytes, raw: bytes,
+        body: bytes, target: bytes,
+    ) -> bool:  # fmt: skip
+        """Serve a request as the router: True if answered (or deferred) here; False to serve
+        it on `conn.standin`, set to the child of its model."""
+        params = parse_qs(query.decode("latin-1"))
+        name = (params.get("model") or [""])[-1]
+        if path == "/models" and method == "GET":
+            conn._json(self.models())
+            return True
+        if path == "/models/load" and method == "POST":
+            found = self.find(str(_field(body, "model")))
+            if found is None:
+                conn._json({"error": {"code": 404, "message": "model is not found",
+                                      "type": "not_found_error"}}, 404)  # fmt: skip
+            elif found[1].running:
+                conn._json(_invalid("model is already running"), 400)
+            elif self._full() and not self._idle():
+                # llama.cpp evicts only an idle model: a load into a full router fails.
+                conn._json({"error": {"code": 500, "message": "model limit reached, try again "
+                                      "later", "type": "server_error"}}, 500)  # fmt: skip
+            else:
+                self.load(found[0])
+                conn._json({"success": True})
+            return True
+        if path == "/models/unload" and method == "POST":
+            found = self.find(str(_field(body, "model")))
+            if found is None:
+                conn._json(_invalid("model is not found"), 400)
+            elif found[1].state not in ("loaded", "loading"):
+                conn._json(_invalid("model is not running"), 400)
+            else:
+                found[1].state = "unloaded"
+                self.unloads += 1
+                conn._json({"success": True})
+            return True
+        if path == "/health":
+            conn._json({"status": "ok"})
+            return True
+        if path == "/props" and not name:
+            conn._json(self.props())
+            return True
+        if method == "POST":
+            name = str(_field(body, "model") or "")
+        elif path not in ("/props", "/metrics", "/slots"):
+            return False  # e.g. /v1/models: the router answers with all of its models
+        if not name:
+            conn._json(_invalid("model name is missing from the request"), 400)
+            return True
+        found = self.find(name)
+        if found is None:
+            conn._json(_invalid(f"model '{name}' not found"), 400)
+            return True
+        model, hosted = found
+        said = params.get("autoload")
+        autoload = said[-1] in ("true", "1") if said else self.standin.models_autoload
+        if not autoload and not hosted.running:
+            conn._json(_invalid("model is not loaded"), 400)
+            return True
+        if not hosted.running:
+            conn.held = True
+            self.load(model)
+
+            def resume() -> None:
+                conn.held = False
+                if conn.transport is None:
+                    return
+                if not hosted.running:
+                    conn._json(_invalid(f"model '{model}' failed to load"), 500)
+                else:
+                    conn._handle(method, target, lower, raw, body)
+                if conn.buffer and not conn.busy and not conn.held:
+                    conn._parse()
+
+            hosted.waiters.append(resume)
+            return True
+        if method == "POST":
+            hosted.used = time.monotonic()
+        conn.standin = hosted.child
+        return False
 
 
-class RouterView:
-    """The router's own view, asked directly (never through slotgate), without loading
-    anything: every per-model read carries `autoload=false`."""
+def _field(body: bytes, name: str) -> Any:
+    import json
 
-    def __init__(self, url: str, client: httpx.AsyncClient) -> None:
-        self.url = url
-        self.client = client
-
-    async def states(self) -> dict[str, str]:
-        """Each model's `status.value`: unloaded, loading, loaded, ..."""
-        response = await self.client.get(self.url + "/models")
-        response.raise_for_status()
-        return {m["id"]: m["status"]["value"] for m in response.json()["data"]}
-
-    async def metrics(self, model: str) -> dict[str, float] | None:
-        """The child's `llamacpp:*` series; None while the model is not loaded."""
-        target = f"{self.url}/metrics?model={quote(model, safe='')}&autoload=false"
-        response = await self.client.get(target)
-        if response.status_code != 200:
-            return None
-        found = re.findall(r"^llamacpp:(\w+) (\S+)$", response.text, flags=re.MULTILINE)
-        return {name: float(value) for name, value in found}
-
-    async def unload(self, model: str) -> None:
-        response = await self.client.post(self.url + "/models/unload", json={"model": model})
-        response.raise_for_status()
-
-    async def chat(self, model: str, max_tokens: int, **extra: Any) -> httpx.Response:
-        """A chat completion sent straight to the router."""
-        return await self.client.post(
-            self.url + "/v1/chat/completions", json=chat(model, max_tokens, **extra)
-        )
-
-
-def chat(model: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """A chat completion for `model` of exactly `max_tokens` tokens (llama.cpp's ignore_eos)."""
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": "Count from one to one thousand."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        **extra,
-    }
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value.get(name) if isinstance(value, dict) else None

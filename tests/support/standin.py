@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import unquote
 
+from tests.support.router import Hosted, Routing
+
 GENERATION_PATHS = frozenset((
     "/v1/chat/completions", "/chat/completions", "/completion", "/completions",
     "/v1/completions", "/infill", "/v1/responses", "/responses", "/v1/messages",
@@ -119,8 +121,15 @@ class StandIn:
     model: str = "standin.gguf"  # /props model_path
     host: str = "127.0.0.1"  # any of 127.0.0.0/8: several stand-ins on one port, for DNS
     created: int = field(default_factory=lambda: int(time.time()))
+    # Router mode (tests/support/router.py): the models by id, each with a child of its own.
+    hosted: dict[str, Hosted] | None = None
+    models_max: int = 4  # --models-max
+    models_autoload: bool = True  # --models-autoload (--no-models-autoload: False)
+    load_delay_s: float = 0.02  # how long a child takes to load
 
     def __post_init__(self) -> None:
+        #: Its models and scheduler, as a router; None for a server of one model.
+        self.routing = Routing(self, self.hosted) if self.hosted is not None else None
         self._server: asyncio.Server | None = None
         self._listening = False
         self._connections: set[Connection] = set()
@@ -388,7 +397,9 @@ class Connection(asyncio.Protocol):
     """One client connection; its requests are answered one at a time, in order."""
 
     def __init__(self, standin: StandIn) -> None:
+        #: The stand-in that serves the running request: the one listening, or a router's child.
         self.standin = standin
+        self.home = standin
         self.buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.busy = False  # a generation runs on this connection
@@ -409,14 +420,14 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, though they implement it.
         self.transport = cast(asyncio.Transport, transport)
-        if not self.standin._listening:  # accepted as the stand-in stopped
+        if not self.home._listening:  # accepted as the stand-in stopped
             self.transport.abort()
             return
-        self.standin._connections.add(self)
+        self.home._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self.standin._connections.discard(self)
+        self.home._connections.discard(self)
         if self.busy:
             # A client that leaves frees its slot, as llama-server cancels the task.
             self._release()
@@ -485,13 +496,19 @@ class Connection(asyncio.Protocol):
             self._handle(method.decode("latin-1"), target, lower, raw, body)
 
     def _handle(self, method: str, target: bytes, lower: bytes, raw: bytes, body: bytes) -> None:
-        standin = self.standin
+        self.standin = self.home
         path_bytes, _, query = target.partition(b"?")
         path = path_bytes.decode("latin-1")
         if "%" in path:
             path = unquote(path)
         self.cors = self._cors(method, lower, raw) if b"\r\norigin:" in lower else b""
         self.head_only = method == "HEAD"
+        routing = self.home.routing
+        if routing is not None and routing.handle(
+            self, method, path, query, lower, raw, body, target
+        ):
+            return
+        standin = self.standin
         if method == "POST" and path in GENERATION_PATHS:
             if standin.fault == "out_of_cache":  # what a unified cache answers when it runs out
                 self._json(_OUT_OF_CACHE, 500)

@@ -1,0 +1,264 @@
+"""A llama-server in router mode (started without a model: `--models-dir`, `--models-preset`):
+the models it serves, each a pool in its model's lane (app/gate/models.py), followed from its
+`GET /models` and each loaded model's `GET /props?model=ID`.
+
+The router starts one child llama-server per model and forwards a request by its `model`; its
+own `/props` (`"role": "router"`) has no slots. So slotgate reads `/models` for the ids, aliases
+and states, and each running child's props through the router for its slots and context. A
+model whose line has waiters is loaded (`POST /models/load`) when the router loads on demand,
+as the router itself would on their first request; slotgate holds them until the child's slots
+are known, so a child never gets more than its slots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from slotgate.errors import ExchangeFailed
+from slotgate.gate.models import RUNNING, Lane, Models
+from slotgate.gate.pool import Pool
+from slotgate.gate.swaps import Demand, Plan, Swaps
+
+if TYPE_CHECKING:
+    from slotgate.upstreams.upstream import Props
+
+log = logging.getLogger("slotgate.router")
+
+#: A model whose load failed (its child exited) is asked to load again for its line at most
+#: this often: a broken model file would fail every time, and each try costs the router a start.
+FAILED_RELOAD_S = 5.0
+
+#: A GET or a POST of JSON to the router: its status and body.
+Get = Callable[[str], Awaitable[tuple[int, bytes]]]
+Post = Callable[[str, dict[str, Any]], Awaitable[tuple[int, bytes]]]
+
+
+class Child:
+    """One model on one router: its pool in the model's lane and what the router says of it."""
+
+    __slots__ = (
+        "asked_at", "lane", "loaded_since", "loads", "model", "n_ctx", "pool", "state",
+        "stopped_at", "waiting_since",
+    )  # fmt: skip
+
+    def __init__(self, model: str, lane: Lane, pool: Pool) -> None:
+        self.model = model
+        self.lane = lane
+        self.pool = pool
+        self.state = "unloaded"
+        self.n_ctx: int | None = None
+        #: Loads slotgate asked of the router for this model, the last one when.
+        self.loads = 0
+        self.asked_at = 0.0
+        #: Since when its line has had waiters, and since when it has been loaded (monotonic),
+        #: as seen at each refresh: what the swap rule reads (app/gate/swaps.py).
+        self.waiting_since: float | None = None
+        self.loaded_since: float | None = None
+        #: When it last stopped running: a line that just had the router waits from then on,
+        #: behind lines that waited while it ran (or two lines would swap back and forth).
+        self.stopped_at: float | None = None
+
+    def demand(self, now: float) -> Demand:
+        queued = self.lane.admission.queued
+        if not queued:
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = now
+        if self.state not in RUNNING:
+            if self.loaded_since is not None:
+                self.stopped_at = now
+            self.loaded_since = None
+        elif self.loaded_since is None:
+            self.loaded_since = now
+        waited_s = 0.0
+        if self.waiting_since is not None:
+            waited_s = now - max(self.waiting_since, self.stopped_at or self.waiting_since)
+        return Demand(
+            self.model, self.state, self.pool.active, queued, waited_s,
+            0.0 if self.loaded_since is None else now - self.loaded_since,
+        )  # fmt: skip
+
+
+class Router:
+    """What one router serves. Its `refresh` runs in its upstream's follower, after `/props`
+    said `"role": "router"`."""
+
+    def __init__(
+        self,
+        url: str,
+        get: Get,
+        post: Post,
+        models: Models,
+        adopt: Callable[[Pool], None],
+        budget: Callable[[Props], int | None],
+        parse: Callable[[Any], Props],
+        swap_after_s: float = 10.0,
+    ) -> None:
+        self.url = url
+        self._get = get
+        self._post = post
+        self._models = models
+        self._adopt = adopt
+        self._budget = budget
+        self._parse = parse
+        #: `--models-max` (`max_instances` in its props): how many children run at once.
+        self.max_instances: int | None = None
+        #: `--models-autoload` (on by default): a request for an unloaded model loads it.
+        self.autoload = True
+        self.children: dict[str, Child] = {}
+        self.swaps = Swaps(swap_after_s)
+        #: Unloads slotgate asked of the router to make room (the swap rule's).
+        self.unloads = 0
+
+    @property
+    def awaiting(self) -> bool:
+        """A line waits for one of its models (so it is worth reading often)."""
+        return any(child.pool.awaiting_capacity for child in self.children.values())
+
+    async def refresh(self, props: dict[str, Any]) -> None:
+        """Follow the router: its props (already read), its models, each running child's slots;
+        and load the models whose lines wait."""
+        instances = props.get("max_instances")
+        self.max_instances = instances if isinstance(instances, int) and instances > 0 else None
+        self.autoload = props.get("models_autoload") is not False
+        status, body = await self._get("/models")
+        if status != 200:
+            raise ValueError(f"/models answered {status}")
+        listed = json.loads(body)
+        data = listed.get("data") if isinstance(listed, dict) else None
+        if not isinstance(data, list):
+            raise ValueError("/models did not list its models under data")  # noqa: TRY004 - bad data
+        seen: dict[str, Child] = {}
+        for entry in data:
+            child = self._child(entry)
+            if child is not None:
+                seen[child.model] = child
+        for model in self.children.keys() - seen.keys():
+            child = self.children.pop(model)
+            log.info("model left the router: %s url=%s", model, self.url)
+            child.lane.states.pop(self.url, None)
+            child.pool.resize(None)
+        now = time.monotonic()
+        plan = self.swaps.plan(self.max_instances, [c.demand(now) for c in seen.values()])
+        for child in seen.values():
+            await self._follow(child, plan)
+        for model in plan.unload:
+            await self._unload(seen[model])
+        if self.autoload and not self._models.closed:
+            for model in plan.load:
+                child = seen[model]
+                if child.state == "unloaded" or now - child.asked_at >= FAILED_RELOAD_S:
+                    await self._load(child)
+
+    def _child(self, entry: Any) -> Child | None:
+        if not isinstance(entry, dict) or not isinstance(model := entry.get("id"), str):
+            return None
+        aliases = entry.get("aliases")
+        names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+        status = entry.get("status")
+        status = status if isinstance(status, dict) else {}
+        state = status.get("value")
+        state = state if isinstance(state, str) else "unloaded"
+        child = self.children.get(model)
+        lane = self._models.lane(model, names)
+        if lane is None:
+            return None  # past MAX_MODELS: passed through, never gated here
+        if child is None:
+            pool = lane.admission.add_pool(f"{self.url}#{model}")
+            self._adopt(pool)
+            child = self.children[model] = Child(model, lane, pool)
+            log.info("model on the router: %s (%s) url=%s", model, state, self.url)
+        if status.get("failed") is True:
+            state = "failed"
+            code = status.get("exit_code")
+            if isinstance(code, int):
+                lane.exit_codes[self.url] = code
+        else:
+            lane.exit_codes.pop(self.url, None)
+        child.state = state
+        lane.states[self.url] = state
+        lane.autoload = self.autoload
+        return child
+
+    async def _follow(self, child: Child, plan: Plan) -> None:
+        pool = child.pool
+        if child.state not in RUNNING or child.model in plan.hold:
+            # Not running, or held for a swap: its line takes no new work here.
+            pool.resize(None)
+            return
+        # The child's own props, through the router; never a load of its own making.
+        try:
+            target = f"/props?model={quote(child.model, safe='')}&autoload=false"
+            status, body = await self._get(target)
+            props = self._parse(json.loads(body)) if status == 200 else None
+        except (ValueError, ExchangeFailed, TimeoutError) as exc:
+            log.info("cannot read %s's props: %s url=%s", child.model, exc, self.url)
+            props = None
+        if props is None:
+            pool.resize(None)
+            return
+        child.n_ctx = props.n_ctx
+        # The budget first: the resize lets in whoever waited, weighed by the budget too.
+        pool.resize_budget(self._budget(props))
+        if pool.capacity != props.total_slots:
+            log.info(
+                "model ready: %s total_slots=%d n_ctx=%s url=%s",
+                child.model, props.total_slots, props.n_ctx, self.url,
+            )  # fmt: skip
+        pool.resize(props.total_slots)
+
+    async def _load(self, child: Child) -> None:
+        """Ask the router to load a model whose line waits (as a request would have)."""
+        child.loads += 1
+        child.asked_at = time.monotonic()
+        log.info("loading model for its line: %s url=%s", child.model, self.url)
+        try:
+            status, body = await self._post("/models/load", {"model": child.model})
+        except (ExchangeFailed, TimeoutError) as exc:
+            log.warning("cannot load %s: %s url=%s", child.model, exc, self.url)
+            return
+        if status == 200:
+            child.state = child.lane.states[self.url] = "loading"
+        else:
+            text = body[:200].decode("utf-8", "replace")
+            log.warning("loading %s answered %d: %s url=%s", child.model, status, text, self.url)
+
+    async def _unload(self, child: Child) -> None:
+        """Ask the router to unload a model, to make room for another line (the swap rule)."""
+        self.unloads += 1
+        log.info("unloading model to make room: %s url=%s", child.model, self.url)
+        try:
+            status, body = await self._post("/models/unload", {"model": child.model})
+        except (ExchangeFailed, TimeoutError) as exc:
+            log.warning("cannot unload %s: %s url=%s", child.model, exc, self.url)
+            return
+        if status != 200:
+            text = body[:200].decode("utf-8", "replace")
+            log.warning("unloading %s answered %d: %s url=%s", child.model, status, text, self.url)
+
+    def metrics_targets(self) -> list[tuple[str, str]]:
+        """(model, path) of every running child's `/metrics` (the router's own is a 400)."""
+        return [
+            (model, f"/metrics?model={quote(model, safe='')}&autoload=false")
+            for model, child in self.children.items()
+            if child.state in RUNNING
+        ]
+
+    def lost(self) -> None:
+        """The router does not answer: no child's slots are known until it does again."""
+        for child in self.children.values():
+            child.pool.resize(None)
+
+    def close(self) -> None:
+        """The router's upstream leaves: its children's slots are gone."""
+        for child in self.children.values():
+            child.lane.states.pop(self.url, None)
+            child.pool.retire()
+
+
+__all__ = ["Child", "Router"]

@@ -1,0 +1,93 @@
+"""One line per model: lanes found as llama-server's router finds models, each with its own
+admission core, bounded in number, closed together."""
+
+from __future__ import annotations
+
+import pytest
+from slotgate.errors import ShuttingDown
+from slotgate.gate.admission import Admission
+from slotgate.gate.models import Models
+
+
+def models(limit: int = 8) -> Models:
+    return Models(lambda: Admission(startup_wait_s=5), limit)
+
+
+def test_a_model_is_found_by_its_id_or_any_alias() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha", ["a", "first"])
+    assert alpha is not None
+    assert lanes.find("alpha") is alpha
+    assert lanes.find("a") is alpha
+    assert lanes.find("first") is alpha
+    assert lanes.find("Alpha") is None  # matched exactly, as the router does
+    assert lanes.find("beta") is None
+
+
+def test_an_id_wins_over_another_models_alias() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha", ["beta"])
+    beta = lanes.lane("beta")
+    assert lanes.find("beta") is beta
+    assert lanes.find("alpha") is alpha
+
+
+def test_aliases_follow_what_the_router_lists_last() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha", ["old"])
+    assert lanes.lane("alpha", ["new"]) is alpha
+    assert lanes.find("old") is None
+    assert lanes.find("new") is alpha
+
+
+async def test_each_model_has_its_own_slots_and_line() -> None:
+    lanes = models()
+    alpha, beta = lanes.lane("alpha"), lanes.lane("beta")
+    assert alpha is not None
+    assert beta is not None
+    alpha.admission.add_pool("router#alpha").resize(1)
+    beta.admission.add_pool("router#beta").resize(1)
+    held = alpha.admission.enter()
+    assert held.admitted
+    waiting = alpha.admission.enter()
+    assert not waiting.admitted
+    assert beta.admission.enter().admitted  # alpha's line holds nobody of beta's
+    assert alpha.running
+    assert beta.running
+
+
+def test_lanes_are_bounded_in_number() -> None:
+    lanes = models(limit=2)
+    assert lanes.lane("a") is not None
+    assert lanes.lane("b") is not None
+    assert lanes.lane("c") is None
+    assert lanes.lane("a") is not None  # one it has stays found
+    assert len(lanes) == 2
+
+
+async def test_closing_turns_every_lines_waiters_away_and_new_lanes_too() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha")
+    assert alpha is not None
+    alpha.admission.add_pool("router#alpha")  # unloaded: requests wait for its slots
+    waiter = alpha.admission.enter()
+    lanes.close()
+    with pytest.raises(ShuttingDown):
+        await waiter.wait()
+    late = lanes.lane("late")
+    assert late is not None
+    with pytest.raises(ShuttingDown):
+        late.admission.enter()
+
+
+def test_a_lanes_state_is_the_best_of_its_routers() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha")
+    assert alpha is not None
+    assert alpha.state == "unloaded"
+    alpha.states = {"http://a": "unloaded", "http://b": "loading"}
+    assert alpha.state == "loading"
+    alpha.states["http://a"] = "loaded"
+    assert alpha.state == "loaded"
+    alpha.states = {"http://a": "failed"}
+    assert alpha.state == "failed"
