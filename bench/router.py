@@ -50,7 +50,7 @@ from bench.contenders import BENCH, REPO, await_ready, start_slotgate
 from bench.loop import run_loop
 from bench.procs import CLIENT_CORE, DEATHS, SERVER_CORE, Server, free_port, pin_self, spawn
 from bench.stats import percentile, ratio
-from tests.support.router import chat, command, loads, models_dir
+from tests.support.real_router import chat, command, loads, models_dir
 
 MODELS = ("alpha", "beta")
 SLOTS = 2
