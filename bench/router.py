@@ -2,7 +2,7 @@
 in front, side by side in one run.
 
     python -m bench.router [--burst 40] [--stream-s 30] [--clients 4] [--max-tokens 8]
-                           [--single-s 20] [--rounds 1]
+                           [--single-s 20] [--rounds 1] [--slotgate-tree DIR]
 
 The binary is llama.cpp's own llama-server (xllamacpp disables router mode): $LLAMA_ROUTER_BIN,
 else what `scripts/build-llama-server` prints (it builds once, 8-20 minutes on 2 cores, then
@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 from slotgate.engine.model import demo_model
 
+from bench import contenders
 from bench.contenders import BENCH, REPO, await_ready, start_slotgate
 from bench.loop import run_loop
 from bench.procs import CLIENT_CORE, DEATHS, SERVER_CORE, Server, free_port, pin_self, spawn
@@ -372,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-wait-s", type=float, default=600.0)
     parser.add_argument("--skip", choices=("swap", "single"), action="append", default=[])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--slotgate-tree", type=Path, help="a folder holding the slotgate package to run"
+    )
     args = parser.parse_args(argv)
+    if args.slotgate_tree is not None:
+        contenders.slotgate_tree = args.slotgate_tree.resolve()
     binary = router_binary()
     pin_self(CLIENT_CORE)
     logs = Path(tempfile.mkdtemp(prefix="slotgate-bench-router-"))
@@ -382,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": foreign_load(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "binary": str(binary),
+        "slotgate_tree": str(contenders.slotgate_tree),
         "logs": str(logs),
         "swap": swap(binary, models, logs, args) if "swap" not in args.skip else {},
         "single": single(binary, models, logs, args) if "single" not in args.skip else {},
