@@ -99,6 +99,7 @@ class Service:
             by_tenant=self.access.enabled,
             tenants=settings.metrics_tenants,
             gate=self.gate,
+            models=self.models,
         )
         # A reload (SIGHUP) reaches the line: weights and limits from then on.
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
@@ -185,6 +186,7 @@ class Service:
                     "states": dict(lane.states),
                     **({"exit_codes": dict(lane.exit_codes)} if lane.exit_codes else {}),
                     "autoload": lane.autoload,
+                    "held": lane.held,
                     **_figures(snap),
                     "retry_after_estimate_s": round(lane.admission.estimate_s(), 3),
                     "pools": [
@@ -314,12 +316,17 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         gate = service.gate
         mode = gate.mode
         # A shared line says how it is kept: degraded (Redis away) is still ready.
-        said = {} if mode == "local" else {"replication": mode}
+        said: dict[str, Any] = {} if mode == "local" else {"replication": mode}
         reason = gate.unready()
         if reason is not None:
             return JSONResponse(
                 {"status": "not ready", "reason": reason, **said}, 503, {"retry-after": "1"}
             )
+        models = service.models
+        if models.routed:
+            # Ready while the routers answer, whatever their models' states (in /admission).
+            loaded = sum(lane.running for lane in models)
+            said["models"] = {"listed": len(models), "loaded": loaded}
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
     @app.get("/admission", dependencies=[Depends(authorized)])

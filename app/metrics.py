@@ -32,6 +32,7 @@ from slotgate.outcome import Outcome
 if TYPE_CHECKING:
     from slotgate.gate.admission import Admission
     from slotgate.gate.entry import Gate
+    from slotgate.gate.models import Models
 
 #: What a replica sharing the line through Redis does now (app/replicas/replica.py).
 REPLICATION_MODES = ("shared", "degraded", "rejecting")
@@ -166,6 +167,37 @@ class _PoolCollector(Collector):
         )
 
 
+class _ModelsCollector(Collector):
+    """Each model's line behind llama-server routers, labelled by its id (at most MAX_MODELS),
+    read at scrape time; nothing while no upstream is a router."""
+
+    def __init__(self, models: Models) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._models.routed:
+            return
+        families = {
+            name: GaugeMetricFamily(name, text, labels=["model"])
+            for name, text in (
+                ("slotgate_model_slots_capacity", "A model's slots; 0 while unloaded"),
+                ("slotgate_model_slots_active", "A model's slots held by admitted requests"),
+                ("slotgate_model_queue_depth", "Requests waiting in a model's line"),
+                ("slotgate_model_loaded", "1 while a router runs the model with known slots"),
+                ("slotgate_model_hold_estimate_seconds", "A model's moving average of holds"),
+            )
+        }  # fmt: skip
+        for lane in self._models:
+            admission = lane.admission
+            values = (
+                admission.capacity or 0, admission.active, admission.queued,
+                0 if admission.capacity is None else 1, admission.hold_estimate_s,
+            )  # fmt: skip
+            for family, value in zip(families.values(), values, strict=True):
+                family.add_metric([lane.model], value)
+        yield from families.values()
+
+
 class _ReplicaCollector(Collector):
     """The fleet's line as Redis last told it, and this replica's part, read at scrape time
     (nothing where the gate keeps its line alone: its view names no fleet)."""
@@ -277,6 +309,7 @@ class Metrics(Collector):
         by_tenant: bool = False,
         tenants: int = 10,
         gate: Gate | None = None,
+        models: Models | None = None,
     ) -> None:
         self._family = {route: endpoint.kind.value for route, endpoint in ENDPOINTS.items()}
         self._by_tenant = by_tenant and tenants > 0
@@ -301,6 +334,8 @@ class Metrics(Collector):
         self.registry.register(_PoolCollector(admission, ready))
         if gate is not None:
             self.registry.register(_ReplicaCollector(gate))
+        if models is not None:
+            self.registry.register(_ModelsCollector(models))
         self.registry.register(self)
         # process_* (CPU, memory, open files, start time), read from /proc at scrape time.
         ProcessCollector(registry=self.registry)

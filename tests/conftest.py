@@ -25,6 +25,7 @@ from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
 from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
+from tests.support.router import Hosted
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -446,3 +447,57 @@ async def one_slot_held(
     standin.hurry()
     for holder in holders:
         await holder
+
+
+MakeRouter = Callable[..., Awaitable[StandIn]]
+GatesFor = Callable[..., Awaitable[RunningGate]]
+
+
+@pytest.fixture
+def router(start_upstreams: StartUpstreams) -> MakeRouter:
+    """Start a stand-in llama-server router serving the given models (tests/support/router.py);
+    it stops at the end."""
+
+    async def start(models: dict[str, Hosted], **knobs: Any) -> StandIn:
+        upstream = StandIn(hosted=models, **knobs)
+        await start_upstreams(upstream)
+        return upstream
+
+    return start
+
+
+@pytest.fixture
+def gates_for(served: list[RunningGate]) -> GatesFor:
+    """slotgate in front of the given upstreams (one, or a fleet); stopped at the end."""
+
+    async def start(upstreams: list[StandIn], **overrides: Any) -> RunningGate:
+        values: dict[str, Any] = {
+            "llama_server_url": ",".join(u.url for u in upstreams),
+            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
+        }  # fmt: skip
+        values.update(overrides)
+        gate = await serve(Settings(_env_file=None, **values))
+        served.append(gate)
+        return gate
+
+    return start
+
+
+@pytest.fixture
+def gate_before(gates_for: GatesFor) -> GatesFor:
+    """slotgate in front of one router, once it has followed the router's models."""
+
+    async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
+        gate = await gates_for([upstream], **{"startup_wait_s": 10, **overrides})
+        lanes = gate.service.models
+        # Every model listed, and the slots of every loaded one known.
+        await gate.until(
+            lambda: (
+                lanes.routed
+                and len(lanes) > 0
+                and all(lane.running for lane in lanes if lane.state == "loaded")
+            )
+        )
+        return gate
+
+    return start

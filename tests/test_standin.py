@@ -6,6 +6,9 @@ import asyncio
 import json
 import time
 
+import httpx
+
+from tests.support.router import Hosted
 from tests.support.standin import BENCH, StandIn
 
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
@@ -111,3 +114,49 @@ async def test_the_benchmark_configures_it_over_http_and_reads_stamped_tokens() 
     assert (stats["started"], stats["finished"], stats["running"]) == (1, 1, 0)
     assert standin.seen == []  # the bench's stand-in keeps no record of what it served
     assert refused.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_as_a_router_it_answers_as_llama_servers_router_does() -> None:
+    alpha = Hosted(StandIn(total_slots=2), ["a"], "loaded")
+    beta = Hosted(StandIn(total_slots=3), [], "unloaded")
+    router = StandIn(hosted={"alpha": alpha, "beta": beta}, models_max=1, load_delay_s=0.01)
+    await router.start()
+    try:
+        async with httpx.AsyncClient(base_url=router.url) as client:
+            props = (await client.get("/props")).json()
+            assert props["role"] == "router"
+            assert props["max_instances"] == 1
+            assert "total_slots" not in props
+            listed = (await client.get("/models")).json()["data"]
+            assert [(m["id"], m["status"]["value"]) for m in listed] == [
+                ("alpha", "loaded"),
+                ("beta", "unloaded"),
+            ]
+            assert (await client.get("/props?model=a")).json()["total_slots"] == 2
+            missing = await client.get("/metrics")
+            assert missing.status_code == 400
+            assert missing.json()["error"]["message"] == "model name is missing from the request"
+            unknown = await client.post("/v1/chat/completions", json={"model": "x"})
+            assert unknown.status_code == 400
+            assert unknown.json()["error"]["message"] == "model 'x' not found"
+            off = await client.get("/props?model=beta&autoload=false")
+            assert off.json()["error"]["message"] == "model is not loaded"
+            # A request for beta loads it, evicting the idle alpha (models_max 1).
+            served = await client.post("/v1/chat/completions", json={"model": "beta"})
+            assert served.status_code == 200
+            assert beta.child.finished == 1
+            assert alpha.child.started == 0
+            assert (alpha.state, beta.state) == ("unloaded", "loaded")
+            assert router.routing is not None
+            assert (router.routing.loads, router.routing.evictions) == (1, 1)
+            # A load into a full router whose model is busy fails, as llama.cpp's does.
+            beta.child.hold_s = 5.0
+            held = asyncio.create_task(client.post("/v1/chat/completions", json={"model": "beta"}))
+            while beta.child.running == 0:
+                await asyncio.sleep(0.01)
+            refused = await client.post("/models/load", json={"model": "alpha"})
+            assert refused.status_code == 500
+            router.hurry()  # the router's connections carry its children's answers
+            assert (await held).status_code == 200
+    finally:
+        await router.stop()

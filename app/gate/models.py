@@ -33,6 +33,12 @@ class Lane:
     aliases: frozenset[str] = frozenset()
     #: Some router serving it loads it on demand (`models_autoload`, its default).
     autoload: bool = True
+    #: A request asked for it to be loaded (`?autoload=true`) though its routers do not load
+    #: on demand: the next look loads it, as the router would for that request.
+    wanted: bool = False
+    #: Held for a swap on some router: no new work there until it is unloaded
+    #: (app/gate/swaps.py).
+    held: bool = False
     #: Its state on each router serving it, and a failed load's exit code, by router URL.
     states: dict[str, str] = field(default_factory=dict)
     exit_codes: dict[str, int] = field(default_factory=dict)

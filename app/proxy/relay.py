@@ -74,8 +74,11 @@ def _lane(models: Models, request: Request) -> Lane:
         said = parse_qs(request.query.decode("latin-1")).get("autoload")
         if said:
             autoload = said[-1] in ("true", "1")
-    if not autoload and not lane.running:
-        raise ModelNotLoaded
+    if not lane.running:
+        if not autoload:
+            raise ModelNotLoaded
+        if not lane.autoload:
+            lane.wanted = True  # asked for by this request, against the router's default
     return lane
 
 
@@ -103,6 +106,8 @@ class Proxy:
         #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
         self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
+        #: The lines of several models (app/gate/models.py), read once `routed`.
+        self._models = fleet.lanes if fleet.lanes is not None else Models(Admission)
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
         self._metrics = metrics
@@ -193,14 +198,14 @@ class Proxy:
         assert endpoint is not None  # noqa: S101 - gated: _take_in found it
         assert head is not None  # noqa: S101 - read by _take_in
         check_content_type(endpoint, head.content_type)
-        admission, gate = self._admission, self._gate
-        several = self._fleet.several
-        models = self._fleet.lanes
-        if models is not None and models.routed:
-            # A router serves several models: the request waits in its model's line.
-            lane = request.lane = _lane(models, request)
-            admission, gate = lane.admission, lane.gate
-            several = len(admission.pools) > 1
+        admission = self._admission
+        gate = self._gate
+        lane = None
+        if self._models.routed:
+            # Upstreams serve several models: the request waits in its model's line.
+            lane = request.lane = _lane(self._models, request)
+            admission = lane.admission
+            gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.
         capacity = admission.largest
         unknown = capacity is None
@@ -213,7 +218,9 @@ class Proxy:
         # Read for the request's shape only: which upstream runs it is known once admitted.
         budget = admission.budget_tokens
         cold = admission.cold
-        affinity = self._affinity and several
+        affinity = self._affinity and (
+            self._fleet.several if lane is None else len(admission.pools) > 1
+        )
         wants = _NOTHING_MORE
         if budget or cold or affinity:
             upstream = self._fleet.primary
@@ -281,7 +288,9 @@ class Proxy:
                     if request.estimate is not None:
                         # Counted exactly while it holds its place (or its slot): a refusal
                         # costs none.
-                        await self._fleet.primary.count(ticket, request.estimate)
+                        lane = request.lane
+                        counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
+                        await counter.count(ticket, request.estimate)
                     if not ticket.admitted:
                         await self._wait(request, answer, ticket)
                 request.weight = ticket.weight
@@ -308,7 +317,10 @@ class Proxy:
                 if exc.sent and resent:
                     raise
                 resent = resent or exc.sent
-                upstream.lost(exc.message)
+                if upstream.router is None:
+                    upstream.lost(exc.message)
+                else:
+                    upstream.poke()  # one model of a router, not the router: read it again
                 admission = self._admission if request.lane is None else request.lane.admission
                 if not self._startup_wait_s and admission.capacity is None:
                     raise  # no other upstream to send it to, and no wait for this one
@@ -382,8 +394,8 @@ class Proxy:
             # Leaving this block by an exception closes the connection, not pools it, which is
             # what makes llama-server cancel the task behind it.
             upstream = request.upstream
-            if upstream is None:  # not gated: any upstream answers it
-                upstream = request.upstream = self._fleet.primary
+            if upstream is None:  # not gated: any upstream answers it (of its ?model=)
+                upstream = request.upstream = self._fleet.serving(request.query)
             async with upstream.request(request.method, target, headers, request.body) as r:
                 await self._relay_answer(request, answer, r)
         except GateError as exc:

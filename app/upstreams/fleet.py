@@ -9,11 +9,11 @@ import logging
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
-from slotgate.gate.models import Models
+from slotgate.gate.models import Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
 from slotgate.upstreams.router import Router
@@ -87,6 +87,7 @@ class Fleet:
         #: The lines of the models routers serve (app/gate/models.py); their pools' upstreams.
         self.lanes = models
         self._model_pools: dict[Pool, Upstream] = {}
+        self._placing: asyncio.Task[None] | None = None
         self._discovery: asyncio.Task[None] | None = None
         self._started = False
         #: Upstreams whose address left, each until its last request has ended.
@@ -140,6 +141,23 @@ class Fleet:
                 return upstream
         return upstreams[0]
 
+    def serving(self, query: bytes) -> Upstream:
+        """The upstream for a request that takes no slot: with lines per model, one that
+        serves its `?model=` (a router's `/props?model=`, `/metrics?model=`), else `primary`."""
+        lanes = self.lanes
+        if lanes is None or not lanes.routed or b"model=" not in query:
+            return self.primary
+        names = parse_qs(query.decode("latin-1")).get("model")
+        lane = lanes.find(names[-1]) if names else None
+        return self.primary if lane is None else self.of_lane(lane)
+
+    def of_lane(self, lane: Lane) -> Upstream:
+        """An upstream that serves `lane`'s model: one with its slots known, if any."""
+        for pool in sorted(lane.admission.pools, key=lambda p: p.capacity is None):
+            if (upstream := self._model_pools.get(pool)) is not None:
+                return upstream
+        return self.primary
+
     @property
     def quiet(self) -> bool:
         """Every upstream has shown that it adds no `__verbose` unasked (no --verbose): a
@@ -148,14 +166,18 @@ class Fleet:
         return all(upstream.verbose is False for upstream in self._all)
 
     def of(self, pool: Pool) -> Upstream:
-        upstream = self._by_pool.get(pool)
-        return upstream if upstream is not None else self._model_pools[pool]
+        try:
+            return self._by_pool[pool]
+        except KeyError:  # a model's pool (app/upstreams/router.py, `_place`)
+            return self._model_pools[pool]
 
     def _routing(self, upstream: Upstream) -> Router:
         """`upstream` is a llama-server in router mode: its models' pools join their lanes."""
         models = self.lanes
         assert models is not None  # noqa: S101 - given to upstreams only with models
         models.routed = True
+        if any(u.router is None for u in self._all):
+            self._place_all()  # servers of one model beside the router join their lines
 
         def adopt(pool: Pool) -> None:
             self._model_pools[pool] = upstream
@@ -163,6 +185,7 @@ class Fleet:
         return Router(
             upstream.url, upstream.get, upstream.post, models, adopt,
             upstream.kv_budget_tokens, Props.parse, self._settings.model_swap_after_s,
+            self._settings.props_refresh_interval_s,
         )  # fmt: skip
 
     def models(self) -> set[str]:
@@ -173,15 +196,46 @@ class Fleet:
 
     def _check_models(self) -> None:
         models = self.models()
+        lanes = self.lanes
         if len(models) > 1 and models != self._warned_models:
-            # Requests are routed by slots and cache, not by `model`: a request may be answered
-            # by any of them.
             log.warning(
-                "the upstreams serve different models (%s): slotgate routes by slots and cache, "
-                "not by model, so give it upstreams of one model",
+                "the upstreams serve different models (%s): %s",
                 ", ".join(sorted(models)),
+                "requests are routed by their model"
+                if lanes is not None
+                else "slotgate routes by slots and cache, not by model",
             )
         self._warned_models = models
+        if lanes is not None and (lanes.routed or len(models) > 1):
+            self._place_all()
+
+    def _place_all(self) -> None:
+        """Each ready server of one model joins its model's line (once), in a task of its own:
+        its names come from its `/v1/models`."""
+        if self._placing is None or self._placing.done():
+            self._placing = asyncio.create_task(self._place(), name="slotgate-models")
+
+    async def _place(self) -> None:
+        lanes = self.lanes
+        assert lanes is not None  # noqa: S101 - placed only with lanes
+        for upstream in list(self._all):
+            if upstream.router is not None or upstream.model_pool is not None:
+                continue
+            if not upstream.ready:
+                continue
+            names = await upstream.served_names()
+            lane = lanes.lane(names[0], names[1:]) if names else None
+            if lane is None or upstream.model_pool is not None:
+                continue
+            pool = lane.admission.add_pool(upstream.url)
+            self._model_pools[pool] = upstream
+            upstream.model_pool = pool
+            lane.states[upstream.url] = "loaded"
+            pool.resize_budget(upstream.pool.budget)
+            pool.resize(upstream.pool.capacity)
+            log.info("upstream joins the line of model %s url=%s", lane.model, upstream.url)
+        # From now on a request waits in its model's line (servers placed before it is read).
+        lanes.routed = True
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -194,7 +248,7 @@ class Fleet:
             self._discovery = asyncio.create_task(self._rediscover(), name="slotgate-discovery")
 
     async def close(self) -> None:
-        tasks = [t for t in (self._discovery, *self._leaving) if t is not None]
+        tasks = [t for t in (self._discovery, self._placing, *self._leaving) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -321,6 +375,8 @@ class Fleet:
         self._list()
         log.info("upstream leaves: %s", upstream.url)
         upstream.pool.retire()
+        if upstream.model_pool is not None:
+            upstream.model_pool.retire()
         task = asyncio.create_task(self._leave(upstream), name="slotgate-upstream-leaves")
         self._leaving[task] = upstream
         task.add_done_callback(self._left)
@@ -336,6 +392,8 @@ class Fleet:
             if upstream.pool.key == key and upstream.pool.active:
                 task.cancel()
                 upstream.pool.revive()
+                if upstream.model_pool is not None:
+                    upstream.model_pool.revive()
                 source.upstreams[address] = upstream
                 self._list()
                 upstream.poke()  # its slot count now, not at the next tick

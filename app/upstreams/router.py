@@ -42,8 +42,8 @@ class Child:
     """One model on one router: its pool in the model's lane and what the router says of it."""
 
     __slots__ = (
-        "asked_at", "lane", "loaded_since", "loads", "model", "n_ctx", "pool", "state",
-        "stopped_at", "waiting_since",
+        "asked_at", "lane", "loaded_since", "loads", "model", "n_ctx", "pool", "read_at",
+        "state", "stopped_at", "unload_asked_at", "waiting_since",
     )  # fmt: skip
 
     def __init__(self, model: str, lane: Lane, pool: Pool) -> None:
@@ -52,9 +52,12 @@ class Child:
         self.pool = pool
         self.state = "unloaded"
         self.n_ctx: int | None = None
+        #: When its props were last read (monotonic); None: not since it last loaded.
+        self.read_at: float | None = None
         #: Loads slotgate asked of the router for this model, the last one when.
         self.loads = 0
         self.asked_at = 0.0
+        self.unload_asked_at = 0.0
         #: Since when its line has had waiters, and since when it has been loaded (monotonic),
         #: as seen at each refresh: what the swap rule reads (app/gate/swaps.py).
         self.waiting_since: float | None = None
@@ -98,6 +101,7 @@ class Router:
         budget: Callable[[Props], int | None],
         parse: Callable[[Any], Props],
         swap_after_s: float = 10.0,
+        refresh_s: float = 10.0,
     ) -> None:
         self.url = url
         self._get = get
@@ -112,6 +116,10 @@ class Router:
         self.autoload = True
         self.children: dict[str, Child] = {}
         self.swaps = Swaps(swap_after_s)
+        # A running child's props are read this often, even while another model's line makes
+        # the router be read faster: each read wakes the child's waiting readers, which is
+        # what keeps llama-server from noticing clients that left (docs/models.md).
+        self._refresh_s = refresh_s
         #: Unloads slotgate asked of the router to make room (the swap rule's).
         self.unloads = 0
 
@@ -144,15 +152,29 @@ class Router:
             child.lane.states.pop(self.url, None)
             child.pool.resize(None)
         now = time.monotonic()
+        held = set(self.swaps.held)
         plan = self.swaps.plan(self.max_instances, [c.demand(now) for c in seen.values()])
+        for model in self.swaps.held - held:
+            log.info(
+                "holding model for a swap: %s (no new work; its running requests finish) url=%s",
+                model, self.url,
+            )  # fmt: skip
         for child in seen.values():
-            await self._follow(child, plan)
+            child.lane.held = child.model in plan.hold
+            await self._follow(child, plan, now)
         for model in plan.unload:
-            await self._unload(seen[model])
-        if self.autoload and not self._models.closed:
+            child = seen[model]
+            # The router lists a model as loaded until its child has stopped: ask once.
+            if now - child.unload_asked_at >= FAILED_RELOAD_S:
+                child.unload_asked_at = now
+                await self._unload(child)
+        if not self._models.closed:
             for model in plan.load:
                 child = seen[model]
+                if not (self.autoload or child.lane.wanted):
+                    continue
                 if child.state == "unloaded" or now - child.asked_at >= FAILED_RELOAD_S:
+                    child.lane.wanted = False
                     await self._load(child)
 
     def _child(self, entry: Any) -> Child | None:
@@ -185,12 +207,16 @@ class Router:
         lane.autoload = self.autoload
         return child
 
-    async def _follow(self, child: Child, plan: Plan) -> None:
+    async def _follow(self, child: Child, plan: Plan, now: float) -> None:
         pool = child.pool
         if child.state not in RUNNING or child.model in plan.hold:
             # Not running, or held for a swap: its line takes no new work here.
+            child.read_at = None
             pool.resize(None)
             return
+        if child.read_at is not None and now - child.read_at < self._refresh_s:
+            return
+        child.read_at = now
         # The child's own props, through the router; never a load of its own making.
         try:
             target = f"/props?model={quote(child.model, safe='')}&autoload=false"
@@ -200,6 +226,7 @@ class Router:
             log.info("cannot read %s's props: %s url=%s", child.model, exc, self.url)
             props = None
         if props is None:
+            child.read_at = None
             pool.resize(None)
             return
         child.n_ctx = props.n_ctx
@@ -252,6 +279,7 @@ class Router:
     def lost(self) -> None:
         """The router does not answer: no child's slots are known until it does again."""
         for child in self.children.values():
+            child.read_at = None
             child.pool.resize(None)
 
     def close(self) -> None:

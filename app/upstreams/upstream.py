@@ -198,6 +198,9 @@ class Upstream:
         self._routing = routing
         #: The models it serves, when it is a llama-server in router mode; else None.
         self.router: Router | None = None
+        #: Its pool in its model's line, once upstreams of different models are routed by
+        #: model (app/upstreams/fleet.py); sized with `pool`.
+        self.model_pool: Pool | None = None
 
     def readdress(self, address: str | None) -> None:
         """Known by its name so far, it is now one of the name's several addresses: this one;
@@ -360,6 +363,12 @@ class Upstream:
                 await self._follow_router(data)
                 return
             props = Props.parse(data)
+            if self.router is not None:
+                # A router no more (restarted with a model): its children's slots are gone.
+                log.info("llama-server is no longer a router url=%s", self.url)
+                self.router.close()
+                self.router = None
+                self.ready = False
         except TimeoutError:
             if self.ready and self.answers != answers:
                 # Busy, or slotgate's loop is late (a flood of clients on a starved CPU): a
@@ -400,6 +409,25 @@ class Upstream:
         # must be weighed by the budget too.
         self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
+        if (placed := self.model_pool) is not None:
+            placed.resize_budget(self.kv_budget_tokens(props))
+            placed.resize(props.total_slots)
+
+    async def served_names(self) -> tuple[str, ...]:
+        """The names it answers to: its `/v1/models` id, then its aliases; else its /props
+        model. What a request's `model` is matched against when upstreams differ."""
+        fallback = (self.props.model,) if self.props is not None and self.props.model else ()
+        try:
+            status, body = await self._get("/v1/models")
+            data = json.loads(body).get("data") if status == 200 else None
+        except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
+            return fallback
+        first = data[0] if isinstance(data, list) and data else None
+        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+            return fallback
+        aliases = first.get("aliases")
+        names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+        return (first["id"], *names)
 
     async def _follow_router(self, props: dict[str, Any]) -> None:
         """It is a router: ready while it answers; its models' slots come from each child."""
@@ -408,6 +436,12 @@ class Upstream:
             assert self._routing is not None  # noqa: S101 - checked by the caller
             router = self.router = self._routing(self)
             log.info("llama-server is a router (several models) url=%s", self.url)
+            # Its slots are its children's now, not those of the server it may have been.
+            self.props = None
+            self.pool.resize(None)
+            if self.model_pool is not None:
+                self.model_pool.retire()
+                self.model_pool = None
         if not self.ready:
             self.ready = True
             self.reason = "ready (router)"
@@ -461,6 +495,8 @@ class Upstream:
                 budget,
             )
             self.pool.resize_budget(budget)
+            if self.model_pool is not None:
+                self.model_pool.resize_budget(budget)
 
     @property
     def default_output(self) -> int | None:
@@ -495,6 +531,8 @@ class Upstream:
                 if not isinstance(prompt, str):
                     return None
                 request = {"content": prompt, "add_special": True, "parse_special": True}
+                if isinstance(model := payload.get("model"), str):
+                    request["model"] = model  # a router tokenizes with that model's child
                 status, body = await self._post("/tokenize", request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
         except (ExchangeFailed, TimeoutError, ValueError, AttributeError, RecursionError):
@@ -539,6 +577,8 @@ class Upstream:
         self.ready = False
         self.reason = reason
         self.pool.resize(None)
+        if self.model_pool is not None:
+            self.model_pool.resize(None)
         if self.router is not None:
             self.router.lost()
 

@@ -62,6 +62,8 @@ class Routing:
         self.unloads = 0
         #: The most children loaded at once.
         self.peak_loaded = 0
+        #: (path, model) of every request forwarded to a child, in order.
+        self.forwarded: list[tuple[str, str]] = []
 
     def find(self, name: str) -> tuple[str, Hosted] | None:
         if name in self.hosted:
@@ -210,6 +212,7 @@ class Routing:
             return True
         if method == "POST":
             hosted.used = time.monotonic()
+        self.forwarded.append((path, model))
         conn.standin = hosted.child
         return False
 
@@ -222,3 +225,17 @@ def _field(body: bytes, name: str) -> Any:
     except ValueError:
         return None
     return value.get(name) if isinstance(value, dict) else None
+
+
+def hosted(slots: int = 2, state: str = "loaded", aliases: list[str] | None = None) -> Hosted:
+    """A model for a router stand-in: a child of `slots` slots, three quick tokens an answer."""
+    from tests.support.standin import StandIn
+
+    child = StandIn(total_slots=slots, tokens=3, token_delay_s=0.01)
+    return Hosted(child, aliases or [], state)
+
+
+def children(upstream: StandIn) -> dict[str, StandIn]:
+    """A router stand-in's children, by model id."""
+    assert upstream.hosted is not None
+    return {model: h.child for model, h in upstream.hosted.items()}

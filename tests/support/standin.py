@@ -118,7 +118,8 @@ class StandIn:
     seen: list[Seen] = field(default_factory=list)
     gaps_ns: list[int] = field(default_factory=list)
     port: int = 0
-    model: str = "standin.gguf"  # /props model_path
+    model: str = "standin.gguf"  # /props model_path, /v1/models id
+    aliases: list[str] = field(default_factory=list)  # /v1/models aliases (--alias)
     host: str = "127.0.0.1"  # any of 127.0.0.0/8: several stand-ins on one port, for DNS
     created: int = field(default_factory=lambda: int(time.time()))
     # Router mode (tests/support/router.py): the models by id, each with a child of its own.
@@ -520,6 +521,9 @@ class Connection(asyncio.Protocol):
             self._props(lower, raw)
         elif path == "/health":
             self._json(_LOADING, 503) if standin.loading else self._json({"status": "ok"})
+        elif path == "/v1/models" and method == "GET":
+            model = {"id": standin.model, "aliases": standin.aliases, "object": "model"}
+            self._json({"data": [model], "object": "list"})
         elif path == "/metrics":
             self._metrics()
         elif method == "POST" and path == "/_bench/config":

@@ -20,7 +20,7 @@ from slotgate.logs import JsonFormatter
 from slotgate.main import create_app
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, chat, serve
+from tests.conftest import CHAT, GatesFor, RunningGate, chat, serve
 from tests.support.standin import StandIn
 
 StandIns = Callable[..., Any]
@@ -47,23 +47,15 @@ async def standins() -> AsyncIterator[StandIns]:
 
 
 @pytest.fixture
-async def gates() -> AsyncIterator[Callable[..., Any]]:
-    running: list[RunningGate] = []
+def gates(gates_for: GatesFor) -> Callable[..., Any]:
+    """slotgate in front of the given stand-ins, once every one's slots are known."""
 
     async def start(upstreams: Sequence[StandIn], **overrides: Any) -> RunningGate:
-        values: dict[str, Any] = {
-            "llama_server_url": ",".join(u.url for u in upstreams),
-            "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
-        }  # fmt: skip
-        values.update(overrides)
-        gate = await serve(Settings(_env_file=None, **values))
-        running.append(gate)
+        gate = await gates_for(list(upstreams), **overrides)
         await gate.until(lambda: all(p.capacity for p in gate.service.admission.pools))
         return gate
 
-    yield start
-    for gate in running:
-        await gate.stop()
+    return start
 
 
 Fleet = Callable[..., Awaitable[tuple[RunningGate, list[StandIn]]]]

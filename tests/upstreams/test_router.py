@@ -5,74 +5,31 @@ refused in the router's words, unloaded models loaded for their waiters."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import httpx
-import pytest
-from slotgate.settings import Settings
+from slotgate.gate.models import Lane
 
-from tests.conftest import CHAT, RunningGate, chat, serve
-from tests.support.router import Hosted
+from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, StartUpstreams, chat
+from tests.support.router import Routing, children, hosted
 from tests.support.standin import StandIn
 
-MakeRouter = Callable[..., Any]
 
-
-def hosted(slots: int = 2, state: str = "loaded", aliases: list[str] | None = None) -> Hosted:
-    child = StandIn(total_slots=slots, tokens=3, token_delay_s=0.01)
-    return Hosted(child, aliases or [], state)
-
-
-@pytest.fixture
-async def router() -> AsyncIterator[MakeRouter]:
-    """Start a router stand-in serving the given models; it stops at the end."""
-    started: list[StandIn] = []
-
-    async def start(models: dict[str, Hosted], **knobs: Any) -> StandIn:
-        upstream = StandIn(hosted=models, **knobs)
-        await upstream.start()
-        started.append(upstream)
-        return upstream
-
-    yield start
-    for upstream in started:
-        await upstream.stop()
-
-
-@pytest.fixture
-async def gate_before() -> AsyncIterator[Callable[..., Any]]:
-    running: list[RunningGate] = []
-
-    async def start(upstream: StandIn, **overrides: Any) -> RunningGate:
-        values: dict[str, Any] = {
-            "llama_server_url": upstream.url, "props_refresh_interval_s": 0.2,
-            "keepalive_interval_s": 0, "log_level": "warning", "startup_wait_s": 10,
-        }  # fmt: skip
-        values.update(overrides)
-        gate = await serve(Settings(_env_file=None, **values))
-        running.append(gate)
-        await gate.until(lambda: gate.service.models.routed and len(gate.service.models) > 0)
-        return gate
-
-    yield start
-    for gate in running:
-        await gate.stop()
-
-
-def children(upstream: StandIn) -> dict[str, StandIn]:
-    assert upstream.hosted is not None
-    return {model: h.child for model, h in upstream.hosted.items()}
+def line(gate: RunningGate, model: str) -> Lane:
+    """The line of `model` (the router has listed it: `gate_before` waited for that)."""
+    found = gate.service.models.find(model)
+    assert found is not None
+    return found
 
 
 async def test_a_router_is_ready_and_shows_each_models_line(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(3, "unloaded", ["b"])})
     gate = await gate_before(upstream)
-    await gate.until(lambda: gate.service.models.find("alpha").admission.capacity == 2)
+    await gate.until(lambda: line(gate, "alpha").admission.capacity == 2)
     ready = await client.get(gate.url + "/readyz")
     assert ready.status_code == 200
+    assert ready.json()["models"] == {"listed": 2, "loaded": 1}
     view = (await client.get(gate.url + "/admission")).json()
     models = {m["model"]: m for m in view["models"]}
     assert models["alpha"]["state"] == "loaded"
@@ -84,12 +41,12 @@ async def test_a_router_is_ready_and_shows_each_models_line(
 
 
 async def test_each_childs_requests_never_exceed_its_slots(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(1)})
+    for child in children(upstream).values():
+        child.token_delay_s = 0.05  # long enough that admitted requests overlap
     gate = await gate_before(upstream)
-    lanes = gate.service.models
-    await gate.until(lambda: all(lane.admission.capacity is not None for lane in lanes))
     sent = [client.post(gate.url + CHAT, json=chat(model=model)) for model in ("alpha", "beta") * 6]
     answers = await asyncio.gather(*sent)
     assert [a.status_code for a in answers] == [200] * 12
@@ -100,7 +57,7 @@ async def test_each_childs_requests_never_exceed_its_slots(
 
 
 async def test_an_unknown_model_is_refused_at_once_in_the_routers_words(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2)})
     gate = await gate_before(upstream)
@@ -117,7 +74,7 @@ async def test_an_unknown_model_is_refused_at_once_in_the_routers_words(
 
 
 async def test_an_alias_finds_its_models_line(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, aliases=["a1"])})
     gate = await gate_before(upstream)
@@ -128,7 +85,7 @@ async def test_an_alias_finds_its_models_line(
 
 
 async def test_a_request_for_an_unloaded_model_waits_while_it_loads_and_is_served(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded")}, load_delay_s=0.3)
     gate = await gate_before(upstream)
@@ -142,7 +99,7 @@ async def test_a_request_for_an_unloaded_model_waits_while_it_loads_and_is_serve
 
 
 async def test_a_stream_waiting_for_its_model_hears_its_place(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded")}, load_delay_s=1.5)
     gate = await gate_before(upstream, keepalive_interval_s=0.2, stream_head_after_s=0)
@@ -155,11 +112,11 @@ async def test_a_stream_waiting_for_its_model_hears_its_place(
 
 
 async def test_autoload_false_refuses_an_unloaded_model_as_the_router_does(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded"), "beta": hosted(2)})
     gate = await gate_before(upstream)
-    await gate.until(lambda: gate.service.models.find("beta").running)
+    await gate.until(lambda: line(gate, "beta").running)
     answer = await client.post(gate.url + CHAT + "?autoload=false", json=chat(model="alpha"))
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == "model is not loaded"
@@ -170,18 +127,18 @@ async def test_autoload_false_refuses_an_unloaded_model_as_the_router_does(
 
 
 async def test_a_router_that_does_not_autoload_is_followed(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2, "unloaded")}, models_autoload=False)
     gate = await gate_before(upstream)
-    await gate.until(lambda: not gate.service.models.find("alpha").autoload)
+    await gate.until(lambda: not line(gate, "alpha").autoload)
     answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == "model is not loaded"
 
 
 async def test_metrics_carry_each_childs_series_with_its_model(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(2), "gamma": hosted(2, "unloaded")})
     gate = await gate_before(upstream)
@@ -191,10 +148,14 @@ async def test_metrics_carry_each_childs_series_with_its_model(
     assert 'model="beta"' in text
     assert 'model="gamma"' not in text
     assert text.count("# TYPE llamacpp:requests_processing gauge") == 1
+    own = (await client.get(gate.url + "/metrics?source=slotgate")).text
+    assert 'slotgate_model_slots_capacity{model="alpha"} 2.0' in own
+    assert 'slotgate_model_loaded{model="gamma"} 0.0' in own
+    assert 'slotgate_model_queue_depth{model="beta"} 0.0' in own
 
 
 async def test_a_model_whose_load_failed_shows_its_exit_code(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     broken = hosted(2, "unloaded")
     broken.fails_with = 1
@@ -212,13 +173,14 @@ async def test_a_model_whose_load_failed_shows_its_exit_code(
 
 
 async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router(
         {"alpha": hosted(2), "beta": hosted(2, "unloaded")}, models_max=1, load_delay_s=0.1
     )
-    gate = await gate_before(upstream, model_swap_after_s=0.5)
-    await gate.until(lambda: gate.service.models.find("alpha").running)
+    # No line waits long enough to force a swap: beta's turn comes once alpha's line is empty.
+    gate = await gate_before(upstream, model_swap_after_s=60, startup_wait_s=30)
+    await gate.until(lambda: line(gate, "alpha").running)
     sent = [client.post(gate.url + CHAT, json=chat(model=m)) for m in ("alpha", "beta") * 10]
     answers = await asyncio.gather(*sent)
     assert [a.status_code for a in answers] == [200] * 20
@@ -234,14 +196,13 @@ async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
 
 
 async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
-    router: MakeRouter, gate_before: Callable[..., Any], client: httpx.AsyncClient
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     alpha = hosted(1)
     alpha.child.tokens = 40  # each alpha request holds its slot about 0.4 s
     upstream = await router({"alpha": alpha, "beta": hosted(1, "unloaded")}, models_max=1)
     gate = await gate_before(upstream, model_swap_after_s=0.3)
-    lanes = gate.service.models
-    await gate.until(lambda: lanes.find("alpha").running)
+    await gate.until(lambda: line(gate, "alpha").running)
     # alpha's line never empties while beta waits: a steady stream of alpha requests.
     stop = asyncio.Event()
 
@@ -253,8 +214,10 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
         return codes
 
     feeders = [asyncio.create_task(alpha_stream()) for _ in range(3)]
-    await gate.until(lambda: lanes.find("alpha").admission.queued > 0)
-    beta = await client.post(gate.url + CHAT, json=chat(model="beta"))
+    await gate.until(lambda: line(gate, "alpha").admission.queued > 0)
+    asking = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="beta")))
+    await gate.until(lambda: line(gate, "alpha").held)  # emptied for beta, not cut
+    beta = await asking
     stop.set()
     codes = [code for feeder in await asyncio.gather(*feeders) for code in feeder]
     assert beta.status_code == 200
@@ -263,3 +226,92 @@ async def test_a_busy_model_is_emptied_for_a_line_that_waited_its_bound(
     assert kids["alpha"].cancelled == 0
     assert upstream.routing is not None
     assert upstream.routing.evictions == 0
+    assert upstream.routing.unloads >= 1  # alpha, emptied for beta's line
+
+
+async def test_servers_of_different_models_each_take_only_their_models_requests(
+    router: MakeRouter, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    small = StandIn(total_slots=1, tokens=3, token_delay_s=0.01, model="small.gguf")
+    small.aliases = ["small"]
+    large = StandIn(total_slots=2, tokens=3, token_delay_s=0.05, model="large.gguf")
+    routed = await router({"routed": hosted(1)})
+    for upstream in (small, large):
+        await upstream.start()
+    try:
+        gate = await gates_for([small, large, routed])
+        lanes = gate.service.models
+        await gate.until(
+            lambda: all(
+                (lane := lanes.find(name)) is not None and lane.running
+                for name in ("small", "large.gguf", "routed")
+            )
+        )
+        sent = [
+            client.post(gate.url + CHAT, json=chat(model=model))
+            for model in ("small", "large.gguf", "routed", "small.gguf") * 4
+        ]
+        answers = await asyncio.gather(*sent)
+        assert [a.status_code for a in answers] == [200] * 16
+        assert (small.finished, large.finished) == (8, 4)
+        assert (small.max_running, large.max_running) == (1, 2)
+        assert children(routed)["routed"].finished == 4
+        unknown = await client.post(gate.url + CHAT, json=chat(model="medium"))
+        assert unknown.status_code == 400
+        view = (await client.get(gate.url + "/admission")).json()
+        assert {m["model"] for m in view["models"]} == {"small.gguf", "large.gguf", "routed"}
+    finally:
+        for upstream in (small, large):
+            await upstream.stop()
+
+
+async def test_servers_of_one_model_are_not_routed_by_model(
+    gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstreams = [StandIn(total_slots=1, tokens=3), StandIn(total_slots=1, tokens=3)]
+    for upstream in upstreams:
+        await upstream.start()
+    try:
+        gate = await gates_for(upstreams)
+        await gate.until(lambda: gate.service.admission.capacity == 2)
+        answer = await client.post(gate.url + CHAT, json=chat(model="anything"))
+        assert answer.status_code == 200  # llama-server ignores `model`, and so does slotgate
+        assert not gate.service.models.routed
+        assert all(upstream.seen[0].path == CHAT for upstream in upstreams if upstream.seen)
+    finally:
+        for upstream in upstreams:
+            await upstream.stop()
+
+
+async def test_a_server_restarted_as_a_router_is_followed_as_one(
+    start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = StandIn(total_slots=3, tokens=3)
+    await start_upstreams(upstream)
+    gate = await gates_for([upstream])
+    await gate.until(lambda: gate.service.admission.capacity == 3)
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    # Restarted with --models-dir: the same address now answers as a router.
+    upstream.hosted = {"alpha": hosted(2)}
+    upstream.routing = Routing(upstream, upstream.hosted)
+    lanes = gate.service.models
+    await gate.until(lambda: (found := lanes.find("alpha")) is not None and found.running)
+    assert gate.service.admission.capacity is None  # the old server's slots are gone
+    assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
+    assert children(upstream)["alpha"].finished == 1
+
+
+async def test_a_models_prompts_are_counted_by_its_child_against_its_budget(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    alpha = hosted(4)
+    alpha.child.counts = True  # /apply-template and /tokenize, one token a word
+    upstream = await router({"alpha": alpha, "beta": hosted(2)})
+    gate = await gate_before(upstream, kv_budget_tokens=4096)
+    assert line(gate, "alpha").admission.budget_tokens == 4096
+    answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
+    assert answer.status_code == 200
+    assert alpha.child.counted == 1
+    assert upstream.routing is not None
+    forwarded = [f for f in upstream.routing.forwarded if f[0] != "/props"]
+    assert forwarded == [("/apply-template", "alpha"), ("/tokenize", "alpha"), (CHAT, "alpha")]

@@ -1,0 +1,78 @@
+"""The request path with one line per model (app/proxy/relay.py): a request's model picks its
+line and its upstream; what the router would refuse is refused in the route's own shape."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tests.conftest import CHAT, GatesFor, MakeRouter, StartUpstreams, chat
+from tests.support.router import children, hosted
+from tests.support.standin import StandIn
+
+
+async def test_an_unknown_model_is_refused_in_anthropics_shape_on_messages(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2)})
+    gate = await gate_before(upstream)
+    body = {"model": "gamma", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    answer = await client.post(gate.url + "/v1/messages", json=body)
+    assert answer.status_code == 400
+    assert answer.json() == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "model 'gamma' not found",
+            "code": "model_not_found",
+        },
+    }
+
+
+async def test_autoload_zero_is_read_as_llama_server_reads_it(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2, "unloaded")}, models_autoload=False)
+    gate = await gate_before(upstream)
+    refused = await client.post(gate.url + CHAT + "?autoload=0", json=chat(model="alpha"))
+    assert refused.status_code == 400
+    # `?autoload=1` on a router started without autoload loads, as the router would.
+    served = await client.post(gate.url + CHAT + "?autoload=1", json=chat(model="alpha"))
+    assert served.status_code == 200
+    assert children(upstream)["alpha"].finished == 1
+
+
+async def test_a_get_naming_a_model_goes_to_an_upstream_that_serves_it(
+    router: MakeRouter,
+    gates_for: GatesFor,
+    start_upstreams: StartUpstreams,
+    client: httpx.AsyncClient,
+) -> None:
+    other = StandIn(model="other.gguf")
+    await start_upstreams(other)
+    routed = await router({"alpha": hosted(3)})
+    gate = await gates_for([other, routed])
+    lanes = gate.service.models
+    await gate.until(lambda: (found := lanes.find("alpha")) is not None and found.running)
+    props = (await client.get(gate.url + "/props?model=alpha")).json()
+    assert props["total_slots"] == 3  # the router's child, not the first upstream
+    plain = (await client.get(gate.url + "/props")).json()
+    assert plain["model_path"] == "other.gguf"
+
+
+async def test_a_child_that_answers_503_sends_its_request_back_to_its_line_only(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1), "beta": hosted(1)})
+    gate = await gate_before(upstream)
+    lanes = gate.service.models
+    alpha = children(upstream)["alpha"]
+    alpha.loading = True  # answers 503 "Loading model", as a child still loading does
+    waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="alpha")))
+    await gate.until(lambda: not next(iter(lanes)).running)
+    # The router is still ready, and so is beta's line: only alpha's request waits.
+    assert gate.service.upstream.ready
+    assert (await client.post(gate.url + CHAT, json=chat(model="beta"))).status_code == 200
+    alpha.loading = False
+    assert (await waiting).status_code == 200
