@@ -5,7 +5,7 @@ in front, side by side in one run.
                            [--single-s 20] [--rounds 1] [--slotgate-tree DIR]
 
 The binary is llama.cpp's own llama-server (xllamacpp disables router mode): $LLAMA_ROUTER_BIN,
-else what `scripts/build-llama-server` prints (it builds once, 8-20 minutes on 2 cores, then
+else what `scripts/build-llama-server` prints (it builds once, 8-30 minutes on 2 cores, then
 reuses its cache). The models are the demo's gemma-3 270M under two ids, `alpha` and `beta`
 (symbolic links to one file). llama.cpp runs on the server core with 1 thread per child and
 2 slots; slotgate and the client share the other core, as in bench/llama.py.
@@ -22,7 +22,8 @@ reuses its cache). The models are the demo's gemma-3 270M under two ids, `alpha`
   and slotgate (`MAX_QUEUE=0`, `STARTUP_WAIT_S` from `--startup-wait-s`) in front of it.
 - single: one model, `2 x slots` clients in a closed loop for `--single-s` seconds, through the
   router, through slotgate in front of the router, straight to `llama-server -m` with the same
-  flags, and through slotgate in front of that: tokens per second and requests per second.
+  flags, and through slotgate in front of that: tokens per second and requests per second
+  (the mean of `--rounds` rounds, every other round in the reverse order).
 
 Results: bench/results/router/latest.json and latest.md (the tables printed at the end).
 """
@@ -62,7 +63,7 @@ def router_binary() -> Path:
     """$LLAMA_ROUTER_BIN, else the cached build (built first when there is none)."""
     if named := os.environ.get("LLAMA_ROUTER_BIN"):
         return Path(named)
-    print("llama-server: scripts/build-llama-server (a first build takes 8-20 minutes)")
+    print("llama-server: scripts/build-llama-server (a first build takes 8-30 minutes)")
     built = subprocess.run(
         [str(REPO / "scripts" / "build-llama-server")], check=True, stdout=subprocess.PIPE
     )
@@ -232,7 +233,8 @@ async def warm(target: str, model: str) -> None:
 def swap(binary: Path, models: Path, logs: Path, args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {"router": [], "slotgate": []}
     for round_ in range(args.rounds):
-        for name in results:
+        # Each round in the other order, so that drift hits both alike.
+        for name in list(results) if round_ % 2 == 0 else list(results)[::-1]:
             router = start_router(binary, models, logs, f"swap-{name}-{round_}", models_max=1)
             with stopped(router):
                 run_loop(warm(url(router), MODELS[0]))
@@ -302,12 +304,28 @@ def single(binary: Path, models: Path, logs: Path, args: argparse.Namespace) -> 
             except RuntimeError as exc:
                 results[f"slotgate+{name}"] = {"error": str(exc).splitlines()[0]}
         with stopped(*fronts.values()):
-            for name, upstream in (("router", router), ("direct", direct)):
-                for label, target in ((name, upstream), (f"slotgate+{name}", fronts.get(name))):
-                    if target is not None:
-                        results[label] = run_loop(
+            contenders = [
+                (label, target)
+                for name, upstream in (("router", router), ("direct", direct))
+                for label, target in ((name, upstream), (f"slotgate+{name}", fronts.get(name)))
+                if target is not None
+            ]
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in contenders}
+            # Each round in the other order, so that drift hits every contender alike.
+            for round_ in range(args.rounds):
+                for label, target in contenders if round_ % 2 == 0 else contenders[::-1]:
+                    runs[label].append(
+                        run_loop(
                             closed(url(target), model, 2 * SLOTS, args.single_s, args.max_tokens)
                         )
+                    )
+    for label, each in runs.items():
+        results[label] = {
+            "tokens_per_s": round(sum(r["tokens_per_s"] for r in each) / len(each), 2),
+            "requests_per_s": round(sum(r["requests_per_s"] for r in each) / len(each), 3),
+            "failed": sum(r["failed"] for r in each),
+            "rounds": each,
+        }
     return results
 
 
@@ -316,7 +334,8 @@ def single(binary: Path, models: Path, logs: Path, args: argparse.Namespace) -> 
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [
-        f"Router mode, {results['when']} ({results['load']}); burst {results['args']['burst']}, "
+        f"Router mode, {results['when']} (before: {results['load_before']}; after: "
+        f"{results['load']}); burst {results['args']['burst']}, "
         f"stream {results['args']['stream_s']} s x {results['args']['clients']} clients, "
         f"{results['args']['max_tokens']} tokens per answer.",
         "",
