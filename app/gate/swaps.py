@@ -7,8 +7,9 @@ follower (app/upstreams/router.py) does it. The rule, with `swap_after_s` its on
 1. A model whose line has waiters and that the router does not run is *wanting*; the wanting
    are served in the order of their oldest waiter.
 2. While the router runs fewer models than `max_instances`, a wanting model is loaded at once.
-3. When it is full, an *idle* model (loaded, nothing running, nobody waiting) is unloaded to
-   make room (slotgate names the victim, so that the router never evicts a busy one).
+3. When it is full, an *idle* model (loaded, nothing running, nobody waiting) is held and
+   unloaded to make room (slotgate names the victim, so that the router never evicts a busy
+   one).
 4. When every model it runs has work, they are kept loaded: a busy model is never evicted for
    a newcomer, so the router never ping-pongs between two lines. But once the wanting model's
    oldest waiter has waited `swap_after_s`, one model is *held*: it takes no new work, its
@@ -92,7 +93,11 @@ class Swaps:
             return plan  # a swap is under way: wait for it
         idle = [d for d in loaded if d.active == 0 and d.queued == 0]
         if idle:
-            plan.unload.append(min(idle, key=lambda d: -d.loaded_s).model)  # rule 3
+            # Rule 3; held too, so that nothing is let in on it while it is unloaded.
+            empty = min(idle, key=lambda d: -d.loaded_s).model
+            self.held.add(empty)
+            plan.hold.add(empty)
+            plan.unload.append(empty)
             return plan
         if first.waited_s < self.swap_after_s:
             return plan  # rule 4: busy models stay loaded for now

@@ -67,7 +67,7 @@ def _lane(models: Models, request: Request) -> Lane:
     router says not to load it (`?autoload=false`, --no-models-autoload)."""
     name = parse_json(request.body).get("model")
     lane = models.find(name) if isinstance(name, str) else None
-    if lane is None:
+    if lane is None or not lane.states:  # never listed, or no longer listed anywhere
         raise UnknownModel(name if isinstance(name, str) else "")
     autoload = lane.autoload
     if b"autoload=" in request.query:

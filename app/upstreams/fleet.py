@@ -16,7 +16,7 @@ from slotgate.gate.admission import Admission
 from slotgate.gate.models import Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
-from slotgate.upstreams.router import Router
+from slotgate.upstreams.router import Router, served_names
 from slotgate.upstreams.upstream import Props, Upstream, address_url
 
 log = logging.getLogger("slotgate.fleet")
@@ -223,7 +223,7 @@ class Fleet:
                 continue
             if not upstream.ready:
                 continue
-            names = await upstream.served_names()
+            names = await served_names(upstream)
             lane = lanes.lane(names[0], names[1:]) if names else None
             if lane is None or upstream.model_pool is not None:
                 continue

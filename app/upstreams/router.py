@@ -25,7 +25,7 @@ from slotgate.gate.pool import Pool
 from slotgate.gate.swaps import Demand, Plan, Swaps
 
 if TYPE_CHECKING:
-    from slotgate.upstreams.upstream import Props
+    from slotgate.upstreams.upstream import Props, Upstream
 
 log = logging.getLogger("slotgate.router")
 
@@ -160,10 +160,17 @@ class Router:
                 model, self.url,
             )  # fmt: skip
         for child in seen.values():
+            # Holds first, before any await can let a request in on a model being emptied.
             child.lane.held = child.model in plan.hold
+            if child.lane.held:
+                child.read_at = None
+                child.pool.resize(None)
+        for child in seen.values():
             await self._follow(child, plan, now)
         for model in plan.unload:
             child = seen[model]
+            if child.pool.active:
+                continue  # let in before its hold: unloaded once it is empty
             # The router lists a model as loaded until its child has stopped: ask once.
             if now - child.unload_asked_at >= FAILED_RELOAD_S:
                 child.unload_asked_at = now
@@ -210,7 +217,7 @@ class Router:
     async def _follow(self, child: Child, plan: Plan, now: float) -> None:
         pool = child.pool
         if child.state not in RUNNING or child.model in plan.hold:
-            # Not running, or held for a swap: its line takes no new work here.
+            # Not running, or held for a swap (done already): its line takes no new work here.
             child.read_at = None
             pool.resize(None)
             return
@@ -289,4 +296,23 @@ class Router:
             child.pool.retire()
 
 
-__all__ = ["Child", "Router"]
+async def served_names(upstream: Upstream) -> tuple[str, ...]:
+    """The names a server of one model answers to: its `/v1/models` id, then its aliases;
+    else its /props model. What a request's `model` is matched against when upstreams serve
+    different models (app/upstreams/fleet.py)."""
+    props = upstream.props
+    fallback = (props.model,) if props is not None and props.model else ()
+    try:
+        status, body = await upstream.get("/v1/models")
+        data = json.loads(body).get("data") if status == 200 else None
+    except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
+        return fallback
+    first = data[0] if isinstance(data, list) and data else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str):
+        return fallback
+    aliases = first.get("aliases")
+    names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+    return (first["id"], *names)
+
+
+__all__ = ["Child", "Router", "served_names"]

@@ -413,22 +413,6 @@ class Upstream:
             placed.resize_budget(self.kv_budget_tokens(props))
             placed.resize(props.total_slots)
 
-    async def served_names(self) -> tuple[str, ...]:
-        """The names it answers to: its `/v1/models` id, then its aliases; else its /props
-        model. What a request's `model` is matched against when upstreams differ."""
-        fallback = (self.props.model,) if self.props is not None and self.props.model else ()
-        try:
-            status, body = await self._get("/v1/models")
-            data = json.loads(body).get("data") if status == 200 else None
-        except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
-            return fallback
-        first = data[0] if isinstance(data, list) and data else None
-        if not isinstance(first, dict) or not isinstance(first.get("id"), str):
-            return fallback
-        aliases = first.get("aliases")
-        names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
-        return (first["id"], *names)
-
     async def _follow_router(self, props: dict[str, Any]) -> None:
         """It is a router: ready while it answers; its models' slots come from each child."""
         router = self.router

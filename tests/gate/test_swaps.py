@@ -32,9 +32,14 @@ def test_a_model_nobody_waits_for_is_never_loaded() -> None:
 
 
 def test_a_full_router_unloads_an_idle_model_to_make_room() -> None:
-    plan = Swaps(10).plan(2, [loaded("a", active=1), loaded("b"), wanting("c")])
+    swaps = Swaps(10)
+    plan = swaps.plan(2, [loaded("a", active=1), loaded("b"), wanting("c")])
     assert plan.unload == ["b"]
+    assert plan.hold == {"b"}  # nothing is let in on it while it is unloaded
     assert not plan.load  # loaded at the next look, once the room is there
+    plan = swaps.plan(2, [loaded("a", active=1), Demand("b", "unloaded", 0, 0), wanting("c")])
+    assert plan.load == ["c"]
+    assert not plan.hold
 
 
 def test_busy_models_stay_loaded_until_the_wait_reaches_its_bound() -> None:

@@ -12,6 +12,7 @@ from slotgate.gate.models import Lane
 from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, StartUpstreams, chat
 from tests.support.router import Routing, children, hosted
 from tests.support.standin import StandIn
+from tests.support.valkey import Valkey
 
 
 def line(gate: RunningGate, model: str) -> Lane:
@@ -315,3 +316,32 @@ async def test_a_models_prompts_are_counted_by_its_child_against_its_budget(
     assert upstream.routing is not None
     forwarded = [f for f in upstream.routing.forwarded if f[0] != "/props"]
     assert forwarded == [("/apply-template", "alpha"), ("/tokenize", "alpha"), (CHAT, "alpha")]
+
+
+async def test_a_model_the_router_no_longer_lists_is_unknown_again(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
+    gate = await gate_before(upstream)
+    assert upstream.hosted is not None
+    del upstream.hosted["beta"]  # its file removed from --models-dir
+    await gate.until(lambda: not line(gate, "beta").states)
+    answer = await client.post(gate.url + CHAT, json=chat(model="beta"))
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == "model 'beta' not found"
+    assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
+
+
+async def test_with_a_shared_line_each_models_line_is_kept_by_the_replica(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient, valkey: Valkey
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(1, "unloaded")})
+    for child in children(upstream).values():
+        child.token_delay_s = 0.05  # long enough that admitted requests overlap
+    gate = await gate_before(upstream, redis_url=valkey.url, redis_fleet="models")
+    answers = await asyncio.gather(
+        *(client.post(gate.url + CHAT, json=chat(model=m)) for m in ("alpha", "beta") * 3)
+    )
+    assert [a.status_code for a in answers] == [200] * 6
+    kids = children(upstream)
+    assert (kids["alpha"].max_running, kids["beta"].max_running) == (2, 1)
