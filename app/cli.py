@@ -124,11 +124,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _port(text: str) -> int:
+def _whole(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _port(text: str) -> int:
+    value = _whole(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port from 0 to 65535")
     return value
@@ -157,10 +161,7 @@ def _gpus(text: str) -> tuple[str, ...]:
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
     return value
@@ -282,7 +283,8 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         lifespan="on",
         access_log=False,
         server_header=False,
-        # slotgate reads no client address, so uvicorn need not rewrite it from X-Forwarded-*.
+        # The client's address is the peer's, never one a header claims: the operator controls
+        # trust loopback peers without keys (and refuse those a proxy relayed, app/controls.py).
         proxy_headers=False,
         log_config=None,
         # 0 = no drain (uvicorn cancels at once); None would make it wait forever.

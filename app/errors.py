@@ -6,6 +6,7 @@
     │   │   ├── BadRequest
     │   │   │   └── UpgradeRefused
     │   │   ├── Unauthorized
+    │   │   ├── Forbidden
     │   │   ├── PayloadTooLarge
     │   │   ├── HeadersTooLarge
     │   │   ├── UnsupportedMediaType
@@ -22,10 +23,14 @@
     │   │   ├── QueueTimeout
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
-    │   └── UpstreamError         llama-server could not give its answer
-    │       ├── UpstreamUnavailable
-    │       │   └── UpstreamStarting
-    │       └── UpstreamFailed
+    │   ├── QuotaExceeded         the tenant used up a quota of its keys file; its window frees
+    │   ├── DeadlineUnmet         no slot within the request's X-Max-Wait; the line may shorten
+    │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
+    │   ├── UpstreamError         llama-server could not give its answer
+    │   │   ├── UpstreamUnavailable
+    │   │   │   └── UpstreamStarting
+    │   │   └── UpstreamFailed
+    │   └── TooManyWatchers       the status stream has all the watchers it takes
     ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
     │   ├── ConnectFailed
     │   ├── Disconnected
@@ -58,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     # For annotations only: the gate imports this module, never the reverse at run time.
     from slotgate.gate.pool import Snapshot
+    from slotgate.gate.quotas import Standing
     from slotgate.gate.tenants import Tenant
 
 Flavor = Literal["openai", "anthropic"]
@@ -105,6 +111,11 @@ class UpgradeRefused(BadRequest):
 
 class Unauthorized(ClientError):
     pass
+
+
+class Forbidden(ClientError):
+    """Not allowed to this client, whatever it sends (operator controls from elsewhere than
+    loopback without ADMIN_KEYS)."""
 
 
 class PayloadTooLarge(ClientError):
@@ -177,7 +188,8 @@ class NotReady(AdmissionError):
     @property
     def message(self) -> str:
         return (
-            "llama-server is not ready (starting, loading the model or unreachable); retry shortly"
+            "llama-server is not ready (starting, loading the model, unreachable, or drained "
+            "by an operator); retry shortly"
         )
 
 
@@ -268,6 +280,69 @@ class TenantTooLarge(TooLarge):
         )
 
 
+_UNITS = {
+    "requests_per_minute": "requests per minute",
+    "tokens_per_minute": "tokens per minute",
+    "tokens_per_day": "tokens per day (UTC)",
+}
+
+
+class QuotaExceeded(GateError):
+    """The request's tenant reached one of its quotas (app/gate/quotas.py): `limit` names it,
+    `retry_after_s` is when its window resets, `standing` what the rate-limit headers show."""
+
+    def __init__(self, tenant: str, limit: str, retry_after_s: float, standing: Standing) -> None:
+        super().__init__(f"tenant {tenant} reached its quota of {limit}")
+        self.tenant = tenant
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.standing = standing
+        self.extra = {"quota": limit}
+
+    @property
+    def message(self) -> str:
+        s = self.standing
+        used = s.limit_requests if self.limit == "requests_per_minute" else s.limit_tokens
+        return (
+            f"tenant {self.tenant} has used its {used} {_UNITS[self.limit]} "
+            f"({self.limit}); retry after Retry-After ({self.retry_after_s:.0f} s)"
+        )
+
+
+class DeadlineUnmet(GateError):
+    """The request would get its slot, or has not got it, within its bound on waiting
+    (X-Max-Wait, or its tenant's max_wait_s; app/gate/deadlines.py). `eta_s`: the wait it
+    would still have had; `waited_s`: what it waited. Retry-After: once the line should have
+    shortened by what the estimate exceeds the bound."""
+
+    def __init__(self, bound_s: float, eta_s: float, waited_s: float = 0.0) -> None:
+        super().__init__(f"no slot within X-Max-Wait {bound_s:g} s")
+        self.bound_s = bound_s
+        self.eta_s = eta_s
+        self.waited_s = waited_s
+        self.retry_after_s = max(waited_s + eta_s - bound_s, 1.0)
+        self.extra = {"eta_s": round(eta_s, 3), "max_wait_s": bound_s}
+
+    @property
+    def message(self) -> str:
+        if self.waited_s:
+            return (
+                f"no slot became free within the request's wait bound of {self.bound_s:g} s "
+                f"(X-Max-Wait); about {self.eta_s:.1f} s more was expected; retry after "
+                "Retry-After or allow a longer wait"
+            )
+        return (
+            f"the expected wait for a slot ({self.eta_s:.1f} s) exceeds the request's wait "
+            f"bound of {self.bound_s:g} s (X-Max-Wait); retry after Retry-After or allow a "
+            "longer wait"
+        )
+
+
+class Cancelled(GateError):
+    """An operator cancelled the request: it left the line, or its generation was cut. Not
+    to be sent again as it is: its answer says so (`x-should-retry: false`)."""
+
+
 class UpstreamError(GateError):
     """llama-server could not give its answer."""
 
@@ -295,6 +370,12 @@ class UpstreamFailed(UpstreamError):
 
 
 # -- the upstream client's ---------------------------------------------------------------------
+
+
+class TooManyWatchers(GateError):
+    """`GET /admission/events` has STATUS_WATCHERS watchers already."""
+
+    retry_after_s = 5.0
 
 
 class ExchangeFailed(SlotgateError):
@@ -360,6 +441,9 @@ class Shape:
     reason: str
     #: A retry can pass: Retry-After headers, and the pool's snapshot when the refusal has one.
     retry: bool = False
+    #: Meant to end the request for good: `x-should-retry: false`, which the OpenAI and
+    #: Anthropic SDKs obey, where a 5xx alone makes them send it again.
+    final: bool = False
 
 
 _BAD = "invalid_request_error"
@@ -373,6 +457,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     BadRequest:           Shape(400, _BAD, "invalid_request", "bad_request"),
     UpgradeRefused:       Shape(400, _BAD, "upgrade_not_supported", "bad_request"),
     Unauthorized:         Shape(401, "authentication_error", "invalid_api_key", "unauthorized"),
+    Forbidden:            Shape(403, "permission_error", "forbidden", "unauthorized"),
     PayloadTooLarge:      Shape(413, _BAD, "body_too_large", "bad_request"),
     HeadersTooLarge:      Shape(431, _BAD, "headers_too_large", "bad_request"),
     UnsupportedMediaType: Shape(415, _BAD, "unsupported_media_type", "bad_request"),
@@ -389,9 +474,13 @@ ANSWERS: dict[type[GateError], Shape] = {
     QueueTimeout:         Shape(503, _AWAY, "queue_timeout", "queue_timeout", True),
     TooLarge:             Shape(400, _BAD, "too_many_slots", "bad_request"),
     TenantTooLarge:       Shape(400, _BAD, "too_many_slots", "bad_request"),
+    QuotaExceeded:        Shape(429, _RATE, "quota_exceeded", "quota_exceeded", True),
+    DeadlineUnmet:        Shape(503, _AWAY, "deadline_unmet", "deadline_unmet", True),
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
+    Cancelled:            Shape(503, _AWAY, "cancelled_by_operator", "cancelled", final=True),
+    TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),
 }
 # fmt: on
 
@@ -420,6 +509,7 @@ class Refusal:
     retry_after_s: float | None = None
     snapshot: Snapshot | None = None
     extra: dict[str, Any] | None = None  # llama-server's own fields beside its error's
+    final: bool = False  # `Shape.final`
 
 
 def refusal(exc: BaseException) -> Refusal:
@@ -431,7 +521,7 @@ def refusal(exc: BaseException) -> Refusal:
     snapshot = exc.snapshot if shape.retry and isinstance(exc, AdmissionError) else None
     return Refusal(
         shape.status, shape.type, shape.code, exc.message, shape.reason, exc.param,
-        retry_after_s, snapshot, exc.extra,
+        retry_after_s, snapshot, exc.extra, shape.final,
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -12,11 +13,13 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from slotgate.asgi import Message, Receive, Scope, Send
+from slotgate.controls import PREFIX, Operators
 from slotgate.errors import BadRequest, GateError, refusal, route_refusal
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
 from slotgate.gate.models import Models
 from slotgate.gate.pool import Snapshot
+from slotgate.gate.quotas import Ledger, Windows
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.headers import id_headers
@@ -24,6 +27,10 @@ from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
 from slotgate.proxy.request import request_id
 from slotgate.settings import Settings
+from slotgate.status import page
+from slotgate.status.events import Events
+from slotgate.status.recent import Recent
+from slotgate.status.waiting import waiting
 from slotgate.upstreams.fleet import Fleet, Resolver
 from slotgate.upstreams.upstream import Upstream
 from starlette.exceptions import HTTPException
@@ -31,7 +38,7 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("slotgate")
 
 #: The paths slotgate answers itself; everything else belongs to llama-server.
-OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz"})
+OWN_PATHS = frozenset({"/admission", "/metrics", "/healthz", "/readyz", *page.PATHS})
 #: What `GET /metrics?source=...` serves: both, slotgate's own series (which promtool passes),
 #: or llama-server's `llamacpp:*` alone (which promtool fails on their names).
 METRICS_SOURCES = ("all", "slotgate", "llama-server")
@@ -50,7 +57,8 @@ class Gateway(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        if scope["path"] not in OWN_PATHS:
+        path = scope["path"]
+        if path not in OWN_PATHS and not path.startswith(PREFIX):
             await self.proxy(scope, receive, send)
             return
         # slotgate's own answers carry the request id as relayed ones do, errors included.
@@ -82,6 +90,11 @@ class Service:
         #: The way into admission: the core's own, or the line shared with other replicas
         #: through Redis (REDIS_URL; without it no Redis code is even imported).
         self.gate: Gate = Local(self.admission)
+        #: The tenants' quota windows, kept apart from the roster so that a reload keeps them:
+        #: this process's (`quotas`), or the fleet's in Redis (REDIS_URL), counted here only
+        #: while Redis is away.
+        self.quotas = Windows()
+        self.ledger: Ledger = self.quotas
         if settings.redis_url is not None and settings.admission_control:
             from slotgate.replicas.replica import (
                 ReplicaAdmission,  # only with REDIS_URL: no Redis code else
@@ -93,6 +106,12 @@ class Service:
                 f"another replica saw llama-server at {pool.key} run out of KV cache"
             )
             self.gate = replica
+            from slotgate.replicas.quotas import SharedWindows
+
+            self.ledger = SharedWindows(
+                settings.redis_url, settings.redis_fleet, timeout_s=settings.redis_timeout_s,
+                local=self.quotas,
+            )  # fmt: skip
         self.metrics = Metrics(
             self.admission,
             lambda: self.fleet.ready,
@@ -105,9 +124,24 @@ class Service:
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
         self.access.tenants.listeners.append(lambda roster: self.models.retune(roster.tenants))
         self.proxy = Proxy(
-            settings, self.admission, self.fleet, self.metrics, self.access, self.gate
+            settings, self.admission, self.fleet, self.metrics, self.access, self.gate,
+            self.ledger,
+        )  # fmt: skip
+        self.operators = Operators(
+            settings.admin_keys,
+            self.access,
+            self.gate,
+            self.fleet,
+            self.proxy.running,
+            self.metrics,
         )
         self.draining = False
+        #: The status page's figures of the last minutes, and its stream's watchers.
+        self.recent = Recent()
+        self.events = Events(
+            lambda: json.dumps(self.snapshot(), separators=(",", ":")).encode(),
+            settings.status_watchers,
+        )
 
     def _model_admission(self) -> Admission:
         """A model's own admission core: the settings of the one line, for its line."""
@@ -126,6 +160,7 @@ class Service:
         self.draining = True
         self.gate.drain()
         self.models.close()
+        self.events.close()
 
     @property
     def upstream(self) -> Upstream:
@@ -134,12 +169,16 @@ class Service:
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.admission.snapshot()
+        now = time.monotonic()
+        self.recent.read(self.metrics.totals(), now)
         primary = self.fleet.primary
         props = primary.props
         models = self.fleet.models()
         return {
             **_figures(snap),
             "admission_control": self.settings.admission_control,
+            # An operator paused admission (POST /admin/pause): new requests wait in line.
+            "paused": self.gate.paused,
             "retry_after_estimate_s": round(self.admission.estimate_s(), 3),
             "upstream": {
                 "url": primary.url,
@@ -155,8 +194,12 @@ class Service:
             "models_differ": len(models) > 1,
             "upstreams": [
                 {
+                    "name": upstream.name,
                     "url": upstream.url,
                     "ready": upstream.ready,
+                    # Drained by an operator: its running requests finish, nothing new goes
+                    # there, and its slots are not counted in `capacity`.
+                    "draining": upstream.pool.draining,
                     "reason": upstream.reason,
                     "capacity": upstream.pool.capacity,
                     "active": upstream.pool.active,
@@ -171,6 +214,11 @@ class Service:
             "tenants": self.tenants(),
             "replication": self.gate.view(),
             **({"models": self.models_view()} if self.models.routed else {}),
+            # Read from the proxy's waiters and the metrics' counts now, not kept per request.
+            "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
+            "recent": self.recent.view(now),
+            # PREEMPT_AFTER_S: requests preempted before their first byte so far.
+            "preemptions": None if (p := self.proxy.preemption) is None else p.count,
         }
 
     def models_view(self) -> list[dict[str, Any]]:
@@ -256,6 +304,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
             # closed after the requests have ended: what Redis still counts here goes back then.
             await service.gate.start()
             scope.push_async_callback(service.gate.close)
+            scope.push_async_callback(service.ledger.aclose)
             await service.fleet.start()
             scope.push_async_callback(service.fleet.close)
             try:
@@ -313,6 +362,13 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
+        if all(u.pool.draining for u in service.fleet if u.ready):
+            # Ready while another upstream serves; with every ready one drained, nothing does.
+            return JSONResponse(
+                {"status": "not ready", "reason": "every ready upstream is drained"},
+                503,
+                {"retry-after": "1"},
+            )
         gate = service.gate
         mode = gate.mode
         # A shared line says how it is kept: degraded (Redis away) is still ready.
@@ -329,10 +385,19 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
             said["models"] = {"listed": len(models), "loaded": loaded}
         return JSONResponse({"status": "ready", "capacity": service.admission.capacity, **said})
 
-    @app.get("/admission", dependencies=[Depends(authorized)])
-    async def admission() -> dict[str, Any]:
+    # The page's data: a client's key, or an operator's (app/status/page.py).
+    watching = page.watchers(service.access, settings.admin_keys)
+
+    @app.get("/admission", dependencies=[Depends(watching)])
+    async def admission(request: Request) -> Response:
         """Admission now: capacity, active, queued, free, queue_limit and the upstream."""
-        return service.snapshot()
+        answer = JSONResponse(service.snapshot())
+        answer.raw_headers.extend(
+            page.data_headers(service.fleet.primary.cors, request.headers.get("origin"))
+        )
+        return answer
+
+    page.install(app, service.events, lambda: service.fleet.primary.cors, watching)
 
     @app.get("/metrics", dependencies=[Depends(authorized)])
     async def metrics(source: str = "all") -> Response:
@@ -351,5 +416,57 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         return Response(
             text, media_type="text/plain; version=0.0.4; charset=utf-8", headers=headers
         )
+
+    # -- operator controls (app/controls.py) ----------------------------------------------------
+
+    operators = service.operators
+
+    def operator(request: Request) -> str:
+        client = request.client.host if request.client is not None else None
+        headers = request.headers
+        return operators.who(
+            client, headers.get("authorization", "").encode("latin-1") or None, headers
+        )
+
+    def upstream_named(name: str) -> Upstream:
+        upstream = operators.upstream(name)
+        if upstream is None:
+            names = ", ".join(u.name for u in service.fleet)
+            raise HTTPException(404, f"no upstream is named {name!r}; upstreams: {names}")
+        return upstream
+
+    @app.post(PREFIX + "upstreams/{name:path}/drain")
+    async def drain(name: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """Take one upstream out of rotation: its running requests finish, nothing new goes
+        there."""
+        upstream = upstream_named(name)
+        operators.drain(who, upstream)
+        return {"ok": True, "upstream": upstream.name, "draining": True}
+
+    @app.post(PREFIX + "upstreams/{name:path}/restore")
+    async def restore(name: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """Put a drained upstream back in rotation."""
+        upstream = upstream_named(name)
+        operators.restore(who, upstream)
+        return {"ok": True, "upstream": upstream.name, "draining": False}
+
+    @app.post(PREFIX + "pause")
+    async def pause(who: str = Depends(operator)) -> dict[str, Any]:
+        """Hold admission: new requests wait in line (its limit and timeout apply), running
+        ones finish."""
+        operators.pause(who)
+        return {"ok": True, "paused": True}
+
+    @app.post(PREFIX + "resume")
+    async def resume(who: str = Depends(operator)) -> dict[str, Any]:
+        operators.resume(who)
+        return {"ok": True, "paused": False}
+
+    @app.post(PREFIX + "requests/{request_id}/cancel")
+    async def cancel(request_id: str, who: str = Depends(operator)) -> dict[str, Any]:
+        """End one request by its id (X-Request-Id): out of the line, or its generation cut."""
+        if not operators.cancel(who, request_id):
+            raise HTTPException(404, f"no request {request_id!r} is waiting or running")
+        return {"ok": True, "request_id": request_id, "cancelled": True}
 
     return app

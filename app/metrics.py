@@ -13,7 +13,7 @@ import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from slotgate.gate.entry import Gate
     from slotgate.gate.models import Models
 
+#: The operator controls (app/controls.py): the `action` label of slotgate_operator_actions.
+ACTIONS = ("drain", "restore", "pause", "resume", "cancel")
 #: What a replica sharing the line through Redis does now (app/replicas/replica.py).
 REPLICATION_MODES = ("shared", "degraded", "rejecting")
 
@@ -50,6 +52,12 @@ FAMILIES = tuple(kind.value for kind in Kind)
 #: and waits fall, so a quantile read from them is within a quarter of the truth there.
 BUCKETS_S = (
     0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 120, 300, 600,
+)  # fmt: skip
+#: Time to first byte: a prompt's processing (tens of milliseconds for a short one on a GPU, to
+#: tens of seconds for a long one on a CPU) plus any wait in the line. Finer below a second,
+#: where an interactive SLO sits (a p95 of 0.5 s or 1 s is told from 0.75 s).
+FIRST_BYTE_BUCKETS_S = (
+    0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120,
 )  # fmt: skip
 
 
@@ -143,6 +151,21 @@ class _PoolCollector(Collector):
             "slotgate_upstream_available", "1 when the upstream is ready and routed to",
             labels=["upstream"],
         )  # fmt: skip
+        draining = GaugeMetricFamily(
+            "slotgate_upstream_draining",
+            "1 while an operator has drained the upstream (POST /admin/upstreams/{name}/drain)",
+            labels=["upstream"],
+        )
+        kv_budget = GaugeMetricFamily(
+            "slotgate_upstream_kv_budget_tokens",
+            "An upstream's KV-cache tokens its slots share; 0 when no budget binds",
+            labels=["upstream"],
+        )
+        kv_committed = GaugeMetricFamily(
+            "slotgate_upstream_kv_committed_tokens",
+            "KV-cache tokens the requests running on an upstream may use",
+            labels=["upstream"],
+        )
         routed = CounterMetricFamily(
             "slotgate_upstream_routed",
             "Requests given slots on an upstream, by why it was chosen: its affinity key's first "
@@ -153,18 +176,61 @@ class _PoolCollector(Collector):
             capacity.add_metric([one.key], one.capacity or 0)
             active.add_metric([one.key], one.active)
             available.add_metric([one.key], 0 if one.capacity is None else 1)
+            draining.add_metric([one.key], 1 if one.draining else 0)
+            kv_budget.add_metric([one.key], one.budget or 0)
+            kv_committed.add_metric([one.key], one.committed)
             for reason, count in one.routed.items():
                 routed.add_metric([one.key, reason], count)
         yield capacity
         yield active
         yield available
+        yield draining
+        yield kv_budget
+        yield kv_committed
         yield routed
+        yield kv_cache_usage(pool)
+        yield GaugeMetricFamily(
+            "slotgate_admission_paused",
+            "1 while an operator has paused admission (POST /admin/pause)",
+            value=1 if pool.paused else 0,
+        )
         yield GaugeMetricFamily(
             "slotgate_slot_hold_estimate_seconds",
             "Moving average of slot hold times (until one is seen: the mean hold expected "
             "from max_tokens and llama-server's speed), the basis of Retry-After",
             value=pool.hold_estimate_s,
         )
+
+
+# -- the Inference Gateway's endpoint picker ----------------------------------------------------
+#: The entry of the picker's `core-metrics-extractor` `engineConfigs` that reads a pod with a
+#: slotgate sidecar (labelled `llm-d.ai/engine-type: slotgate`): its model-server protocol's
+#: three gauges, unlabelled, one per pod. Queued is the line; running is the slots held, as
+#: each slot is one sequence llama.cpp decodes; KV use is a fraction from 0 to 1, as vLLM's
+#: `vllm:kv_cache_usage_perc` is (the picker scores a pod by 1 minus it). docs/kubernetes.md.
+ENGINE_CONFIG = {
+    "name": "slotgate",
+    "queuedRequestsSpec": "slotgate_queue_depth",
+    "runningRequestsSpec": "slotgate_slots_active",
+    "kvUsageSpec": "slotgate_kv_cache_usage_ratio",
+}
+
+
+def kv_cache_usage(pool: Admission) -> GaugeMetricFamily:
+    """The part of the KV cache spoken for: tokens committed over the budget where one binds;
+    without one each slot owns a fixed share of the cache (llama-server --parallel), so the
+    part of the slots held; 0 while the slots are unknown."""
+    snapshot = pool.snapshot()
+    if snapshot.budget_tokens:
+        used = snapshot.committed_tokens / snapshot.budget_tokens
+    else:
+        used = snapshot.active / snapshot.capacity if snapshot.capacity else 0.0
+    return GaugeMetricFamily(
+        "slotgate_kv_cache_usage_ratio",
+        "KV cache spoken for, 0 to 1: committed tokens over KV_BUDGET_TOKENS where a budget "
+        "binds, else slots held over slots (each slot owns its share of the cache)",
+        value=min(used, 1.0),
+    )
 
 
 class _ModelsCollector(Collector):
@@ -239,24 +305,26 @@ class _ReplicaCollector(Collector):
 
 
 class _Histogram:
-    """Counts per bucket (the last one past every bound) and the sum, as observed."""
+    """Counts per bucket (the last one past every bound) and the sum, as observed: one
+    bisection and two additions into a list made at the start."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("bounds", "counts", "sum")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS_S) + 1)
+    def __init__(self, bounds: tuple[float, ...] = BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
         # bisect_left: a value equal to a bound belongs in that bound's bucket (le means <=).
-        self.counts[bisect.bisect_left(BUCKETS_S, value)] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative counts, labelled as prometheus_client labels its own."""
         total = 0
         cumulative: list[tuple[str, float]] = []
-        for bound, count in zip((*BUCKETS_S, float("inf")), self.counts, strict=True):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += count
             cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
         return cumulative
@@ -266,15 +334,23 @@ class _Series:
     """One tenant's request series (everyone's, without keys); routes of a family share the
     family's histograms."""
 
-    __slots__ = ("admitted", "ended", "histograms", "hold", "rejected", "wait")
+    __slots__ = (
+        "admitted", "duration", "ended", "first_byte", "histograms", "hold", "rejected", "wait",
+    )  # fmt: skip
 
     def __init__(self, family_of: dict[str, str]) -> None:
         self.admitted = dict.fromkeys(ENDPOINTS, 0)
         waits = {family: _Histogram() for family in FAMILIES}
         holds = {family: _Histogram() for family in FAMILIES}
+        firsts = {family: _Histogram(FIRST_BYTE_BUCKETS_S) for family in FAMILIES}
+        durations = {family: _Histogram() for family in FAMILIES}
         self.wait = {route: waits[family] for route, family in family_of.items()}
         self.hold = {route: holds[family] for route, family in family_of.items()}
-        self.histograms = {"wait": waits, "hold": holds}
+        self.first_byte = {route: firsts[family] for route, family in family_of.items()}
+        self.duration = {route: durations[family] for route, family in family_of.items()}
+        self.histograms = {
+            "wait": waits, "hold": holds, "first_byte": firsts, "duration": durations,
+        }  # fmt: skip
         self.rejected: dict[tuple[str, str], int] = {}
         #: Waits that ended without a slot, by (family, outcome): made at the first of each,
         #: so that outcomes nobody has had add no series.
@@ -325,6 +401,8 @@ class Metrics(Collector):
         self.wait = everyone.wait
         self.hold = everyone.hold
         self._rejected = everyone.rejected
+        #: Operator actions taken, by action (app/controls.py).
+        self.actions = dict.fromkeys(ACTIONS, 0)
         self._build = GaugeMetricFamily(
             "slotgate_build_info", "slotgate's version and Python's; always 1",
             labels=["version", "python"],
@@ -368,11 +446,26 @@ class Metrics(Collector):
             histogram = ended[key] = _Histogram()
         histogram.observe(wait_s)
 
-    def ended(self, route: str, outcome: Outcome, tenant: str, wait_s: float | None) -> None:
-        """A request on a generation route is over. Unless it was served, it counts as rejected
-        under its outcome's reason, and, given `wait_s`, as a wait that ended without a slot."""
+    def ended(
+        self,
+        route: str,
+        outcome: Outcome,
+        tenant: str,
+        wait_s: float | None,
+        first_byte_s: float | None = None,
+        duration_s: float | None = None,
+    ) -> None:
+        """A request on a generation route is over. Served (llama-server's answer relayed, an
+        error of its own included), it counts in the first-byte and duration histograms (given
+        those); else as rejected under its outcome's reason, and, given `wait_s`, as a wait
+        that ended without a slot."""
         reason = outcome.reason
         if reason is None:
+            if duration_s is not None:
+                series = self._of_tenant.get(tenant) or self._of(tenant)
+                if first_byte_s is not None:
+                    series.first_byte[route].observe(first_byte_s)
+                series.duration[route].observe(duration_s)
             return
         self.rejected(route, reason, tenant)
         if wait_s is not None:
@@ -389,6 +482,9 @@ class Metrics(Collector):
         """A hold ended; `now` (time.monotonic()) when the caller has read the clock already."""
         (self._of_tenant.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
         self.minute.add(tenant, hold_s * slots, time.monotonic() if now is None else now)
+
+    def operator(self, action: str) -> None:
+        self.actions[action] += 1
 
     def rejected(self, route: str, reason: str, tenant: str = EVERYONE.name) -> None:
         rejected = (self._of_tenant.get(tenant) or self._of(tenant)).rejected
@@ -413,6 +509,17 @@ class Metrics(Collector):
         )
         hold = HistogramMetricFamily(
             "slotgate_slot_hold_seconds", "Time slots were held", labels=labels
+        )
+        first_byte = HistogramMetricFamily(
+            "slotgate_time_to_first_byte_seconds",
+            "From a request's arrival (its wait included) to the first byte of llama-server's "
+            "answer body: for a stream, its first event",
+            labels=labels,
+        )
+        duration = HistogramMetricFamily(
+            "slotgate_request_duration_seconds",
+            "From a request's arrival to the end of the answer llama-server gave it (end to end)",
+            labels=labels,
         )
         for tenant, series in self._series.items():
             if by_tenant:
@@ -446,11 +553,55 @@ class Metrics(Collector):
                     wait.add_metric([family, *named, outcome], ended.buckets(), ended.sum)
                 holds = series.histograms["hold"][family]
                 hold.add_metric([family, *named], holds.buckets(), holds.sum)
+                firsts = series.histograms["first_byte"][family]
+                first_byte.add_metric([family, *named], firsts.buckets(), firsts.sum)
+                durations = series.histograms["duration"][family]
+                duration.add_metric([family, *named], durations.buckets(), durations.sum)
         yield admitted
         yield rejected
         yield wait
         yield hold
+        yield first_byte
+        yield duration
+        actions = CounterMetricFamily(
+            "slotgate_operator_actions",
+            "Operator controls used (drain, restore, pause, resume, cancel)",
+            labels=["action"],
+        )
+        for action, count in self.actions.items():
+            actions.add_metric([action], count)
+        yield actions
         yield self._build
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def totals(self) -> Totals:
+        """Everyone's counts since start, summed over tenants and families: read when the
+        status page's figures are asked for, never per request."""
+        admitted = 0
+        rejected: dict[str, int] = {}
+        wait = [0] * (len(BUCKETS_S) + 1)
+        hold = [0] * (len(BUCKETS_S) + 1)
+        for series in self._series.values():
+            admitted += sum(series.admitted.values())
+            for (_, reason), count in series.rejected.items():
+                rejected[reason] = rejected.get(reason, 0) + count
+            for histograms, into in (
+                (series.histograms["wait"], wait),
+                (series.histograms["hold"], hold),
+            ):
+                for histogram in histograms.values():
+                    for index, count in enumerate(histogram.counts):
+                        into[index] += count
+        return Totals(admitted, rejected, wait, hold)
+
+
+class Totals(NamedTuple):
+    """`Metrics.totals`: requests admitted, not served by reason, and the bucket counts (as
+    `BUCKETS_S`, then past the last) of every admitted wait and every slot hold."""
+
+    admitted: int
+    rejected: dict[str, int]
+    wait: list[int]
+    hold: list[int]

@@ -25,12 +25,16 @@ class Outcome(StrEnum):
     TENANT_QUEUE_FULL = "tenant_queue_full"
     QUEUE_BYTES_FULL = "queue_bytes_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    DEADLINE_UNMET = "deadline_unmet"
     CLIENT_GONE = "client_gone"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_FAILED = "upstream_failed"
     BAD_REQUEST = "bad_request"
     UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
+    #: An operator cancelled it (POST /admin/requests/{id}/cancel), waiting or running.
+    CANCELLED = "cancelled"
     #: A wait's outcome only (the wait histogram's label): it ended in a slot. The request it
     #: was for ends as one of the others.
     ADMITTED = "admitted"
@@ -49,12 +53,15 @@ REASONS: tuple[str, ...] = (
     Outcome.TENANT_QUEUE_FULL,
     Outcome.QUEUE_BYTES_FULL,
     Outcome.QUEUE_TIMEOUT,
+    Outcome.QUOTA_EXCEEDED,
+    Outcome.DEADLINE_UNMET,
     Outcome.CLIENT_GONE,
     Outcome.UPSTREAM_UNAVAILABLE,
     Outcome.UPSTREAM_FAILED,
     Outcome.BAD_REQUEST,
     Outcome.UNAUTHORIZED,
     Outcome.INTERNAL,
+    Outcome.CANCELLED,
 )
 
 _REASON: dict[Outcome, Outcome | None] = {

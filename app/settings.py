@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -169,12 +169,38 @@ class Settings(BaseSettings):
         description="TOML file of tenants: per key a name, weight, band, max_active and "
         "max_queued; reloaded on SIGHUP; unset = each API_KEYS key is a tenant of weight 1.",
     )
+    admin_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Comma-separated keys for the operator controls (/admin/...), apart from "
+        "API_KEYS; unset = loopback clients only, and none while API_KEYS is set.",
+    )
+    preempt_after_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="A waiter of a higher band that waited this long may preempt a lower band's "
+        "request that has sent its client nothing yet (it is sent again later); 0 = off.",
+    )
+    session_flows: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Agent sessions (x-claude-code-session-id, x-session-affinity, session-id) "
+        "as flows of their own in the fair order, hashed into this many per tenant; 0 = off.",
+    )
     metrics_tenants: int = Field(
         10,
         ge=0,
         le=10_000,
         description="With keys: the first this many tenants seen keep their name in the metrics' "
         "tenant label, later ones share `other`; 0 = no tenant label.",
+    )
+    status_watchers: int = Field(
+        16,
+        ge=0,
+        le=10_000,
+        description="Clients that may watch GET /admission/events (and the status page) at "
+        "once; one more is answered 429 too_many_watchers; 0 = the stream is off.",
     )
     max_body_bytes: int = Field(
         32 * MIB, ge=1, le=2**31, description="Largest request body accepted, in bytes."
@@ -313,11 +339,21 @@ class Settings(BaseSettings):
         # [::1] is how an IPv6 address is written in a URL; the socket wants ::1.
         return value[1:-1] if value.startswith("[") and value.endswith("]") else value
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _apart_from_api_keys(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        if set(value) & set(info.data.get("api_keys", ())):
+            # Its holders, every client among them, could pause, drain and cancel.
+            raise ValueError(
+                "a key is in API_KEYS too; an operator's key must be one no client holds"
+            )
         return value
 
     @field_validator("api_keys_file")
@@ -479,7 +515,7 @@ def describe(error: ValidationError, env_file: Path | str = ".env") -> str:
         name = old  # the value came under the old name: name the variable the user set
     value = first.get("input")
     shown = "" if isinstance(value, dict) else f"={value!s}"
-    if name in ("LLAMA_API_KEY", "API_KEYS") or (
+    if name in ("LLAMA_API_KEY", "API_KEYS", "ADMIN_KEYS") or (
         name in ("LLAMA_SERVER_URL", "REDIS_URL") and "@" in shown
     ):
         shown = ""  # a secret, or a URL that may carry one

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import loadgen
+from bench import contenders, loadgen
 from bench.contenders import BENCH, configure_standin, start_slotgate, start_standin
 from bench.loadgen import chat_body, closed_loop, request_bytes
 from bench.loop import run_loop
@@ -152,7 +152,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
+    parser.add_argument(
+        "--slotgate-tree",
+        type=Path,
+        help="profile the app/ of another checkout: a folder holding a slotgate/ package, as "
+        "for `python -m bench --slotgate-tree` (default: this checkout on PYTHONPATH, where "
+        "`import slotgate` finds the installed package: another worktree's needs this)",
+    )
     args = parser.parse_args()
+    if args.slotgate_tree is not None:
+        contenders.slotgate_tree = args.slotgate_tree.resolve()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         raise SystemExit("bench.profile: py-spy is not installed (pip install py-spy)")

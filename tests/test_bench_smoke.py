@@ -90,6 +90,7 @@ EXPERIMENTS = (
     "big_bodies",
     "tenants_ttft",
     "retry_estimates",
+    "request_calls",
 )
 
 

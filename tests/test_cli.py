@@ -336,6 +336,21 @@ async def test_sigterm_lets_running_streams_finish_then_exits_zero(slotgate: Pro
         assert await slotgate.proc.wait() == 0
 
 
+@pytest.mark.parametrize("slotgate", [{"DRAIN_TIMEOUT_S": "600"}], indirect=True)
+async def test_sigterm_ends_every_admission_event_stream_at_once(slotgate: Process) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=30)) as client:
+        streams = [client.stream("GET", slotgate.url + "/admission/events") for _ in range(3)]
+        opened = [await stream.__aenter__() for stream in streams]
+        assert all(answer.status_code == 200 for answer in opened)
+        slotgate.proc.send_signal(signal.SIGTERM)
+        # Each ends (rather than holding the drain for its 600 s), and slotgate exits.
+        async with asyncio.timeout(30):
+            for answer, stream in zip(opened, streams, strict=True):
+                assert b"data: " in b"".join([chunk async for chunk in answer.aiter_raw()])
+                await stream.__aexit__(None, None, None)
+            assert await slotgate.proc.wait() == 0
+
+
 @pytest.mark.parametrize(
     "slotgate", [{}, {"ADMISSION_CONTROL": "false"}], ids=["gated", "ungated"], indirect=True
 )

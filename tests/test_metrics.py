@@ -17,7 +17,7 @@ from slotgate.gate.policy import QueuePolicy
 from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
 from slotgate.settings import Settings
 
-from tests.conftest import GateFactory, chat
+from tests.conftest import GateFactory, assert_lines, chat
 from tests.support.standin import StandIn
 from tests.support.tools import tool
 
@@ -311,3 +311,81 @@ def test_metrics_carry_the_process_series_and_the_build_info() -> None:
         assert sample(text.encode(), "process_resident_memory_bytes") > 0
         assert "process_cpu_seconds_total " in text
         assert "process_open_fds " in text
+
+
+async def test_time_to_first_byte_and_duration_are_observed_for_answered_requests_only(
+    one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot(3, max_queue=0)
+    standin.hold_s = 0.2  # before the first token
+    for stream in (True, False):
+        assert (await client.post(gate.url + ROUTE, json=chat(stream=stream))).status_code == 200
+    refused = await client.post(
+        gate.url + ROUTE, content=b"{", headers={"content-type": "application/json"}
+    )
+    assert refused.status_code == 400
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    first = 'slotgate_time_to_first_byte_seconds_{}{{family="chat"}}'
+    whole = 'slotgate_request_duration_seconds_{}{{family="chat"}}'
+    assert sample(text, first.format("count")) == 2
+    assert sample(text, whole.format("count")) == 2
+    # Nothing can come before llama-server's first token, nor end before it.
+    assert sample(text, first.format("sum")) >= 2 * standin.hold_s
+    assert sample(text, whole.format("sum")) >= sample(text, first.format("sum"))
+    assert sample(text, 'slotgate_time_to_first_byte_seconds_bucket{family="chat",le="0.025"}') == 0
+
+
+def test_each_upstream_shows_its_kv_budget_and_what_is_committed_of_it() -> None:
+    admission = Admission(QueuePolicy(), epsilon=1.0)
+    pool = admission.add_pool("http://10.0.0.1:8080")
+    pool.resize(2)
+    pool.resize_budget(4096)
+    ticket = admission.enter(cost=1000)
+    text = Metrics(admission, lambda: True).render()
+    assert_lines(
+        text.decode(),
+        'slotgate_upstream_kv_budget_tokens{upstream="http://10.0.0.1:8080"} 4096.0',
+        'slotgate_upstream_kv_committed_tokens{upstream="http://10.0.0.1:8080"} 1000.0',
+        'slotgate_upstream_draining{upstream="http://10.0.0.1:8080"} 0.0',
+        "slotgate_admission_paused 0.0",
+    )
+    ticket.release()
+
+
+async def test_a_request_the_full_line_turns_away_counts_as_a_wait_of_nothing(
+    one_slot_held: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot_held(max_queue=1)
+    waiter = asyncio.create_task(client.post(gate.url + ROUTE, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    assert (await client.post(gate.url + ROUTE, json=chat())).status_code == 429
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    full = 'slotgate_queue_wait_seconds_{}{{family="chat",outcome="queue_full"}}'
+    assert sample(text, full.format("count")) == 1
+    assert sample(text, full.format("sum")) == 0
+    # A bad request never reached the line: counted, not a wait.
+    refused = await client.post(
+        gate.url + ROUTE, content=b"{", headers={"content-type": "application/json"}
+    )
+    assert refused.status_code == 400
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    assert b'outcome="bad_request"' not in text
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+
+
+async def test_a_client_gone_before_its_first_byte_counts_as_a_wait_not_as_latency(
+    one_slot_held: GateFactory, client: httpx.AsyncClient
+) -> None:
+    gate = await one_slot_held()
+    leaving = asyncio.create_task(client.post(gate.url + ROUTE, json=chat()))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    await gate.until(lambda: b'outcome="client_gone"' in gate.service.metrics.render())
+    text = (await client.get(gate.url + "/metrics", params={"source": "slotgate"})).content
+    gone = 'slotgate_queue_wait_seconds_count{family="chat",outcome="client_gone"}'
+    assert sample(text, gone) == 1
+    # The slot holder's stream still runs: no request has ended served yet.
+    assert sample(text, 'slotgate_time_to_first_byte_seconds_count{family="chat"}') == 0
+    assert sample(text, 'slotgate_request_duration_seconds_count{family="chat"}') == 0

@@ -290,3 +290,20 @@ def test_a_bad_value_under_an_old_name_names_the_variable_as_it_was_set(
 
 def test_a_near_miss_of_an_old_name_points_at_the_new_one() -> None:
     assert near_miss("DRAINTIMEOUT") == "DRAIN_TIMEOUT_S"
+
+
+def test_a_key_in_both_api_keys_and_admin_keys_stops_start_up_without_echoing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every client holding that API key could pause, drain and cancel.
+    monkeypatch.setenv("API_KEYS", "client-key,shared-s3cret")
+    monkeypatch.setenv("ADMIN_KEYS", "ops-key, shared-s3cret")
+    with pytest.raises(ValidationError) as caught:
+        Settings(_env_file=None)
+    line = describe(caught.value)
+    assert line.startswith("slotgate: invalid ADMIN_KEYS: ")
+    assert "API_KEYS" in line.removeprefix("slotgate: invalid ADMIN_KEYS")
+    assert "s3cret" not in line
+    assert "ops-key" not in line
+    monkeypatch.setenv("ADMIN_KEYS", "ops-key")
+    assert Settings(_env_file=None).admin_keys == ("ops-key",)

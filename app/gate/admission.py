@@ -75,6 +75,10 @@ class Admission(Pools):
         self._solo: Tenant | None = None
         self._next_seq = 0
         self._closed = False
+        #: An operator paused admission: the line takes requests, nobody is granted slots.
+        self._paused = False
+        # Closed or paused, in one attribute: the one `enter` reads on its hot path.
+        self._halted = False
         if capacity is not None:
             self.resize(capacity)
 
@@ -134,7 +138,8 @@ class Admission(Pools):
         `weight`, is the tasks llama-server makes of a prompt array: it holds as many slots as
         it has tasks, up to the slots of the pool that grants it (`weight` at least).
         """
-        if self._closed:
+        halted = self._halted
+        if halted and self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
         clock = self._clock
         kept = bool(clock.promised) and clock.keep(time.monotonic())
@@ -174,10 +179,12 @@ class Admission(Pools):
             # one shrunk under what it runs may make them say full while another has room).
             room = self._active + weight <= capacity
             if (
-                (room or len(self._pools) > 1)
+                not halted
+                and (room or len(self._pools) > 1)
                 and (not line.queued or (room and line.head() is None))
                 and (limit is None or line.counts(tenant.name)[0] + weight <= limit)
-                and self._grant(ticket)
+                # Granted as it enters: the moment it entered is the one clock read it costs.
+                and self._grant(ticket, ticket.entered_at)
             ):
                 line.granted(ticket)
                 ticket.admitted_at = ticket.entered_at
@@ -192,7 +199,9 @@ class Admission(Pools):
         line.push(ticket)
         if weigh is not None:
             self._unsized_add(future, weigh)
-        elif capacity is not None and len(self._pools) > 1 and self._active < capacity:
+        elif (
+            capacity is not None and len(self._pools) > 1 and self._active < capacity and not halted
+        ):
             self._dispatch()  # it may run at once where the head never can
         return ticket
 
@@ -215,7 +224,7 @@ class Admission(Pools):
         seq = self._next_seq
         self._next_seq = seq + 1
         ticket = Ticket(self, weight, seq, cost, affinity, tenant, conversation)
-        self._take(ticket, pool, reason)
+        self._take(ticket, pool, reason, pool.charge(ticket), ticket.entered_at)
         self._line.granted(ticket)
         if ticket.memo is not None:
             self._remember(ticket.memo, pool)
@@ -237,9 +246,26 @@ class Admission(Pools):
         # A limit raised may let a waiter passed over run now.
         self._dispatch()
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Grant nobody slots until `resume`: new requests wait in line (its limit and the
+        queue timeout still apply), running ones finish, releases hand nothing on."""
+        self._paused = True
+        self._halted = True
+
+    def resume(self) -> None:
+        """Grant again: the line moves at once, in its order, as far as the slots go."""
+        self._paused = False
+        self._halted = self._closed
+        self._dispatch()
+
     def close(self) -> None:
         """Take no new work and turn every waiter away (shutdown)."""
         self._closed = True
+        self._halted = True
         error = ShuttingDown(self.snapshot(), 1.0)
         for ticket in self._line.drain():
             assert ticket._future is not None  # noqa: S101 - every ticket in line has one
@@ -314,25 +340,26 @@ class Admission(Pools):
         """
         line = self._line
         capacity = self._capacity
-        if capacity is None or not line.queued:
+        if capacity is None or not line.queued or self._halted:
             return
         pools = self._pools
         # With one upstream, its being full settles it: nobody fits (in a fleet the sums may
         # say full while an upstream shrunk under what it runs leaves room on another).
         single = len(pools) == 1
+        now = time.monotonic()
         while not (single and self._active >= capacity):
             head = line.head()
             if head is None:
                 return
-            if not self._grant(head):
+            if not self._grant(head, now):
                 if not single:
-                    self._backfill(head)
+                    self._backfill(head, now)
                 return
             line.grant_head()
             assert head._future is not None  # noqa: S101 - every ticket in line has one
             head._future.set_result(None)
 
-    def _backfill(self, head: Ticket) -> None:
+    def _backfill(self, head: Ticket, now: float) -> None:
         """The head waits: grant waiters behind it on the upstreams it can never run on
         (`_dispatch` states the rule). A waiter that does not fit yet keeps the upstreams it
         could use for itself, from everyone behind it: `floor` falls to what it asks."""
@@ -345,7 +372,7 @@ class Admission(Pools):
             ticket = line.first(functools.partial(_lighter, floor), BACKFILL_SCAN)
             if ticket is None:
                 return
-            if self._route(ticket, open_):
+            if self._route(ticket, open_, now):
                 line.take(ticket)
                 assert ticket._future is not None  # noqa: S101 - every ticket in line has one
                 ticket._future.set_result(None)
@@ -363,6 +390,8 @@ class Admission(Pools):
             self._forget(pool)
         if hold_s is not None:
             self._clock.observe(hold_s)
+        if not self._line.queued:
+            return False  # nobody waits: nothing to hand on (the common case, kept short)
         before = self.admitted_total
         self._dispatch()
         return self.admitted_total != before

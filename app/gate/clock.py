@@ -52,24 +52,23 @@ class HoldClock:
     the slots held, and `holds` (when granted, weight) of every holder, in the order granted.
     """
 
-    __slots__ = ("_expected", "_jitter", "hold_s", "promised")
+    __slots__ = ("_expected", "_jitter", "cold", "hold_s", "promised")
 
     def __init__(self) -> None:
         self.hold_s = INITIAL_HOLD_S
         self._expected = 0  # holds expected so far; -1 once a real one has been observed
+        #: No hold has been observed yet: the estimate rests on `expect`, if anything. Kept,
+        #: not computed: the request path reads it for every request.
+        self.cold = True
         #: The moments refused requests were told a place should be free, and when each was
         #: told (`promise_s`), in the order of the moments.
         self.promised: list[tuple[float, float]] = []
         self._jitter = random.Random()  # noqa: S311 - spreading retries, not a secret
 
-    @property
-    def cold(self) -> bool:
-        """No hold has been observed yet: the estimate rests on `expect`, if anything."""
-        return self._expected >= 0
-
     def observe(self, hold_s: float) -> None:
         """A hold ended after `hold_s`: the moving average behind every estimate."""
-        if self._expected >= 0:  # the first hold seen: a measurement beats a guess
+        if self.cold:  # the first hold seen: a measurement beats a guess
+            self.cold = False
             self._expected = -1
             self.hold_s = hold_s
         self.hold_s = ewma(self.hold_s, hold_s)

@@ -43,8 +43,25 @@ class Gate(Protocol):
         """A claim on the slots: granted, or a place in the line; else the refusal raised."""
         ...
 
+    def enter_now(self, entry: Entry) -> Claim | None:
+        """`enter`, when this gate decides without awaiting anything (the core's own always
+        does); None when it must await (then call `enter`). A plain call: the request path
+        makes no coroutine for the common case of a slot free at once."""
+        ...
+
     def retune(self, tenants: Iterable[Tenant]) -> None:
         """Reloaded tenants: their weights and limits from now on."""
+
+    def pause(self) -> None:
+        """An operator holds admission: new requests wait in line, running ones finish."""
+
+    def resume(self) -> None:
+        """Admission goes on: the line moves in its order."""
+
+    @property
+    def paused(self) -> bool:
+        """Between `pause` and `resume`."""
+        ...
 
     def unready(self) -> str | None:
         """Why the gate takes no requests now (`/readyz`), or None."""
@@ -78,6 +95,9 @@ class Local:
         return
 
     async def enter(self, entry: Entry) -> Claim:
+        return self.enter_now(entry)
+
+    def enter_now(self, entry: Entry) -> Claim:
         weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
         return self.admission.enter(
             weight, cost, weigh, affinity,
@@ -86,6 +106,16 @@ class Local:
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
         self.admission.retune(tenants)
+
+    def pause(self) -> None:
+        self.admission.pause()
+
+    def resume(self) -> None:
+        self.admission.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.admission.paused
 
     def unready(self) -> str | None:
         return None

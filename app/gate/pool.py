@@ -3,7 +3,6 @@ and `Pools`, the fleet of them: their sums, who holds what, and which one a tick
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,8 +49,8 @@ class Pool:
     upstream is not ready (starting, restarting, down), and then nothing is routed to it."""
 
     __slots__ = (
-        "_admission", "active", "budget", "capacity", "committed", "key", "retired", "routed",
-        "salt", "seen",
+        "_admission", "active", "budget", "capacity", "committed", "draining", "key", "reported",
+        "retired", "routed", "salt", "seen",
     )  # fmt: skip
 
     def __init__(self, admission: Pools, key: str) -> None:
@@ -70,6 +69,11 @@ class Pool:
         #: Grants by how the pool was chosen: its key's first choice, by load, or on a retry.
         self.routed = {"affinity": 0, "load": 0, "retry": 0}
         self.retired = False
+        #: An operator drained it: its running requests finish, nothing new is granted on it,
+        #: and its slots leave the fleet's capacity until `restore`.
+        self.draining = False
+        #: The capacity its upstream last reported, drained or not: what `restore` gives back.
+        self.reported: int | None = None
 
     @property
     def free(self) -> int:
@@ -93,7 +97,8 @@ class Pool:
         """
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
-        if self.retired:
+        self.reported = capacity
+        if self.retired or self.draining:
             capacity = None
         self.capacity = capacity
         if capacity is not None:
@@ -112,6 +117,24 @@ class Pool:
         # nothing: taken as one, every cost cut to it would make the committed count negative.
         self.budget = budget_tokens if budget_tokens is not None and budget_tokens > 0 else None
         self._admission._rebudgeted(self)
+
+    def drain(self) -> None:
+        """Take it out of rotation (maintenance): held as an upstream that is not ready, so
+        nothing new is routed to it and its slots leave the capacity, while the requests it
+        runs finish and release as ever. Its upstream's readings still arrive (`reported`)."""
+        if self.draining:
+            return
+        reported = self.reported
+        self.draining = True
+        self.resize(None)
+        self.reported = reported
+
+    def restore(self) -> None:
+        """Back in rotation with the capacity its upstream last reported."""
+        if not self.draining:
+            return
+        self.draining = False
+        self.resize(self.reported)
 
     def retire(self) -> None:
         """The upstream is gone for good (its address left DNS): route nothing more to it; it
@@ -261,23 +284,24 @@ class Pools:
 
     # -- where a ticket runs -----------------------------------------------------------------
 
-    def _grant(self, ticket: Ticket) -> bool:
-        """Give `ticket` its slots on the pool routing picks, if any has room for it now."""
+    def _grant(self, ticket: Ticket, now: float) -> bool:
+        """Give `ticket` its slots on the pool routing picks, if any has room for it now
+        (`now`: time.monotonic(), read once by the caller)."""
         pools = self._pools
         if len(pools) == 1:
             # One upstream: nothing to choose, and the hot path stays as short as it was (an
             # array's weight is this pool's already: `_resized` weighs every waiter again).
             pool = pools[0]
-            if not pool.fits(ticket.weight, pool.charge(ticket)):
+            charge = pool.charge(ticket)
+            if not pool.fits(ticket.weight, charge):
                 return False
             first = ticket.affinity is not None
-            self._take(
-                ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load"
-            )
+            reason = "retry" if ticket.rerouted else "affinity" if first else "load"
+            self._take(ticket, pool, reason, charge, now)
             return True
-        return self._route(ticket, pools)
+        return self._route(ticket, pools, now)
 
-    def _route(self, ticket: Ticket, pools: list[Pool]) -> bool:
+    def _route(self, ticket: Ticket, pools: list[Pool], now: float) -> bool:
         """`_grant` among `pools`: the one routing picks of those with room for it now."""
         # Its conversation's last upstream first (else its key's): its history is cached
         # there; its key's rendezvous order next, where the shared prompt start is.
@@ -309,18 +333,19 @@ class Pools:
             self._remember(memo, pool)
         if ticket.tasks:
             ticket.weight = ticket.weighs(pool.capacity or 0)
-        self._take(ticket, pool, "retry" if ticket.rerouted else "affinity" if first else "load")
+        reason = "retry" if ticket.rerouted else "affinity" if first else "load"
+        self._take(ticket, pool, reason, pool.charge(ticket), now)
         return True
 
-    def _take(self, ticket: Ticket, pool: Pool, reason: str) -> None:
-        """`ticket` holds its slots and tokens of `pool` from now on."""
-        charge = pool.charge(ticket)
+    def _take(self, ticket: Ticket, pool: Pool, reason: str, charge: int, now: float) -> None:
+        """`ticket` holds its slots and `charge` tokens of `pool` (`pool.charge(ticket)`, which
+        the caller has at hand) from `now` on."""
         pool.active += ticket.weight
         pool.committed += charge
         pool.routed[reason] += 1
         ticket.pool = pool
         ticket.charged = charge
-        self._holders[ticket] = (time.monotonic(), ticket.weight)
+        self._holders[ticket] = (now, ticket.weight)
         self._active += ticket.weight
         self.admitted_total += 1
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from slotgate.errors import BadRequest
 from slotgate.gate.routing import AFFINITY_PREFIX_CHARS, stable_hash
@@ -75,19 +76,21 @@ class Wants:
     affinity: bool = False  # its routing key (several upstreams, ROUTING=affinity)
 
 
-def take(
-    endpoint: Endpoint,
-    body: bytes,
-    capacity: int,
-    *,
-    assemble: bool,
-    quiet: bool = True,
-    wants: Wants = Wants(),
-) -> Intake:
-    """Check the body and work out its demand (and what `wants` asks for); with `assemble`,
-    ask for a stream if the client did not (app/proxy/assembly.py), unless its answer may carry
-    `__verbose`: when the body asks for it, or it leaves that to llama-server and not every
-    upstream is known to be `quiet` (adds none unasked)."""
+class Reading(NamedTuple):
+    """How a body is read: against the largest upstream's `capacity` (slots); with `assemble`,
+    asking for a stream if the client did not (app/proxy/assembly.py), unless its answer may
+    carry `__verbose`: when the body asks for it, or it leaves that to llama-server and not
+    every upstream is known to be `quiet` (adds none unasked); and what `wants` asks for."""
+
+    capacity: int
+    assemble: bool
+    quiet: bool = True
+    wants: Wants = Wants()
+
+
+def take(endpoint: Endpoint, body: bytes, reading: Reading) -> Intake:
+    """Check the body and work out its demand, as `reading` says."""
+    capacity, assemble, quiet, wants = reading
     if endpoint.kind is Kind.AUDIO:
         return Intake(demand(endpoint, body, capacity), body, False)
     payload = parse_json(body)
@@ -177,16 +180,10 @@ def _prompt_texts(payload: dict[str, object]) -> Iterator[str]:
             yield value
         elif isinstance(value, list):
             for item in value:
-                if isinstance(item, str):
+                if isinstance(item, dict):
+                    yield from _message_texts(item)
+                elif isinstance(item, str):
                     yield item
-                elif isinstance(item, dict):
-                    role = item.get("role")
-                    yield role if isinstance(role, str) else ""
-                    content = item.get("content")
-                    if isinstance(content, str):
-                        yield content
-                    elif isinstance(content, list):
-                        yield from _texts(content)
                 elif isinstance(item, list):  # token ids (and pieces of text, mixed in)
                     yield ",".join(_token(t) for t in item[:AFFINITY_PREFIX_CHARS])
                 else:
@@ -195,6 +192,17 @@ def _prompt_texts(payload: dict[str, object]) -> Iterator[str]:
             text = value.get("prompt_string")
             if isinstance(text, str):
                 yield text
+
+
+def _message_texts(message: dict[str, object]) -> Iterator[str]:
+    """A message's role, then its content's texts."""
+    role = message.get("role")
+    yield role if isinstance(role, str) else ""
+    content = message.get("content")
+    if isinstance(content, str):
+        yield content
+    elif isinstance(content, list):
+        yield from _texts(content)
 
 
 def _token(token: object) -> str:
@@ -214,43 +222,31 @@ def _texts(parts: list[object]) -> Iterator[str]:
             yield ""
 
 
-async def take_off_loop(
-    endpoint: Endpoint,
-    body: bytes,
-    capacity: int,
-    *,
-    assemble: bool,
-    quiet: bool = True,
-    wants: Wants = Wants(),
-) -> Intake:
+async def take_off_loop(endpoint: Endpoint, body: bytes, reading: Reading) -> Intake:
     """`take`, in a worker process when the body is big."""
     global _broken
     if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO or _broken:
-        return take(endpoint, body, capacity, assemble=assemble, quiet=quiet, wants=wants)
+        return take(endpoint, body, reading)
     loop = asyncio.get_running_loop()
     try:
-        result = await loop.run_in_executor(
-            _pool(), _take_in_worker, endpoint.route, body, capacity, assemble, quiet, wants
-        )
+        result = await loop.run_in_executor(_pool(), _take_in_worker, endpoint.route, body, reading)
     except (BrokenProcessPool, OSError, RuntimeError) as exc:
         # No worker could start (no /dev/shm, an entry point without its __main__ guard) or
         # one died: correctness first, so big bodies are read on the loop from now on.
         log.warning("cannot parse big bodies in a worker process, so on the loop: %r", exc)
         _broken = True
         _reset()
-        return take(endpoint, body, capacity, assemble=assemble, quiet=quiet, wants=wants)
+        return take(endpoint, body, reading)
     if isinstance(result, Intake):
         return result
     message, param = result
     raise BadRequest(message, param=param)
 
 
-def _take_in_worker(
-    route: str, body: bytes, capacity: int, assemble: bool, quiet: bool, wants: Wants
-) -> Intake | tuple[str, str | None]:
+def _take_in_worker(route: str, body: bytes, reading: Reading) -> Intake | tuple[str, str | None]:
     # A refusal travels back as plain data: a pickled exception keeps only its first argument.
     try:
-        taken = take(ENDPOINTS[route], body, capacity, assemble=assemble, quiet=quiet, wants=wants)
+        taken = take(ENDPOINTS[route], body, reading)
     except BadRequest as exc:
         return exc.message, exc.param
     if taken.estimate is not None:

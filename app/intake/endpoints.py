@@ -200,7 +200,11 @@ def _output_field(kind: Kind, payload: dict[str, Any]) -> str | None:
     names = _OUTPUT_FIELDS
     if kind is Kind.RESPONSES and "max_output_tokens" in payload:
         names = (*_OUTPUT_FIELDS[:-1], "max_output_tokens")
-    return next((name for name in names if payload.get(name) is not None), None)
+    # A loop, not next() over a generator: this runs for every request.
+    for name in names:
+        if payload.get(name) is not None:
+            return name
+    return None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:

@@ -9,12 +9,19 @@ import time
 from slotgate.logs import Client
 from slotgate.logs import access as access_log
 from slotgate.metrics import Metrics
+from slotgate.outcome import Outcome
 from slotgate.proxy.answer import Answer
 from slotgate.proxy.request import Request
 
+#: Refused by the line itself at arrival (full): counted as waits of 0 s under their outcome,
+#: so that the wait histogram's counts by outcome add up to every request the line saw.
+_TURNED_AWAY = frozenset({Outcome.QUEUE_FULL, Outcome.TENANT_QUEUE_FULL, Outcome.QUEUE_BYTES_FULL})
+
 
 def account(request: Request, answer: Answer, metrics: Metrics) -> None:
-    """Its metrics and its access-log line."""
+    """Its tokens charged to its tenant's quota, its metrics and its access-log line."""
+    if answer.tally is not None:
+        answer.tally.settle()
     route = request.route
     ticket = request.ticket
     now = time.monotonic()
@@ -23,7 +30,13 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
         # was observed when it was admitted.
         waited = ticket is not None and request.upstream is None
         wait_s = ticket.wait_s if waited and ticket is not None else None
-        metrics.ended(route, request.outcome, request.tenant.name, wait_s)
+        if ticket is None and request.outcome in _TURNED_AWAY:
+            wait_s = 0.0
+        first = request.first_byte_at
+        metrics.ended(
+            route, request.outcome, request.tenant.name, wait_s,
+            None if first is None else first - request.started, now - request.started,
+        )  # fmt: skip
     hold_s = None
     if ticket is not None and ticket.admitted_at is not None:
         hold_s = now - ticket.admitted_at

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import orjson
@@ -50,6 +51,7 @@ async def relay(request: Request, answer: Answer, response: Response, own: Own) 
         # A small body of known length (every non-streamed completion) is read whole, so a
         # truncated one still gets a proper 502; otherwise wait for the first bytes.
         first = await response.read() if whole else await response.readany()
+        request.first_byte_at = time.monotonic()
         if whole:
             await upstream_done(request, response)
             if request.teaches and response.status == 200:
@@ -88,7 +90,9 @@ async def relay_assembled(
 ) -> None:
     """Answer a non-streamed request from the stream slotgate asked llama-server for."""
     try:
-        while chunk := await response.readany():
+        chunk = await response.readany()
+        request.first_byte_at = time.monotonic()
+        while chunk:
             assembly.feed(chunk)
             if assembly.size > MAX_ASSEMBLED_BYTES:
                 # Raised, not answered here: the connection is closed, not pooled, and
@@ -98,6 +102,7 @@ async def relay_assembled(
                     "slotgate assembles for a non-streamed request; ask for a stream "
                     "(stream: true) or fewer tokens"
                 )
+            chunk = await response.readany()
         await upstream_done(request, response)
         status, body = assembly.result()
         if status == 500:
@@ -135,8 +140,11 @@ async def relay_into_stream(request: Request, answer: Answer, response: Response
             prefix = b"event: error\n" if request.flavor == "anthropic" else b""
             await answer.event(prefix + b"data: " + error.strip() + b"\n\n")
         else:
-            while chunk := await response.readany():
+            chunk = await response.readany()
+            request.first_byte_at = time.monotonic()
+            while chunk:
                 await answer.relay(chunk)
+                chunk = await response.readany()
             await upstream_done(request, response)
     except ExchangeFailed as exc:
         r = refusal(_upstream_failure(exc))

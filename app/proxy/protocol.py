@@ -44,6 +44,7 @@ import asyncio
 import select
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from slotgate.asgi import Message, Receive
@@ -382,21 +383,14 @@ class _Joined:
         return getattr(self.transport, name)
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class DisconnectWatch:
     """One request's watch for its connection ending before its answer does (see
     `watch_disconnect`); `cancel()` ends it."""
 
-    __slots__ = ("connection", "cycle", "gone")
-
-    def __init__(
-        self,
-        connection: BoundedHeadProtocol,
-        cycle: RequestResponseCycle,
-        gone: Callable[[], None],
-    ) -> None:
-        self.connection = connection
-        self.cycle = cycle
-        self.gone = gone
+    connection: BoundedHeadProtocol
+    cycle: RequestResponseCycle
+    gone: Callable[[], None]
 
     def cancel(self) -> None:
         if self.connection._watch is self:

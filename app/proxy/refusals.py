@@ -76,6 +76,8 @@ def render(r: Refusal, flavor: Flavor) -> tuple[int, Headers, bytes]:
         (b"content-length", str(len(body)).encode()),
         *retry_headers(r.retry_after_s),
     ]
+    if r.final:
+        headers.append((b"x-should-retry", b"false"))
     return r.status, headers, body
 
 

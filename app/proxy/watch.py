@@ -1,11 +1,12 @@
-"""A request's cancellation, handled in one place: its client leaving, or the drain timeout
-running out at shutdown.
+"""A request's cancellation, handled in one place: its client leaving, an operator cancelling
+it, or the drain timeout running out at shutdown.
 
 `Watch` is an async scope around whatever a request does while its client may leave (wait for
-a slot, forward, relay). It cancels the request's task the moment the client disconnects, and
-on the way out it tells the two cancellations apart: one of its own ends the request as
-`client_gone`; one from outside (the drain timeout) is told to the client while its answer can
-still carry an error, and otherwise goes on up.
+a slot, forward, relay). It cancels the request's task the moment the client disconnects, or
+when an operator asks (`Running.cancel`), and on the way out it tells the cancellations apart:
+the client leaving ends the request as `client_gone`; an operator's ends it as `cancelled`,
+its slot given back before its client is told; one from outside (the drain timeout) is told
+to the client while its answer can still carry an error, and otherwise goes on up.
 """
 
 from __future__ import annotations
@@ -15,32 +16,74 @@ from collections.abc import Callable
 from types import TracebackType
 
 from slotgate.asgi import Headers, Message, Receive
-from slotgate.errors import Refusal
+from slotgate.errors import Cancelled, Refusal, refusal
 from slotgate.outcome import Outcome
 from slotgate.proxy.answer import Answer
-from slotgate.proxy.protocol import DisconnectWatch, watch_disconnect
+from slotgate.proxy.protocol import watch_disconnect
 from slotgate.proxy.request import Request
 
-#: How long a request runs before slotgate starts watching for its client to leave.
+#: How long a request runs before slotgate starts watching for its client to leave, when the
+#: connection cannot say so itself (another ASGI server than slotgate's own protocol).
 WATCH_AFTER_S = 0.02
+#: The answer of a request an operator cancelled.
+_CANCELLED = refusal(
+    Cancelled("an operator cancelled this request; it was not completed, do not resend it as is")
+)
+
+
+class Running(dict[str, "Watch"]):
+    """The requests an operator may cancel, by request id: each gated request from the moment
+    its watch starts (its body read) until it ends. A request id a client chose and
+    sent on several requests at once names the newest of them still running: one that ends
+    gives the id back to the one before it, so that a client reusing an id cannot make its
+    longer request one nobody can cancel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The older requests running under an id sent on several, oldest first; only live
+        #: ones (each leaves as it ends), and nothing at all while ids are not reused.
+        self.older: dict[str, list[Watch]] = {}
+
+    def enlist(self, request_id: str, watch: Watch) -> None:
+        newest = self.get(request_id)
+        if newest is not None:
+            self.older.setdefault(request_id, []).append(newest)
+        self[request_id] = watch
+
+    def delist(self, request_id: str, watch: Watch) -> None:
+        older = self.older.get(request_id)
+        if self.get(request_id) is watch:
+            if older:
+                self[request_id] = older.pop()
+            else:
+                del self[request_id]
+        elif older and watch in older:
+            older.remove(watch)
+        if older is not None and not older:
+            del self.older[request_id]
+
+    def cancel(self, request_id: str) -> bool:
+        """Cut the request, or take it out of the line; False when none runs by that id."""
+        watch = self.get(request_id)
+        return watch is not None and watch.cut()
 
 
 class Watch:
-    """Cancels the request's task the moment its client disconnects.
+    """Cancels the request's task the moment its client disconnects, or an operator cuts it.
 
     Under slotgate's own uvicorn protocol the connection says so when it ends
-    (app/proxy/protocol.py's `watch_disconnect`). Elsewhere uvicorn, like any ASGI server, answers
-    `receive()` with `http.disconnect` once the client is gone, so one pending `receive()`,
-    as a task, learns of it while the request's own task is busy waiting for a slot or for
-    llama-server. The task is cancelled rather than polled, so every `finally` on the way out
-    (upstream close, slot release) runs at once. The watch starts only after WATCH_AFTER_S:
-    a request answered sooner never pays for it, and a client leaving in that time is
-    noticed at most that much later.
+    (app/proxy/protocol.py's `watch_disconnect`), and the watch is on from the start.
+    Elsewhere uvicorn, like any ASGI server, answers `receive()` with `http.disconnect` once
+    the client is gone, so one pending `receive()`, as a task, learns of it while the request's
+    own task is busy waiting for a slot or for llama-server. The task is cancelled rather than
+    polled, so every `finally` on the way out (upstream close, slot release) runs at once.
+    That pending `receive()` starts only after WATCH_AFTER_S: a request answered sooner never
+    pays for it, and a client leaving in that time is noticed at most that much later.
     """
 
     __slots__ = (
-        "_answer", "_connection", "_own", "_pending", "_receive", "_request", "_task", "_timer",
-        "done", "gone",
+        "_answer", "_connection", "_listed", "_own", "_pending", "_receive", "_request",
+        "_running", "_task", "_timer", "cancelled", "done", "gone",
     )  # fmt: skip
 
     def __init__(
@@ -49,20 +92,36 @@ class Watch:
         request: Request,
         answer: Answer,
         own: Callable[[Request], Headers],
+        running: Running | None = None,
     ) -> None:
-        task = self._task = asyncio.current_task()
         self._receive = receive
         self._request: Request | None = request
         self._answer: Answer | None = answer
         self._own = own
         self.gone = False
+        #: An operator cancelled it (`cut`).
+        self.cancelled = False
         self.done = False
-        self._connection: DisconnectWatch | None = None
+        self._running = running
+        self._listed: str | None = None
+        if running is not None:
+            # Listed at once for operators to cancel: a dict's set and delete cost less than
+            # the timer that deferred it did.
+            running.enlist(request.id, self)
+            self._listed = request.id
         self._pending: asyncio.Future[Message] | None = None
-        # The task's loop, not asyncio.get_running_loop(): on Python 3.11 that is a getpid
-        # system call, and this runs for every gated request.
+        self._timer: asyncio.TimerHandle | None = None
+        # Under slotgate's protocol the watch is a handle on the connection, cheaper than the
+        # timer that would defer it, so it starts at once. Its loop is the connection's:
+        # current_task() without one asks asyncio.get_running_loop(), which on Python 3.11 is
+        # a getpid system call, and this runs for every gated request.
+        connection = self._connection = watch_disconnect(receive, self._disconnected)
+        if connection is not None:
+            self._task = asyncio.current_task(connection.connection.loop)
+            return
+        task = self._task = asyncio.current_task()
         loop = task.get_loop() if task is not None else asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(WATCH_AFTER_S, self._start)
+        self._timer = loop.call_later(WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._timer = None
@@ -80,10 +139,27 @@ class Watch:
     def _disconnected(self) -> None:
         if not self.done and self._task is not None:
             self.gone = True
-            self._task.cancel(msg="client disconnected")
+            # An operator's cancel is under way already: a second one would count as one from
+            # outside (`ours` says no: a shutdown), or cut its client being told why.
+            if not self.cancelled:
+                self._task.cancel(msg="client disconnected")
+
+    def cut(self) -> bool:
+        """An operator's cancel: the request's task is cancelled, as when its client leaves;
+        False when it is over already."""
+        if self.done or self.gone or self.cancelled or self._task is None:
+            return False
+        self.cancelled = True
+        self._task.cancel(msg="cancelled by an operator")
+        return True
 
     def stop(self) -> None:
         self.done = True
+        listed = self._listed
+        if listed is not None:
+            self._listed = None
+            if self._running is not None:
+                self._running.delist(listed, self)
         if self._timer is not None:
             self._timer.cancel()
         if self._connection is not None:
@@ -93,7 +169,9 @@ class Watch:
 
     def ours(self) -> bool:
         """After a CancelledError: was it only this watch's doing (so it may end here)?"""
-        return self.gone and self._task is not None and self._task.uncancel() == 0
+        return (
+            (self.gone or self.cancelled) and self._task is not None and self._task.uncancel() == 0
+        )
 
     async def __aenter__(self) -> Watch:
         return self
@@ -111,6 +189,8 @@ class Watch:
             if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
                 return False
             if self.ours():
+                if self.cancelled:  # first, whether or not its client left since
+                    return await self._cancelled(request, answer)
                 request.outcome = Outcome.CLIENT_GONE
                 return True
             return await cut_short(request, answer, self._own)
@@ -119,6 +199,20 @@ class Watch:
             # Whatever still holds the watch (a connection's, a timer's reference on its way
             # out) must not hold the request's body with it.
             self._request = self._answer = None
+
+    async def _cancelled(self, request: Request, answer: Answer) -> bool:
+        """Cancelled by an operator: its slot (or its place) back at once, then the client told
+        in the route's shape, an error event if its stream had begun; a plain answer whose
+        head went out can only be left unfinished, which its client sees as a truncation."""
+        request.outcome = Outcome.CANCELLED
+        # Its upstream connection was closed on the way here (the relay's scope), so
+        # llama-server has stopped; the slot is not held while the client is told.
+        if request.ticket is not None:
+            request.ticket.release()
+        if answer.started and not answer.stream and not answer.ending:
+            return True
+        await answer.final_words(_CANCELLED, request.flavor, self._own(request))
+        return True
 
 
 async def cut_short(request: Request, answer: Answer, own: Callable[[Request], Headers]) -> bool:

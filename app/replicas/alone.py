@@ -54,6 +54,8 @@ class Alone:
         # Unbounded: the line's bound is this replica's share of it (`limit`), and waiters of
         # the shared line that move in when it falls back are never refused for it.
         self.core = Admission(QueuePolicy(max_queue=0), epsilon=self._line._epsilon)
+        if self._line.paused:
+            self.core.pause()
         #: The core's ticket of each SharedTicket granted here (by id).
         self.held: dict[str, Ticket] = {}
         self._tenants: dict[tuple[str, float, int, int | None, int | None], Tenant] = {}

@@ -16,15 +16,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from slotgate.errors import NotReady, ShuttingDown, TenantTooLarge, TooLarge
+from slotgate.errors import (
+    NotReady,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    TenantTooLarge,
+    TooLarge,
+)
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry
 from slotgate.gate.pool import Pool
 from slotgate.gate.routing import score
-from slotgate.gate.tenants import EVERYONE, Tenant
+from slotgate.gate.tenants import Tenant
 from slotgate.gate.ticket import Ticket
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 from slotgate.settings import Settings
@@ -48,36 +56,33 @@ def fleet_name(url: str) -> str:
     return urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class ReplicaTicket:
-    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/admission.py)."""
+    """One request's claim on the fleet's shared slots (see `Claim` in app/gate/ticket.py).
 
-    __slots__ = (
-        "_gate", "_local", "_released", "_shared", "affinity", "conversation", "cost",
-        "entered_at", "rerouted", "tenant", "weight",
-    )  # fmt: skip
+    Entered while an operator paused this replica (shared mode), it is held back: no shared
+    ticket yet (`_shared` None) until its `wait` sees the resume and joins the shared line, so
+    that the request waits where its client's leaving and an operator's cancel reach it.
+    """
 
-    def __init__(
-        self,
-        gate: ReplicaAdmission,
-        shared: SharedTicket,
-        weight: int,
-        cost: int,
-        affinity: int | None,
-        tenant: Tenant,
-        conversation: int | None = None,
-    ) -> None:
-        self._gate = gate
-        self._shared = shared
-        self.weight = weight
-        self.cost = cost
-        self.affinity = affinity
-        self.conversation = conversation
-        self.tenant = tenant
-        self.entered_at = shared.entered_at
-        #: The core's ticket on the granted upstream's pool, once granted.
-        self._local: Ticket | None = None
-        self.rerouted = False
-        self._released = False
+    _gate: ReplicaAdmission
+    _shared: SharedTicket | None
+    weight: int
+    cost: int
+    affinity: int | None
+    tenant: Tenant
+    conversation: int | None = None
+    #: Held back by a pause: what it joins the shared line with once resumed.
+    _join: Entry | None = None
+    entered_at: float = field(init=False)
+    #: The core's ticket on the granted upstream's pool, once granted.
+    _local: Ticket | None = field(default=None, init=False)
+    rerouted: bool = field(default=False, init=False)
+    _released: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        shared = self._shared
+        self.entered_at = time.monotonic() if shared is None else shared.entered_at
 
     @property
     def admitted(self) -> bool:
@@ -86,6 +91,10 @@ class ReplicaTicket:
     @property
     def admitted_at(self) -> float | None:
         return self._local.admitted_at if self._local is not None else None
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     @property
     def wait_s(self) -> float:
@@ -100,6 +109,8 @@ class ReplicaTicket:
         """1-based place in the fleet's line (0 once admitted), as this replica last heard."""
         if self.admitted:
             return 0
+        if self._shared is None:  # behind the whole shared line
+            return self._gate.shared.snapshot().queued + 1
         return max(self._shared.place, 1)
 
     async def wait(self) -> None:
@@ -108,15 +119,18 @@ class ReplicaTicket:
         if self.admitted:
             return
         gate = self._gate
+        shared = self._shared
         try:
-            if not self._shared.granted:
-                await gate._until_granted(self._shared)
+            if shared is None:
+                shared = self._shared = await gate._after_pause(self)
+            if not shared.granted:
+                await gate._until_granted(shared)
         except TooLarge as exc:
             self.release()
             limit = self.tenant.max_active
             # Its slots as the shared line counts them against the limit (a prompt array: on
             # the largest upstream).
-            weight = self._shared.weighs(gate.admission.largest or 0)
+            weight = self.weight if shared is None else shared.weighs(gate.admission.largest or 0)
             if limit is not None and weight > limit:
                 # Its tenant's max_active was lowered under its slots while it waited.
                 raise TenantTooLarge(exc.snapshot, weight, self.tenant) from None
@@ -129,6 +143,7 @@ class ReplicaTicket:
     def _hold(self) -> None:
         shared = self._shared
         gate = self._gate
+        assert shared is not None  # noqa: S101 - granted: it joined the shared line
         pool = gate.pool_of(shared.upstream)
         if pool is None:
             # Granted on an upstream this replica does not know (configured differently, or gone
@@ -154,6 +169,7 @@ class ReplicaTicket:
         self.rerouted = True
         # Sent back by its upstream: it waits at the head of the shared line, and is refused
         # (NotReady) if no upstream is known by `known_by` (STARTUP_WAIT_S after the refusal).
+        assert self._shared is not None  # noqa: S101 - it was admitted
         self._shared.reroute(known_by)
 
     def recost(self, cost: int) -> None:
@@ -174,7 +190,10 @@ class ReplicaTicket:
         local, self._local = self._local, None
         if local is not None:
             local.release()
-        self._shared.release()
+        if self._shared is not None:
+            self._shared.release()
+        else:
+            self._gate._held.discard(self)
         return local is not None
 
     async def __aenter__(self) -> ReplicaTicket:
@@ -202,6 +221,12 @@ class ReplicaAdmission:
         )
         self.failure_mode = settings.redis_failure_mode
         self._timeout_s = settings.redis_timeout_s
+        self._queue_timeout_s = settings.queue_timeout_s or None
+        # Set unless an operator paused this replica; requests held back meanwhile (shared
+        # mode: they wait here, before the shared line).
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._held: set[ReplicaTicket] = set()
         self._affinity = settings.routing == "affinity"
         #: The key, capacity and budget each pool is known by in Redis, as last told.
         self._told: dict[Pool, tuple[str, int | None, int | None]] = {}
@@ -228,6 +253,7 @@ class ReplicaAdmission:
     def drain(self) -> None:
         """Shutdown has begun: no new requests; the waiters are turned away (ShuttingDown)."""
         self.admission.close()
+        self._resumed.set()  # those held back by a pause: refused as they go on
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
 
@@ -246,6 +272,54 @@ class ReplicaAdmission:
                 elif not task.cancelled():
                     task.exception()  # seen: RETIRE follows, whatever the change did
         await self.shared.close()
+
+    def pause(self) -> None:
+        """Pause this replica, not the fleet: in shared mode its new requests wait here, before
+        the shared line (bounded by the line's limit and QUEUE_TIMEOUT_S), and its waiters
+        already in the shared line may still be granted; degraded, its own core grants
+        nobody, as in one process. The other replicas admit as ever."""
+        self.admission.pause()
+        self.shared.pause(True)
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self.admission.resume()
+        self.shared.pause(False)
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return self.admission.paused
+
+    @property
+    def held_back(self) -> int:
+        """Requests a pause holds before the shared line (shared mode)."""
+        return len(self._held)
+
+    def _hold_back(self, ticket: ReplicaTicket) -> ReplicaTicket:
+        """Hold `ticket` back until `resume`, as one of the line: refused past its limit."""
+        shared = self.shared
+        limit = shared._limit()
+        if limit is not None and len(self._held) + shared.snapshot().queued >= limit:
+            raise QueueFull(shared._snapshot(), 1.0)
+        self._held.add(ticket)
+        return ticket
+
+    async def _after_pause(self, ticket: ReplicaTicket) -> SharedTicket:
+        """`ticket`'s wait while held back: for `resume` (refused past QUEUE_TIMEOUT_S), then
+        into the shared line. Its leaving meanwhile (a cancel) is its `release`."""
+        join = ticket._join
+        assert join is not None  # noqa: S101 - only a held-back ticket comes here
+        try:
+            async with asyncio.timeout(self._queue_timeout_s):
+                await self._resumed.wait()
+        except TimeoutError:
+            raise QueueTimeout(self.shared._snapshot(), 1.0) from None
+        finally:
+            self._held.discard(ticket)
+        if ticket._released:  # released while the resume was on its way
+            raise asyncio.CancelledError
+        return await self._join_line(join)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -290,13 +364,17 @@ class ReplicaAdmission:
 
     # -- changing ----------------------------------------------------------------------------
 
+    def enter_now(self, entry: Entry) -> None:
+        """Never at once: the shared line's answer comes from Redis (`enter`)."""
+        return
+
     async def enter(self, entry: Entry) -> ReplicaTicket:
         """A place in the fleet's line (or its slots at once), or why neither is possible.
         `weight` is the fewest slots it runs in; `tasks` a prompt array's (as the core's
         `enter`): it holds as many slots as it has tasks, up to those of the upstream the
         shared line grants it. `weigh` (the request was read while no capacity was known
         here) refuses it: the shared line has no startup wait."""
-        weight, cost, weigh, affinity, tenant, band, conversation, tasks = entry
+        weight, cost, weigh, affinity, tenant, _, conversation, tasks = entry
         if weigh is not None:
             raise NotReady(self.admission.snapshot(), 1.0)
         limit = tenant.max_active
@@ -308,20 +386,12 @@ class ReplicaAdmission:
         closing = self._closing
         if closing is None or closing.done():
             raise ShuttingDown(self.admission.snapshot(), 1.0)
-        shared = await self.shared.enter(
-            weight=weight,
-            cost=cost,
-            ranking=self._ranking(affinity, conversation),
-            band=tenant.band if band is None else band,
-            # Everyone (no keys) is ordered by arrival alone, as in one process.
-            tenant="" if tenant is EVERYONE else tenant.name,
-            share=tenant.weight,
-            max_active=tenant.max_active,
-            max_queued=tenant.max_queued,
-            tasks=tasks,
-            affinity=affinity if self._affinity else None,
-            conversation=conversation,
-        )
+        if not self._resumed.is_set() and self.shared.mode is Mode.SHARED:
+            # Not awaited here: the request waits for the resume in its ticket's `wait`.
+            return self._hold_back(
+                ReplicaTicket(self, None, weight, cost, affinity, tenant, conversation, entry)
+            )
+        shared = await self._join_line(entry)
         ticket = ReplicaTicket(self, shared, weight, cost, affinity, tenant, conversation)
         if shared.granted:
             try:
@@ -330,6 +400,17 @@ class ReplicaAdmission:
                 ticket.release()
                 raise
         return ticket
+
+    async def _join_line(self, entry: Entry) -> SharedTicket:
+        """A place in the fleet's line through Redis (or its slots at once)."""
+        closing = self._closing
+        if closing is None or closing.done():
+            raise ShuttingDown(self.admission.snapshot(), 1.0)
+        affinity, conversation = entry.affinity, entry.conversation
+        if not self._affinity and affinity is not None:
+            # The core routes by the key only under ROUTING=affinity, as the shared line does.
+            entry = entry._replace(affinity=None)
+        return await self.shared.enter(entry, self._ranking(affinity, conversation))
 
     def _ranking(self, affinity: int | None, conversation: int | None) -> list[str]:
         """The upstreams in the key's order (its conversation's last one first), as

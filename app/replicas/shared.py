@@ -19,16 +19,15 @@ When Redis is unreachable or slow (no answer within `timeout_s`), the replica is
 (membership.py says what it does then, and how it rejoins).
 
 Everything runs on one event loop; local bookkeeping changes only synchronously. The parts:
-this replica's tickets and what it asks of Redis (here), the heartbeat, falling back and
-rejoining (membership.py), the calls to Redis (transport.py), the gating on a share while Redis
-is away (alone.py).
+this replica's tickets and what it asks of Redis (here), a request's ENTER and what its reply
+means (arrival.py), the heartbeat, falling back and rejoining (membership.py), the calls to
+Redis (transport.py), the gating on a share while Redis is away (alone.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import os
 import secrets
@@ -39,21 +38,20 @@ from typing import Any
 
 from slotgate.errors import (
     Down,
-    NotReady,
-    QueueFull,
     ShuttingDown,
     Stale,
-    TenantQueueFull,
     TooLarge,
 )
 from slotgate.gate.clock import HOLD_EWMA_ALPHA, INITIAL_HOLD_S, ewma, retry_after
-from slotgate.gate.fairline import Share
+from slotgate.gate.entry import Entry
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Snapshot
+from slotgate.gate.tenants import EVERYONE
 from slotgate.replicas.alone import Alone
+from slotgate.replicas.arrival import Arrival
 from slotgate.replicas.lua import unset
 from slotgate.replicas.membership import Membership
-from slotgate.replicas.ticket import Figures, Mode, SharedTicket
+from slotgate.replicas.ticket import Figures, Mode, SharedTicket, name_of
 from slotgate.replicas.transport import Transport, stop
 
 #: Redis keeps a silent replica's grants this many REDIS_TTLs after its heartbeat expired.
@@ -123,10 +121,14 @@ class SharedAdmission:
         self._waiters: dict[str, SharedTicket] = {}
         #: Grants that arrived before the reply that named their member.
         self._early: dict[str, tuple[str, str, int, int]] = {}
+        #: An operator paused this replica's admission: degraded, its core grants nobody.
+        self.paused = False
         #: Degraded mode's gating, on this replica's share.
         self._alone = Alone(self)
         #: Its heartbeat, the grants' channel, falling back and rejoining.
         self._link = Membership(self)
+        #: A request's ENTER, and what its reply means.
+        self._arrival = Arrival(self)
         #: When (time.monotonic()) the last heartbeat that Redis took was sent.
         self._renewed_at: float | None = None
         self._hold_ewma_s = INITIAL_HOLD_S
@@ -177,6 +179,15 @@ class SharedAdmission:
             if left is not None and left <= 0:
                 return
             await asyncio.wait(list(self._pending), timeout=left)
+
+    def pause(self, paused: bool) -> None:
+        """Hold (or let go) degraded mode's gating: its core grants nobody while paused, and
+        moves its line once resumed. Shared mode's part is the replica's (ReplicaAdmission)."""
+        self.paused = paused
+        if paused:
+            self._alone.core.pause()
+        else:
+            self._alone.core.resume()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -269,7 +280,7 @@ class SharedAdmission:
         them (a raised max_active lets them run on free slots at once)."""
         if share <= 0:
             raise ValueError(f"share must be positive, got {share}")
-        tenant = tenant.replace("\t", " ").replace("\n", " ")
+        tenant = name_of(tenant)
         for ticket in self._waiters.values():
             if ticket.tenant == tenant:
                 ticket.share, ticket.max_active = share, max_active
@@ -281,45 +292,33 @@ class SharedAdmission:
                 self._link.degrade(str(exc))
 
     async def enter(
-        self,
-        weight: int = 1,
-        cost: int = 0,
-        ranking: Sequence[str] = (),
-        band: int = 0,
-        tag: float | None = None,
-        *,
-        tenant: str = "",
-        share: float = 1.0,
-        max_active: int | None = None,
-        max_queued: int | None = None,
-        tasks: int = 0,
-        affinity: int | None = None,
-        conversation: int | None = None,
+        self, entry: Entry, ranking: Sequence[str] = (), tag: float | None = None
     ) -> SharedTicket:
-        """Take `weight` slots on one upstream now, or a place in the line, or raise why not.
+        """Take `entry.weight` slots on one upstream now, or a place in the line, or raise why
+        not. The entry is the core's (app/gate/entry.py), and means what it means there: a
+        higher band is served first; inside a band, named tenants by their weight (share of
+        slot time), each FIFO, or FIFO without a tenant (`EVERYONE`), within the tenant's own
+        `max_active` (slots) and `max_queued` (places); a prompt array holds as many slots as
+        it has tasks, up to those of the upstream that grants it; `affinity` and `conversation`
+        route it on this replica's own core while Redis is away.
 
-        `ranking` is the request's upstreams by affinity, best first (empty: a free slot
-        drawn evenly); `cost` its tokens of an upstream's KV-cache budget. The line serves a
-        higher `band` first; inside a band, `tenant`s ("": none, FIFO) by their `share` of
-        slot time, each FIFO; `tag` overrides the order inside the band (lower first).
-        `max_active` (slots) and `max_queued` (places) are the tenant's own limits. `tasks`,
-        when more than `weight`, is the tasks llama-server makes of a prompt array: it holds as
-        many slots as it has tasks, up to those of the upstream that grants it (`weight` at
-        least); the ticket's `weight` is then what it holds. `affinity` and `conversation`
-        are its routing key and conversation (app/gate/routing.py), for this replica's own core
-        while Redis is away.
+        `ranking` is the request's upstreams by affinity, best first (empty: a free slot drawn
+        evenly); `tag` overrides the order inside the band (lower first).
         """
+        weight, cost, _, affinity, tenant, band, conversation, tasks = entry
         if self._closed:
             raise ShuttingDown(self._snapshot(), 1.0)
-        if share <= 0:
-            raise ValueError(f"share must be positive, got {share}")
-        if tenant and max_active is not None and weight > max_active:
+        if tenant.weight <= 0:
+            raise ValueError(f"share must be positive, got {tenant.weight}")
+        named = tenant is not EVERYONE
+        if named and tenant.max_active is not None and weight > tenant.max_active:
             # Its tenant may never hold that many slots at once: it could never run.
-            raise TooLarge(self._snapshot(), weight, max_active)
+            raise TooLarge(self._snapshot(), weight, tenant.max_active)
         order = next(self._ids)
         ticket = SharedTicket(
-            self, f"{self.replica}.{order}", order, weight, cost, ranking, band, tag,
-            tenant, share, max_active, max_queued, tasks, affinity, conversation,
+            self, f"{self.replica}.{order}", order, weight, cost, tuple(ranking),
+            tenant.band if band is None else band, tag, name_of(tenant.name) if named else "",
+            tenant.weight, tenant.max_active, tenant.max_queued, tasks, affinity, conversation,
         )  # fmt: skip
         stale = 0
         while True:
@@ -330,92 +329,12 @@ class SharedAdmission:
             if self.mode is not Mode.SHARED or stale > 2:
                 break
             try:
-                return await self._enter_shared(ticket)
+                return await self._arrival.enter(ticket)
             except Down as exc:
                 self._link.degrade(str(exc))
             except Stale:
                 stale += 1
         return self._alone.enter(ticket)
-
-    async def _enter_shared(self, ticket: SharedTicket) -> SharedTicket:
-        policy = self._policy
-        args = (
-            self.replica, ticket.id, ticket.weight, ticket.cost, "\n".join(ticket.ranking),
-            self._epsilon, ticket.band, "" if ticket.tag is None else repr(ticket.tag),
-            unset(policy.max_queue), unset(policy.queue_per_slot), unset(policy.min_queue),
-            ticket.tenant, repr(ticket.share), unset(ticket.max_active),
-            unset(ticket.max_queued), ticket.tasks,
-        )  # fmt: skip
-        # The script runs as its own task: a caller cancelled while it runs must not strand
-        # what it took in Redis, so whatever it took is handed back when it completes.
-        epoch = self._epoch
-        task = asyncio.ensure_future(self._call("ENTER", *args))
-        # Known before the answer: its grant may be published, and read, before the reply.
-        self._tickets[ticket.id] = ticket
-        try:
-            reply = await asyncio.shield(task)
-            return await self._answer(ticket, reply, epoch)
-        except BaseException as exc:
-            self._tickets.pop(ticket.id, None)
-            if isinstance(exc, asyncio.CancelledError):
-                if task.done():
-                    self._orphan(task, ticket)
-                else:
-                    task.add_done_callback(lambda t: self._orphan(t, ticket))
-            raise
-
-    async def _answer(self, ticket: SharedTicket, reply: list[bytes], epoch: int) -> SharedTicket:
-        kind = reply[0].decode()
-        if kind in ("grant", "queued"):
-            member = reply[1].decode()
-            early = self._early.pop(member, None)
-            if epoch != self._epoch or self._joining is not None:
-                # A rejoin's list was made while this ran: Redis forgets (or forgot) it.
-                self._spawn(self._release_shared(member, None))
-                raise Stale
-            ticket.member = member
-            if kind == "grant":
-                self._granted(
-                    ticket, reply[2].decode(), reply[3].decode(), int(reply[4]), int(reply[5])
-                )
-                return ticket
-            self._waiters[ticket.id] = ticket
-            ticket.position = int(reply[2])
-            ticket.since = int(reply[4])
-            ticket._future = asyncio.get_running_loop().create_future()
-            if early is not None:
-                self._granted(ticket, *early)
-            return ticket
-        if kind == "fenced":
-            await self._link.rejoin()
-            raise Stale
-        if kind == "full":
-            self._fleet = Figures.parse(reply[2:])
-            queued = self._fleet.queued
-            raise QueueFull(self._snapshot(), self._retry_after_s(queued + ticket.weight))
-        if kind == "tenant_full":
-            self._fleet = Figures.parse(reply[3:])
-            queued, active = int(reply[1]), int(reply[2])
-            share = Share(ticket.tenant, ticket.share, active, queued, 0.0)
-            snapshot = dataclasses.replace(self._snapshot(), tenant=share)
-            # A place of its own frees when its first waiter is granted.
-            over = queued - (ticket.max_queued or 0) + 1
-            raise TenantQueueFull(snapshot, self._retry_after_s(over))
-        if kind == "large":
-            self._fleet = Figures.parse(reply[2:])
-            raise TooLarge(self._snapshot(), ticket.least, int(reply[1]))
-        self._fleet = Figures.parse(reply[1:])
-        raise NotReady(self._snapshot(), 1.0)
-
-    def _orphan(self, task: asyncio.Future[Any], ticket: SharedTicket) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
-        reply = task.result()
-        if reply[0] in (b"grant", b"queued"):
-            member = reply[1].decode()
-            self._early.pop(member, None)
-            ticket._released = True
-            self._spawn(self._release_shared(member, None))
 
     def _granted(
         self, ticket: SharedTicket, upstream: str, reason: str, grant_no: int, weight: int

@@ -9,7 +9,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from slotgate.errors import NotReady, QueueTimeout
@@ -45,74 +45,60 @@ class Figures:
         )  # fmt: skip
 
 
+def name_of(tenant: str) -> str:
+    """A tenant's name as Redis keeps it: tabs and newlines separate the fields of a ticket."""
+    return tenant.replace("\t", " ").replace("\n", " ")
+
+
+@dataclass(slots=True, eq=False, repr=False)
 class SharedTicket:
     """One request's claim; `async with ticket:` releases it on every way out."""
 
-    __slots__ = (
-        "_admission", "_future", "_known_by", "_released", "admitted_at", "affinity", "band",
-        "conversation", "cost", "entered_at", "grant_no", "id", "least", "max_active",
-        "max_queued", "member", "order", "position", "ranking", "reason", "rerouted", "share",
-        "since", "tag", "tasks", "tenant", "upstream", "weight",
-    )  # fmt: skip
+    _admission: SharedAdmission
+    id: str
+    #: This replica's own arrival number: the order of its waiters when they rejoin.
+    order: int
+    #: The slots it holds, known once granted: its `least` until then.
+    weight: int
+    cost: int
+    ranking: tuple[str, ...]
+    band: int
+    tag: float | None
+    #: Its tenant's name ("": none), without tabs or newlines: they separate the fields of a
+    #: ticket in Redis.
+    tenant: str = ""
+    share: float = 1.0
+    max_active: int | None = None
+    max_queued: int | None = None
+    #: A prompt array's tasks (0 for any other request).
+    tasks: int = 0
+    #: Its routing key and conversation, for this replica's own core while Redis is away
+    #: (the shared line goes by `ranking`).
+    affinity: int | None = None
+    conversation: int | None = None
+    #: The fewest slots it runs in.
+    least: int = field(init=False)
+    #: Its 1-based place in the fleet's line as last known (the ENTER reply's); 0 once
+    #: granted.
+    position: int = field(default=0, init=False)
+    #: The fleet's grants so far when `position` was read: each grant since moves it up.
+    since: int = field(default=0, init=False)
+    #: `<seq>|<id>` while Redis knows the ticket; a new one each time it (re)joins.
+    member: str | None = field(default=None, init=False)
+    upstream: str | None = field(default=None, init=False)
+    reason: str = field(default="", init=False)
+    #: The grant's place among all grants of the fleet (0: granted locally).
+    grant_no: int = field(default=0, init=False)
+    entered_at: float = field(default_factory=time.monotonic, init=False)
+    admitted_at: float | None = field(default=None, init=False)
+    _future: asyncio.Future[None] | None = field(default=None, init=False)
+    _released: bool = field(default=False, init=False)
+    #: Sent back by its upstream (`reroute`), and until when it may wait for one known.
+    rerouted: bool = field(default=False, init=False)
+    _known_by: float | None = field(default=None, init=False)
 
-    def __init__(
-        self,
-        admission: SharedAdmission,
-        id: str,
-        order: int,
-        weight: int,
-        cost: int,
-        ranking: Sequence[str],
-        band: int,
-        tag: float | None,
-        tenant: str = "",
-        share: float = 1.0,
-        max_active: int | None = None,
-        max_queued: int | None = None,
-        tasks: int = 0,
-        affinity: int | None = None,
-        conversation: int | None = None,
-    ) -> None:
-        self._admission = admission
-        self.id = id
-        #: This replica's own arrival number: the order of its waiters when they rejoin.
-        self.order = order
-        #: The fewest slots it runs in; a prompt array's tasks (0 for any other request). The
-        #: slots it holds (`weight`) are known once granted: its least until then.
-        self.least = weight
-        self.tasks = tasks
-        self.weight = weight
-        self.cost = cost
-        self.ranking = tuple(ranking)
-        self.band = band
-        self.tag = tag
-        # Tabs and newlines separate the fields of a ticket in Redis.
-        self.tenant = tenant.replace("\t", " ").replace("\n", " ")
-        self.share = share
-        self.max_active = max_active
-        self.max_queued = max_queued
-        #: Its routing key and conversation, for this replica's own core while Redis is away
-        #: (the shared line goes by `ranking`).
-        self.affinity = affinity
-        self.conversation = conversation
-        #: Its 1-based place in the fleet's line as last known (the ENTER reply's); 0 once
-        #: granted.
-        self.position = 0
-        #: The fleet's grants so far when `position` was read: each grant since moves it up.
-        self.since = 0
-        #: `<seq>|<id>` while Redis knows the ticket; a new one each time it (re)joins.
-        self.member: str | None = None
-        self.upstream: str | None = None
-        self.reason = ""
-        #: The grant's place among all grants of the fleet (0: granted locally).
-        self.grant_no = 0
-        self.entered_at = time.monotonic()
-        self.admitted_at: float | None = None
-        self._future: asyncio.Future[None] | None = None
-        self._released = False
-        #: Sent back by its upstream (`reroute`), and until when it may wait for one known.
-        self.rerouted = False
-        self._known_by: float | None = None
+    def __post_init__(self) -> None:
+        self.least = self.weight
 
     def weighs(self, capacity: int) -> int:
         """The slots it holds on an upstream of `capacity` (as the core's Ticket.weighs)."""
@@ -211,4 +197,4 @@ class SharedTicket:
         return f"<SharedTicket {self.member or self.id} {state}>"
 
 
-__all__ = ["Figures", "Mode", "SharedTicket"]
+__all__ = ["Figures", "Mode", "SharedTicket", "name_of"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from slotgate.errors import ConnectFailed
-from slotgate.upstreams.client import Client, Connection
+from slotgate.upstreams.client import Client
+from slotgate.upstreams.connection import Connection
 
 #: Connections opened ahead of need after an exchange whose connection cannot be reused.
 WARM_CONNECTIONS = 2

@@ -212,6 +212,13 @@ class Upstream:
         self.pool.rename(self.url)
 
     @property
+    def name(self) -> str:
+        """How operators name it (`/admission`, `/admin/upstreams/{name}/...`): its URL's host,
+        port and path, without the scheme."""
+        parts = urlsplit(self.url)
+        return parts.netloc + parts.path.rstrip("/")
+
+    @property
     def keeps_streams(self) -> bool | None:
         """Does llama-server keep a connection open after an event stream? None until seen."""
         return self._client.keeps_streams

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import slotgate
 import uvicorn
 
 from bench import floor
@@ -38,7 +39,9 @@ from bench.loop import run_loop
 from bench.procs import free_port, raise_fd_limit, wait_until
 from bench.scenarios import CHAT
 
-APP_DIR = str(REPO / "app") + os.sep
+#: Where the slotgate being traced lives: the repository's app/, or wherever PYTHONPATH found
+#: it (a tree measured through a `slotgate` link to its app/).
+APP_DIR = os.path.dirname(slotgate.__file__) + os.sep
 
 
 async def _client(port: int, count: int, path: str, stream: bool) -> None:
@@ -81,7 +84,7 @@ def _owner(trace: tracemalloc.Traceback) -> str:
     frames = list(trace)[::-1]  # most recent first
     for frame in frames:
         if frame.filename.startswith(APP_DIR):
-            return f"slotgate {frame.filename.removeprefix(str(REPO) + os.sep)}:{frame.lineno}"
+            return f"slotgate app/{frame.filename.removeprefix(APP_DIR)}:{frame.lineno}"
         if "site-packages" + os.sep in frame.filename:
             break
     inner = frames[0]
@@ -216,7 +219,8 @@ def _print(
 
 def _source(owner: str) -> str:
     path, _, line = owner.split(" ")[-1].rpartition(":")
-    for candidate in (REPO / path, *(Path(p) / path for p in sys.path if p)):
+    mine = Path(APP_DIR) / path.removeprefix("app/")
+    for candidate in (mine, REPO / path, *(Path(p) / path for p in sys.path if p)):
         if candidate.is_file():
             return linecache.getline(str(candidate), int(line)).strip()[:70]
     return ""

@@ -20,6 +20,7 @@ from slotgate.gate.admission import Admission
 from slotgate.gate.policy import QueuePolicy
 from slotgate.replicas.shared import SharedAdmission
 
+from tests.support.entries import entry
 from tests.support.valkey import Valkey
 
 
@@ -43,7 +44,7 @@ async def free_path(url: str, n: int, tenant: str = "") -> None:
     try:
         for _ in range(n):
             start = time.perf_counter()
-            ticket = await shared.enter(ranking=["a"], tenant=tenant)
+            ticket = await shared.enter(entry(tenant=tenant), ranking=["a"])
             shared_s.append(time.perf_counter() - start)
             await ticket.aclose()
     finally:
@@ -65,8 +66,8 @@ async def handoff(url: str, n: int, tenant: str = "") -> None:
     samples: list[float] = []
     try:
         for _ in range(n):
-            held = await holder.enter(tenant=tenant)
-            queued = await waiter.enter(tenant=tenant)
+            held = await holder.enter(entry(tenant=tenant))
+            queued = await waiter.enter(entry(tenant=tenant))
             assert not queued.granted
             wait = asyncio.ensure_future(queued.wait())
             await asyncio.sleep(0)  # the waiter is parked on its future
@@ -103,8 +104,8 @@ async def redis_figures(url: str, waiters: int, wait_s: float) -> None:
     replica = SharedAdmission(url, "bench", replica="idle", heartbeat_s=1.0, policy=policy)
     await replica.start()
     await replica.resize("a", 1)
-    held = await replica.enter()
-    queued = [await replica.enter() for _ in range(waiters)]
+    held = await replica.enter(entry())
+    queued = [await replica.enter(entry()) for _ in range(waiters)]
     await client.config_resetstat()
     await asyncio.sleep(wait_s)
     stats = await client.info("commandstats")

@@ -11,10 +11,10 @@ import pytest
 from slotgate.errors import NotReady, QueueFull, QueueTimeout, ShuttingDown, TooLarge
 from slotgate.gate import admission as admission_module
 from slotgate.gate import clock as clock_module
-from slotgate.gate import pool as pool_module
 from slotgate.gate import ticket as ticket_module
 from slotgate.gate.admission import Admission
 from slotgate.gate.clock import RETRY_AFTER_CAP_S
+from slotgate.gate.entry import Entry, Local
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 
@@ -58,6 +58,28 @@ async def test_free_slots_are_taken_at_once_and_in_order() -> None:
     c = admission.enter()
     assert not c.admitted
     assert (admission.active, admission.queued) == (2, 1)
+
+
+async def test_the_local_gate_decides_with_a_plain_call_granted_or_in_line() -> None:
+    admission = pool(1)
+    gate = Local(admission)
+    first = gate.enter_now(Entry(1))
+    assert isinstance(first, Ticket)  # a claim, not a coroutine to await
+    assert first.admitted
+    # Granted as it entered: the moment it holds from is the moment it entered.
+    assert admission._holders[first][0] == first.entered_at == first.admitted_at
+    second = gate.enter_now(Entry(1))
+    assert isinstance(second, Ticket)
+    assert not second.admitted
+    assert (admission.active, admission.queued) == (1, 1)
+    assert first.release()  # handed on to the one waiting
+    await second.wait()
+    assert second.admitted
+    assert not second.release()  # nobody waits: nothing handed on
+    assert (admission.active, admission.queued) == (0, 0)
+    third = await gate.enter(Entry(1))  # the awaited way in decides the same
+    assert third.admitted
+    third.release()
 
 
 async def test_waiters_are_admitted_in_arrival_order() -> None:
@@ -565,7 +587,7 @@ def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_cou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = _Clock()
-    for module in (admission_module, clock_module, pool_module, ticket_module):
+    for module in (admission_module, clock_module, ticket_module):
         monkeypatch.setattr(module, "time", clock)
     admission = pool(1)
     admission._clock.observe(10.0)  # long generations: a refusal is told about 10 s
@@ -652,7 +674,7 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.8) -> None:
         self.clock = _Clock()
-        for module in (admission_module, clock_module, pool_module, ticket_module):
+        for module in (admission_module, clock_module, ticket_module):
             monkeypatch.setattr(module, "time", self.clock)
         self.admission = pool(2, max_queue=2)
         self.hold_s = hold_s
@@ -797,3 +819,91 @@ async def test_a_burst_at_short_holds_is_spread_over_the_places_that_free(
     assert all(t is not None for t in told)
     assert max(t for t in told if t is not None) >= 0.8 * 100 * 0.05, told[-5:]
     await gate.close()
+
+
+async def test_a_pause_keeps_every_waiter_and_resume_grants_them_in_arrival_order() -> None:
+    admission = pool(1)
+    running = admission.enter()
+    admission.pause()
+    waiters = [admission.enter() for _ in range(3)]
+    assert not any(w.admitted for w in waiters)
+    waits = [asyncio.ensure_future(w.wait()) for w in waiters]
+    running.release()  # its slot goes to nobody while paused
+    await settle()
+    assert (admission.active, admission.queued, admission.paused) == (0, 3, True)
+    assert not any(w.done() for w in waits)
+    admission.resume()
+    await settle()
+    assert waits[0].done()
+    assert not waits[1].done()
+    assert [w.granted for w in waiters] == [True, False, False]
+    for w in waiters:
+        w.release()
+        await settle()
+    assert all(w.done() for w in waits)
+
+
+async def test_a_paused_line_keeps_its_limit_and_its_timeout() -> None:
+    admission = Admission(QueuePolicy(max_queue=1), capacity=1, queue_timeout_s=0.05)
+    admission.pause()
+    waiter = admission.enter()  # a free slot, but paused: it waits
+    assert not waiter.admitted
+    with pytest.raises(QueueFull):
+        admission.enter()
+    with pytest.raises(QueueTimeout):
+        await waiter.wait()
+    assert (admission.active, admission.queued) == (0, 0)
+
+
+async def test_a_drained_pool_runs_its_requests_to_their_end_and_takes_no_new_one() -> None:
+    admission = Admission(QueuePolicy(), epsilon=1.0)
+    first, second = admission.add_pool("a"), admission.add_pool("b")
+    first.resize(1)
+    second.resize(1)
+    held = [admission.enter(), admission.enter()]
+    on_first = next(t for t in held if t.pool is first)
+    first.drain()
+    assert (admission.capacity, first.draining, first.active) == (1, True, 1)
+    first.resize(1)  # its upstream's next reading keeps it out
+    assert admission.capacity == 1
+    on_first.release()  # finishes as ever
+    waiter = admission.enter()
+    assert not waiter.admitted  # the drained pool has a free slot: not for new work
+    other = next(t for t in held if t is not on_first)
+    other.release()
+    await waiter.wait()
+    assert waiter.pool is second
+    first.restore()
+    assert (admission.capacity, first.draining) == (2, False)
+    assert admission.enter().pool is first
+
+
+async def test_a_shutdown_while_paused_turns_the_waiters_away_and_a_resume_grants_nobody() -> None:
+    admission = pool(1)
+    running = admission.enter()
+    admission.pause()
+    waiter = admission.enter()
+    admission.close()
+    with pytest.raises(ShuttingDown):
+        await waiter.wait()
+    admission.resume()  # after the close: still closed
+    running.release()
+    assert (admission.active, admission.queued, admission.paused) == (0, 0, False)
+    with pytest.raises(ShuttingDown):
+        admission.enter()
+
+
+async def test_a_cancelled_waiter_handed_the_slot_by_a_resume_passes_it_on() -> None:
+    admission = pool(1)
+    admission.pause()
+    first, second = admission.enter(), admission.enter()
+    waiting = asyncio.ensure_future(first.wait())
+    await settle()
+    admission.resume()  # hands the slot to `first`, whose task has not run yet
+    waiting.cancel()  # an operator's cancel, or its client leaving, at that moment
+    await asyncio.gather(waiting, return_exceptions=True)
+    first.release()
+    assert second.granted
+    assert (admission.active, admission.queued) == (1, 0)
+    second.release()
+    assert admission.active == 0

@@ -361,11 +361,10 @@ async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
 ) -> None:
     from slotgate.gate import admission as admission_module
     from slotgate.gate import clock as clock_module
-    from slotgate.gate import pool as pool_module
     from slotgate.gate import ticket as ticket_module
 
     clock = _Clock()
-    for module in (admission_module, clock_module, pool_module, ticket_module):
+    for module in (admission_module, clock_module, ticket_module):
         monkeypatch.setattr(module, "time", clock)
     tenants = {"heavy": Tenant("heavy", weight=9.0), "light": Tenant("light", weight=1.0)}
     admission = pool(2, max_queue=0)

@@ -8,7 +8,7 @@ import orjson
 import pytest
 from slotgate.errors import BadRequest
 from slotgate.intake import body as intake
-from slotgate.intake.body import OFF_LOOP_BYTES, take, take_off_loop
+from slotgate.intake.body import OFF_LOOP_BYTES, Reading, take, take_off_loop
 from slotgate.intake.endpoints import ENDPOINTS
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
@@ -20,12 +20,12 @@ def big(**fields: Any) -> bytes:
 
 
 def test_a_non_streamed_completion_is_rewritten_to_ask_for_a_stream() -> None:
-    taken = take(CHAT, b'{"messages": []}', 2, assemble=True)
+    taken = take(CHAT, b'{"messages": []}', Reading(2, True))
     assert taken.assembled is True
     assert orjson.loads(taken.body)["stream"] is True
-    streamed = take(CHAT, b'{"messages": [], "stream": true}', 2, assemble=True)
+    streamed = take(CHAT, b'{"messages": [], "stream": true}', Reading(2, True))
     assert (streamed.assembled, streamed.body) == (False, b'{"messages": [], "stream": true}')
-    as_sent = take(CHAT, b'{"messages": []}', 2, assemble=False)
+    as_sent = take(CHAT, b'{"messages": []}', Reading(2, False))
     assert (as_sent.assembled, as_sent.body) == (False, b'{"messages": []}')
 
 
@@ -51,7 +51,7 @@ def test_a_non_streamed_completion_is_rewritten_to_ask_for_a_stream() -> None:
 def test_an_answer_that_may_carry_verbose_is_not_assembled(
     path: str, body: dict[str, Any], quiet: bool, assembled: bool, teaches: bool
 ) -> None:
-    taken = take(ENDPOINTS[path], orjson.dumps(body), 2, assemble=True, quiet=quiet)
+    taken = take(ENDPOINTS[path], orjson.dumps(body), Reading(2, True, quiet))
     assert (taken.assembled, taken.teaches) == (assembled, teaches)
 
 
@@ -59,25 +59,25 @@ async def test_a_big_body_is_read_in_a_worker_process_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     body = big(n_cmpl=2)
-    expected = take(CHAT, body, 4, assemble=True)
+    expected = take(CHAT, body, Reading(4, True))
 
     def not_here(*args: object, **kwargs: object) -> None:
         raise AssertionError("read on the event loop")
 
     # The worker process has its own `take`: this one must not be called for a big body...
     monkeypatch.setattr(intake, "take", not_here)
-    assert await take_off_loop(CHAT, body, 4, assemble=True) == expected
+    assert await take_off_loop(CHAT, body, Reading(4, True)) == expected
     # ...and must be for a small one.
     with pytest.raises(AssertionError, match="event loop"):
-        await take_off_loop(CHAT, b'{"messages": []}', 4, assemble=True)
+        await take_off_loop(CHAT, b'{"messages": []}', Reading(4, True))
 
 
 async def test_a_big_body_refused_in_the_worker_is_refused_with_its_message_and_param() -> None:
     with pytest.raises(BadRequest, match="at most 2") as caught:
-        await take_off_loop(CHAT, big(n_cmpl=3), 2, assemble=True)
+        await take_off_loop(CHAT, big(n_cmpl=3), Reading(2, True))
     assert caught.value.param == "n_cmpl"
     with pytest.raises(BadRequest, match="not valid JSON"):
-        await take_off_loop(CHAT, big()[:-1], 2, assemble=True)
+        await take_off_loop(CHAT, big()[:-1], Reading(2, True))
 
 
 async def test_without_a_working_worker_big_bodies_are_read_on_the_loop(
@@ -89,7 +89,7 @@ async def test_without_a_working_worker_big_bodies_are_read_on_the_loop(
     monkeypatch.setattr(intake, "_pool", no_pool)
     monkeypatch.setattr(intake, "_broken", False)
     body = big(n_cmpl=2)
-    assert await take_off_loop(CHAT, body, 4, assemble=True) == take(CHAT, body, 4, assemble=True)
+    assert await take_off_loop(CHAT, body, Reading(4, True)) == take(CHAT, body, Reading(4, True))
     assert "cannot parse big bodies in a worker process" in caplog.text
     assert intake._broken is True  # and it is not tried again for every body
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.intake.body import take_off_loop
+from slotgate.proxy import relay as relay_module
 from slotgate.proxy import watch as watch_module
 from slotgate.proxy.answer import BODY_FOLLOWS
 from slotgate.proxy.protocol import (
@@ -241,14 +243,26 @@ async def test_a_request_waiting_in_line_learns_of_its_client_leaving_from_the_c
 async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_out_of_line(
     start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The connection ended while nothing watched it: the watch, once it starts, finds it so.
-    monkeypatch.setattr(watch_module, "WATCH_AFTER_S", 0.5)
+    # The connection ended while nothing watched it (its body was still being read for its
+    # demand): the watch, once it starts, finds it so, through a pending receive().
     gate, holder = await only_slot_held(start_gate, standin)
+    read = asyncio.Event()
+
+    async def slow_intake(*args: Any, **kwargs: Any) -> Any:
+        await read.wait()
+        return await take_off_loop(*args, **kwargs)
+
+    monkeypatch.setattr(relay_module, "take_off_loop", slow_intake)
+    connections = gate.server.server_state.connections
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
         writer.write(generation(stream=False))
-        await gate.until(lambda: gate.service.admission.queued == 1)
+        await gate.until(lambda: len(connections) == 2)
         hang_up(writer, "fin")
+        await gate.until(lambda: len(connections) == 1)  # its connection is gone
+        entered = gate.service.admission._next_seq
+        read.set()
+        await gate.until(lambda: gate.service.admission._next_seq > entered)  # in line
         await gate.until(lambda: gate.service.admission.queued == 0)
         assert request_ids(standin) == ["holder"]
     finally:

@@ -313,7 +313,7 @@ async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed
 
     async def slow(*args: Any, **kwargs: Any) -> Any:
         # The worker's parse outlasts llama-server's start: the slot count is known after it.
-        parsing.append(args[2])  # the capacity the request was read with: unknown
+        parsing.append(args[2].capacity)  # the capacity the request was read with: unknown
         taken = await parse(*args, **kwargs)
         await gate.until(lambda: gate.service.admission.capacity == 2)
         return taken

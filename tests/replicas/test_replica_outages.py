@@ -20,6 +20,7 @@ from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
 
 from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, replica_view, serve
+from tests.support.entries import entry
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -255,8 +256,8 @@ async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_
     other = await shared_line("rekey", "r1")
     prefix = "slotgate:{rekey}:"
     await renaming.resize("name", 2, budget=100)
-    mine = await renaming.enter(cost=30)
-    theirs = await other.enter(cost=40)
+    mine = await renaming.enter(entry(cost=30))
+    theirs = await other.enter(entry(cost=40))
     assert (mine.upstream, theirs.upstream) == ("name", "name")
     await renaming.rekey("name", "address")
     await renaming.resize("address", 2, budget=100)
@@ -265,8 +266,8 @@ async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_
     assert (active[b"name"], active[b"address"]) == (b"1", b"1")
     assert await client.hget(prefix + "tokens", "address") == b"30"
     # The new name has one slot left, not two.
-    assert (await renaming.enter()).granted
-    assert not (await renaming.enter()).granted
+    assert (await renaming.enter(entry())).granted
+    assert not (await renaming.enter(entry())).granted
     for ticket in (mine, theirs):
         await ticket.aclose()
 
@@ -304,7 +305,7 @@ async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_l
     # once would stay a field read by every script call for good.
     for n in range(3):
         await admission.resize(f"http://10.0.0.{n}:8080", 1)
-        ticket = await admission.enter()
+        ticket = await admission.enter(entry())
         await admission.resize(f"http://10.0.0.{n}:8080", None)
         await ticket.aclose()
     await admission.resize("http://10.0.0.9:8080", 1)

@@ -28,6 +28,7 @@ from slotgate.errors import (
     TooLarge,
 )
 from slotgate.gate.admission import Admission
+from slotgate.gate.entry import Entry
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.pool import Pool
 from slotgate.gate.routing import _SPREAD, choose, score, stable_hash
@@ -36,6 +37,7 @@ from slotgate.gate.ticket import Ticket
 from slotgate.replicas import lua as shared_lua
 from slotgate.replicas.shared import Mode, SharedAdmission, SharedTicket
 
+from tests.support.entries import entry
 from tests.support.valkey import Valkey
 
 FLEET = "test"
@@ -138,7 +140,7 @@ async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arr
         async def request(i: int) -> None:
             admission = fleet[i % 3]
             try:
-                ticket = await admission.enter(ranking=random.sample(list(capacities), 2))
+                ticket = await admission.enter(entry(), ranking=random.sample(list(capacities), 2))
             except QueueFull:
                 answers["full"] += 1
                 return
@@ -180,8 +182,8 @@ async def test_with_one_tenant_the_line_score_is_the_arrival_number(
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey))
         await fleet[0].resize("a", 1)
-        first = await fleet[0].enter()
-        waiters = [await fleet[i % 3].enter() for i in range(1, 6)]
+        first = await fleet[0].enter(entry())
+        waiters = [await fleet[i % 3].enter(entry()) for i in range(1, 6)]
         line = cast(
             "list[tuple[bytes, float]]",
             await redis_client.zrange(PREFIX + "line", 0, -1, withscores=True),
@@ -189,8 +191,8 @@ async def test_with_one_tenant_the_line_score_is_the_arrival_number(
         assert [(text(m), int(s)) for m, s in line] == [(t.member, t.seq) for t in waiters]
         assert [t.seq for t in waiters] == list(range(2, 7))
         # A higher band goes ahead of the whole line; a tag orders inside a band.
-        urgent = await fleet[1].enter(band=1)
-        early = await fleet[2].enter(band=0, tag=0.5)
+        urgent = await fleet[1].enter(entry(band=1))
+        early = await fleet[2].enter(entry(band=0), tag=0.5)
         members = [text(m) for m in await redis_client.zrange(PREFIX + "line", 0, -1)]
         assert members[:2] == [urgent.member, early.member]
         assert [t.position for t in waiters] == [1, 2, 3, 4, 5]
@@ -205,10 +207,10 @@ async def test_a_release_hands_the_slot_to_the_head_only_on_its_own_replica(
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey))
         await fleet[0].resize("a", 2)
-        heavy_holder = await fleet[0].enter()
-        other = await fleet[0].enter()
-        heavy = await fleet[1].enter(weight=2)  # the head: needs both slots
-        light = await fleet[2].enter(weight=1)  # behind it; must not overtake
+        heavy_holder = await fleet[0].enter(entry())
+        other = await fleet[0].enter(entry())
+        heavy = await fleet[1].enter(entry(weight=2))  # the head: needs both slots
+        light = await fleet[2].enter(entry(weight=1))  # behind it; must not overtake
         other.release()
         await fleet[0].settle()
         await asyncio.sleep(0.1)
@@ -229,7 +231,7 @@ async def test_affinity_holds_within_bounded_load_else_least_loaded(valkey: Valk
         (admission,) = await started(stack, replicas(valkey, n=1, epsilon=0.0))
         await admission.resize("a", 4)
         await admission.resize("b", 4)
-        tickets = [await admission.enter(ranking=["a", "b"]) for _ in range(4)]
+        tickets = [await admission.enter(entry(), ranking=["a", "b"]) for _ in range(4)]
         # With eps 0, "a" may take at most its share of the fleet's load: 1, 1, 2, 2.
         assert [t.upstream for t in tickets] == ["a", "b", "a", "b"]
         assert [t.reason for t in tickets] == ["affinity", "load", "affinity", "load"]
@@ -248,7 +250,7 @@ async def test_a_waiter_that_leaves_gives_its_place_and_any_grant_back(
         exits = {"waiting": 0, "granted": 0}
 
         async def request(i: int) -> None:
-            ticket = await fleet[i % 3].enter()
+            ticket = await fleet[i % 3].enter(entry())
             task = asyncio.create_task(ticket.wait())
             # Leave at a random moment: in line, just as the grant is published, or after it.
             await asyncio.sleep(random.uniform(0, 0.02))
@@ -270,6 +272,7 @@ async def test_a_waiter_that_leaves_gives_its_place_and_any_grant_back(
 
 KILLED_REPLICA = """
 import asyncio, sys
+from slotgate.gate.entry import Entry
 from slotgate.replicas.shared import SharedAdmission
 
 async def main():
@@ -278,8 +281,8 @@ async def main():
     )
     await admission.start()
     await admission.resize("a", 2)
-    held = [await admission.enter(), await admission.enter()]
-    waiters = [await admission.enter() for _ in range(3)]
+    held = [await admission.enter(Entry(1, band=0)), await admission.enter(Entry(1, band=0))]
+    waiters = [await admission.enter(Entry(1, band=0)) for _ in range(3)]
     print("holding", flush=True)
     await asyncio.sleep(60)
 
@@ -300,7 +303,7 @@ async def kill_a_replica_holding_grants_and_waiters(
         line = await asyncio.wait_for(doomed.stdout.readline(), 30)
         assert line == b"holding\n"
         assert await pool_state(client) == ({"a": 2}, 3, 3)
-        waiter = await survivor.enter()
+        waiter = await survivor.enter(entry())
         doomed.kill()  # kill -9
         await doomed.wait()
         killed_at = time.monotonic()
@@ -360,8 +363,8 @@ async def test_a_replica_given_up_and_back_reregisters_what_it_holds_and_nothing
         # Its grants kept 0.5 s past its TTL, then given up too.
         slow, fast = await started(stack, replicas(valkey, n=2, kept_s=0.5))
         await slow.resize("a", 2)
-        held = await slow.enter()
-        waiting = [await slow.enter(), await slow.enter(), await slow.enter()]
+        held = await slow.enter(entry())
+        waiting = [await slow.enter(entry()), await slow.enter(entry()), await slow.enter(entry())]
         # Silence the slow replica's heartbeat past its TTL: the other gives it up.
         assert slow._keeper is not None
         slow._keeper.cancel()
@@ -399,7 +402,7 @@ async def load(
     async def one(i: int) -> None:
         admission = fleet[i % len(fleet)]
         try:
-            ticket = await admission.enter()
+            ticket = await admission.enter(entry())
         except (QueueFull, NotReady) as exc:
             answers[type(exc).__name__] += 1
             await asyncio.sleep(0.01)
@@ -490,13 +493,13 @@ async def test_reject_mode_answers_503_while_redis_is_away(valkey: Valkey) -> No
     async with AsyncExitStack() as stack:
         (admission,) = await started(stack, replicas(valkey, n=1, failure_mode="reject"))
         await admission.resize("a", 1)
-        holder = await admission.enter()
-        waiter = await admission.enter()
+        holder = await admission.enter(entry())
+        waiter = await admission.enter(entry())
         valkey.kill()
         with pytest.raises(NotReady):
             await asyncio.wait_for(waiter.wait(), 3)
         with pytest.raises(NotReady):
-            await admission.enter()
+            await admission.enter(entry())
         holder.release()
         assert admission.mode is Mode.DEGRADED
 
@@ -509,8 +512,8 @@ async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(valkey: V
         await until(lambda: all(a.snapshot().fleet.replicas == 3 for a in fleet), 3)
         valkey.kill()
         for admission in fleet:
-            first, second = await admission.enter(), await admission.enter()
-            third = await admission.enter()
+            first, second = await admission.enter(entry()), await admission.enter(entry())
+            third = await admission.enter(entry())
             assert admission.mode is Mode.DEGRADED
             assert (first.granted, second.granted, third.granted) == (True, True, False)
             first.release()
@@ -525,12 +528,12 @@ async def test_what_a_replica_runs_when_it_falls_back_counts_against_its_tenants
 ) -> None:
     async with AsyncExitStack() as stack:
         admission = await one_replica(stack, valkey, 3)
-        running = await admission.enter(tenant="t", max_active=1)
-        waiting = await admission.enter(tenant="t", max_active=1)
+        running = await admission.enter(entry(tenant="t", max_active=1))
+        waiting = await admission.enter(entry(tenant="t", max_active=1))
         assert running.granted
         assert not waiting.granted
         valkey.kill()
-        other = await admission.enter(tenant="u")
+        other = await admission.enter(entry(tenant="u"))
         assert admission.mode is Mode.DEGRADED
         assert other.granted
         await asyncio.sleep(0.05)  # a grant to the waiter would have reached it by now
@@ -548,9 +551,9 @@ async def test_a_waiter_of_a_replica_gating_alone_waits_in_the_shared_line_once_
     async with AsyncExitStack() as stack:
         admission = await one_replica(stack, valkey, 1)
         valkey.kill()
-        holder = await admission.enter(tenant="t")
+        holder = await admission.enter(entry(tenant="t"))
         assert admission.mode is Mode.DEGRADED
-        waiter = await admission.enter(tenant="u", band=BATCH)
+        waiter = await admission.enter(entry(tenant="u", band=BATCH))
         assert holder.granted
         assert not waiter.granted
         valkey.start()
@@ -612,7 +615,7 @@ async def test_the_scripts_upstream_is_the_one_routing_chooses_keyed_or_drawn_ev
             if weight > max(p.capacity or 0 for p in pools):
                 continue
             try:
-                ticket = await admission.enter(weight=weight, ranking=ranking)
+                ticket = await admission.enter(entry(weight=weight), ranking=ranking)
             except QueueFull:
                 ticket = None
             if expected is None:
@@ -635,8 +638,8 @@ async def test_waiting_requests_cost_redis_nothing_while_they_wait(
             stack, replicas(valkey, n=1, policy=QueuePolicy(max_queue=0), heartbeat_s=0.2)
         )
         await admission.resize("a", 1)
-        held = await admission.enter()
-        waiters = [await admission.enter() for _ in range(50)]
+        held = await admission.enter(entry())
+        waiters = [await admission.enter(entry()) for _ in range(50)]
         waiting = [asyncio.create_task(t.wait()) for t in waiters]
         await redis_client.config_resetstat()
         await asyncio.sleep(1.0)
@@ -656,10 +659,10 @@ async def test_a_replica_that_closes_hands_back_everything_at_once(
     async with AsyncExitStack() as stack:
         leaving, staying = await started(stack, replicas(valkey, n=2))
         await leaving.resize("a", 2)
-        await leaving.enter()
-        await leaving.enter()
-        gone = [await leaving.enter(), await leaving.enter()]
-        waiter = await staying.enter()
+        await leaving.enter(entry())
+        await leaving.enter(entry())
+        gone = [await leaving.enter(entry()), await leaving.enter(entry())]
+        waiter = await staying.enter(entry())
         await leaving.close()
         for ticket in gone:
             with pytest.raises(ShuttingDown):
@@ -677,7 +680,7 @@ async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellatio
     await admission.start()
     assert admission.mode is Mode.SHARED
     await admission.resize("a", 1)
-    held = await admission.enter()
+    held = await admission.enter(entry())
     client = admission._redis.client
     fcall = client.fcall
     heartbeat = shared_lua.FUNCTIONS["HEARTBEAT"]
@@ -712,7 +715,7 @@ async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellatio
     await closing
     assert done, "close() still waiting"
     with pytest.raises(ShuttingDown):
-        await admission.enter()
+        await admission.enter(entry())
     # RETIRE reached Redis: the slot it held is free, nothing of this replica is left.
     assert held.granted
     assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
@@ -726,9 +729,9 @@ async def test_a_rerouted_grant_waits_again_at_the_head_for_whichever_upstream_f
         first, second = await started(stack, replicas(valkey, n=2))
         await first.resize("a", 1)
         await first.resize("b", 1)
-        refused = await first.enter(ranking=["a"])
-        other = await first.enter(ranking=["b"])
-        behind = await second.enter()
+        refused = await first.enter(entry(), ranking=["a"])
+        other = await first.enter(entry(), ranking=["b"])
+        behind = await second.enter(entry())
         assert (refused.upstream, other.upstream, behind.granted) == ("a", "b", False)
         # "a" refused the request and is down: the request goes back ahead of `behind`.
         await first.resize("a", None)
@@ -766,7 +769,7 @@ async def flood_by_tenant(
     async def client(name: str, i: int) -> None:
         share, hold_s = tenants[name]
         while sum(granted.values()) < grants:
-            async with await fleet[i % len(fleet)].enter(tenant=name, share=share) as ticket:
+            async with await fleet[i % len(fleet)].enter(entry(tenant=name, share=share)) as ticket:
                 await ticket.wait()
                 if sum(granted.values()) >= grants:
                     return
@@ -819,10 +822,10 @@ async def test_an_interactive_tenant_behind_a_flood_of_another_is_served_at_the_
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey, policy=QueuePolicy(max_queue=0)))
         await fleet[0].resize("a", 2)
-        holding = [await fleet[0].enter(tenant="flood") for _ in range(2)]
-        flood = [await fleet[i % 2].enter(tenant="flood") for i in range(200)]
+        holding = [await fleet[0].enter(entry(tenant="flood")) for _ in range(2)]
+        flood = [await fleet[i % 2].enter(entry(tenant="flood")) for i in range(200)]
         assert not any(t.granted for t in flood)
-        chat = await fleet[2].enter(tenant="chat")
+        chat = await fleet[2].enter(entry(tenant="chat"))
         assert not chat.granted
         assert chat.position == 1
         holding[0].release()
@@ -840,9 +843,9 @@ async def test_without_tenants_a_late_request_waits_behind_the_whole_line(
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey, n=2, policy=QueuePolicy(max_queue=0)))
         await fleet[0].resize("a", 1)
-        holding = await fleet[0].enter()
-        line = [await fleet[0].enter() for _ in range(5)]
-        late = await fleet[1].enter()
+        holding = await fleet[0].enter(entry())
+        line = [await fleet[0].enter(entry()) for _ in range(5)]
+        late = await fleet[1].enter(entry())
         assert late.position == 6
         holding.release()
         await asyncio.wait_for(line[0].wait(), 2)
@@ -855,9 +858,9 @@ async def test_a_lower_band_waits_while_a_higher_band_has_waiters(valkey: Valkey
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey))
         await fleet[0].resize("a", 1)
-        holding = await fleet[0].enter(tenant="team", band=0)
-        batch = [await fleet[i % 3].enter(tenant="team", band=0) for i in range(3)]
-        chat = [await fleet[i % 3].enter(tenant="chat", band=1) for i in range(3)]
+        holding = await fleet[0].enter(entry(tenant="team", band=0))
+        batch = [await fleet[i % 3].enter(entry(tenant="team", band=0)) for i in range(3)]
+        chat = [await fleet[i % 3].enter(entry(tenant="chat", band=1)) for i in range(3)]
         order: list[SharedTicket] = []
         current = holding
         for _ in range(6):
@@ -876,19 +879,19 @@ async def test_a_tenant_at_its_max_queued_is_refused_while_others_still_get_in(
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey, n=2))
         await fleet[0].resize("a", 1)
-        holding = await fleet[0].enter(tenant="other")
-        mine = [await fleet[i].enter(tenant="t", max_queued=2) for i in range(2)]
+        holding = await fleet[0].enter(entry(tenant="other"))
+        mine = [await fleet[i].enter(entry(tenant="t", max_queued=2)) for i in range(2)]
         with pytest.raises(TenantQueueFull) as refused:
-            await fleet[1].enter(tenant="t", max_queued=2)
+            await fleet[1].enter(entry(tenant="t", max_queued=2))
         tenant = refused.value.snapshot.tenant
         assert tenant is not None
         assert (tenant.name, tenant.queued, tenant.active) == ("t", 2, 0)
         assert refused.value.retry_after_s >= 1
-        other = await fleet[1].enter(tenant="other", max_queued=2)
+        other = await fleet[1].enter(entry(tenant="other", max_queued=2))
         assert not other.granted
         mine[0].release()
         await fleet[0].settle()
-        again = await fleet[1].enter(tenant="t", max_queued=2)
+        again = await fleet[1].enter(entry(tenant="t", max_queued=2))
         for ticket in [holding, mine[1], other, again]:
             await ticket.aclose()
 
@@ -899,11 +902,11 @@ async def test_a_tenant_at_its_max_active_is_passed_over_and_no_slot_stays_idle(
     async with AsyncExitStack() as stack:
         fleet = await started(stack, replicas(valkey, n=2))
         await fleet[0].resize("a", 3)
-        first = await fleet[0].enter(tenant="greedy", max_active=1)
-        second = await fleet[1].enter(tenant="greedy", max_active=1)
+        first = await fleet[0].enter(entry(tenant="greedy", max_active=1))
+        second = await fleet[1].enter(entry(tenant="greedy", max_active=1))
         assert first.granted
         assert not second.granted  # two slots free, but its tenant holds its one
-        others = [await fleet[i % 2].enter(tenant="other") for i in range(3)]
+        others = [await fleet[i % 2].enter(entry(tenant="other")) for i in range(3)]
         assert [t.granted for t in others] == [True, True, False]
         first.release()
         await asyncio.wait_for(second.wait(), 2)
@@ -924,20 +927,20 @@ async def test_a_tenants_max_active_counts_every_slot_of_a_request_even_when_it_
         first, second = await started(stack, replicas(valkey, n=2))
         await first.resize("a", 4)
         with pytest.raises(TooLarge):
-            await first.enter(weight=3, tenant="t", max_active=2)
+            await first.enter(entry(weight=3, tenant="t", max_active=2))
         # Redis refuses it too, whoever asks (a replica's own check aside).
         reply = await redis_client.fcall(
             shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, *shared_lua.POLICY,
             "r1", "x.1", 3, 0, "", 1.0, 0, "", -1, -1, -1, "t", "1.0", 2, -1, 0,
         )  # fmt: skip
         assert reply[0] == b"large"
-        held = await first.enter(weight=2, tenant="t", max_active=2)
+        held = await first.enter(entry(weight=2, tenant="t", max_active=2))
         assert held.granted
         held.release()
         await first.settle()
         # A waiter whose max_active is lowered under its weight by a reload is refused.
-        blocker = await first.enter(weight=4)
-        waiting = await second.enter(weight=2, tenant="t", max_active=2)
+        blocker = await first.enter(entry(weight=4))
+        waiting = await second.enter(entry(weight=2, tenant="t", max_active=2))
         await second.retune("t", 1.0, 1)
         await blocker.aclose()
         with pytest.raises(TooLarge):
@@ -951,9 +954,9 @@ async def test_an_upstreams_token_budget_binds_and_its_tokens_come_back(
     async with AsyncExitStack() as stack:
         first, second = await started(stack, replicas(valkey, n=2))
         await first.resize("a", 4, budget=100)
-        big = await first.enter(cost=60)
-        over = await second.enter(cost=60)  # two slots free, but 60 + 60 > 100 tokens
-        small = await second.enter(cost=10)  # fits, but does not overtake the head
+        big = await first.enter(entry(cost=60))
+        over = await second.enter(entry(cost=60))  # two slots free, but 60 + 60 > 100 tokens
+        small = await second.enter(entry(cost=10))  # fits, but does not overtake the head
         assert big.granted
         assert not over.granted
         assert not small.granted
@@ -963,7 +966,7 @@ async def test_an_upstreams_token_budget_binds_and_its_tokens_come_back(
         await asyncio.wait_for(small.wait(), 2)
         assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
         # A cost above the budget is cut to it: it runs once nothing else holds tokens.
-        huge = await first.enter(cost=500)
+        huge = await first.enter(entry(cost=500))
         assert not huge.granted
         for ticket in (over, small):
             await ticket.aclose()
@@ -973,7 +976,7 @@ async def test_an_upstreams_token_budget_binds_and_its_tokens_come_back(
         assert await redis_client.hlen(PREFIX + "tokens") == 0
         # Without a budget the tokens do not bind.
         await first.resize("a", 4)
-        both = [await first.enter(cost=500), await second.enter(cost=500)]
+        both = [await first.enter(entry(cost=500)), await second.enter(entry(cost=500))]
         assert all(t.granted for t in both)
         for ticket in both:
             await ticket.aclose()
@@ -985,8 +988,8 @@ async def test_a_waiter_past_the_queue_timeout_is_refused_and_its_place_given_ba
     async with AsyncExitStack() as stack:
         first, second = await started(stack, replicas(valkey, n=2, queue_timeout_s=0.3))
         await first.resize("a", 1)
-        holding = await first.enter()
-        waiter = await second.enter(tenant="t")
+        holding = await first.enter(entry())
+        waiter = await second.enter(entry(tenant="t"))
         with pytest.raises(QueueTimeout):
             await asyncio.wait_for(waiter.wait(), 2)
         await second.settle()
@@ -1024,8 +1027,8 @@ async def test_a_rerouted_request_waits_past_the_queue_timeout_while_an_upstream
         (admission,) = await started(stack, replicas(valkey, n=1, queue_timeout_s=0.2))
         await admission.resize("a", 1)
         await admission.resize("b", 1)
-        refused = await admission.enter(ranking=["a", "b"])
-        busy = await admission.enter(ranking=["b", "a"])
+        refused = await admission.enter(entry(), ranking=["a", "b"])
+        busy = await admission.enter(entry(), ranking=["b", "a"])
         assert (refused.upstream, busy.upstream) == ("a", "b")
         await asyncio.sleep(0.3)  # past the queue timeout since it entered
         await admission.resize("a", None)
@@ -1045,7 +1048,7 @@ async def test_a_rerouted_request_is_refused_when_no_upstream_is_known_by_its_de
 ) -> None:
     async with AsyncExitStack() as stack:
         admission = await one_replica(stack, valkey, 1)
-        refused = await admission.enter()
+        refused = await admission.enter(entry())
         await admission.resize("a", None)
         await until(lambda: admission.snapshot().fleet.capacity == 0, 2)
         refused.reroute(known_by=time.monotonic() + 0.2)
@@ -1062,14 +1065,14 @@ async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them
         # Its grant kept 0.5 s past its TTL, then given up too.
         slow, fast = await started(stack, replicas(valkey, n=2, kept_s=0.5))
         await slow.resize("a", 2, budget=100)
-        held = await slow.enter(cost=70, tenant="t", max_active=1)
+        held = await slow.enter(entry(cost=70, tenant="t", max_active=1))
         assert held.granted
         assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
         assert slow._keeper is not None
         slow._keeper.cancel()
         await until(lambda: _gone(redis_client, "r0"), 3)
         # Given up: its slot, tokens and tenant's count are the fleet's again.
-        other = await fast.enter(cost=70, tenant="t", max_active=1)
+        other = await fast.enter(entry(cost=70, tenant="t", max_active=1))
         assert other.granted
         await other.aclose()
         assert await redis_client.hlen(PREFIX + "tokens") == 0
@@ -1444,10 +1447,10 @@ async def play_shared(valkey: Valkey, redis_client: aioredis.Redis, steps: list[
                     await fleet[0].resize(step.upstream, step.capacity, budget=step.budget)
                 elif isinstance(step, Enter):
                     enter = partial(
-                        fleet[step.replica].enter, step.least, step.cost,
-                        ranking(step.key, capacities, last.get(step.key or 0)), step.band,
-                        tenant=step.tenant, share=step.weight, max_active=step.max_active,
-                        max_queued=step.max_queued, tasks=step.tasks,
+                        fleet[step.replica].enter,
+                        Entry(step.least, step.cost, tenant=step.of(), band=step.band,
+                              tasks=step.tasks),
+                        ranking(step.key, capacities, last.get(step.key or 0)),
                     )  # fmt: skip
                     if step.refused is not None:
                         with pytest.raises(step.refused):
@@ -1518,9 +1521,9 @@ async def play_degraded(valkey: Valkey, steps: list[Step], clock: StepClock) -> 
                     assert replica.mode is Mode.DEGRADED
                 elif isinstance(step, Enter):
                     enter = partial(
-                        replica.enter, step.least, step.cost, (), step.band,
-                        tenant=step.tenant, share=step.weight, max_active=step.max_active,
-                        max_queued=step.max_queued, tasks=step.tasks, affinity=step.key,
+                        replica.enter,
+                        Entry(step.least, step.cost, None, step.key, step.of(), step.band,
+                              tasks=step.tasks),
                     )  # fmt: skip
                     if step.refused is not None:
                         with pytest.raises(step.refused):

@@ -154,9 +154,8 @@ class Rig:
         self.upstream._client = client  # type: ignore[assignment]
         self.upstream.ready = True
         self.admission.resize(slots)
-        self.proxy = Proxy(
-            self.settings, self.admission, self.fleet, Metrics(self.admission, lambda: True)
-        )
+        self.metrics = Metrics(self.admission, lambda: True)
+        self.proxy = Proxy(self.settings, self.admission, self.fleet, self.metrics)
 
     async def call(self, client: Client, path: str = "/v1/chat/completions") -> None:
         await self.proxy(http_scope("POST", path), client.receive, client.send)

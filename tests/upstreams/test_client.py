@@ -14,8 +14,9 @@ import pytest
 import uvloop
 from slotgate.errors import BodyTooLarge, ConnectFailed, ProtocolError
 from slotgate.upstreams import client as client_module
+from slotgate.upstreams import connection as connection_module
 from slotgate.upstreams import reuse as reuse_module
-from slotgate.upstreams.client import Connection, State
+from slotgate.upstreams.connection import Connection, State
 from slotgate.upstreams.reuse import UpstreamClient as Client
 
 from tests.support.hostile import Hostile, MiB, Peer, Request, huge_error, huge_head, reply, sends
@@ -111,16 +112,16 @@ async def test_a_whole_body_read_wakes_at_its_end_and_stalls_only_on_silence(
     client = Client("127.0.0.1", standin.port, tls=False, connect_timeout_s=2, keepalive_s=4,
                     stall_s=0.3)  # fmt: skip
     waits = 0
-    real_wait = client_module.Connection.wait
+    real_wait = connection_module.Connection.wait
 
-    async def counted(conn: client_module.Connection, stall_s: float | None) -> None:
+    async def counted(conn: connection_module.Connection, stall_s: float | None) -> None:
         nonlocal waits
         waits += 1
         await real_wait(conn, stall_s)
 
     body = json.dumps({"messages": [], "stream": True}).encode()
     response = await client.request("POST", "/v1/chat/completions", [], body)
-    monkeypatch.setattr(client_module.Connection, "wait", counted)
+    monkeypatch.setattr(connection_module.Connection, "wait", counted)
     data = await response.read()
     assert data.count(b"data: ") == 8 + 3  # role, 8 tokens, finish, [DONE]
     assert waits <= 2  # not one per chunk (11 events)
@@ -262,7 +263,10 @@ def test_a_close_the_loop_has_not_read_yet_is_seen_in_the_kernel(
         with socket.socket(fileno=os.dup(fd)) as raw:
             raw.shutdown(socket.SHUT_WR)
         time.sleep(0.2)  # noqa: ASYNC251 - the loop stalls: the FIN is in, the protocol unaware
-        seen = (client_module._peer_closed(open_conn), client_module._peer_closed(closed_conn))
+        seen = (
+            connection_module._peer_closed(open_conn),
+            connection_module._peer_closed(closed_conn),
+        )
         assert closed_conn.transport is not None  # the loop had indeed not read it yet
         for conn in (open_conn, closed_conn):
             conn.close()
@@ -413,7 +417,7 @@ async def test_a_response_head_over_the_bound_fails_and_costs_no_more_than_the_b
 
 
 async def test_a_head_within_the_bound_is_read_whatever_its_pieces(hostile: Hostile) -> None:
-    padding = "a" * (client_module.MAX_HEAD_BYTES - 200)
+    padding = "a" * (connection_module.MAX_HEAD_BYTES - 200)
     answer = reply(200, b'{"n":1}', (("X-Padding", padding),))
     hostile.script.append(sends(*(answer[i : i + 1000] for i in range(0, len(answer), 1000))))
     client = client_of(hostile)

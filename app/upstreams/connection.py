@@ -1,0 +1,303 @@
+"""One HTTP/1.1 connection to an upstream (`Connection`): an explicit state (NEW, ACTIVE,
+IDLE, CLOSED), httptools parsing, a bounded response head, a body buffered up to a high-water
+mark. The pool and the response that use it are app/upstreams/client.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import select
+import time
+from collections.abc import Callable
+from typing import cast
+
+import httptools
+from slotgate.asgi import Header
+from slotgate.errors import (
+    Disconnected,
+    ExchangeFailed,
+    ProtocolError,
+    Stalled,
+)
+
+#: Body bytes buffered from a connection before it stops reading from the socket; beyond this
+#: the upstream's own socket buffer fills and llama-server's writes block (backpressure).
+HIGH_WATER_BYTES = 64 * 1024
+#: The most a response head (interim 1xx heads included) may take. llama-server's heads are a
+#: few hundred bytes; this is slotgate's own bound on request heads (relay.MAX_HEADER_BYTES),
+#: and it is counted before the parser sees the bytes, so a huge head costs no more than this.
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class _Surplus(Exception):
+    """A second response began on a connection whose response was already complete."""
+
+
+class State(enum.Enum):
+    NEW = "new"  # connected, never used
+    ACTIVE = "active"  # carrying a request and its response
+    IDLE = "idle"  # its response is done; pooled for the next request
+    CLOSED = "closed"  # by either side, or poisoned
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection, carrying one response at a time: NEW, then ACTIVE and IDLE in
+    turn, and CLOSED at the end."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.state = State.NEW
+        self._parser = httptools.HttpResponseParser(self)
+        self.idle_since = 0.0
+        self._data_at = 0.0
+        self.carried_stream = False
+        #: It sent bytes nobody asked for (while idle, or past its response): closed, and
+        #: never reused.
+        self.poisoned = False
+        #: A response is awaited: from the request's sending to its response's end.
+        self.expecting = False
+        #: Called once if the connection closes while held aside after a stream.
+        self.on_lost: Callable[[], None] | None = None
+        # Kept from connection_made: Python 3.11's asyncio.get_running_loop() makes a getpid
+        # system call, and `wait` runs at least once per exchange.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The socket's own poll, registered once: reuse asks it before every exchange.
+        self._poll: select.poll | None = None
+        self._reset()
+
+    def __repr__(self) -> str:
+        flags = " poisoned" if self.poisoned else ""
+        if self.state is State.ACTIVE:
+            flags += f" status={self.status}" if self.head_done else " awaiting head"
+            flags += " complete" if self.complete else ""
+        return f"<Connection [{self.state.name}{flags}]>"
+
+    def is_idle(self) -> bool:
+        return self.state is State.IDLE
+
+    def is_closed(self) -> bool:
+        """Closed, or closing: by this side, or by the peer as far as the loop has seen."""
+        transport = self.transport
+        return self.state is State.CLOSED or transport is None or transport.is_closing()
+
+    def has_expired(self, now: float, keepalive_s: float) -> bool:
+        """Pooled for longer than `keepalive_s`, closed, or no longer quiet: not reusable.
+
+        Also asked of the kernel: a FIN or stray bytes that arrived since the loop last
+        looked would otherwise fail the next request or be read as its response.
+        """
+        return now - self.idle_since > keepalive_s or self.is_closed() or _peer_closed(self)
+
+    def peer_closed(self) -> bool:
+        """Closed, as far as the kernel knows (it sees what the loop has not read yet)."""
+        return self.is_closed() or _peer_closed(self)
+
+    def begin(self) -> None:
+        """A request goes out on it now."""
+        self._reset()
+        self.state = State.ACTIVE
+        self.expecting = True
+
+    def pooled(self) -> None:
+        if self.state is not State.NEW:  # a spare opened ahead of need stays NEW
+            self.state = State.IDLE
+        self.idle_since = time.monotonic()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[Header] = []
+        self.head_done = False
+        self.complete = False
+        self._head_bytes = 0
+        self._interim = False  # the head just parsed is a 1xx: the real one is still to come
+        self._refusal: ExchangeFailed | None = None  # why a parser callback stopped the parser
+        self.keep_alive = False
+        self.error: ExchangeFailed | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
+        #: Wake the reader only at the end (or at the high-water mark): Response.read.
+        self.lazy = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+        self._loop = asyncio.get_running_loop()
+
+    def data_received(self, data: bytes) -> None:
+        self._data_at = time.monotonic()
+        if not self.expecting:
+            # Idle, or its response is complete: whatever this is, it answers no request, and
+            # parsed, it would become part of the next request's response.
+            self._poison()
+            return
+        if not self.head_done:
+            room = MAX_HEAD_BYTES - self._head_bytes
+            if len(data) > room:
+                self._head_bytes = MAX_HEAD_BYTES
+                if not self._feed(data[:room]):
+                    return
+                if not self.head_done:
+                    self._fail(ProtocolError(f"response head is over {MAX_HEAD_BYTES} bytes"))
+                    self.close()
+                    return
+                self.data_received(data[room:])
+                return
+            self._head_bytes += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.complete:
+                self._poison()  # a complete response, then bytes past its end
+            else:
+                self._fail(
+                    self._refusal
+                    or ProtocolError(f"upstream answered something that is not HTTP ({exc})")
+                )
+                self.close()
+            return False
+        return True
+
+    def _poison(self) -> None:
+        self.poisoned = True
+        self.expecting = False
+        self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._poll = None
+        self.state = State.CLOSED
+        if not self.complete:
+            self._fail(Disconnected("upstream closed the connection mid-response"))
+        on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            on_lost()
+
+    # -- httptools callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise _Surplus
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                self._refusal = ProtocolError("upstream switched protocols (101); not relayed")
+                raise self._refusal
+            # 100 Continue, 103 Early Hints: informational, the real answer follows.
+            self._interim = True
+            self.headers = []
+            return
+        self.status = status
+        self.keep_alive = self._parser.should_keep_alive()
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER_BYTES and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        if not self.lazy or self._paused:
+            self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self.complete = True
+        self.expecting = False
+        self._wake()
+
+    # -- used by Response ---------------------------------------------------------------------
+
+    def _fail(self, error: ExchangeFailed) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, stall_s: float | None) -> None:
+        """Until something arrives (head, body, end or an error), or the stall timeout.
+
+        A plain timer that fails the waiter costs a fraction of an `asyncio.timeout` scope,
+        and this runs once per body chunk.
+        """
+        loop = self._loop or asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        if stall_s is not None:
+            self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
+    def _stalled(self, stall_s: float) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        # A lazy reader is not woken by every chunk: bytes may have come in meanwhile.
+        quiet_s = time.monotonic() - self._data_at
+        if quiet_s < stall_s:
+            loop = self._loop or asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(stall_s - quiet_s, self._stalled, stall_s)
+            return
+        waiter.set_exception(Stalled(f"upstream sent nothing for {stall_s:g} s"))
+
+    def take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        self.state = State.CLOSED
+        self._poll = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+def _peer_closed(conn: Connection) -> bool:
+    """Has the peer's FIN (or anything at all) arrived on this idle connection's socket?
+
+    Asked of the kernel, so it also sees what the loop has not read yet. A quiet, open
+    keep-alive connection is not readable; a closed one, or one holding bytes nobody asked
+    for, is, and is no connection to reuse. The poll is the connection's own, made on first
+    use: each reuse then costs the one system call and no allocation.
+    """
+    transport = conn.transport
+    if transport is None:
+        return True
+    poll = conn._poll
+    if poll is None:
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = conn._poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+    return bool(poll.poll(0))
