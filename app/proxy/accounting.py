@@ -20,7 +20,9 @@ _TURNED_AWAY = frozenset({Outcome.QUEUE_FULL, Outcome.TENANT_QUEUE_FULL, Outcome
 
 def account(request: Request, answer: Answer, metrics: Metrics) -> None:
     """Its metrics and its access-log line."""
-    route = request.route
+    # `request.route`, without the property's call.
+    endpoint = request.endpoint
+    route = None if endpoint is None else endpoint.route
     ticket = request.ticket
     now = time.monotonic()
     if route is not None:
