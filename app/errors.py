@@ -23,6 +23,8 @@
     │   │   ├── QueueTimeout
     │   │   └── TooLarge
     │   │       └── TenantTooLarge
+    │   ├── QuotaExceeded         the tenant used up a quota of its keys file; its window frees
+    │   ├── DeadlineUnmet         no slot within the request's X-Max-Wait; the line may shorten
     │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
     │   ├── UpstreamError         llama-server could not give its answer
     │   │   ├── UpstreamUnavailable
@@ -61,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     # For annotations only: the gate imports this module, never the reverse at run time.
     from slotgate.gate.pool import Snapshot
+    from slotgate.gate.quotas import Standing
     from slotgate.gate.tenants import Tenant
 
 Flavor = Literal["openai", "anthropic"]
@@ -277,6 +280,64 @@ class TenantTooLarge(TooLarge):
         )
 
 
+_UNITS = {
+    "requests_per_minute": "requests per minute",
+    "tokens_per_minute": "tokens per minute",
+    "tokens_per_day": "tokens per day (UTC)",
+}
+
+
+class QuotaExceeded(GateError):
+    """The request's tenant reached one of its quotas (app/gate/quotas.py): `limit` names it,
+    `retry_after_s` is when its window resets, `standing` what the rate-limit headers show."""
+
+    def __init__(self, tenant: str, limit: str, retry_after_s: float, standing: Standing) -> None:
+        super().__init__(f"tenant {tenant} reached its quota of {limit}")
+        self.tenant = tenant
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.standing = standing
+        self.extra = {"quota": limit}
+
+    @property
+    def message(self) -> str:
+        s = self.standing
+        used = s.limit_requests if self.limit == "requests_per_minute" else s.limit_tokens
+        return (
+            f"tenant {self.tenant} has used its {used} {_UNITS[self.limit]} "
+            f"({self.limit}); retry after Retry-After ({self.retry_after_s:.0f} s)"
+        )
+
+
+class DeadlineUnmet(GateError):
+    """The request would get its slot, or has not got it, within its bound on waiting
+    (X-Max-Wait, or its tenant's max_wait_s; app/gate/deadlines.py). `eta_s`: the wait it
+    would still have had; `waited_s`: what it waited. Retry-After: once the line should have
+    shortened by what the estimate exceeds the bound."""
+
+    def __init__(self, bound_s: float, eta_s: float, waited_s: float = 0.0) -> None:
+        super().__init__(f"no slot within X-Max-Wait {bound_s:g} s")
+        self.bound_s = bound_s
+        self.eta_s = eta_s
+        self.waited_s = waited_s
+        self.retry_after_s = max(waited_s + eta_s - bound_s, 1.0)
+        self.extra = {"eta_s": round(eta_s, 3), "max_wait_s": bound_s}
+
+    @property
+    def message(self) -> str:
+        if self.waited_s:
+            return (
+                f"no slot became free within the request's wait bound of {self.bound_s:g} s "
+                f"(X-Max-Wait); about {self.eta_s:.1f} s more was expected; retry after "
+                "Retry-After or allow a longer wait"
+            )
+        return (
+            f"the expected wait for a slot ({self.eta_s:.1f} s) exceeds the request's wait "
+            f"bound of {self.bound_s:g} s (X-Max-Wait); retry after Retry-After or allow a "
+            "longer wait"
+        )
+
+
 class Cancelled(GateError):
     """An operator cancelled the request: it left the line, or its generation was cut. Not
     to be sent again as it is: its answer says so (`x-should-retry: false`)."""
@@ -413,6 +474,8 @@ ANSWERS: dict[type[GateError], Shape] = {
     QueueTimeout:         Shape(503, _AWAY, "queue_timeout", "queue_timeout", True),
     TooLarge:             Shape(400, _BAD, "too_many_slots", "bad_request"),
     TenantTooLarge:       Shape(400, _BAD, "too_many_slots", "bad_request"),
+    QuotaExceeded:        Shape(429, _RATE, "quota_exceeded", "quota_exceeded", True),
+    DeadlineUnmet:        Shape(503, _AWAY, "deadline_unmet", "deadline_unmet", True),
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),

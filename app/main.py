@@ -19,6 +19,7 @@ from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Gate, Local
 from slotgate.gate.models import Models
 from slotgate.gate.pool import Snapshot
+from slotgate.gate.quotas import Ledger, Windows
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.headers import id_headers
@@ -89,6 +90,11 @@ class Service:
         #: The way into admission: the core's own, or the line shared with other replicas
         #: through Redis (REDIS_URL; without it no Redis code is even imported).
         self.gate: Gate = Local(self.admission)
+        #: The tenants' quota windows, kept apart from the roster so that a reload keeps them:
+        #: this process's (`quotas`), or the fleet's in Redis (REDIS_URL), counted here only
+        #: while Redis is away.
+        self.quotas = Windows()
+        self.ledger: Ledger = self.quotas
         if settings.redis_url is not None and settings.admission_control:
             from slotgate.replicas.replica import (
                 ReplicaAdmission,  # only with REDIS_URL: no Redis code else
@@ -100,6 +106,12 @@ class Service:
                 f"another replica saw llama-server at {pool.key} run out of KV cache"
             )
             self.gate = replica
+            from slotgate.replicas.quotas import SharedWindows
+
+            self.ledger = SharedWindows(
+                settings.redis_url, settings.redis_fleet, timeout_s=settings.redis_timeout_s,
+                local=self.quotas,
+            )  # fmt: skip
         self.metrics = Metrics(
             self.admission,
             lambda: self.fleet.ready,
@@ -112,8 +124,9 @@ class Service:
         self.access.tenants.listeners.append(lambda roster: self.gate.retune(roster.tenants))
         self.access.tenants.listeners.append(lambda roster: self.models.retune(roster.tenants))
         self.proxy = Proxy(
-            settings, self.admission, self.fleet, self.metrics, self.access, self.gate
-        )
+            settings, self.admission, self.fleet, self.metrics, self.access, self.gate,
+            self.ledger,
+        )  # fmt: skip
         self.operators = Operators(
             settings.admin_keys,
             self.access,
@@ -204,6 +217,8 @@ class Service:
             # Read from the proxy's waiters and the metrics' counts now, not kept per request.
             "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
             "recent": self.recent.view(now),
+            # PREEMPT_AFTER_S: requests preempted before their first byte so far.
+            "preemptions": None if (p := self.proxy.preemption) is None else p.count,
         }
 
     def models_view(self) -> list[dict[str, Any]]:
@@ -289,6 +304,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
             # closed after the requests have ended: what Redis still counts here goes back then.
             await service.gate.start()
             scope.push_async_callback(service.gate.close)
+            scope.push_async_callback(service.ledger.aclose)
             await service.fleet.start()
             scope.push_async_callback(service.fleet.close)
             try:

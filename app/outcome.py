@@ -25,6 +25,8 @@ class Outcome(StrEnum):
     TENANT_QUEUE_FULL = "tenant_queue_full"
     QUEUE_BYTES_FULL = "queue_bytes_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    DEADLINE_UNMET = "deadline_unmet"
     CLIENT_GONE = "client_gone"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"
     UPSTREAM_FAILED = "upstream_failed"
@@ -51,6 +53,8 @@ REASONS: tuple[str, ...] = (
     Outcome.TENANT_QUEUE_FULL,
     Outcome.QUEUE_BYTES_FULL,
     Outcome.QUEUE_TIMEOUT,
+    Outcome.QUOTA_EXCEEDED,
+    Outcome.DEADLINE_UNMET,
     Outcome.CLIENT_GONE,
     Outcome.UPSTREAM_UNAVAILABLE,
     Outcome.UPSTREAM_FAILED,

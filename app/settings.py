@@ -174,6 +174,20 @@ class Settings(BaseSettings):
         description="Comma-separated keys for the operator controls (/admin/...), apart from "
         "API_KEYS; unset = loopback clients only, and none while API_KEYS is set.",
     )
+    preempt_after_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="A waiter of a higher band that waited this long may preempt a lower band's "
+        "request that has sent its client nothing yet (it is sent again later); 0 = off.",
+    )
+    session_flows: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="Agent sessions (x-claude-code-session-id, x-session-affinity, session-id) "
+        "as flows of their own in the fair order, hashed into this many per tenant; 0 = off.",
+    )
     metrics_tenants: int = Field(
         10,
         ge=0,

@@ -16,6 +16,7 @@ from slotgate.errors import (
     Cancelled,
     ClientError,
     ContextExceeded,
+    DeadlineUnmet,
     Forbidden,
     GateError,
     HeadersTooLarge,
@@ -26,6 +27,7 @@ from slotgate.errors import (
     QueueBytesFull,
     QueueFull,
     QueueTimeout,
+    QuotaExceeded,
     ShuttingDown,
     SlotgateError,
     TenantQueueFull,
@@ -44,6 +46,7 @@ from slotgate.errors import (
 )
 from slotgate.gate.fairline import Share
 from slotgate.gate.pool import Snapshot
+from slotgate.gate.quotas import Standing
 from slotgate.gate.tenants import Tenant
 from slotgate.proxy.refusals import retry_headers
 
@@ -71,6 +74,8 @@ RAISED: list[GateError] = [
     QueueTimeout(_SNAP, 0.5),
     TooLarge(_SNAP, 3),
     TenantTooLarge(_SNAP, 2, Tenant("acme", max_active=1)),
+    QuotaExceeded("acme", "tokens_per_day", 60.0, Standing(None, 0, 0.0, 10, 0, 60.0)),
+    DeadlineUnmet(2.0, 5.0),
     UpstreamUnavailable("away"),
     UpstreamStarting("starting", sent=True),
     UpstreamFailed("broke"),

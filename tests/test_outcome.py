@@ -9,8 +9,9 @@ from slotgate.outcome import Outcome
 def test_outcome_values_are_the_label_values_dashboards_select_on() -> None:
     assert [o.value for o in Outcome] == [
         "served", "upstream_error", "shutdown", "queue_full", "tenant_queue_full",
-        "queue_bytes_full", "queue_timeout", "client_gone", "upstream_unavailable",
-        "upstream_failed", "bad_request", "unauthorized", "internal", "cancelled", "admitted",
+        "queue_bytes_full", "queue_timeout", "quota_exceeded", "deadline_unmet", "client_gone",
+        "upstream_unavailable", "upstream_failed", "bad_request", "unauthorized", "internal",
+        "cancelled", "admitted",
     ]  # fmt: skip
     assert f"{Outcome.CLIENT_GONE}" == "client_gone"
     assert str(Outcome.QUEUE_FULL) == "queue_full"

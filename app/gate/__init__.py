@@ -7,7 +7,9 @@ of settings; callers pass numbers in and get tickets or refusals out.
 and `policy` the line's numbers, which the shared line's scripts follow too. `admission`
 (entering and the hand-off) builds on `pool` (the pools and where a ticket runs),
 `ticket` (a request's claim), `line` (the FIFO line and the interface the fair one shares),
-`fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants` and `clock` (the
-hold average and every estimate from it). `models` keeps one admission core per model when
-llama-server routers serve several.
+`fairline`, `waiter` (what both lines read of a ticket), `routing`, `tenants`, `quotas` (each
+tenant's windows of requests and tokens), `deadlines` (a request's bound on waiting),
+`sessions` (agent sessions' routing keys and flows), `preemption` (whom a long waiter may
+preempt before its first byte) and `clock` (the hold average and every estimate from it).
+`models` keeps one admission core per model when llama-server routers serve several.
 """

@@ -10,6 +10,10 @@ label, not a secret), weight 1, band `interactive`. `API_KEYS_FILE` names a TOML
     band = "interactive"             # or "batch", or 0..9: a higher band is served first
     max_active = 2                   # slots it may hold at once (default: no limit)
     max_queued = 32                  # its waiters in the line (default: only the line's limit)
+    requests_per_minute = 60         # quotas (app/gate/quotas.py; default: none)
+    tokens_per_minute = 20000
+    tokens_per_day = 1000000
+    max_wait_s = 30                  # its requests' bound on waiting, unless X-Max-Wait says
 
 Bands are integers from 0 to 9, the higher served first; `batch` is 0 and `interactive` (the
 default) is 1. A request may ask for a lower band than its key's with `X-Priority` (a band's
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from slotgate.errors import InvalidTenantsFile
+from slotgate.gate.deadlines import MAX_WAIT_S
+from slotgate.gate.quotas import LIMITS, Quota
 
 log = logging.getLogger("slotgate")
 
@@ -48,7 +54,17 @@ BANDS = {"batch": BATCH, "interactive": INTERACTIVE}
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_FIELDS = ("key", "keys", "sha256", "weight", "band", "max_active", "max_queued")
+_FIELDS = (
+    "key",
+    "keys",
+    "sha256",
+    "weight",
+    "band",
+    "max_active",
+    "max_queued",
+    "max_wait_s",
+    *LIMITS,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +77,20 @@ class Tenant:
     band: int = INTERACTIVE
     max_active: int | None = None
     max_queued: int | None = None
+    #: Its quotas; None when it has none (the request path then skips them at no cost).
+    quota: Quota | None = None
+    #: How long its requests may wait for a slot when they do not say (app/gate/deadlines.py).
+    max_wait_s: float | None = None
 
     def lowered(self, band: int) -> Tenant:
         """The same tenant for a request in a lower `band` (X-Priority); itself for any
         other."""
         if band >= self.band:
             return self
-        return Tenant(self.name, self.weight, band, self.max_active, self.max_queued)
+        return Tenant(
+            self.name, self.weight, band, self.max_active, self.max_queued, self.quota,
+            self.max_wait_s,
+        )  # fmt: skip
 
     def band_for(self, priority: bytes | None) -> int:
         """The band a request runs in: the tenant's, or a lower one its X-Priority asks for.
@@ -236,7 +259,25 @@ def _tenant(where: str, name: str, table: object) -> tuple[Tenant, list[bytes]]:
         if value is not None and value < least:
             raise fail(field, f"must be a whole number of at least {least}")
         limits[field] = value
-    tenant = Tenant(name, float(weight), number, limits["max_active"], limits["max_queued"])
+    for field in LIMITS:
+        value = table.get(field)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise fail(field, "must be a whole number of at least 1")
+        limits[field] = value
+    quota = Quota(*(limits[field] for field in LIMITS)) if any(map(limits.get, LIMITS)) else None
+    max_wait = table.get("max_wait_s")
+    if max_wait is not None and (
+        isinstance(max_wait, bool)
+        or not isinstance(max_wait, int | float)
+        or not 0 <= max_wait <= MAX_WAIT_S
+    ):
+        raise fail("max_wait_s", f"must be a number of seconds from 0 to {MAX_WAIT_S:.0f}")
+    tenant = Tenant(
+        name, float(weight), number, limits["max_active"], limits["max_queued"], quota,
+        None if max_wait is None else float(max_wait),
+    )  # fmt: skip
     return tenant, digests
 
 

@@ -19,7 +19,9 @@ _TURNED_AWAY = frozenset({Outcome.QUEUE_FULL, Outcome.TENANT_QUEUE_FULL, Outcome
 
 
 def account(request: Request, answer: Answer, metrics: Metrics) -> None:
-    """Its metrics and its access-log line."""
+    """Its tokens charged to its tenant's quota, its metrics and its access-log line."""
+    if answer.tally is not None:
+        answer.tally.settle()
     # `request.route`, without the property's call.
     endpoint = request.endpoint
     route = None if endpoint is None else endpoint.route

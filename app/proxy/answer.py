@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 
 from slotgate.asgi import Headers, Send
 from slotgate.errors import AnswerStarted, Flavor, Refusal
+from slotgate.proxy.quota import Tally
 from slotgate.proxy.refusals import render, stream_event
 
 log = logging.getLogger("slotgate.relay")
@@ -28,7 +29,8 @@ class Answer:
     """What goes back to one client, written through `send` in order: a head, then a body."""
 
     __slots__ = (
-        "_ending", "_send", "_tail", "bytes_out", "ended", "started", "status", "stream",
+        "_ending", "_send", "_tail", "bytes_out", "ended", "extra", "started", "status",
+        "stream", "tally",
     )  # fmt: skip
 
     def __init__(self, send: Send) -> None:
@@ -45,6 +47,10 @@ class Answer:
         self._ending: bytes | None = None
         # The last bytes relayed into a stream: did they end an event?
         self._tail = b"\n\n"
+        #: Headers every head carries besides its own: a tenant's rate limits (app/proxy/quota.py).
+        self.extra: Headers | None = None
+        #: Reads the tokens of what is relayed, for a tenant with a token quota.
+        self.tally: Tally | None = None
 
     @property
     def ending(self) -> bool:
@@ -62,6 +68,8 @@ class Answer:
         self.started = True
         self.status = status
         self.stream = stream
+        if self.extra is not None:
+            headers = headers + self.extra
         message = {"type": _START, "status": status, "headers": headers}
         if whole:
             message[BODY_FOLLOWS] = True
@@ -75,6 +83,8 @@ class Answer:
         add a frame to each.)"""
         self.bytes_out += len(chunk)
         self._tail = chunk
+        if self.tally is not None:
+            self.tally.feed(chunk)
         return self._send({"type": _BODY, "body": chunk, "more_body": True})
 
     async def comment(self, comment: bytes) -> None:
@@ -89,6 +99,8 @@ class Answer:
 
     async def end(self, body: bytes = b"") -> None:
         self._ending = body
+        if self.tally is not None and body:
+            self.tally.feed(body)
         self.bytes_out += len(body)
         await self._send({"type": _BODY, "body": body, "more_body": False})
         self.ended = True

@@ -20,16 +20,22 @@ from slotgate.asgi import Headers, Receive, Scope, Send
 from slotgate.errors import (
     AdmissionError,
     ClientGone,
+    DeadlineUnmet,
     GateError,
     ModelNotLoaded,
+    QuotaExceeded,
     UnknownModel,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
 )
+from slotgate.gate import deadlines
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.models import Lane, Models
+from slotgate.gate.preemption import Preemption
+from slotgate.gate.quotas import Ledger, Windows
+from slotgate.gate.sessions import Sessions, routing_key, session_of
 from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Reading, Wants, take_off_loop
 from slotgate.intake.endpoints import check_content_type, parse_json, route_of
@@ -42,6 +48,7 @@ from slotgate.proxy.assembly import Assembly
 from slotgate.proxy.body_bytes import BodyBytes, HeldBody
 from slotgate.proxy.headers import SSE, SSE_HEAD, dropped, own_headers, upstream_headers
 from slotgate.proxy.modes import refuse, relay, relay_assembled, relay_into_stream
+from slotgate.proxy.quota import admit, headers_of
 from slotgate.proxy.request import (
     Head,
     Request,
@@ -56,6 +63,9 @@ from slotgate.upstreams.fleet import Fleet
 
 #: Stands for the unknown slot count while a request is checked before llama-server is up.
 _UNSIZED = sys.maxsize
+#: How long a preempted request may wait for its next slot while no upstream is known (its
+#: wait is otherwise that of the line's head: the queue timeout does not apply again).
+_PREEMPTED_WAIT_S = 3600.0
 #: What the gate wants from a body when no budget binds, the gate is warm and nothing is
 #: routed by key: its demand alone (one shared object, not one per request).
 _NOTHING_MORE = Wants()
@@ -101,8 +111,11 @@ class Proxy:
         metrics: Metrics,
         access: Access | None = None,
         gate: Gate | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self._admission = admission
+        #: The tenants' quota windows (app/gate/quotas.py): this process's, or the fleet's.
+        self._ledger: Ledger = ledger or Windows()
         #: The way in: the core's own, or the fleet's line shared through Redis (REDIS_URL).
         self._gate: Gate = gate or Local(admission)
         self._fleet = fleet
@@ -110,6 +123,10 @@ class Proxy:
         self._models = fleet.lanes if fleet.lanes is not None else Models(Admission)
         # Affinity keys are read only when there is something to choose between.
         self._affinity = settings.routing == "affinity"
+        #: Agent sessions' flows in the fair order (SESSION_FLOWS; None: off).
+        self._sessions = Sessions(settings.session_flows) if settings.session_flows else None
+        #: Preemption before the first byte (PREEMPT_AFTER_S; None: off).
+        self.preemption = Preemption(settings.preempt_after_s) if settings.preempt_after_s else None
         self._metrics = metrics
         self._access = access or Access(settings.api_keys, settings.api_keys_file)
         self._gated = settings.admission_control
@@ -153,6 +170,8 @@ class Proxy:
                     if not request.gated:
                         await self._pass(request, receive, answer)
                         return
+                    if request.tenant.quota is not None:
+                        await self._count(request, answer)
                     ticket = await self._enter(request)
                 except (GateError, AdmissionError) as exc:
                     held.release()  # before its answer goes out, however slowly
@@ -199,6 +218,14 @@ class Proxy:
             return
         async with Watch(receive, request, answer, self._own, self.running):
             await self._forward(request, answer)
+
+    async def _count(self, request: Request, answer: Answer) -> None:
+        """Count it against its tenant's quota (or refuse it); its answer shows the standing."""
+        try:
+            answer.extra, answer.tally = await admit(self._ledger, request.tenant)
+        except QuotaExceeded as exc:
+            answer.extra = headers_of(exc.standing)
+            raise
 
     async def _enter(self, request: Request) -> Claim:
         """Read the body's demand and join the queue (or take a slot at once)."""
@@ -274,17 +301,34 @@ class Proxy:
         cost = taken.estimate
         tenant = request.tenant
         band = None if head.priority is None else tenant.band_for(head.priority)
+        if head.max_wait is not None or tenant.max_wait_s is not None:
+            request.max_wait_s = deadlines.max_wait_s(head.max_wait, tenant.max_wait_s)
+        key, conversation, flow = taken.affinity, taken.conversation, tenant
+        if (affinity or self._sessions is not None) and (
+            session := session_of(head.raw)
+        ) is not None:
+            # An agent's session: each turn back where it last ran (its history is cached
+            # there), and, with SESSION_FLOWS, a flow of its own beside its tenant's others.
+            if affinity:
+                conversation = routing_key(session)
+                key = conversation if key is None else key
+            if self._sessions is not None:
+                flow = self._sessions.flow(tenant, session)
+        if self.preemption is not None:
+            request.band = flow.band if band is None else band
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
         entry = Entry(
-            want.choices, cost.reserve if cost else 0, weigh, taken.affinity, tenant, band,
-            taken.conversation, want.choices * want.tasks if want.tasks > 1 else 0,
+            want.choices, cost.reserve if cost else 0, weigh, key, flow, band,
+            conversation, want.choices * want.tasks if want.tasks > 1 else 0,
         )  # fmt: skip
         ticket = gate.enter_now(entry)
         if ticket is None:  # the shared line: its answer is Redis's
             ticket = await gate.enter(entry)
         if ticket.admitted:
             self._let_go(request)
+        elif request.max_wait_s is not None:
+            self._in_time(ticket, request.max_wait_s, admission)
         request.ticket = ticket
         request.estimate = cost
         return ticket
@@ -310,14 +354,24 @@ class Proxy:
                         waiting = self.waiting
                         waiting[request] = ticket
                         try:
-                            await self._wait(request, answer, ticket)
+                            awaited = self._wait(request, answer, ticket)
+                            if request.max_wait_s is not None:
+                                awaited = self._within(awaited, request, ticket)
+                            if self.preemption is not None and request.band:
+                                awaited = self._patient(awaited, request, ticket)
+                            await awaited
                         finally:
                             del waiting[request]
                 finally:
                     request.held.release()
                 request.weight = ticket.weight
                 self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
-                await self._forward_when_up(request, answer, ticket)
+                # Only a request that goes upstream as a stream is preempted: llama-server stops
+                # the work of a non-streamed one whose connection closed only unreliably.
+                if self.preemption is None or not (request.stream or request.assembly):
+                    await self._forward_when_up(request, answer, ticket)
+                else:
+                    await self._preemptible(request, answer, ticket)
             except (GateError, AdmissionError) as exc:
                 if watch.gone:
                     request.outcome = Outcome.CLIENT_GONE
@@ -354,7 +408,76 @@ class Proxy:
             else:
                 return
 
+    def _within(self, waiting: Awaitable[None], request: Request, ticket: Claim) -> Awaitable[None]:
+        """The wait, out of the line with DeadlineUnmet once its bound (X-Max-Wait) is reached."""
+        assert request.max_wait_s is not None  # noqa: S101 - only for a request with a bound
+        admission = self._admission if request.lane is None else request.lane.admission
+        return deadlines.within(
+            waiting, request.max_wait_s, ticket.wait_s,
+            lambda: admission.eta_s(max(ticket.position, 1)),
+        )  # fmt: skip
+
+    # -- preemption (PREEMPT_AFTER_S) ----------------------------------------------------------
+
+    async def _patient(self, waiting: Awaitable[None], request: Request, ticket: Claim) -> None:
+        """Wait; once the wait has lasted PREEMPT_AFTER_S, make room by preempting a lower
+        band's request that has sent nothing yet (app/gate/preemption.py)."""
+        preemption = self.preemption
+        assert preemption is not None  # noqa: S101 - only with preemption on
+        task = asyncio.ensure_future(waiting)
+        try:
+            left_s = preemption.after_s - ticket.wait_s
+            done, _ = await asyncio.wait((task,), timeout=max(left_s, 0.0))
+            if not done and not ticket.admitted:
+                preemption.make_room(request.band, request.id)
+            await task
+        finally:
+            task.cancel()
+
+    async def _preemptible(self, request: Request, answer: Answer, ticket: Claim) -> None:
+        """Forward, and when preempted before llama-server's first bytes (so before any byte to
+        the client), go back to the head of the band and forward again once given a slot."""
+        preemption = self.preemption
+        task = asyncio.current_task()
+        assert preemption is not None  # noqa: S101 - only with preemption on
+        assert task is not None  # noqa: S101 - a request runs in a task
+        stopped = False
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            task.cancel(msg="preempted")
+
+        # Its client has had a byte (or is about to: its slot went back with llama-server's
+        # last byte, its answer not yet written).
+        started: Callable[[], bool] = lambda: answer.started or ticket.released  # noqa: E731
+        preemption.run(request, request.band, started, stop, request.id)
+        try:
+            while True:
+                try:
+                    await self._forward_when_up(request, answer, ticket)
+                except asyncio.CancelledError:
+                    if not stopped or answer.started or task.uncancel() > 0:
+                        raise
+                else:
+                    return
+                stopped = False
+                # Its upstream connection is closed (llama-server stops its work); its slots go
+                # to the waiter that preempted it, and it waits at the head of its band.
+                ticket.reroute(time.monotonic() + _PREEMPTED_WAIT_S)
+                await self._wait(request, answer, ticket)
+        finally:
+            preemption.end(request)
+
     # -- waiting -------------------------------------------------------------------------------
+
+    def _in_time(self, ticket: Claim, bound_s: float, admission: Admission) -> None:
+        """Refuse at once a request whose place in line promises a slot only past its bound."""
+        try:
+            deadlines.check(admission.eta_s(max(ticket.position, 1)), bound_s)
+        except DeadlineUnmet:
+            ticket.release()  # its place, before anyone waits behind it for nothing
+            raise
 
     def _let_go(self, request: Request) -> None:
         """Admitted: its body no longer counts. Harmless twice; whatever way the request goes,

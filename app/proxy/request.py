@@ -47,8 +47,9 @@ class Request:
     """What slotgate knows of one request, from its head to its access-log line."""
 
     __slots__ = (
-        "assembly", "body", "endpoint", "estimate", "first_byte_at", "gated", "head", "headers",
-        "held", "id", "lane", "method", "origin", "outcome", "path", "query", "started", "stream",
+        "assembly", "band", "body", "endpoint", "estimate", "first_byte_at", "gated", "head",
+        "headers", "held", "id", "lane", "max_wait_s", "method", "origin", "outcome", "path",
+        "query", "started", "stream",
         "teaches", "tenant", "ticket", "upstream", "upstream_status", "weight",
     )  # fmt: skip
 
@@ -77,6 +78,10 @@ class Request:
         self.tenant = EVERYONE
         #: Its reservation of the KV-cache budget, when a budget binds (app/intake/cost.py).
         self.estimate: Estimate | None = None
+        #: How long it may wait for a slot (X-Max-Wait, or its tenant's); None: no bound.
+        self.max_wait_s: float | None = None
+        #: The band it waits and runs in (read only with PREEMPT_AFTER_S).
+        self.band = 0
         self.weight = 0
         #: Its body's bytes, counted against QUEUE_BODY_BYTES until it is admitted.
         self.held = held
@@ -104,7 +109,7 @@ class Head:
 
     __slots__ = (
         "api_key", "authorization", "connection_named", "content_length", "content_type",
-        "origin", "priority", "raw",
+        "max_wait", "origin", "priority", "raw",
     )  # fmt: skip
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
@@ -115,6 +120,7 @@ class Head:
         self.content_type = ""
         self.origin: bytes | None = None
         self.priority: bytes | None = None  # X-Priority: a lower band asked for
+        self.max_wait: bytes | None = None  # X-Max-Wait: its bound on waiting, in seconds
         self.connection_named = _NONE_NAMED
         size = 0
         for name, value in raw:
@@ -137,6 +143,8 @@ class Head:
                 self.api_key = value
             elif name == b"x-priority":
                 self.priority = value
+            elif name == b"x-max-wait":
+                self.max_wait = value
             elif name == b"origin":
                 # llama-server reads the first; one value only, so both sides read the same.
                 if self.origin is not None:

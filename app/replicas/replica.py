@@ -93,6 +93,10 @@ class ReplicaTicket:
         return self._local.admitted_at if self._local is not None else None
 
     @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
     def wait_s(self) -> float:
         return (self.admitted_at or time.monotonic()) - self.entered_at
 

@@ -87,6 +87,9 @@ class StandIn:
     tokens: int = 5
     token_delay_s: float = 0.02
     hold_s: float = 0.0  # before a generation's first token (or its whole answer)
+    #: A held stream's head goes with its first token, as llama-server sends it (it waits for
+    #: the first result); else at once.
+    late_head: bool = False
     loading: bool = False  # answer 503 "Loading model" everywhere, like llama-server does
     # "die_midstream" | "hang" | "garbage" | "error_400" | "out_of_cache"
     fault: str | None = None
@@ -675,6 +678,9 @@ class Connection(asyncio.Protocol):
             head = _SSE_HEAD + self.cors + b"\r\n"
             if delay > 0:
                 assert self.transport is not None  # busy only while connected
+                if standin.late_head:
+                    self.timer = asyncio.get_running_loop().call_later(delay, self._first, head)
+                    return
                 self.transport.write(head)
                 self.timer = asyncio.get_running_loop().call_later(delay, self._first)
             else:
@@ -689,11 +695,15 @@ class Connection(asyncio.Protocol):
             self._complete()
 
     def answer_now(self) -> None:
-        """A non-streamed answer waiting out its tokens' time goes at once."""
+        """A non-streamed answer waiting out its tokens' time goes at once, and a stream whose
+        head waits for its first token (`late_head`) begins."""
         if self.timer is not None and self.busy and not self.streaming:
             self.timer.cancel()
             self.timer = None
             self._complete()
+        elif self.timer is not None and self.busy and self.standin.late_head:
+            self.timer.cancel()
+            self._first(_SSE_HEAD + self.cors + b"\r\n")
 
     def _complete(self) -> None:
         standin = self.standin

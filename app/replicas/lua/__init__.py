@@ -32,6 +32,9 @@ that prefix and a suffix, so they all hash to one cluster slot. The keys:
 - `given_up`  hash replica -> 1: its heartbeat expired, its grants are still counted
 - `hb:<r>`    a replica's heartbeat, with a TTL; `r:<r>` hash member -> "w" (waiting) or
               "g TAB upstream TAB tokens TAB slots TAB ticket" (granted): what the replica holds
+- `q:<tenant>` hash: a tenant's quota windows (quota.lua): `m` the minute's number, `r` its
+              requests, `mt` its tokens, `d` the UTC day's number, `dt` its tokens; it expires
+              a minute after its day ends
 - channel `ch:<r>`: "member TAB upstream TAB reason TAB grant number TAB slots" per grant handed
   over.
 
@@ -84,6 +87,7 @@ NAMES = (
     "REROUTE",
     "REKEY",
     "RETUNE",
+    "QUOTA",
 )
 
 

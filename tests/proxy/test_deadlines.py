@@ -1,0 +1,90 @@
+"""Deadlines per request through the whole gate, in front of the stand-in: X-Max-Wait and a
+tenant's max_wait_s, refused at once or leaving the line at the bound, never reaching
+llama-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import CHAT, GateFactory, RunningGate, cancel_all, chat, write_keys
+from tests.support.standin import StandIn
+
+
+@pytest.fixture
+async def busy(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient, tmp_path: Path
+) -> AsyncIterator[RunningGate]:
+    """A gate in front of one slot that a long generation holds (the hold clock having seen
+    one short one), whose tenant `patient` (sk-patient) has max_wait_s = 0."""
+    keys = write_keys(tmp_path, '[tenants.patient]\nkey = "sk-patient"\nmax_wait_s = 0\n')
+    standin.total_slots, standin.tokens = 1, 1
+    gate: RunningGate = await start_gate(api_keys_file=keys)
+    await post(client, gate)  # a real hold, to estimate by
+    standin.tokens, standin.token_delay_s = 1000, 0.05
+    holder = asyncio.create_task(post(client, gate))
+    await gate.until(lambda: gate.service.admission.active == 1)
+    try:
+        yield gate
+    finally:
+        standin.hurry()
+        await cancel_all([holder])
+
+
+async def post(client: httpx.AsyncClient, gate: RunningGate, **headers: str) -> httpx.Response:
+    headers.setdefault("authorization", "Bearer sk-patient")
+    return await client.post(gate.url + CHAT, json=chat(), headers=headers)
+
+
+async def test_a_request_whose_expected_wait_exceeds_its_bound_is_refused_at_once(
+    busy: RunningGate, client: httpx.AsyncClient, standin: StandIn
+) -> None:
+    seen = len(standin.seen)
+    answer = await post(client, busy, **{"x-max-wait": "0"})
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["code"] == "deadline_unmet"
+    assert error["max_wait_s"] == 0
+    assert error["eta_s"] > 0
+    assert int(answer.headers["retry-after"]) >= 1
+    assert busy.service.admission.queued == 0
+    assert len(standin.seen) == seen
+
+
+async def test_a_request_still_waiting_at_its_bound_leaves_the_line(
+    busy: RunningGate, client: httpx.AsyncClient, standin: StandIn
+) -> None:
+    # Its estimate (half what the holder has run, the average hold being short) is within
+    # 5 s; the holder runs for 50 s.
+    answer = await post(client, busy, **{"x-max-wait": "5"})
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["code"] == "deadline_unmet"
+    assert "no slot became free" in error["message"]
+    assert busy.service.admission.queued == 0
+    assert busy.service.admission.active == 1
+
+
+async def test_a_tenants_bound_holds_unless_the_request_gives_its_own(
+    busy: RunningGate, client: httpx.AsyncClient, standin: StandIn
+) -> None:
+    refused = await post(client, busy)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["max_wait_s"] == 0
+    waiting = asyncio.create_task(post(client, busy, **{"x-max-wait": "600"}))
+    await busy.until(lambda: busy.service.admission.queued == 1)
+    standin.hurry()
+    assert (await waiting).status_code == 200
+
+
+async def test_a_bound_that_is_not_a_number_is_refused_before_it_waits(
+    busy: RunningGate, client: httpx.AsyncClient
+) -> None:
+    answer = await post(client, busy, **{"x-max-wait": "soon"})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "X-Max-Wait"
+    assert busy.service.admission.queued == 0
