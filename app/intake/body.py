@@ -51,8 +51,12 @@ log = logging.getLogger("slotgate.intake")
 CONVERSATION_CHARS = 4096
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Intake:
+    """What `take` read from a body. Not changed once made, but not frozen: a frozen
+    dataclass sets each field through `object.__setattr__`, four times the cost of a plain
+    one's `__init__`, and one is made for every request."""
+
     demand: Demand
     body: bytes  # what goes upstream
     assembled: bool  # the body asks llama-server for a stream; the answer is assembled

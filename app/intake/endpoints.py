@@ -114,9 +114,10 @@ def route_of(method: str, path: str) -> Endpoint | None:
     return ENDPOINTS.get(path)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Demand:
-    """What one request asks of the pool."""
+    """What one request asks of the pool. Not changed once made; not frozen, as `Intake`
+    (app/intake/body.py) is not: one is made for every request."""
 
     weight: int
     stream: bool

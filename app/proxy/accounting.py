@@ -22,7 +22,9 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
     """Its tokens charged to its tenant's quota, its metrics and its access-log line."""
     if answer.tally is not None:
         answer.tally.settle()
-    route = request.route
+    # `request.route`, without the property's call.
+    endpoint = request.endpoint
+    route = None if endpoint is None else endpoint.route
     ticket = request.ticket
     now = time.monotonic()
     if route is not None:

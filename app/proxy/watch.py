@@ -106,9 +106,13 @@ class Watch:
         self._listed: str | None = None
         if running is not None:
             # Listed at once for operators to cancel: a dict's set and delete cost less than
-            # the timer that deferred it did.
-            running.enlist(request.id, self)
-            self._listed = request.id
+            # the timer that deferred it did. An id not running yet (nearly always) is set
+            # here, without `enlist`'s call.
+            listed = self._listed = request.id
+            if listed in running:
+                running.enlist(listed, self)
+            else:
+                running[listed] = self
         self._pending: asyncio.Future[Message] | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Under slotgate's protocol the watch is a handle on the connection, cheaper than the
@@ -158,8 +162,14 @@ class Watch:
         listed = self._listed
         if listed is not None:
             self._listed = None
-            if self._running is not None:
-                self._running.delist(listed, self)
+            running = self._running
+            if running is not None:
+                # Its id was sent on no other request still running (nearly always): the
+                # entry goes without `delist`'s call.
+                if not running.older and running.get(listed) is self:
+                    del running[listed]
+                else:
+                    running.delist(listed, self)
         if self._timer is not None:
             self._timer.cancel()
         if self._connection is not None:

@@ -2,12 +2,14 @@
 memory allocations and system calls per request.
 
     python -m bench.experiments.counts [--requests 2000] [--warm 300] [--top 25] [--no-strace]
+                                       [--allocations-by-function] [--stream]
 
 CPU timings on a shared machine are noise; counts are not. This runs uvicorn in this process,
 configured as `slotgate` runs it (app/cli.py), with slotgate's app on the like-for-like path
 (`STREAM_UPSTREAM=false`, one upstream of 1,024 slots, no tenants, no budget, no Redis), in
-front of the stand-in. A client in another process sends non-streamed chat requests one after
-the other on one keep-alive connection (c=1). Three windows of `--requests` requests each, after
+front of the stand-in. A client in another process sends non-streamed chat requests (`--stream`:
+streamed ones, the stand-in's 16 tokens written at once) one after the other on one keep-alive
+connection (c=1). Three windows of `--requests` requests each, after
 `--warm` to fill first-use caches:
 
 - system calls: `strace -c -f` attached to this process for the window (all its threads);
@@ -99,10 +101,10 @@ def _alloc_hook() -> ModuleType | None:
     return module
 
 
-async def _client(port: int) -> None:
+async def _client(port: int, stream: bool) -> None:
     """Read a count from stdin, send that many requests one after the other, say so; repeat."""
     (exchange,) = await connect(port, 1)
-    raw = request_bytes(port, CHAT, chat_body(stream=False))
+    raw = request_bytes(port, CHAT, chat_body(stream=stream))
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         for _ in range(int(line)):
@@ -113,13 +115,15 @@ async def _client(port: int) -> None:
 
 
 class _Driver:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, stream: bool) -> None:
         self.port = port
+        self.stream = stream
         self.process: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> _Driver:
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.experiments.counts", "--client", str(self.port),
+            *(["--stream"] if self.stream else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
         )  # fmt: skip
         return self
@@ -167,8 +171,14 @@ def _syscalls(summary: str, requests: int) -> list[tuple[str, float]]:
 async def _measure(server: uvicorn.Server, args: argparse.Namespace) -> None:
     await asyncio.to_thread(wait_until, lambda: server.started, 30, "uvicorn started")
     n = args.requests
-    async with _Driver(server.config.port) as client:
+    async with _Driver(server.config.port, args.stream) as client:
         await client.send(args.warm)
+        if args.stream:
+            # The first event stream's connection is held aside for STREAM_PROBE_S, to learn
+            # whether the upstream keeps such connections (app/upstreams/reuse.py); until
+            # then each stream's connection is closed and replaced. Counted past that.
+            await asyncio.sleep(1.5)
+            await client.send(args.warm)
 
         if not args.no_strace and shutil.which("strace"):
             output = Path(tempfile.mkdtemp(prefix="counts-")) / "strace.txt"
@@ -295,10 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allocations-by-function", action="store_true", help="split them by function"
     )
+    parser.add_argument(
+        "--stream", action="store_true", help="streamed chats (the stand-in's 16 tokens at once)"
+    )
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
-        run_loop(_client(args.client))
+        run_loop(_client(args.client, args.stream))
         return 0
     logs = REPO / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
