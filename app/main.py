@@ -186,7 +186,7 @@ class Service:
                     "ready": upstream.ready,
                     # Drained by an operator: its running requests finish, nothing new goes
                     # there, and its slots are not counted in `capacity`.
-                    "draining": upstream.pool.draining,
+                    "draining": upstream.draining,
                     "reason": upstream.reason,
                     "capacity": upstream.pool.capacity,
                     "active": upstream.pool.active,
@@ -228,6 +228,8 @@ class Service:
                             "model": lane.model,
                             "capacity": pool.capacity,
                             "active": pool.active,
+                            # Its upstream drained by an operator (a router: all its models).
+                            "draining": pool.draining,
                             "budget_tokens": pool.budget,
                             "committed_tokens": pool.committed,
                         }
@@ -346,7 +348,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
-        if all(u.pool.draining for u in service.fleet if u.ready):
+        if all(u.draining for u in service.fleet if u.ready):
             # Ready while another upstream serves; with every ready one drained, nothing does.
             return JSONResponse(
                 {"status": "not ready", "reason": "every ready upstream is drained"},

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from hypothesis import settings as hypothesis_settings
 from slotgate.cli import uvicorn_config
+from slotgate.gate.models import Lane
 from slotgate.main import Gateway, Service, create_app
 from slotgate.proxy import protocol as protocol_module
 from slotgate.settings import Settings
@@ -384,11 +385,15 @@ def counting(standin: StandIn) -> StandIn:
 
 
 async def hold_stream_of(
-    client: httpx.AsyncClient, gate: RunningGate, body: dict[str, Any], started: asyncio.Event
+    client: httpx.AsyncClient,
+    gate: RunningGate,
+    body: dict[str, Any],
+    started: asyncio.Event,
+    headers: dict[str, str] | None = None,
 ) -> list[bytes]:
     """Open a stream, signal once its first chunk arrived, then read it to the end."""
     chunks: list[bytes] = []
-    async with client.stream("POST", gate.url + CHAT, json=body) as response:
+    async with client.stream("POST", gate.url + CHAT, json=body, headers=headers) as response:
         async for chunk in response.aiter_raw():
             chunks.append(chunk)
             started.set()
@@ -447,6 +452,13 @@ async def one_slot_held(
     standin.hurry()
     for holder in holders:
         await holder
+
+
+def line(gate: RunningGate, model: str) -> Lane:
+    """The line of `model` (the router has listed it: `gate_before` waits for that)."""
+    found = gate.service.models.find(model)
+    assert found is not None
+    return found
 
 
 MakeRouter = Callable[..., Awaitable[StandIn]]
