@@ -202,7 +202,7 @@ class Service:
             "replication": self.gate.view(),
             **({"models": self.models_view()} if self.models.routed else {}),
             # Read from the proxy's waiters and the metrics' counts now, not kept per request.
-            "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
+            "waiting": waiting(self.proxy.running.watches(), self.admission.eta_s),
             "recent": self.recent.view(now),
         }
 

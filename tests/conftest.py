@@ -26,7 +26,7 @@ from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
 from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
-from tests.support.router import Hosted
+from tests.support.router import Hosted, children, hosted
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -462,6 +462,17 @@ def line(gate: RunningGate, model: str) -> Lane:
 
 
 MakeRouter = Callable[..., Awaitable[StandIn]]
+
+
+async def slow_model(router: MakeRouter) -> tuple[StandIn, StandIn]:
+    """A router stand-in serving one model, "alpha", of one slot, whose answers run long (1000
+    tokens of 0.05 s, until its child is hurried): the router and that child."""
+    upstream = await router({"alpha": hosted(1)})
+    child = children(upstream)["alpha"]
+    child.tokens, child.token_delay_s = 1000, 0.05
+    return upstream, child
+
+
 GatesFor = Callable[..., Awaitable[RunningGate]]
 
 

@@ -32,6 +32,7 @@ from tests.conftest import (
     hold_stream_of,
     line,
     occupy,
+    slow_model,
 )
 from tests.support.harness import (
     SSE,
@@ -42,7 +43,7 @@ from tests.support.harness import (
     chat_body,
     http_scope,
 )
-from tests.support.router import children, hosted
+from tests.support.router import hosted
 from tests.support.standin import StandIn
 
 
@@ -582,9 +583,7 @@ async def test_draining_a_router_drains_every_models_pool_and_says_so(
 async def test_a_request_in_a_models_line_is_cancelled_waiting_or_running(
     router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
-    upstream = await router({"alpha": hosted(1)})
-    child = children(upstream)["alpha"]
-    child.tokens, child.token_delay_s = 1000, 0.05
+    upstream, child = await slow_model(router)
     gate = await gate_before(upstream)
     started = asyncio.Event()
     body, headers = chat(model="alpha", stream=True), {"x-request-id": "run-1"}
