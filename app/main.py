@@ -187,6 +187,8 @@ class Service:
                     # Drained by an operator: its running requests finish, nothing new goes
                     # there, and its slots are not counted in `capacity`.
                     "draining": upstream.draining,
+                    # A llama-server router: its slots are its models' (under "models").
+                    "router": upstream.router is not None,
                     "reason": upstream.reason,
                     "capacity": upstream.pool.capacity,
                     "active": upstream.pool.active,
