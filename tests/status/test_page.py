@@ -16,15 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import (
-    CHAT,
-    GateFactory,
-    GatesFor,
-    MakeRouter,
-    RunningGate,
-    chat,
-    hold_stream_of,
-)
+from tests.conftest import CHAT, GateFactory, GatesFor, MakeRouter, RunningGate, chat
 from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 from tests.support.tools import tool
@@ -80,9 +72,14 @@ async def text(page: Any, selector: str, pattern: str) -> None:
 
 
 async def stream(
-    client: httpx.AsyncClient, gate: RunningGate, started: asyncio.Event, **headers: str
+    client: httpx.AsyncClient,
+    gate: RunningGate,
+    started: asyncio.Event,
+    body: dict[str, Any] | None = None,
+    **headers: str,
 ) -> int:
-    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True), headers=headers) as r:
+    body = chat(stream=True) if body is None else body
+    async with client.stream("POST", gate.url + CHAT, json=body, headers=headers) as r:
         async for _ in r.aiter_raw():
             started.set()
         return r.status_code
@@ -285,7 +282,7 @@ async def test_behind_a_router_the_page_shows_each_models_state_line_and_slots(
     for _ in range(2):
         started = asyncio.Event()
         body = chat(model="alpha", stream=True)
-        holders.append(asyncio.create_task(hold_stream_of(client, gate, body, started)))
+        holders.append(asyncio.create_task(stream(client, gate, started, body)))
         await started.wait()
     waiter = asyncio.create_task(
         client.post(gate.url + CHAT, json=chat(model="alpha"), headers={"x-request-id": "for-a"})
@@ -308,5 +305,5 @@ async def test_behind_a_router_the_page_shows_each_models_state_line_and_slots(
     alpha_child.hurry()
     assert (await waiter).status_code == 200
     for holder in holders:
-        await holder
+        assert await holder == 200
     assert page.errors == []
