@@ -639,3 +639,49 @@ async def refreshed(gate: RunningGate, times: int) -> None:
         await gate.until(lambda: seen >= times)
     finally:
         router.refresh = refresh  # type: ignore[method-assign]
+
+
+async def test_a_drained_server_of_one_model_beside_a_router_is_drained_in_its_models_line(
+    router: MakeRouter,
+    gates_for: GatesFor,
+    start_upstreams: StartUpstreams,
+    client: httpx.AsyncClient,
+) -> None:
+    small = StandIn(total_slots=1, tokens=3, token_delay_s=0.01, model="small.gguf")
+    await start_upstreams(small)
+    routed = await router({"routed": hosted(1)})
+    gate = await gates_for([small, routed], startup_wait_s=10)
+    await gate.until(
+        lambda: (lane := gate.service.models.find("small.gguf")) is not None and lane.running
+    )
+    small_line = line(gate, "small.gguf")
+    name = next(u.name for u in gate.service.fleet if u.url == small.url)
+    assert (await act(client, gate, f"upstreams/{name}/drain")).status_code == 200
+    assert small_line.admission.capacity is None
+    assert [pool.draining for pool in small_line.admission.pools] == [True]
+    # The router still serves its own model; the drained server's model waits for it.
+    assert (await client.post(gate.url + CHAT, json=chat(model="routed"))).status_code == 200
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="small.gguf")))
+    await gate.until(lambda: small_line.admission.queued == 1)
+    assert (await client.get(gate.url + "/readyz")).status_code == 200
+    assert (await act(client, gate, f"upstreams/{name}/restore")).status_code == 200
+    assert (await waiter).status_code == 200
+    assert small.finished == 1
+
+
+async def test_a_model_a_drained_router_lists_later_starts_drained(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1)})
+    gate = await gate_before(upstream)
+    name = gate.service.upstream.name
+    await act(client, gate, f"upstreams/{name}/drain")
+    assert upstream.hosted is not None
+    upstream.hosted["beta"] = hosted(2)
+    await gate.until(lambda: gate.service.models.find("beta") is not None)
+    beta = line(gate, "beta")
+    await refreshed(gate, 2)
+    assert beta.admission.capacity is None
+    assert [pool.draining for pool in beta.admission.pools] == [True]
+    await act(client, gate, f"upstreams/{name}/restore")
+    await gate.until(lambda: beta.admission.capacity == 2)
