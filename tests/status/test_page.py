@@ -299,6 +299,9 @@ async def test_behind_a_router_the_page_shows_each_models_state_line_and_slots(
     name = gate.service.upstream.name
     await page.get_by_role("button", name=f"Drain {name}").click()
     await text(page, "#models", r"alpha.*DRAINING: 2 running finish")
+    await text(
+        page, "#state", r"1 of 1 upstreams ready · 1 drained · .* 2 slots busy \(0 in rotation\)"
+    )
     await shot(page, tmp_path, "status-models-drained")
     await page.get_by_role("button", name=f"Restore {name}").click()
     await text(page, "#models", r"^(?!.*DRAINING)")

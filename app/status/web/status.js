@@ -138,14 +138,19 @@ function show(snap) {
   if (!snap.admission_control) words.push("admission control off");
   words.push(ready + " of " + snap.upstreams.length + " upstreams ready");
   if (!ready) kind = "bad";
+  const drained = snap.upstreams.filter((u) => u.draining).length;
+  if (drained) {
+    words.push(drained + " drained");
+    if (kind === "ok") kind = "warn";
+  }
   const models = snap.models || [];
   if (models.length) {
     // Behind routers the slots are the models': each model's line has its own.
     const loaded = models.filter((m) => LOADED.has(m.state)).length;
     words.push(loaded + " of " + models.length + " models loaded");
-    words.push(sum(models, "active") + " of " + sum(models, "capacity") + " slots busy");
+    words.push(busy(sum(models, "active"), sum(models, "capacity")));
   } else {
-    words.push(snap.capacity === null ? "slot count not known yet" : snap.active + " of " + snap.capacity + " slots busy");
+    words.push(snap.capacity === null && !snap.active ? "slot count not known yet" : busy(snap.active, snap.capacity || 0));
   }
   words.push(queued(snap) + " waiting");
   const mode = snap.replication?.mode;
@@ -227,6 +232,10 @@ function upstreams(snap) {
   }
 }
 
+// A drained upstream's slots leave the capacity while its requests finish.
+const busy = (active, capacity) =>
+  active > capacity ? active + " slots busy (" + capacity + " in rotation)" : active + " of " + capacity + " slots busy";
+
 // The states in which a router runs a model with known slots.
 const LOADED = new Set(["loaded", "sleeping"]);
 const sum = (list, field) => list.reduce((total, item) => total + (item[field] || 0), 0);
@@ -269,7 +278,7 @@ function modelLines(models) {
       // A router's pool is keyed "<router URL>#<model>"; a server of one model's by its URL.
       const where = pool.key.endsWith("#" + m.model) ? pool.key.slice(0, -m.model.length - 1) : pool.key;
       let said;
-      if (pool.draining) said = "DRAINING: " + (pool.active || 0) + " running finish, nothing new goes there";
+      if (pool.draining) said = "DRAINING: " + (pool.active ? pool.active + " running finish, " : "") + "nothing new goes there";
       else if (pool.capacity !== null) said = usage(pool);
       else if (m.state === "unloaded" || failed) said = "no slots while " + (failed ? "it fails to load" : "unloaded");
       else said = "slots not known yet (" + m.state + ")";
