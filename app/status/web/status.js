@@ -222,7 +222,7 @@ function upstreams(snap) {
       // A router has no slots of its own: its models' are under Models.
       row.append(el("div", { class: "muted" }, "router: its models' slots are under Models"));
     } else {
-      row.append(...slots(u, u.ready), el("div", { class: "muted" }, usage(u)));
+      row.append(...slots(u, u.ready), el("div", { class: "muted" }, (u.model ? u.model + ": " : "") + usage(u)));
     }
     if (u.draining !== undefined) {
       const path = "admin/upstreams/" + encodeURIComponent(name) + (u.draining ? "/restore" : "/drain");
