@@ -524,6 +524,18 @@ def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of
     assert not running.older
 
 
+def test_the_registry_walks_every_live_request_in_the_order_they_came_reused_ids_included() -> None:
+    running = Running()
+    a, b, c, d = (cast(Watch, object()) for _ in range(4))
+    running.enlist("x", a)
+    running.enlist("y", b)
+    running.enlist("x", c)  # the same id again: listed under it, after the first
+    running.enlist("z", d)
+    assert list(running.watches()) == [a, c, b, d]
+    running.delist("x", a)
+    assert list(running.watches()) == [c, b, d]
+
+
 # -- with one line per model (a llama-server router) -------------------------------------------
 
 
