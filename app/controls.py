@@ -109,19 +109,23 @@ class Operators:
         return None
 
     def drain(self, who: str, upstream: Upstream) -> None:
-        upstream.pool.drain()
+        upstream.drain()
         self._done("drain", who, "drained upstream %s: its running requests finish", upstream.name)
 
     def restore(self, who: str, upstream: Upstream) -> None:
-        upstream.pool.restore()
+        upstream.restore()
         self._done("restore", who, "restored upstream %s", upstream.name)
 
     def pause(self, who: str) -> None:
         self._gate.pause()
+        if (lanes := self._fleet.lanes) is not None:
+            lanes.pause()  # each model's line too (a router's)
         self._done("pause", who, "paused admission: new requests wait in line")
 
     def resume(self, who: str) -> None:
         self._gate.resume()
+        if (lanes := self._fleet.lanes) is not None:
+            lanes.resume()
         self._done("resume", who, "resumed admission")
 
     def cancel(self, who: str, request_id: str) -> bool:

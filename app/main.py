@@ -199,7 +199,9 @@ class Service:
                     "ready": upstream.ready,
                     # Drained by an operator: its running requests finish, nothing new goes
                     # there, and its slots are not counted in `capacity`.
-                    "draining": upstream.pool.draining,
+                    "draining": upstream.draining,
+                    # A llama-server router: its slots are its models' (under "models").
+                    "router": upstream.router is not None,
                     "reason": upstream.reason,
                     "capacity": upstream.pool.capacity,
                     "active": upstream.pool.active,
@@ -215,7 +217,7 @@ class Service:
             "replication": self.gate.view(),
             **({"models": self.models_view()} if self.models.routed else {}),
             # Read from the proxy's waiters and the metrics' counts now, not kept per request.
-            "waiting": waiting(self.proxy.waiting, self.admission.eta_s),
+            "waiting": waiting(self.proxy.running.watches(), self.admission.eta_s),
             "recent": self.recent.view(now),
             # PREEMPT_AFTER_S: requests preempted before their first byte so far.
             "preemptions": None if (p := self.proxy.preemption) is None else p.count,
@@ -243,6 +245,8 @@ class Service:
                             "model": lane.model,
                             "capacity": pool.capacity,
                             "active": pool.active,
+                            # Its upstream drained by an operator (a router: all its models).
+                            "draining": pool.draining,
                             "budget_tokens": pool.budget,
                             "committed_tokens": pool.committed,
                         }
@@ -362,7 +366,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
                 503,
                 {"retry-after": "1"},
             )
-        if all(u.pool.draining for u in service.fleet if u.ready):
+        if all(u.draining for u in service.fleet if u.ready):
             # Ready while another upstream serves; with every ready one drained, nothing does.
             return JSONResponse(
                 {"status": "not ready", "reason": "every ready upstream is drained"},

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from hypothesis import settings as hypothesis_settings
 from slotgate.cli import uvicorn_config
+from slotgate.gate.models import Lane
 from slotgate.main import Gateway, Service, create_app
 from slotgate.proxy import protocol as protocol_module
 from slotgate.settings import Settings
@@ -25,7 +26,7 @@ from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
 from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
-from tests.support.router import Hosted
+from tests.support.router import Hosted, children, hosted
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -384,11 +385,15 @@ def counting(standin: StandIn) -> StandIn:
 
 
 async def hold_stream_of(
-    client: httpx.AsyncClient, gate: RunningGate, body: dict[str, Any], started: asyncio.Event
+    client: httpx.AsyncClient,
+    gate: RunningGate,
+    body: dict[str, Any],
+    started: asyncio.Event,
+    headers: dict[str, str] | None = None,
 ) -> list[bytes]:
     """Open a stream, signal once its first chunk arrived, then read it to the end."""
     chunks: list[bytes] = []
-    async with client.stream("POST", gate.url + CHAT, json=body) as response:
+    async with client.stream("POST", gate.url + CHAT, json=body, headers=headers) as response:
         async for chunk in response.aiter_raw():
             chunks.append(chunk)
             started.set()
@@ -449,7 +454,25 @@ async def one_slot_held(
         await holder
 
 
+def line(gate: RunningGate, model: str) -> Lane:
+    """The line of `model` (the router has listed it: `gate_before` waits for that)."""
+    found = gate.service.models.find(model)
+    assert found is not None
+    return found
+
+
 MakeRouter = Callable[..., Awaitable[StandIn]]
+
+
+async def slow_model(router: MakeRouter) -> tuple[StandIn, StandIn]:
+    """A router stand-in serving one model, "alpha", of one slot, whose answers run long (1000
+    tokens of 0.05 s, until its child is hurried): the router and that child."""
+    upstream = await router({"alpha": hosted(1)})
+    child = children(upstream)["alpha"]
+    child.tokens, child.token_delay_s = 1000, 0.05
+    return upstream, child
+
+
 GatesFor = Callable[..., Awaitable[RunningGate]]
 
 

@@ -23,12 +23,16 @@ from slotgate.settings import Settings
 from tests.conftest import (
     CHAT,
     GateFactory,
+    GatesFor,
+    MakeRouter,
     RunningGate,
     StartUpstreams,
     assert_lines,
     chat,
     hold_stream_of,
+    line,
     occupy,
+    slow_model,
 )
 from tests.support.harness import (
     SSE,
@@ -39,6 +43,7 @@ from tests.support.harness import (
     chat_body,
     http_scope,
 )
+from tests.support.router import hosted
 from tests.support.standin import StandIn
 
 
@@ -517,3 +522,178 @@ def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of
     running.delist("x", a)
     assert "x" not in running
     assert not running.older
+
+
+def test_the_registry_walks_every_live_request_in_the_order_they_came_reused_ids_included() -> None:
+    running = Running()
+    a, b, c, d = (cast(Watch, object()) for _ in range(4))
+    running.enlist("x", a)
+    running.enlist("y", b)
+    running.enlist("x", c)  # the same id again: listed under it, after the first
+    running.enlist("z", d)
+    assert list(running.watches()) == [a, c, b, d]
+    running.delist("x", a)
+    assert list(running.watches()) == [c, b, d]
+
+
+# -- with one line per model (a llama-server router) -------------------------------------------
+
+
+async def test_a_pause_holds_every_models_line_and_resume_serves_it(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(1)})
+    gate = await gate_before(upstream)
+    assert (await act(client, gate, "pause")).status_code == 200
+    waiters = [
+        asyncio.create_task(client.post(gate.url + CHAT, json=chat(model=model)))
+        for model in ("alpha", "beta")
+    ]
+    alpha, beta = line(gate, "alpha"), line(gate, "beta")
+    await gate.until(lambda: alpha.admission.queued == 1 and beta.admission.queued == 1)
+    await asyncio.sleep(0.1)  # a grant would have happened in this time; none may
+    assert (alpha.admission.active, beta.admission.active) == (0, 0)
+    assert not any(w.done() for w in waiters)
+    assert (await act(client, gate, "resume")).status_code == 200
+    assert [(await w).status_code for w in waiters] == [200, 200]
+
+
+async def test_draining_a_router_drains_every_models_pool_and_says_so(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(1, "unloaded")})
+    gate = await gate_before(upstream)
+    alpha = line(gate, "alpha")
+    await gate.until(lambda: alpha.admission.capacity == 2)
+    name, url = gate.service.upstream.name, gate.service.upstream.url
+    assert (await act(client, gate, f"upstreams/{name}/drain")).status_code == 200
+    view = (await client.get(gate.url + "/admission")).json()
+    assert view["upstreams"][0]["draining"] is True
+    models = {m["model"]: m for m in view["models"]}
+    assert [p["draining"] for p in models["alpha"]["pools"]] == [True]
+    assert models["alpha"]["capacity"] is None  # its slots left with its router
+    text = (await client.get(gate.url + "/metrics?source=slotgate")).text
+    assert f'slotgate_upstream_draining{{upstream="{url}"}} 1.0' in text
+    readyz = await client.get(gate.url + "/readyz")
+    assert readyz.status_code == 503
+    assert readyz.json()["reason"] == "every ready upstream is drained"
+    # Both wait: alpha for its slots back, beta too, and nothing is loaded on a drained router.
+    waiters = [
+        asyncio.create_task(client.post(gate.url + CHAT, json=chat(model=model)))
+        for model in ("alpha", "beta")
+    ]
+    beta = line(gate, "beta")
+    await gate.until(lambda: alpha.admission.queued == 1 and beta.admission.queued == 1)
+    await refreshed(gate, 2)
+    assert upstream.routing is not None
+    assert upstream.routing.loads == 0
+    assert (await act(client, gate, f"upstreams/{name}/restore")).status_code == 200
+    assert [(await w).status_code for w in waiters] == [200, 200]
+    assert (await client.get(gate.url + "/readyz")).status_code == 200
+
+
+async def test_a_request_in_a_models_line_is_cancelled_waiting_or_running(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream, child = await slow_model(router)
+    gate = await gate_before(upstream)
+    started = asyncio.Event()
+    body, headers = chat(model="alpha", stream=True), {"x-request-id": "run-1"}
+    running = asyncio.create_task(hold_stream_of(client, gate, body, started, headers))
+    await started.wait()
+    alpha = line(gate, "alpha")
+    waiter = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(model="alpha"), headers={"x-request-id": "wait-1"})
+    )
+    await gate.until(lambda: alpha.admission.queued == 1)
+    assert (await act(client, gate, "requests/wait-1/cancel")).status_code == 200
+    answer = await waiter
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "cancelled_by_operator"
+    assert alpha.admission.queued == 0
+    assert (await act(client, gate, "requests/run-1/cancel")).status_code == 200
+    assert b'"code":"cancelled_by_operator"' in b"".join(await running)
+    assert alpha.admission.active == 0
+    await gate.until(lambda: child.cancelled == 1)
+
+
+async def test_a_paused_gate_loads_no_model_for_a_waiting_line(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2, "unloaded")})
+    gate = await gate_before(upstream)
+    await act(client, gate, "pause")
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="alpha")))
+    alpha = line(gate, "alpha")
+    await gate.until(lambda: alpha.admission.queued == 1)
+    await refreshed(gate, 2)
+    assert upstream.routing is not None
+    assert upstream.routing.loads == 0
+    await act(client, gate, "resume")
+    assert (await waiter).status_code == 200
+    assert upstream.routing.loads == 1
+
+
+async def refreshed(gate: RunningGate, times: int) -> None:
+    """Until the router's follower has read it `times` more times (each would plan loads)."""
+    router = gate.service.upstream.router
+    assert router is not None
+    seen = 0
+    refresh = router.refresh
+
+    async def counted(props: dict[str, Any]) -> None:
+        nonlocal seen
+        await refresh(props)
+        seen += 1
+
+    router.refresh = counted  # type: ignore[method-assign]
+    try:
+        await gate.until(lambda: seen >= times)
+    finally:
+        router.refresh = refresh  # type: ignore[method-assign]
+
+
+async def test_a_drained_server_of_one_model_beside_a_router_is_drained_in_its_models_line(
+    router: MakeRouter,
+    gates_for: GatesFor,
+    start_upstreams: StartUpstreams,
+    client: httpx.AsyncClient,
+) -> None:
+    small = StandIn(total_slots=1, tokens=3, token_delay_s=0.01, model="small.gguf")
+    await start_upstreams(small)
+    routed = await router({"routed": hosted(1)})
+    gate = await gates_for([small, routed], startup_wait_s=10)
+    await gate.until(
+        lambda: (lane := gate.service.models.find("small.gguf")) is not None and lane.running
+    )
+    small_line = line(gate, "small.gguf")
+    name = next(u.name for u in gate.service.fleet if u.url == small.url)
+    assert (await act(client, gate, f"upstreams/{name}/drain")).status_code == 200
+    assert small_line.admission.capacity is None
+    assert [pool.draining for pool in small_line.admission.pools] == [True]
+    # The router still serves its own model; the drained server's model waits for it.
+    assert (await client.post(gate.url + CHAT, json=chat(model="routed"))).status_code == 200
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="small.gguf")))
+    await gate.until(lambda: small_line.admission.queued == 1)
+    assert (await client.get(gate.url + "/readyz")).status_code == 200
+    assert (await act(client, gate, f"upstreams/{name}/restore")).status_code == 200
+    assert (await waiter).status_code == 200
+    assert small.finished == 1
+
+
+async def test_a_model_a_drained_router_lists_later_starts_drained(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1)})
+    gate = await gate_before(upstream)
+    name = gate.service.upstream.name
+    await act(client, gate, f"upstreams/{name}/drain")
+    assert upstream.hosted is not None
+    upstream.hosted["beta"] = hosted(2)
+    await gate.until(lambda: gate.service.models.find("beta") is not None)
+    beta = line(gate, "beta")
+    await refreshed(gate, 2)
+    assert beta.admission.capacity is None
+    assert [pool.draining for pool in beta.admission.pools] == [True]
+    await act(client, gate, f"upstreams/{name}/restore")
+    await gate.until(lambda: beta.admission.capacity == 2)

@@ -74,6 +74,9 @@ class Models:
         self._lanes: dict[str, Lane] = {}
         self._aliases: dict[str, Lane] = {}
         self.closed = False
+        #: An operator paused admission: every line, and each made until `resume`, grants no
+        #: one (the request path reaches a line only through this, so none can miss it).
+        self.paused = False
 
     def __iter__(self) -> Iterator[Lane]:
         return iter(self._lanes.values())
@@ -96,6 +99,8 @@ class Models:
             admission = self._make()
             if self.closed:
                 admission.close()
+            elif self.paused:
+                admission.pause()
             lane = self._lanes[model] = Lane(model, admission, Local(admission))
         names = frozenset(aliases) - {model}
         if names != lane.aliases:
@@ -108,6 +113,18 @@ class Models:
         tenants = tuple(tenants)
         for lane in self._lanes.values():
             lane.gate.retune(tenants)
+
+    def pause(self) -> None:
+        """An operator holds admission: no line grants anyone until `resume`."""
+        self.paused = True
+        for lane in self._lanes.values():
+            lane.admission.pause()
+
+    def resume(self) -> None:
+        """Every line moves again, each in its own order."""
+        self.paused = False
+        for lane in self._lanes.values():
+            lane.admission.resume()
 
     def close(self) -> None:
         """Shutdown: every line turns its waiters away and takes no one new."""

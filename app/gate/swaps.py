@@ -23,6 +23,10 @@ So a line waits at most about `swap_after_s` + the longest running request of th
 one unload and one load, per model ahead of it in rule 1's order; with two models behind a
 `--models-max 1` router, each line gets the router at least every `2 x swap_after_s` plus the
 swap times, and no swap happens while both lines are empty or only one has work.
+
+No plan is made (nothing loaded, unloaded or newly held) while an operator has paused the gate
+or drained the router: the follower skips it (app/upstreams/router.py), and the waiters'
+clocks run on, so the rule picks up where the lines stand on resume or restore.
 """
 
 from __future__ import annotations

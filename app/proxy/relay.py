@@ -133,8 +133,6 @@ class Proxy:
         self._body_limit = settings.max_body_bytes
         #: Bytes of gated bodies not yet admitted, bounded by QUEUE_BODY_BYTES.
         self.body_bytes = BodyBytes(settings.queue_body_bytes, admission)
-        #: The requests waiting for slots now, in the order they began to wait.
-        self.waiting: dict[Request, Claim] = {}
         self._keepalive_s = settings.keepalive_interval_s
         self._head_after_s = settings.stream_head_after_s
         self._startup_wait_s = settings.startup_wait_s
@@ -147,7 +145,8 @@ class Proxy:
         self._auth = fleet.primary.auth
         # Bound once: the relay modes and the watch take it for every request.
         self._own: Callable[[Request], Headers] = self._own_headers
-        #: The requests under way that an operator may cancel, by request id.
+        #: The requests under way, by request id: those an operator may cancel, and those
+        #: waiting for slots (/admission's `waiting`).
         self.running = Running()
 
     # -- one request, top to bottom ------------------------------------------------------------
@@ -349,19 +348,13 @@ class Proxy:
                         counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
                         await counter.count(ticket, request.estimate)
                     if not ticket.admitted:
-                        # Listed while it waits, for /admission's `waiting` (read only when
-                        # asked for): a request admitted at once is never listed.
-                        waiting = self.waiting
-                        waiting[request] = ticket
-                        try:
-                            awaited = self._wait(request, answer, ticket)
-                            if request.max_wait_s is not None:
-                                awaited = self._within(awaited, request, ticket)
-                            if self.preemption is not None and request.band:
-                                awaited = self._patient(awaited, request, ticket)
-                            await awaited
-                        finally:
-                            del waiting[request]
+                        # /admission's `waiting` finds it in `running`, by its ticket.
+                        awaited = self._wait(request, answer, ticket)
+                        if request.max_wait_s is not None:
+                            awaited = self._within(awaited, request, ticket)
+                        if self.preemption is not None and request.band:
+                            awaited = self._patient(awaited, request, ticket)
+                        await awaited
                 finally:
                     request.held.release()
                 request.weight = ticket.weight

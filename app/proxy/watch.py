@@ -12,7 +12,7 @@ to the client while its answer can still carry an error, and otherwise goes on u
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 from slotgate.asgi import Headers, Message, Receive
@@ -33,7 +33,9 @@ _CANCELLED = refusal(
 
 class Running(dict[str, "Watch"]):
     """The requests an operator may cancel, by request id: each gated request from the moment
-    its watch starts (its body read) until it ends. A request id a client chose and
+    its watch starts (its body read) until it ends. It is also where `/admission`'s waiting
+    list is read from (app/status/waiting.py): one registry, so a request that waits costs
+    nothing more than one admitted at once. A request id a client chose and
     sent on several requests at once names the newest of them still running: one that ends
     gives the id back to the one before it, so that a client reusing an id cannot make its
     longer request one nobody can cancel."""
@@ -61,6 +63,14 @@ class Running(dict[str, "Watch"]):
             older.remove(watch)
         if older is not None and not older:
             del self.older[request_id]
+
+    def watches(self) -> Iterator[Watch]:
+        """Every request listed, those under a reused id included (oldest of those first)."""
+        for request_id, watch in self.items():
+            older = self.older.get(request_id)
+            if older:
+                yield from older
+            yield watch
 
     def cancel(self, request_id: str) -> bool:
         """Cut the request, or take it out of the line; False when none runs by that id."""
@@ -126,6 +136,11 @@ class Watch:
         task = self._task = asyncio.current_task()
         loop = task.get_loop() if task is not None else asyncio.get_running_loop()
         self._timer = loop.call_later(WATCH_AFTER_S, self._start)
+
+    @property
+    def request(self) -> Request | None:
+        """The request it watches; None once it is over."""
+        return self._request
 
     def _start(self) -> None:
         self._timer = None

@@ -230,6 +230,8 @@ class Fleet:
             pool = lane.admission.add_pool(upstream.url)
             self._model_pools[pool] = upstream
             upstream.model_pool = pool
+            if upstream.draining:
+                pool.drain()  # an operator drained it before it joined its model's line
             lane.states[upstream.url] = "loaded"
             pool.resize_budget(upstream.pool.budget)
             pool.resize(upstream.pool.capacity)

@@ -122,11 +122,25 @@ class Router:
         self._refresh_s = refresh_s
         #: Unloads slotgate asked of the router to make room (the swap rule's).
         self.unloads = 0
+        #: An operator drained the router's upstream: every child's pool is drained (what runs
+        #: finishes, nothing new goes there), and no model is loaded or unloaded for a line.
+        self.draining = False
 
     @property
     def awaiting(self) -> bool:
         """A line waits for one of its models (so it is worth reading often)."""
         return any(child.pool.awaiting_capacity for child in self.children.values())
+
+    def drain(self) -> None:
+        """Out of rotation: every model's pool here, and each new one until `restore`."""
+        self.draining = True
+        for child in self.children.values():
+            child.pool.drain()
+
+    def restore(self) -> None:
+        self.draining = False
+        for child in self.children.values():
+            child.pool.restore()
 
     async def refresh(self, props: dict[str, Any]) -> None:
         """Follow the router: its props (already read), its models, each running child's slots;
@@ -153,7 +167,16 @@ class Router:
             child.pool.resize(None)
         now = time.monotonic()
         held = set(self.swaps.held)
-        plan = self.swaps.plan(self.max_instances, [c.demand(now) for c in seen.values()])
+        demands = [c.demand(now) for c in seen.values()]
+        if self.draining or self._models.paused:
+            # Nothing loaded or unloaded for lines that cannot be served here now: a drained
+            # router takes no new work, and a paused gate grants no one (a load would only
+            # take the router's memory from what it runs, a swap cut nothing but gain
+            # nothing). Holds under way stay; the rule picks up again on restore or resume,
+            # its waiters' clocks having run meanwhile.
+            plan = Plan(hold=set(self.swaps.held))
+        else:
+            plan = self.swaps.plan(self.max_instances, demands)
         for model in self.swaps.held - held:
             log.info(
                 "holding model for a swap: %s (no new work; its running requests finish) url=%s",
@@ -200,6 +223,8 @@ class Router:
         if child is None:
             pool = lane.admission.add_pool(f"{self.url}#{model}")
             self._adopt(pool)
+            if self.draining:
+                pool.drain()
             child = self.children[model] = Child(model, lane, pool)
             log.info("model on the router: %s (%s) url=%s", model, state, self.url)
         if status.get("failed") is True:

@@ -219,6 +219,28 @@ class Upstream:
         return parts.netloc + parts.path.rstrip("/")
 
     @property
+    def draining(self) -> bool:
+        """An operator drained it (`drain`), until `restore`."""
+        return self.pool.draining
+
+    def drain(self) -> None:
+        """Out of rotation (an operator's): its pool, its pool in its model's line, and a
+        router's pool in each of its models' lines; what runs there finishes."""
+        self.pool.drain()
+        if self.model_pool is not None:
+            self.model_pool.drain()
+        if self.router is not None:
+            self.router.drain()
+
+    def restore(self) -> None:
+        """Back in rotation, every pool of it with its last reported slots."""
+        self.pool.restore()
+        if self.model_pool is not None:
+            self.model_pool.restore()
+        if self.router is not None:
+            self.router.restore()
+
+    @property
     def keeps_streams(self) -> bool | None:
         """Does llama-server keep a connection open after an event stream? None until seen."""
         return self._client.keeps_streams
@@ -427,6 +449,8 @@ class Upstream:
             assert self._routing is not None  # noqa: S101 - checked by the caller
             router = self.router = self._routing(self)
             log.info("llama-server is a router (several models) url=%s", self.url)
+            if self.pool.draining:
+                router.drain()  # drained before it showed itself a router
             # Its slots are its children's now, not those of the server it may have been.
             self.props = None
             self.pool.resize(None)

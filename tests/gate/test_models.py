@@ -91,3 +91,23 @@ def test_a_lanes_state_is_the_best_of_its_routers() -> None:
     assert alpha.state == "loaded"
     alpha.states = {"http://a": "failed"}
     assert alpha.state == "failed"
+
+
+def test_a_pause_holds_every_line_and_a_line_made_while_paused_starts_paused() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha")
+    assert alpha is not None
+    lanes.pause()
+    beta = lanes.lane("beta")
+    assert beta is not None
+    assert lanes.paused
+    assert alpha.admission.paused
+    assert beta.admission.paused
+    lanes.resume()
+    assert not lanes.paused
+    assert not alpha.admission.paused
+    assert not beta.admission.paused
+    assert lanes.lane("gamma") is not None
+    gamma = lanes.find("gamma")
+    assert gamma is not None
+    assert not gamma.admission.paused

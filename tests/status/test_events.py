@@ -12,7 +12,17 @@ import httpx
 import pytest
 from slotgate.status.page import FILES
 
-from tests.conftest import CHAT, GateFactory, RunningGate, chat
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    GatesFor,
+    MakeRouter,
+    RunningGate,
+    chat,
+    hold_stream_of,
+    line,
+    slow_model,
+)
 from tests.support.standin import StandIn
 
 KEY = "sk-status-test-key"
@@ -249,3 +259,29 @@ async def test_with_both_kinds_of_key_either_reads_the_data(
         assert answer.status_code == 200
     wrong = {"authorization": "Bearer sk-neither"}
     assert (await client.get(gate.url + "/admission", headers=wrong)).status_code == 401
+
+
+async def test_a_waiter_in_a_models_line_is_listed_with_its_model_and_its_lines_eta(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream, child = await slow_model(router)
+    gate = await gate_before(upstream)
+    alpha = line(gate, "alpha")
+    # Its line expects long holds; the gate's main line (no slots of its own) knows nothing.
+    alpha.admission.expect(120.0)
+    started = asyncio.Event()
+    holder = asyncio.create_task(
+        hold_stream_of(client, gate, chat(model="alpha", stream=True), started)
+    )
+    await started.wait()
+    waiter = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(model="alpha"), headers={"x-request-id": "w-a"})
+    )
+    await gate.until(lambda: alpha.admission.queued == 1)
+    listed = (await client.get(gate.url + "/admission")).json()["waiting"]
+    assert [(w["request_id"], w["model"], w["position"]) for w in listed] == [("w-a", "alpha", 1)]
+    assert listed[0]["eta_s"] == pytest.approx(alpha.admission.eta_s(1), abs=5)
+    assert listed[0]["eta_s"] > 30  # the gate's own line would say 0
+    child.hurry()
+    assert (await waiter).status_code == 200
+    await holder

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CHAT, GateFactory, RunningGate, chat
+from tests.conftest import CHAT, GateFactory, GatesFor, MakeRouter, RunningGate, chat
+from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 from tests.support.tools import tool
 from tests.support.valkey import Valkey
@@ -71,9 +72,14 @@ async def text(page: Any, selector: str, pattern: str) -> None:
 
 
 async def stream(
-    client: httpx.AsyncClient, gate: RunningGate, started: asyncio.Event, **headers: str
+    client: httpx.AsyncClient,
+    gate: RunningGate,
+    started: asyncio.Event,
+    body: dict[str, Any] | None = None,
+    **headers: str,
 ) -> int:
-    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True), headers=headers) as r:
+    body = chat(stream=True) if body is None else body
+    async with client.stream("POST", gate.url + CHAT, json=body, headers=headers) as r:
         async for _ in r.aiter_raw():
             started.set()
         return r.status_code
@@ -250,3 +256,57 @@ async def test_with_a_shared_line_the_page_names_the_mode_and_the_replicas(
     await text(page, "#replicas", r"^mode degraded \(Redis away: .+\)")
     await text(page, "#state", r"shared line DEGRADED")
     await shot(page, tmp_path, "status-replicas-degraded")
+
+
+async def test_behind_a_router_the_page_shows_each_models_state_line_and_slots(
+    router: MakeRouter,
+    gate_before: GatesFor,
+    client: httpx.AsyncClient,
+    browser: Any,
+    tmp_path: Path,
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(1, "unloaded", ["b"])})
+    alpha_child = children(upstream)["alpha"]
+    alpha_child.tokens, alpha_child.token_delay_s = 2000, 0.05
+    gate = await gate_before(upstream)
+    alpha = gate.service.models.find("alpha")
+    assert alpha is not None
+    await gate.until(lambda: alpha.admission.capacity == 2)
+    page = await open_page(browser, gate, viewport={"width": 1100, "height": 900})
+    await text(page, "#models", r"alpha.*loaded.*0 busy, 2 free")
+    await text(page, "#models", r"beta \(b\).*unloaded.*no slots while unloaded")
+    await text(page, "#state", r"1 of 2 models loaded · 0 of 2 slots busy")
+
+    # Both of alpha's slots held, one request in its line.
+    holders = []
+    for _ in range(2):
+        started = asyncio.Event()
+        body = chat(model="alpha", stream=True)
+        holders.append(asyncio.create_task(stream(client, gate, started, body)))
+        await started.wait()
+    waiter = asyncio.create_task(
+        client.post(gate.url + CHAT, json=chat(model="alpha"), headers={"x-request-id": "for-a"})
+    )
+    await gate.until(lambda: alpha.admission.queued == 1)
+    await text(page, "#models", r"alpha.*1 waiting.*2 busy, 0 free")
+    assert await page.locator("#models .slot.busy").count() == 2
+    await text(page, "#waiting tbody tr", r"alpha.*for-a")
+    await text(page, "#line-summary", r"^1 waiting")
+    await text(page, "#state", r"2 of 2 slots busy · 1 waiting")
+    await shot(page, tmp_path, "status-models")
+
+    # The router drained: every model's pool says so.
+    name = gate.service.upstream.name
+    await page.get_by_role("button", name=f"Drain {name}").click()
+    await text(page, "#models", r"alpha.*DRAINING: 2 running finish")
+    await text(
+        page, "#state", r"1 of 1 upstreams ready · 1 drained · .* 2 slots busy \(0 in rotation\)"
+    )
+    await shot(page, tmp_path, "status-models-drained")
+    await page.get_by_role("button", name=f"Restore {name}").click()
+    await text(page, "#models", r"^(?!.*DRAINING)")
+    alpha_child.hurry()
+    assert (await waiter).status_code == 200
+    for holder in holders:
+        assert await holder == 200
+    assert page.errors == []

@@ -7,19 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from slotgate.gate.models import Lane
 
-from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, StartUpstreams, chat
+from tests.conftest import CHAT, GatesFor, MakeRouter, StartUpstreams, chat, line
 from tests.support.router import Routing, children, hosted
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
-
-
-def line(gate: RunningGate, model: str) -> Lane:
-    """The line of `model` (the router has listed it: `gate_before` waited for that)."""
-    found = gate.service.models.find(model)
-    assert found is not None
-    return found
 
 
 async def test_a_router_is_ready_and_shows_each_models_line(

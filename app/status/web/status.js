@@ -138,8 +138,21 @@ function show(snap) {
   if (!snap.admission_control) words.push("admission control off");
   words.push(ready + " of " + snap.upstreams.length + " upstreams ready");
   if (!ready) kind = "bad";
-  words.push(snap.capacity === null ? "slot count not known yet" : snap.active + " of " + snap.capacity + " slots busy");
-  words.push(snap.queued + " waiting");
+  const drained = snap.upstreams.filter((u) => u.draining).length;
+  if (drained) {
+    words.push(drained + " drained");
+    if (kind === "ok") kind = "warn";
+  }
+  const models = snap.models || [];
+  if (models.length) {
+    // Behind routers the slots are the models': each model's line has its own.
+    const loaded = models.filter((m) => LOADED.has(m.state)).length;
+    words.push(loaded + " of " + models.length + " models loaded");
+    words.push(busy(sum(models, "active"), sum(models, "capacity")));
+  } else {
+    words.push(snap.capacity === null && !snap.active ? "slot count not known yet" : busy(snap.active, snap.capacity || 0));
+  }
+  words.push(queued(snap) + " waiting");
   const mode = snap.replication?.mode;
   if (mode && mode !== "local" && mode !== "shared") {
     words.push("shared line " + mode.toUpperCase());
@@ -148,6 +161,7 @@ function show(snap) {
   say(words.join(" · "), kind);
   gateActions(snap);
   upstreams(snap);
+  modelLines(snap.models);
   line(snap);
   recent(snap.recent);
   tenants(snap.tenants);
@@ -204,19 +218,11 @@ function upstreams(snap) {
       el("span", { class: "name" }, name), " ",
       el("span", { class: u.ready && !u.draining ? "ok" : u.ready ? "warn" : "bad" }, state));
     const row = el("div", { class: "upstream" }, head);
-    const pools = Array.isArray(u.pools) && u.pools.length ? u.pools : [u];
-    for (const pool of pools) {
-      const slots = el("div", { class: "slots", role: "img",
-        "aria-label": pool.active + " of " + pool.capacity + " slots busy" });
-      for (let i = 0; i < (pool.capacity || 0); i++) {
-        const busy = i < pool.active;
-        slots.append(el("span", { class: "slot" + (busy ? " busy" : "") + (u.ready ? "" : " off"),
-          title: busy ? "busy" : "free" }));
-      }
-      const model = pool.model ? pool.model + ": " : "";
-      const tokens = pool.budget_tokens ? " · KV " + pool.committed_tokens + " / " + pool.budget_tokens + " tokens" : "";
-      row.append(slots, el("div", { class: "muted" },
-        model + (pool.active || 0) + " busy, " + Math.max((pool.capacity || 0) - (pool.active || 0), 0) + " free" + tokens));
+    if (u.router) {
+      // A router has no slots of its own: its models' are under Models.
+      row.append(el("div", { class: "muted" }, "router: its models' slots are under Models"));
+    } else {
+      row.append(...slots(u, u.ready), el("div", { class: "muted" }, (u.model ? u.model + ": " : "") + usage(u)));
     }
     if (u.draining !== undefined) {
       const path = "admin/upstreams/" + encodeURIComponent(name) + (u.draining ? "/restore" : "/drain");
@@ -226,14 +232,72 @@ function upstreams(snap) {
   }
 }
 
+// A drained upstream's slots leave the capacity while its requests finish.
+const busy = (active, capacity) =>
+  active > capacity ? active + " slots busy (" + capacity + " in rotation)" : active + " of " + capacity + " slots busy";
+
+// The states in which a router runs a model with known slots.
+const LOADED = new Set(["loaded", "sleeping"]);
+const sum = (list, field) => list.reduce((total, item) => total + (item[field] || 0), 0);
+const queued = (snap) => snap.queued + sum(snap.models || [], "queued");
+
+function slots(pool, live) {
+  const box = el("div", { class: "slots", role: "img",
+    "aria-label": pool.active + " of " + pool.capacity + " slots busy" });
+  for (let i = 0; i < (pool.capacity || 0); i++) {
+    const busy = i < pool.active;
+    box.append(el("span", { class: "slot" + (busy ? " busy" : "") + (live ? "" : " off"),
+      title: busy ? "busy" : "free" }));
+  }
+  return [box];
+}
+
+function usage(pool) {
+  const tokens = pool.budget_tokens ? " · KV " + pool.committed_tokens + " / " + pool.budget_tokens + " tokens" : "";
+  return (pool.active || 0) + " busy, " + Math.max((pool.capacity || 0) - (pool.active || 0), 0) + " free" + tokens;
+}
+
+// Each model behind routers (`/admission`'s `models`): its state, its line, and its pools, one
+// per upstream that serves it, with their slots.
+function modelLines(models) {
+  $("models-section").hidden = !models || !models.length;
+  const box = $("models");
+  box.replaceChildren();
+  for (const m of models || []) {
+    const failed = m.state === "failed";
+    const codes = Object.values(m.exit_codes || {});
+    let state = failed ? "FAILED to load" + (codes.length ? " (exit code " + codes.join(", ") + ")" : "") : m.state;
+    if (m.held) state += " · HELD for a swap: no new work until it is unloaded";
+    const kind = failed ? "bad" : LOADED.has(m.state) ? (m.held ? "warn" : "ok") : m.state === "unloaded" ? "muted" : "warn";
+    const name = m.model + (m.aliases && m.aliases.length ? " (" + m.aliases.join(", ") + ")" : "");
+    const limit = m.queue_limit === null || m.queue_limit === undefined ? "no limit" : "limit " + m.queue_limit;
+    const row = el("div", { class: "model" },
+      el("div", {}, el("span", { class: "name" }, name), " ", el("span", { class: kind }, state),
+        " · " + m.queued + " waiting (" + limit + ")"));
+    for (const pool of m.pools || []) {
+      // A router's pool is keyed "<router URL>#<model>"; a server of one model's by its URL.
+      const where = pool.key.endsWith("#" + m.model) ? pool.key.slice(0, -m.model.length - 1) : pool.key;
+      let said;
+      if (pool.draining) said = "DRAINING: " + (pool.active ? pool.active + " running finish, " : "") + "nothing new goes there";
+      else if (pool.capacity !== null) said = usage(pool);
+      else if (m.state === "unloaded" || failed) said = "no slots while " + (failed ? "it fails to load" : "unloaded");
+      else said = "slots not known yet (" + m.state + ")";
+      row.append(el("div", { class: "pool" }, ...slots(pool, pool.capacity !== null),
+        el("div", { class: pool.draining ? "warn" : "muted" }, where + ": " + said)));
+    }
+    box.append(row);
+  }
+}
+
 function line(snap) {
   const waiting = snap.waiting || [];
   const oldest = waiting.reduce((most, w) => Math.max(most, w.waited_s), 0);
   const limit = snap.queue_limit === null || snap.queue_limit === undefined ? "no limit" : "limit " + snap.queue_limit;
+  const total = queued(snap);
   $("line-summary").textContent =
-    snap.queued + " waiting (" + limit + ")" +
+    total + " waiting (" + limit + (snap.models && snap.models.length ? " each line" : "") + ")" +
     (waiting.length ? " · oldest waited " + seconds(oldest) : "") +
-    (waiting.length < snap.queued ? " · the " + waiting.length + " longest waits shown" : "");
+    (waiting.length < total ? " · the " + waiting.length + " longest waits shown" : "");
   const body = $("waiting").tBodies[0];
   body.replaceChildren();
   if (!waiting.length) {
