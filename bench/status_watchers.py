@@ -10,7 +10,12 @@ With `--waiting N`, the stand-in's slots are first held by long generations and 
 requests wait in the line, unmoving, through both stretches: each snapshot then lists the 50
 longest waits and reads every tenant's counts, the most a snapshot does.
 
-Run it as `python -m bench.status_watchers [--seconds 60] [--watchers 10] [--waiting 0]`.
+With `--load RATE`, both stretches run under an open loop of RATE plain chat completions a
+second (the stand-in answers at once, on 256 slots; this process sends them and reads the
+answers), so that the watchers' cost shows beside a loaded request path.
+
+Run it as `python -m bench.status_watchers [--seconds 60] [--watchers 10] [--waiting 0]
+[--load 0]`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.contenders import await_ready
+from bench.loadgen import chat_body, open_loop, request_bytes
 from bench.procs import Server, free_port, spawn
 from tests.support.standin import StandIn
 
@@ -62,7 +68,21 @@ async def wait_in_line(port: int, count: int) -> list[asyncio.StreamWriter]:
     return writers
 
 
-async def rounds(gate: Server, seconds: float, watchers: int, waiting: int) -> None:
+async def loaded(gate: Server, seconds: float, load: float) -> float:
+    """`share` over `seconds` while an open loop sends `load` chats a second; 0 load: at rest."""
+    if not load:
+        return await share(gate, seconds)
+    raw = request_bytes(gate.port, "/v1/chat/completions", chat_body(stream=False, max_tokens=4))
+    sending = asyncio.create_task(open_loop(gate.port, raw, 256, load, seconds + 2))
+    await asyncio.sleep(1)
+    used = await share(gate, seconds)
+    result, starved = await sending
+    answered = sum(result.statuses.values())
+    print(f"  (load: {result.statuses[200]} of {answered} answered 200, {starved} starved)")
+    return used
+
+
+async def rounds(gate: Server, seconds: float, watchers: int, waiting: int, load: float) -> None:
     url = f"http://127.0.0.1:{gate.port}"
     held = await wait_in_line(gate.port, waiting)
     async with httpx.AsyncClient() as client, asyncio.timeout(60):
@@ -73,15 +93,17 @@ async def rounds(gate: Server, seconds: float, watchers: int, waiting: int) -> N
     await asyncio.sleep(3)
     if waiting:
         print(f"{waiting} requests sent; the slots are held and the rest wait in line")
+    if load:
+        print(f"under an open loop of {load:g} chat completions a second")
     print(f"| watchers | slotgate's CPU, % of one core, over {seconds:g} s |")
     print("|---|---|")
     for _ in range(2):
-        print(f"| none | {await share(gate, seconds):.2f} |", flush=True)
+        print(f"| none | {await loaded(gate, seconds, load):.2f} |", flush=True)
         counts = [0]
         tasks = [asyncio.create_task(watch(url, counts)) for _ in range(watchers)]
         await asyncio.sleep(3)
         counts[0] = 0
-        used = await share(gate, seconds)
+        used = await loaded(gate, seconds, load)
         print(f"| {watchers} ({counts[0]} snapshots received) | {used:.2f} |", flush=True)
         for task in tasks:
             task.cancel()
@@ -92,9 +114,14 @@ async def rounds(gate: Server, seconds: float, watchers: int, waiting: int) -> N
         writer.close()
 
 
-async def main(seconds: float, watchers: int, waiting: int) -> None:
-    # Two slots; a generation lasts 100 s unless the line is left alone.
-    standin = StandIn(total_slots=2, tokens=2000, token_delay_s=0.05, record=False)
+async def main(seconds: float, watchers: int, waiting: int, load: float) -> None:
+    # Two slots; a generation lasts 100 s unless the line is left alone. Under load: answers
+    # at once, on slots enough for the open loop.
+    standin = (
+        StandIn(total_slots=256, tokens=4, record=False)
+        if load
+        else StandIn(total_slots=2, tokens=2000, token_delay_s=0.05, record=False)
+    )
     await standin.start()
     port = free_port()
     env = {"LLAMA_SERVER_URL": standin.url, "HOST": "127.0.0.1", "PORT": str(port),
@@ -106,7 +133,7 @@ async def main(seconds: float, watchers: int, waiting: int) -> None:
             )
             gate = await asyncio.to_thread(await_ready, started, "/readyz", 30)
             try:
-                await rounds(gate, seconds, watchers, waiting)
+                await rounds(gate, seconds, watchers, waiting, load)
             finally:
                 gate.stop()
     finally:
@@ -118,5 +145,6 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--watchers", type=int, default=10)
     parser.add_argument("--waiting", type=int, default=0)
+    parser.add_argument("--load", type=float, default=0.0, help="chats a second, open loop")
     args = parser.parse_args()
-    asyncio.run(main(args.seconds, args.watchers, args.waiting))
+    asyncio.run(main(args.seconds, args.watchers, args.waiting, args.load))
