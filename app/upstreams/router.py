@@ -12,13 +12,13 @@ are known, so a child never gets more than its slots.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+import orjson
 from slotgate.errors import ExchangeFailed
 from slotgate.gate.models import RUNNING, Lane, Models
 from slotgate.gate.pool import Pool
@@ -137,7 +137,9 @@ class Router:
         status, body = await self._get("/models")
         if status != 200:
             raise ValueError(f"/models answered {status}")
-        listed = json.loads(body)
+        # orjson: a nesting too deep is a ValueError, not a RecursionError that would end the
+        # follower (the router's answers are not slotgate's to trust).
+        listed = orjson.loads(body)
         data = listed.get("data") if isinstance(listed, dict) else None
         if not isinstance(data, list):
             raise ValueError("/models did not list its models under data")  # noqa: TRY004 - bad data
@@ -228,7 +230,7 @@ class Router:
         try:
             target = f"/props?model={quote(child.model, safe='')}&autoload=false"
             status, body = await self._get(target)
-            props = self._parse(json.loads(body)) if status == 200 else None
+            props = self._parse(orjson.loads(body)) if status == 200 else None
         except (ValueError, ExchangeFailed, TimeoutError) as exc:
             log.info("cannot read %s's props: %s url=%s", child.model, exc, self.url)
             props = None
@@ -304,7 +306,7 @@ async def served_names(upstream: Upstream) -> tuple[str, ...]:
     fallback = (props.model,) if props is not None and props.model else ()
     try:
         status, body = await upstream.get("/v1/models")
-        data = json.loads(body).get("data") if status == 200 else None
+        data = orjson.loads(body).get("data") if status == 200 else None
     except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
         return fallback
     first = data[0] if isinstance(data, list) and data else None

@@ -365,7 +365,9 @@ class Upstream:
                         "root URL, without /v1"
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
-            data = json.loads(body)
+            # orjson: too deep a nesting is a ValueError (json's RecursionError would end the
+            # follower).
+            data = orjson.loads(body)
             if isinstance(data, dict) and data.get("role") == "router" and self._routing:
                 await self._follow_router(data)
                 return

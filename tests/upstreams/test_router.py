@@ -345,3 +345,20 @@ async def test_with_a_shared_line_each_models_line_is_kept_by_the_replica(
     assert [a.status_code for a in answers] == [200] * 6
     kids = children(upstream)
     assert (kids["alpha"].max_running, kids["beta"].max_running) == (2, 1)
+
+
+async def test_a_models_listing_nested_too_deep_to_parse_does_not_stop_the_following(
+    router: MakeRouter, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2)})
+    assert upstream.routing is not None
+    # Parsed by the standard library's json, this raises RecursionError, not ValueError.
+    upstream.routing.listing = b"[" * 100_000
+    gate = await gates_for([upstream])
+    await gate.until(lambda: gate.service.upstream.router is not None)
+    upstream.routing.listing = None
+    await gate.until(
+        lambda: (lane := gate.service.models.find("alpha")) is not None and lane.running
+    )
+    answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
+    assert answer.status_code == 200
