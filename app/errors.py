@@ -26,7 +26,8 @@
     │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
     │   ├── UpstreamError         llama-server could not give its answer
     │   │   ├── UpstreamUnavailable
-    │   │   │   └── UpstreamStarting
+    │   │   │   ├── UpstreamStarting
+    │   │   │   └── ModelLoadFailed
     │   │   └── UpstreamFailed
     │   └── TooManyWatchers       the status stream has all the watchers it takes
     ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
@@ -304,6 +305,20 @@ class UpstreamStarting(UpstreamUnavailable):
         self.sent = sent
 
 
+class ModelLoadFailed(UpstreamUnavailable):
+    """A llama-server router's child for the model exited while it loaded (a broken file, too
+    little memory): its waiters are told at once, as the router tells its own, rather than
+    waiting out STARTUP_WAIT_S for a load that will not come. slotgate asks for it again for
+    the next request."""
+
+    def __init__(self, name: str, exit_code: int | None) -> None:
+        code = "" if exit_code is None else f" (exit code {exit_code})"
+        super().__init__(
+            f"model '{name}' failed to load{code}; llama-server's log says why, and the next "
+            "request for it tries again"
+        )
+
+
 class UpstreamFailed(UpstreamError):
     """llama-server broke off, stalled or answered something that is not HTTP."""
 
@@ -415,6 +430,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     TenantTooLarge:       Shape(400, _BAD, "too_many_slots", "bad_request"),
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
+    ModelLoadFailed:      Shape(503, _AWAY, "model_load_failed", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
     Cancelled:            Shape(503, _AWAY, "cancelled_by_operator", "cancelled", final=True),
     TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import orjson
-from slotgate.errors import ExchangeFailed
+from slotgate.errors import ExchangeFailed, ModelLoadFailed
 from slotgate.gate.models import RUNNING, Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.gate.swaps import Demand, Plan, Swaps
@@ -204,15 +204,23 @@ class Router:
             self._adopt(pool)
             child = self.children[model] = Child(model, lane, pool)
             log.info("model on the router: %s (%s) url=%s", model, state, self.url)
+        code = None
         if status.get("failed") is True:
             state = "failed"
             code = status.get("exit_code")
-            if isinstance(code, int):
+            code = code if isinstance(code, int) and not isinstance(code, bool) else None
+            if code is not None:
                 lane.exit_codes[self.url] = code
         else:
             lane.exit_codes.pop(self.url, None)
+        failed_now = state == "failed" and child.state != "failed"
         child.state = state
         lane.states[self.url] = state
+        if failed_now and lane.state == "failed" and not lane.running:
+            # As the router answers its own waiters when a load fails: none of them waits out
+            # STARTUP_WAIT_S for a model no router has. The next request asks for it again.
+            log.warning("model failed to load: %s exit_code=%s url=%s", model, code, self.url)
+            lane.admission.turn_away(lambda: ModelLoadFailed(model, code))
         lane.autoload = self.autoload
         return child
 

@@ -173,6 +173,27 @@ async def test_a_model_whose_load_failed_shows_its_exit_code(
     assert alpha["exit_codes"] == {upstream.url: 1}
 
 
+async def test_the_waiters_of_a_model_whose_load_failed_are_told_so_without_waiting_it_out(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    broken = hosted(2, "unloaded")
+    broken.fails_with = 3
+    upstream = await router({"alpha": broken}, load_delay_s=0.05)
+    # A wait longer than the test's own bound: an answer means they were told, not timed out.
+    gate = await gate_before(upstream, startup_wait_s=600)
+    answers = await asyncio.wait_for(
+        asyncio.gather(*(client.post(gate.url + CHAT, json=chat(model="alpha")) for _ in range(3))),
+        timeout=30,
+    )
+    for answer in answers:
+        assert answer.status_code == 503
+        assert "retry-after" in answer.headers
+        error = answer.json()["error"]
+        assert error["code"] == "model_load_failed"
+        assert error["message"].startswith("model 'alpha' failed to load (exit code 3)")
+    assert line(gate, "alpha").admission.queued == 0
+
+
 async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
     router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
