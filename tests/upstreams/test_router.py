@@ -155,25 +155,7 @@ async def test_metrics_carry_each_childs_series_with_its_model(
     assert 'slotgate_model_queue_depth{model="beta"} 0.0' in own
 
 
-async def test_a_model_whose_load_failed_shows_its_exit_code(
-    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
-) -> None:
-    broken = hosted(2, "unloaded")
-    broken.fails_with = 1
-    upstream = await router({"alpha": broken}, load_delay_s=0.05)
-    gate = await gate_before(upstream, startup_wait_s=1)
-    answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
-    assert answer.status_code == 503
-    assert upstream.routing is not None
-    assert upstream.hosted is not None
-    assert upstream.hosted["alpha"].state == "failed"
-    view = (await client.get(gate.url + "/admission")).json()
-    (alpha,) = view["models"]
-    assert alpha["state"] == "failed"
-    assert alpha["exit_codes"] == {upstream.url: 1}
-
-
-async def test_the_waiters_of_a_model_whose_load_failed_are_told_so_without_waiting_it_out(
+async def test_the_waiters_of_a_model_whose_load_failed_are_told_its_exit_code_at_once(
     router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     broken = hosted(2, "unloaded")
@@ -192,6 +174,10 @@ async def test_the_waiters_of_a_model_whose_load_failed_are_told_so_without_wait
         assert error["code"] == "model_load_failed"
         assert error["message"].startswith("model 'alpha' failed to load (exit code 3)")
     assert line(gate, "alpha").admission.queued == 0
+    view = (await client.get(gate.url + "/admission")).json()
+    (alpha,) = view["models"]
+    assert alpha["state"] == "failed"
+    assert alpha["exit_codes"] == {upstream.url: 3}
 
 
 async def test_a_full_router_swaps_whole_lines_and_cuts_no_request(
