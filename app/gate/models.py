@@ -88,10 +88,10 @@ class Models:
 
     def lane(self, model: str, aliases: Iterable[str] = ()) -> Lane | None:
         """The lane of `model` (made on first sight), its aliases as last listed; None once
-        MAX_MODELS lines exist and this is not one of them."""
+        MAX_MODELS lines exist, this is not one of them and none can be forgotten."""
         lane = self._lanes.get(model)
         if lane is None:
-            if len(self._lanes) >= self._limit:
+            if len(self._lanes) >= self._limit and not self._forget_one():
                 return None
             admission = self._make()
             if self.closed:
@@ -102,6 +102,19 @@ class Models:
             lane.aliases = names
             self._aliases = {a: x for x in self._lanes.values() for a in x.aliases}
         return lane
+
+    def _forget_one(self) -> bool:
+        """Make room: drop a line no upstream lists any more and nothing holds or waits in
+        (a router whose models were renamed or replaced), else none. Its core is closed, so a
+        request that found it just before is told (503), not left waiting in a dead line."""
+        for model, lane in self._lanes.items():
+            admission = lane.admission
+            if not lane.states and not admission.active and not admission.queued:
+                del self._lanes[model]
+                admission.close()
+                self._aliases = {a: x for x in self._lanes.values() for a in x.aliases}
+                return True
+        return False
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
         """Reloaded tenants: every line's weights and limits from now on."""
