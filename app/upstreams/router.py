@@ -152,7 +152,8 @@ class Router:
             child = self.children.pop(model)
             log.info("model left the router: %s url=%s", model, self.url)
             child.lane.states.pop(self.url, None)
-            child.pool.resize(None)
+            # Retired, not only emptied: should it come back, it comes with a pool of its own.
+            child.pool.retire()
         now = time.monotonic()
         held = set(self.swaps.held)
         plan = self.swaps.plan(self.max_instances, [c.demand(now) for c in seen.values()])

@@ -369,3 +369,19 @@ async def test_a_models_listing_nested_too_deep_to_parse_does_not_stop_the_follo
     )
     answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
     assert answer.status_code == 200
+
+
+async def test_a_model_that_leaves_the_router_and_returns_has_one_pool_again(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
+    gate = await gate_before(upstream)
+    assert upstream.hosted is not None
+    beta = upstream.hosted.pop("beta")  # its file moved out of --models-dir, then back
+    await gate.until(lambda: not line(gate, "beta").states)
+    upstream.hosted["beta"] = beta
+    await gate.until(lambda: line(gate, "beta").running)
+    assert len(line(gate, "beta").admission.pools) == 1
+    view = (await client.get(gate.url + "/admission")).json()
+    (shown,) = (m for m in view["models"] if m["model"] == "beta")
+    assert [pool["capacity"] for pool in shown["pools"]] == [2]
