@@ -325,18 +325,23 @@ async def test_a_models_prompts_are_counted_by_its_child_against_its_budget(
     assert forwarded == [("/apply-template", "alpha"), ("/tokenize", "alpha"), (CHAT, "alpha")]
 
 
-async def test_a_model_the_router_no_longer_lists_is_unknown_again(
+async def test_a_model_the_router_no_longer_lists_is_unknown_again_until_it_returns(
     router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
     gate = await gate_before(upstream)
     assert upstream.hosted is not None
-    del upstream.hosted["beta"]  # its file removed from --models-dir
+    beta = upstream.hosted.pop("beta")  # its file removed from --models-dir
     await gate.until(lambda: not line(gate, "beta").states)
     answer = await client.post(gate.url + CHAT, json=chat(model="beta"))
     assert answer.status_code == 400
     assert answer.json()["error"]["message"] == "model 'beta' not found"
     assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
+    upstream.hosted["beta"] = beta  # and put back
+    await gate.until(lambda: line(gate, "beta").running)
+    # One pool, not a dead one left beside the new one.
+    assert [pool.capacity for pool in line(gate, "beta").admission.pools] == [2]
+    assert (await client.post(gate.url + CHAT, json=chat(model="beta"))).status_code == 200
 
 
 async def test_with_a_shared_line_each_models_line_is_kept_by_the_replica(
@@ -369,19 +374,3 @@ async def test_a_models_listing_nested_too_deep_to_parse_does_not_stop_the_follo
     )
     answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
     assert answer.status_code == 200
-
-
-async def test_a_model_that_leaves_the_router_and_returns_has_one_pool_again(
-    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
-) -> None:
-    upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
-    gate = await gate_before(upstream)
-    assert upstream.hosted is not None
-    beta = upstream.hosted.pop("beta")  # its file moved out of --models-dir, then back
-    await gate.until(lambda: not line(gate, "beta").states)
-    upstream.hosted["beta"] = beta
-    await gate.until(lambda: line(gate, "beta").running)
-    assert len(line(gate, "beta").admission.pools) == 1
-    view = (await client.get(gate.url + "/admission")).json()
-    (shown,) = (m for m in view["models"] if m["model"] == "beta")
-    assert [pool["capacity"] for pool in shown["pools"]] == [2]
