@@ -148,11 +148,18 @@ class UnknownModel(ClientError):
     """A router serves no model of that id or alias (or the request named none): said in
     llama-server's router's own words, before the request waits for anything."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(
-            f"model '{name}' not found" if name else "model name is missing from the request",
-            param="model",
-        )
+    def __init__(self, name: str, beyond: int | None = None) -> None:
+        if beyond is not None:
+            # The router serves it, but slotgate keeps no line for it: say so, not "not found".
+            message = (
+                f"model '{name}' is one of more than {beyond} models the router lists, and "
+                f"slotgate keeps a line for {beyond} at most; serve fewer models per router"
+            )
+        elif name:
+            message = f"model '{name}' not found"
+        else:
+            message = "model name is missing from the request"
+        super().__init__(message, param="model")
 
 
 class ModelNotLoaded(ClientError):

@@ -73,6 +73,9 @@ class Models:
         self.routed = False
         self._lanes: dict[str, Lane] = {}
         self._aliases: dict[str, Lane] = {}
+        #: The names (ids and aliases) of models each upstream lists past the limit, by its
+        #: URL: read only to word a refusal.
+        self._past: dict[str, frozenset[str]] = {}
         self.closed = False
 
     def __iter__(self) -> Iterator[Lane]:
@@ -85,6 +88,23 @@ class Models:
         """The lane of the model with this id, else with this alias; None if none serves it."""
         lane = self._lanes.get(name)
         return lane if lane is not None else self._aliases.get(name)
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def passed_over(self, url: str, names: Iterable[str]) -> None:
+        """The models the upstream at `url` lists that got no line (past the limit), as it
+        last listed them."""
+        past = frozenset(names)
+        if past:
+            self._past[url] = past
+        else:
+            self._past.pop(url, None)
+
+    def past(self, name: str) -> bool:
+        """An upstream serves a model of that name, but it has no line (past the limit)."""
+        return any(name in names for names in self._past.values())
 
     def lane(self, model: str, aliases: Iterable[str] = ()) -> Lane | None:
         """The lane of `model` (made on first sight), its aliases as last listed; None once

@@ -68,7 +68,9 @@ def _lane(models: Models, request: Request) -> Lane:
     name = parse_json(request.body).get("model")
     lane = models.find(name) if isinstance(name, str) else None
     if lane is None or not lane.states:  # never listed, or no longer listed anywhere
-        raise UnknownModel(name if isinstance(name, str) else "")
+        if not isinstance(name, str):
+            raise UnknownModel("")
+        raise UnknownModel(name, models.limit if models.past(name) else None)
     autoload = lane.autoload
     if b"autoload=" in request.query:
         said = parse_qs(request.query.decode("latin-1")).get("autoload")

@@ -144,10 +144,12 @@ class Router:
         if not isinstance(data, list):
             raise ValueError("/models did not list its models under data")  # noqa: TRY004 - bad data
         seen: dict[str, Child] = {}
+        past: list[str] = []
         for entry in data:
-            child = self._child(entry)
+            child = self._child(entry, past)
             if child is not None:
                 seen[child.model] = child
+        self._models.passed_over(self.url, past)
         for model in self.children.keys() - seen.keys():
             child = self.children.pop(model)
             log.info("model left the router: %s url=%s", model, self.url)
@@ -187,7 +189,7 @@ class Router:
                     child.lane.wanted = False
                     await self._load(child)
 
-    def _child(self, entry: Any) -> Child | None:
+    def _child(self, entry: Any, past: list[str]) -> Child | None:
         if not isinstance(entry, dict) or not isinstance(model := entry.get("id"), str):
             return None
         aliases = entry.get("aliases")
@@ -199,7 +201,8 @@ class Router:
         child = self.children.get(model)
         lane = self._models.lane(model, names)
         if lane is None:
-            return None  # past MAX_MODELS: passed through, never gated here
+            past += (model, *names)  # past MAX_MODELS: refused, in words that say so
+            return None
         if child is None:
             pool = lane.admission.add_pool(f"{self.url}#{model}")
             self._adopt(pool)
@@ -302,6 +305,7 @@ class Router:
 
     def close(self) -> None:
         """The router's upstream leaves: its children's slots are gone."""
+        self._models.passed_over(self.url, ())
         for child in self.children.values():
             child.lane.states.pop(self.url, None)
             child.pool.retire()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from slotgate.gate.models import Lane
+from slotgate.gate.models import MAX_MODELS, Lane
 
 from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, StartUpstreams, chat
 from tests.support.router import Routing, children, hosted
@@ -374,3 +374,21 @@ async def test_a_models_listing_nested_too_deep_to_parse_does_not_stop_the_follo
     )
     answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
     assert answer.status_code == 200
+
+
+async def test_a_model_past_the_lines_slotgate_keeps_is_refused_for_that_reason(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    listed = {f"m{i:02d}": hosted(1, "unloaded") for i in range(MAX_MODELS + 1)}
+    upstream = await router(listed)
+    gate = await gate_before(upstream)
+    await gate.until(lambda: len(gate.service.models) == MAX_MODELS)
+    last = f"m{MAX_MODELS:02d}"
+    answer = await client.post(gate.url + CHAT, json=chat(model=last))
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "model"
+    # Not "not found": the router serves it; slotgate keeps no line for it.
+    assert error["message"].startswith(f"model '{last}' is one of more than {MAX_MODELS}")
+    unknown = await client.post(gate.url + CHAT, json=chat(model="gamma"))
+    assert unknown.json()["error"]["message"] == "model 'gamma' not found"
