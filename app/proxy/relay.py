@@ -31,8 +31,8 @@ from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.models import Lane, Models
 from slotgate.gate.ticket import Claim
-from slotgate.intake.body import Reading, Wants, take_off_loop
-from slotgate.intake.endpoints import check_content_type, parse_json, route_of
+from slotgate.intake.body import Reading, Wants, model_off_loop, take_off_loop
+from slotgate.intake.endpoints import check_content_type, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
 from slotgate.proxy.access import OPEN_PATHS, Access
@@ -61,14 +61,13 @@ _UNSIZED = sys.maxsize
 _NOTHING_MORE = Wants()
 
 
-def _lane(models: Models, request: Request) -> Lane:
-    """The line of the model a request names (its body's `model`), or the router's refusal:
-    an unknown model at once, as the router would; an unloaded one when the request or the
-    router says not to load it (`?autoload=false`, --no-models-autoload)."""
-    name = parse_json(request.body).get("model")
-    lane = models.find(name) if isinstance(name, str) else None
+def _lane(models: Models, request: Request, name: str | None) -> Lane:
+    """The line of the model a request names (`name`, its body's `model`), or the router's
+    refusal: an unknown model at once, as the router would; an unloaded one when the request
+    or the router says not to load it (`?autoload=false`, --no-models-autoload)."""
+    lane = models.find(name) if name is not None else None
     if lane is None or not lane.states:  # never listed, or no longer listed anywhere
-        if not isinstance(name, str):
+        if name is None:
             raise UnknownModel("")
         raise UnknownModel(name, models.limit if models.past(name) else None)
     autoload = lane.autoload
@@ -214,7 +213,8 @@ class Proxy:
         lane = None
         if self._models.routed:
             # Upstreams serve several models: the request waits in its model's line.
-            lane = request.lane = _lane(self._models, request)
+            name = await model_off_loop(request.body)
+            lane = request.lane = _lane(self._models, request, name)
             admission = lane.admission
             gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.

@@ -4,8 +4,13 @@ line and its upstream; what the router would refuse is refused in the route's ow
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
+import pytest
+from slotgate.intake import body
+from slotgate.intake.body import OFF_LOOP_BYTES
+from slotgate.intake.endpoints import parse_json
 
 from tests.conftest import CHAT, GatesFor, MakeRouter, StartUpstreams, chat
 from tests.support.router import children, hosted
@@ -76,3 +81,32 @@ async def test_a_child_that_answers_503_sends_its_request_back_to_its_line_only(
     assert (await client.post(gate.url + CHAT, json=chat(model="beta"))).status_code == 200
     alpha.loading = False
     assert (await waiting).status_code == 200
+
+
+async def test_a_big_bodys_model_is_read_off_the_event_loop(
+    router: MakeRouter,
+    gate_before: GatesFor,
+    client: httpx.AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    upstream = await router({"alpha": hosted(2)})
+    gate = await gate_before(upstream)
+    parsed: list[int] = []
+
+    def counted(body: bytes) -> dict[str, Any]:
+        parsed.append(len(body))
+        return parse_json(body)
+
+    # Every parse of a body on the loop goes through here (in the worker process, it does not).
+    monkeypatch.setattr(body, "parse_json", counted)
+    small = await client.post(gate.url + CHAT, json=chat(model="alpha"))
+    assert small.status_code == 200
+    assert parsed  # a small body is read on the loop: a parse costs less than a trip
+    parsed.clear()
+    # Many small messages: about 14 ms of parsing a megabyte, on the loop, for every other
+    # request to wait out (a 32 MiB body: half a second).
+    many = [{"role": "user", "content": "w"} for _ in range(OFF_LOOP_BYTES // 20)]
+    big = await client.post(gate.url + CHAT, json={"model": "alpha", "messages": many})
+    assert big.status_code == 200
+    assert parsed == []
+    assert children(upstream)["alpha"].finished == 2
