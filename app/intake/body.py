@@ -248,7 +248,8 @@ async def model_off_loop(body: bytes) -> str | None:
         return _model_of(body)
     model, refusal = result
     if refusal is not None:
-        raise BadRequest(*refusal)
+        message, param = refusal
+        raise BadRequest(message, param=param)
     return model
 
 

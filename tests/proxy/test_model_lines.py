@@ -110,3 +110,18 @@ async def test_a_big_bodys_model_is_read_off_the_event_loop(
     assert big.status_code == 200
     assert parsed == []
     assert children(upstream)["alpha"].finished == 2
+
+
+async def test_a_big_body_that_is_not_json_is_refused_as_a_small_one_is(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2)})
+    gate = await gate_before(upstream)
+    for size in (10, OFF_LOOP_BYTES + 10):
+        broken = b'{"model": "alpha", "messages": [' + b" " * size
+        answer = await client.post(
+            gate.url + CHAT, content=broken, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"].startswith("request body is not valid JSON")
+    assert children(upstream)["alpha"].started == 0
