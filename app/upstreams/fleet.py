@@ -206,7 +206,14 @@ class Fleet:
                 else "slotgate routes by slots and cache, not by model",
             )
         self._warned_models = models
-        if lanes is not None and (lanes.routed or len(models) > 1):
+        if lanes is None:
+            return
+        if len(self._all) == 1 and self._all[0].router is None:
+            # One upstream, a router no more (restarted with -m): it serves whatever a request
+            # names, as before any router was seen. (In a fleet the lines stay: a server of
+            # one model that is down must not let its requests go to another's.)
+            lanes.routed = False
+        elif lanes.routed or len(models) > 1:
             self._place_all()
 
     def _place_all(self) -> None:

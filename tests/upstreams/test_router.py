@@ -291,7 +291,7 @@ async def test_servers_of_one_model_are_not_routed_by_model(
             await upstream.stop()
 
 
-async def test_a_server_restarted_as_a_router_is_followed_as_one(
+async def test_a_server_restarted_as_a_router_and_back_is_followed_as_each(
     start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=3, tokens=3)
@@ -307,6 +307,12 @@ async def test_a_server_restarted_as_a_router_is_followed_as_one(
     assert gate.service.admission.capacity is None  # the old server's slots are gone
     assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
     assert children(upstream)["alpha"].finished == 1
+    # And back to one model (-m): a request's model is not read again, as before any router.
+    upstream.hosted = upstream.routing = None
+    await gate.until(lambda: gate.service.admission.capacity == 3)
+    for body in (chat(), chat(model="alpha"), chat(model="whatever")):
+        assert (await client.post(gate.url + CHAT, json=body)).status_code == 200
+    assert upstream.finished == 4
 
 
 async def test_a_models_prompts_are_counted_by_its_child_against_its_budget(
