@@ -398,3 +398,30 @@ async def test_a_model_past_the_lines_slotgate_keeps_is_refused_for_that_reason(
     assert error["message"].startswith(f"model '{last}' is one of more than {MAX_MODELS}")
     unknown = await client.post(gate.url + CHAT, json=chat(model="gamma"))
     assert unknown.json()["error"]["message"] == "model 'gamma' not found"
+
+
+async def test_a_child_that_dies_mid_stream_gives_its_slot_back(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1)})
+    gate = await gate_before(upstream)
+    child = children(upstream)["alpha"]
+    child.tokens, child.fault = 5, "die_midstream"
+    async with client.stream("POST", gate.url + CHAT, json=chat(stream=True, model="alpha")) as cut:
+        raw = b"".join([chunk async for chunk in cut.aiter_raw()])
+    assert b"data: [DONE]" not in raw
+    child.fault = None
+    await gate.until(lambda: line(gate, "alpha").admission.active == 0)
+    assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
+
+
+async def test_a_load_that_never_ends_is_waited_for_no_longer_than_the_startup_wait(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2, "unloaded")}, load_delay_s=3600)
+    gate = await gate_before(upstream, startup_wait_s=0.5)
+    answer = await client.post(gate.url + CHAT, json=chat(model="alpha"))
+    assert answer.status_code == 503
+    assert "retry-after" in answer.headers
+    assert line(gate, "alpha").admission.queued == 0
+    assert line(gate, "alpha").state == "loading"
