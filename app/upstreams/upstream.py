@@ -510,12 +510,16 @@ class Upstream:
     async def count_prompt(self, chat: bool, payload: dict[str, Any]) -> int | None:
         """llama-server's own count of a prompt's tokens (a chat's after its template), or
         None when it cannot tell (a round trip that fails, an older server)."""
+        # A router loads the model a POST names (and evicts another for it) unless told not
+        # to: a count must never load what the swap rule keeps unloaded (app/gate/swaps.py).
+        # Not loaded, it answers 400 and the local bound stands.
+        query = "" if self.router is None else "?autoload=false"
         try:
             # One bound for both round trips: the request holds its place (or its slot) while
             # it is counted, and a count that comes late is worth less than the local bound.
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 if chat:
-                    status, body = await self._post("/apply-template", payload)
+                    status, body = await self._post("/apply-template" + query, payload)
                     if status != 200:
                         return None
                     prompt = json.loads(body).get("prompt")
@@ -526,7 +530,7 @@ class Upstream:
                 request = {"content": prompt, "add_special": True, "parse_special": True}
                 if isinstance(model := payload.get("model"), str):
                     request["model"] = model  # a router tokenizes with that model's child
-                status, body = await self._post("/tokenize", request)
+                status, body = await self._post("/tokenize" + query, request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
         except (ExchangeFailed, TimeoutError, ValueError, AttributeError, RecursionError):
             return None

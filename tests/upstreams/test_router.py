@@ -9,7 +9,15 @@ import asyncio
 import httpx
 from slotgate.gate.models import MAX_MODELS, Lane
 
-from tests.conftest import CHAT, GatesFor, MakeRouter, RunningGate, StartUpstreams, chat
+from tests.conftest import (
+    CHAT,
+    GatesFor,
+    MakeRouter,
+    RunningGate,
+    StartUpstreams,
+    chat,
+    hold_stream_of,
+)
 from tests.support.router import Routing, children, hosted
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
@@ -425,3 +433,34 @@ async def test_a_load_that_never_ends_is_waited_for_no_longer_than_the_startup_w
     assert "retry-after" in answer.headers
     assert line(gate, "alpha").admission.queued == 0
     assert line(gate, "alpha").state == "loading"
+
+
+async def test_counting_a_waiting_prompt_never_makes_the_router_load_its_model(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    alpha, beta = hosted(2), hosted(2)
+    beta.child.counts = True
+    upstream = await router({"alpha": alpha, "beta": beta}, models_max=2)
+    gate = await gate_before(upstream, kv_budget_tokens=4096, model_swap_after_s=3600)
+    await gate.until(lambda: line(gate, "beta").admission.budget_tokens is not None)
+    upstream.models_max = 1
+    beta.state = "unloaded"  # unloaded for alpha; its line keeps the budget it read
+    await gate.until(lambda: not line(gate, "beta").running)
+    alpha.child.tokens, alpha.child.token_delay_s = 1000, 0.05
+    started = asyncio.Event()
+    holder = asyncio.create_task(
+        hold_stream_of(client, gate, chat(stream=True, model="alpha"), started)
+    )
+    await started.wait()
+    waiter = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="beta")))
+    # Counted (or not) before it waits: then it is listed among the waiting.
+    await gate.until(lambda: len(gate.service.proxy.waiting) == 1)
+    # A count that loads beta (the router autoloads for any POST naming a model) would have
+    # the router evict busy-now, idle-in-a-moment alpha behind slotgate's back: the swap that
+    # slotgate's rule keeps from happening while alpha's line has work.
+    assert beta.state == "unloaded"
+    assert upstream.routing is not None
+    assert upstream.routing.loads == 0  # listed loaded from the start: no load since
+    alpha.child.hurry()
+    await holder
+    waiter.cancel()
