@@ -33,8 +33,9 @@ class Lane:
     aliases: frozenset[str] = frozenset()
     #: Some router serving it loads it on demand (`models_autoload`, its default).
     autoload: bool = True
-    #: A request asked for it to be loaded (`?autoload=true`) though its routers do not load
-    #: on demand: the next look loads it, as the router would for that request.
+    #: A request asked for it while it was not running (with `?autoload=true` where its
+    #: routers do not load on demand, or without waiting for it: STARTUP_WAIT_S=0): the next
+    #: look loads it, as the router would for that request, waiters or none.
     wanted: bool = False
     #: Held for a swap on some router: no new work there until it is unloaded
     #: (app/gate/swaps.py).

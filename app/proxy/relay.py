@@ -78,8 +78,10 @@ def _lane(models: Models, request: Request, name: str | None) -> Lane:
     if not lane.running:
         if not autoload:
             raise ModelNotLoaded
-        if not lane.autoload:
-            lane.wanted = True  # asked for by this request, against the router's default
+        # Loaded at the next look, as the router would for this request: against the router's
+        # default (?autoload=true), or though the request itself does not wait for it
+        # (STARTUP_WAIT_S=0: it is told to retry).
+        lane.wanted = True
     return lane
 
 

@@ -67,7 +67,8 @@ class Child:
         self.stopped_at: float | None = None
 
     def demand(self, now: float) -> Demand:
-        queued = self.lane.admission.queued
+        # A request that asked for it and did not wait counts as one waiting (Lane.wanted).
+        queued = self.lane.admission.queued or int(self.lane.wanted)
         if not queued:
             self.waiting_since = None
         elif self.waiting_since is None:
@@ -259,6 +260,7 @@ class Router:
                 child.model, props.total_slots, props.n_ctx, self.url,
             )  # fmt: skip
         pool.resize(props.total_slots)
+        child.lane.wanted = False
 
     async def _load(self, child: Child) -> None:
         """Ask the router to load a model whose line waits (as a request would have)."""

@@ -464,3 +464,17 @@ async def test_counting_a_waiting_prompt_never_makes_the_router_load_its_model(
     alpha.child.hurry()
     await holder
     waiter.cancel()
+
+
+async def test_without_a_startup_wait_a_request_for_an_unloaded_model_still_has_it_loaded(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2, "unloaded")})
+    gate = await gate_before(upstream, startup_wait_s=0)
+    refused = await client.post(gate.url + CHAT, json=chat(model="beta"))
+    # Nothing waits (STARTUP_WAIT_S=0: 503 at once, as while llama-server starts) ...
+    assert refused.status_code == 503
+    assert "retry-after" in refused.headers
+    # ... but the model is loaded for the retry, as the router itself would load it.
+    await gate.until(lambda: line(gate, "beta").running)
+    assert (await client.post(gate.url + CHAT, json=chat(model="beta"))).status_code == 200
