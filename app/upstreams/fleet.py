@@ -435,7 +435,9 @@ def _is_address(host: str) -> bool:
 
 
 def _escape(text: str) -> bytes:
-    return text.replace("\\", "\\\\").replace('"', '\\"').encode()
+    """A label value as the text format writes it (a router's model id is a file name: it
+    may hold any of the three)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").encode()
 
 
 def _labelled(match: re.Match[bytes], label: bytes) -> bytes:

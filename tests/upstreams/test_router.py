@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from slotgate.gate.models import MAX_MODELS, Lane
 
 from tests.conftest import (
@@ -478,3 +479,22 @@ async def test_without_a_startup_wait_a_request_for_an_unloaded_model_still_has_
     # ... but the model is loaded for the retry, as the router itself would load it.
     await gate.until(lambda: line(gate, "beta").running)
     assert (await client.post(gate.url + CHAT, json=chat(model="beta"))).status_code == 200
+
+
+async def test_a_model_id_with_quotes_and_newlines_cannot_forge_a_metrics_line(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    odd = 'a"b\\\nx{y="z"} 1\n# c'  # a file name the router lists as it is
+    upstream = await router({odd: hosted(2), "beta": hosted(2)})
+    gate = await gate_before(upstream)
+    await gate.until(lambda: line(gate, odd).running)
+    for source in ("llama-server", "slotgate"):
+        text = (await client.get(gate.url + f"/metrics?source={source}")).text
+        labelled = [
+            sample.labels["model"]
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if "model" in sample.labels
+        ]
+        assert odd in labelled
+        assert set(labelled) == {odd, "beta"}
