@@ -125,3 +125,39 @@ async def test_a_big_body_that_is_not_json_is_refused_as_a_small_one_is(
         assert answer.status_code == 400
         assert answer.json()["error"]["message"].startswith("request body is not valid JSON")
     assert children(upstream)["alpha"].started == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "query", "message"),
+    [
+        (None, "", "model name is missing from the request"),
+        (7, "", "model name is missing from the request"),
+        ({"id": "alpha"}, "", "model name is missing from the request"),
+        ("", "", "model name is missing from the request"),
+        ('al"pha\n', "", "model 'al\"pha\n' not found"),
+        ("beta", "?autoload=false", "model is not loaded"),
+    ],
+)
+async def test_every_model_refusal_on_messages_is_in_anthropics_shape(
+    router: MakeRouter,
+    gate_before: GatesFor,
+    client: httpx.AsyncClient,
+    model: Any,
+    query: str,
+    message: str,
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2, "unloaded")})
+    gate = await gate_before(upstream)
+    body: dict[str, Any] = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    if model is not None:
+        body["model"] = model
+    answer = await client.post(gate.url + "/v1/messages" + query, json=body)
+    assert answer.status_code == 400
+    refusal = answer.json()
+    assert refusal["type"] == "error"
+    assert refusal["error"]["type"] == "invalid_request_error"
+    assert refusal["error"]["message"] == message
+    assert upstream.routing is not None
+    assert upstream.routing.forwarded == [] or all(
+        p == "/props" for p, _ in upstream.routing.forwarded
+    )
