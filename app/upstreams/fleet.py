@@ -226,17 +226,25 @@ class Fleet:
         lanes = self.lanes
         assert lanes is not None  # noqa: S101 - placed only with lanes
         for upstream in list(self._all):
-            if upstream.router is not None or upstream.model_pool is not None:
+            if upstream.router is not None or not upstream.ready:
                 continue
-            if not upstream.ready:
-                continue
+            # Read again at each of its returns: it may have come back serving another model.
             names = await served_names(upstream)
             lane = lanes.lane(names[0], names[1:]) if names else None
-            if lane is None or upstream.model_pool is not None:
+            placed = upstream.model_pool
+            if lane is None or (placed is not None and placed in lane.admission.pools):
                 continue
+            if placed is not None:
+                # Restarted with another model: none of its old model's requests go to it.
+                for old in lanes:
+                    if placed in old.admission.pools:
+                        old.states.pop(upstream.url, None)
+                placed.retire()
+                log.info("upstream leaves the line of its old model url=%s", upstream.url)
             pool = lane.admission.add_pool(upstream.url)
             self._model_pools[pool] = upstream
             upstream.model_pool = pool
+            upstream.placed_model = None if upstream.props is None else upstream.props.model
             lane.states[upstream.url] = "loaded"
             pool.resize_budget(upstream.pool.budget)
             pool.resize(upstream.pool.capacity)

@@ -201,6 +201,8 @@ class Upstream:
         #: Its pool in its model's line, once upstreams of different models are routed by
         #: model (app/upstreams/fleet.py); sized with `pool`.
         self.model_pool: Pool | None = None
+        #: The model (its /props model) it served when placed in that line.
+        self.placed_model: str | None = None
 
     def readdress(self, address: str | None) -> None:
         """Known by its name so far, it is now one of the name's several addresses: this one;
@@ -419,8 +421,13 @@ class Upstream:
         self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
         if (placed := self.model_pool) is not None:
-            placed.resize_budget(self.kv_budget_tokens(props))
-            placed.resize(props.total_slots)
+            if props.model == self.placed_model:
+                placed.resize_budget(self.kv_budget_tokens(props))
+                placed.resize(props.total_slots)
+            else:
+                # Back with another model: nothing of its old model's line runs here; the
+                # fleet places it in its new model's line (app/upstreams/fleet.py).
+                placed.resize(None)
 
     async def _follow_router(self, props: dict[str, Any]) -> None:
         """It is a router: ready while it answers; its models' slots come from each child."""

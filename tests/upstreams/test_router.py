@@ -498,3 +498,28 @@ async def test_a_model_id_with_quotes_and_newlines_cannot_forge_a_metrics_line(
         ]
         assert odd in labelled
         assert set(labelled) == {odd, "beta"}
+
+
+async def test_a_server_restarted_with_another_model_leaves_its_old_models_line(
+    start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    small = StandIn(total_slots=1, tokens=3, model="small.gguf")
+    large = StandIn(total_slots=2, tokens=3, model="large.gguf")
+    await start_upstreams(small, large)
+    gate = await gates_for([small, large], startup_wait_s=2)
+    lanes = gate.service.models
+    await gate.until(lambda: (lane := lanes.find("large.gguf")) is not None and lane.running)
+    # Restarted with another model (-m medium.gguf): loading, then ready again.
+    large.loading = True
+    await gate.until(lambda: not gate.service.fleet.upstreams[1].ready)
+    waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="large.gguf")))
+    await gate.until(lambda: line(gate, "large.gguf").admission.queued == 1)
+    large.model, large.loading = "medium.gguf", False
+    await gate.until(lambda: (lane := lanes.find("medium.gguf")) is not None and lane.running)
+    # A request for the old model never goes to the server that now serves another: not the
+    # one that waited for its return, not one sent since.
+    assert (await waiting).status_code == 503
+    answer = await client.post(gate.url + CHAT, json=chat(model="large.gguf"))
+    assert answer.status_code == 400
+    assert (await client.post(gate.url + CHAT, json=chat(model="medium.gguf"))).status_code == 200
+    assert large.finished == 1
