@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Local
+from slotgate.gate.pool import Pool
 from slotgate.gate.tenants import Tenant
 
 #: A router's states for a model (`GET /models` `status.value`), and `failed` for a load that
@@ -136,6 +137,15 @@ class Models:
                 self._aliases = {a: x for x in self._lanes.values() for a in x.aliases}
                 return True
         return False
+
+    def unplace(self, pool: Pool, source: str) -> None:
+        """The upstream at `source` no longer serves the model of the line `pool` is in (it
+        came back serving another, or as a router): the pool retires, the line forgets it."""
+        for lane in self._lanes.values():
+            if pool in lane.admission.pools:
+                lane.states.pop(source, None)
+                lane.exit_codes.pop(source, None)
+        pool.retire()
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
         """Reloaded tenants: every line's weights and limits from now on."""

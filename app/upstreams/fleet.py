@@ -176,6 +176,9 @@ class Fleet:
         models = self.lanes
         assert models is not None  # noqa: S101 - given to upstreams only with models
         models.routed = True
+        if upstream.model_pool is not None:
+            # A server of one model before: its model is not served here any more.
+            models.unplace(upstream.model_pool, upstream.url)
         if any(u.router is None for u in self._all):
             self._place_all()  # servers of one model beside the router join their lines
 
@@ -236,10 +239,7 @@ class Fleet:
                 continue
             if placed is not None:
                 # Restarted with another model: none of its old model's requests go to it.
-                for old in lanes:
-                    if placed in old.admission.pools:
-                        old.states.pop(upstream.url, None)
-                placed.retire()
+                lanes.unplace(placed, upstream.url)
                 log.info("upstream leaves the line of its old model url=%s", upstream.url)
             pool = lane.admission.add_pool(upstream.url)
             self._model_pools[pool] = upstream

@@ -500,15 +500,24 @@ async def test_a_model_id_with_quotes_and_newlines_cannot_forge_a_metrics_line(
         assert set(labelled) == {odd, "beta"}
 
 
-async def test_a_server_restarted_with_another_model_leaves_its_old_models_line(
-    start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
-) -> None:
+async def fleet_of_two(
+    start_upstreams: StartUpstreams, gates_for: GatesFor, startup_wait_s: float
+) -> tuple[RunningGate, StandIn]:
+    """slotgate before servers of two models, small.gguf and large.gguf, once both are in
+    their lines; and the large one's stand-in."""
     small = StandIn(total_slots=1, tokens=3, model="small.gguf")
     large = StandIn(total_slots=2, tokens=3, model="large.gguf")
     await start_upstreams(small, large)
-    gate = await gates_for([small, large], startup_wait_s=2)
+    gate = await gates_for([small, large], startup_wait_s=startup_wait_s)
+    await gate.until(lambda: line_or_none(gate, "large.gguf") is not None)
+    return gate, large
+
+
+async def test_a_server_restarted_with_another_model_leaves_its_old_models_line(
+    start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    gate, large = await fleet_of_two(start_upstreams, gates_for, 2)
     lanes = gate.service.models
-    await gate.until(lambda: (lane := lanes.find("large.gguf")) is not None and lane.running)
     # Restarted with another model (-m medium.gguf): loading, then ready again.
     large.loading = True
     await gate.until(lambda: not gate.service.fleet.upstreams[1].ready)
@@ -523,3 +532,23 @@ async def test_a_server_restarted_with_another_model_leaves_its_old_models_line(
     assert answer.status_code == 400
     assert (await client.post(gate.url + CHAT, json=chat(model="medium.gguf"))).status_code == 200
     assert large.finished == 1
+
+
+async def test_a_server_of_a_fleet_restarted_as_a_router_no_longer_serves_its_old_model(
+    start_upstreams: StartUpstreams, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    gate, large = await fleet_of_two(start_upstreams, gates_for, 30)
+    large.hosted = {"alpha": hosted(2)}
+    large.routing = Routing(large, large.hosted)
+    await gate.until(lambda: (alpha := line_or_none(gate, "alpha")) is not None and alpha.running)
+    assert not line(gate, "large.gguf").states  # served nowhere now
+    answer = await asyncio.wait_for(
+        client.post(gate.url + CHAT, json=chat(model="large.gguf")), timeout=10
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"] == "model 'large.gguf' not found"
+
+
+def line_or_none(gate: RunningGate, model: str) -> Lane | None:
+    found = gate.service.models.find(model)
+    return found if found is not None and found.running else None
