@@ -61,10 +61,11 @@ _UNSIZED = sys.maxsize
 _NOTHING_MORE = Wants()
 
 
-def _lane(models: Models, request: Request, name: str | None) -> Lane:
+def _lane(models: Models, request: Request, name: str | None, waits: bool) -> Lane:
     """The line of the model a request names (`name`, its body's `model`), or the router's
     refusal: an unknown model at once, as the router would; an unloaded one when the request
-    or the router says not to load it (`?autoload=false`, --no-models-autoload)."""
+    or the router says not to load it (`?autoload=false`, --no-models-autoload). `waits`: a
+    request may wait for its model to load (STARTUP_WAIT_S)."""
     lane = models.find(name) if name is not None else None
     if lane is None or not lane.states:  # never listed, or no longer listed anywhere
         if name is None:
@@ -78,10 +79,11 @@ def _lane(models: Models, request: Request, name: str | None) -> Lane:
     if not lane.running:
         if not autoload:
             raise ModelNotLoaded
-        # Loaded at the next look, as the router would for this request: against the router's
-        # default (?autoload=true), or though the request itself does not wait for it
-        # (STARTUP_WAIT_S=0: it is told to retry).
-        lane.wanted = True
+        if not (lane.autoload and waits):
+            # Loaded at the next look, as the router would for this request: against the
+            # router's default (?autoload=true), or though the request itself does not wait
+            # for it (STARTUP_WAIT_S=0: it is told to retry). A waiter is reason enough else.
+            lane.wanted = True
     return lane
 
 
@@ -216,7 +218,7 @@ class Proxy:
         if self._models.routed:
             # Upstreams serve several models: the request waits in its model's line.
             name = await model_off_loop(request.body)
-            lane = request.lane = _lane(self._models, request, name)
+            lane = request.lane = _lane(self._models, request, name, self._startup_wait_s > 0)
             admission = lane.admission
             gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.
