@@ -161,3 +161,19 @@ async def test_every_model_refusal_on_messages_is_in_anthropics_shape(
     assert upstream.routing.forwarded == [] or all(
         p == "/props" for p, _ in upstream.routing.forwarded
     )
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["?model=", "?model=%0A%22", "?model=" + "m" * 4000, "?model=%FF%FE", "?model=alpha&model=x"],
+)
+async def test_a_get_with_an_odd_model_is_passed_to_the_router_for_its_own_answer(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient, query: str
+) -> None:
+    upstream = await router({"alpha": hosted(2)})
+    gate = await gate_before(upstream)
+    answer = await client.get(gate.url + "/props" + query)
+    # The router's own: its props, or its refusal (llama-server's `code` is the status).
+    assert answer.status_code in (200, 400)
+    if answer.status_code == 400:
+        assert answer.json()["error"]["code"] == 400
