@@ -31,7 +31,9 @@ class Lane:
     model: str
     admission: Admission
     gate: Local
+    #: Every alias any upstream lists for it (`named`, by upstream URL).
     aliases: frozenset[str] = frozenset()
+    named: dict[str, frozenset[str]] = field(default_factory=dict)
     #: Some router serving it loads it on demand (`models_autoload`, its default).
     autoload: bool = True
     #: A request asked for it while it was not running (with `?autoload=true` where its
@@ -108,9 +110,10 @@ class Models:
         """An upstream serves a model of that name, but it has no line (past the limit)."""
         return any(name in names for names in self._past.values())
 
-    def lane(self, model: str, aliases: Iterable[str] = ()) -> Lane | None:
-        """The lane of `model` (made on first sight), its aliases as last listed; None once
-        MAX_MODELS lines exist, this is not one of them and none can be forgotten."""
+    def lane(self, model: str, aliases: Iterable[str] = (), source: str = "") -> Lane | None:
+        """The lane of `model` (made on first sight), with the aliases `source` (an upstream's
+        URL) last listed for it beside those of the others; None once MAX_MODELS lines exist,
+        this is not one of them and none can be forgotten."""
         lane = self._lanes.get(model)
         if lane is None:
             if len(self._lanes) >= self._limit and not self._forget_one():
@@ -120,10 +123,23 @@ class Models:
                 admission.close()
             lane = self._lanes[model] = Lane(model, admission, Local(admission))
         names = frozenset(aliases) - {model}
+        if lane.named.get(source) != names:
+            lane.named[source] = names
+            self._realias(lane)
+        return lane
+
+    def unlist(self, lane: Lane, source: str) -> None:
+        """The upstream at `source` lists the model no more: its aliases go with it."""
+        if lane.named.pop(source, None):
+            self._realias(lane)
+
+    def _realias(self, lane: Lane) -> None:
+        # Several upstreams may name one model differently (routers with other --alias
+        # presets, a server of one model with none): a request may use any of the names.
+        names = frozenset().union(*lane.named.values())
         if names != lane.aliases:
             lane.aliases = names
             self._aliases = {a: x for x in self._lanes.values() for a in x.aliases}
-        return lane
 
     def _forget_one(self) -> bool:
         """Make room: drop a line no upstream lists any more and nothing holds or waits in
@@ -145,6 +161,7 @@ class Models:
             if pool in lane.admission.pools:
                 lane.states.pop(source, None)
                 lane.exit_codes.pop(source, None)
+                self.unlist(lane, source)
         pool.retire()
 
     def retune(self, tenants: Iterable[Tenant]) -> None:

@@ -233,7 +233,7 @@ class Fleet:
                 continue
             # Read again at each of its returns: it may have come back serving another model.
             names = await served_names(upstream)
-            lane = lanes.lane(names[0], names[1:]) if names else None
+            lane = lanes.lane(names[0], names[1:], upstream.url) if names else None
             placed = upstream.model_pool
             if lane is None or (placed is not None and placed in lane.admission.pools):
                 continue

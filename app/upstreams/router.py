@@ -155,6 +155,7 @@ class Router:
             child = self.children.pop(model)
             log.info("model left the router: %s url=%s", model, self.url)
             child.lane.states.pop(self.url, None)
+            self._models.unlist(child.lane, self.url)
             # Retired, not only emptied: should it come back, it comes with a pool of its own.
             child.pool.retire()
         now = time.monotonic()
@@ -200,7 +201,7 @@ class Router:
         state = status.get("value")
         state = state if isinstance(state, str) else "unloaded"
         child = self.children.get(model)
-        lane = self._models.lane(model, names)
+        lane = self._models.lane(model, names, self.url)
         if lane is None:
             past += (model, *names)  # past MAX_MODELS: refused, in words that say so
             return None
@@ -310,6 +311,7 @@ class Router:
         self._models.passed_over(self.url, ())
         for child in self.children.values():
             child.lane.states.pop(self.url, None)
+            self._models.unlist(child.lane, self.url)
             child.pool.retire()
 
 

@@ -127,3 +127,18 @@ def test_a_lanes_state_is_the_best_of_its_routers() -> None:
     assert alpha.state == "loaded"
     alpha.states = {"http://a": "failed"}
     assert alpha.state == "failed"
+
+
+def test_aliases_listed_by_several_upstreams_are_each_found_until_theirs_leaves() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha", ["x"], "http://router-a")
+    # A server of alpha without --alias, placed after: its listing adds none, takes none.
+    assert lanes.lane("alpha", [], "http://server-b") is alpha
+    assert lanes.find("x") is alpha
+    lanes.lane("alpha", ["y"], "http://router-c")
+    assert lanes.find("x") is alpha
+    assert lanes.find("y") is alpha
+    assert alpha is not None
+    lanes.unlist(alpha, "http://router-a")
+    assert lanes.find("x") is None
+    assert lanes.find("y") is alpha
