@@ -40,9 +40,9 @@ class Lane:
     #: routers do not load on demand, or without waiting for it: STARTUP_WAIT_S=0): the next
     #: look loads it, as the router would for that request, waiters or none.
     wanted: bool = False
-    #: Held for a swap on some router: no new work there until it is unloaded
+    #: The routers (by URL) holding it for a swap: no new work there until it is unloaded
     #: (app/gate/swaps.py).
-    held: bool = False
+    holds: set[str] = field(default_factory=set)
     #: Its state on each router serving it, and a failed load's exit code, by router URL.
     states: dict[str, str] = field(default_factory=dict)
     exit_codes: dict[str, int] = field(default_factory=dict)
@@ -54,6 +54,11 @@ class Lane:
             if state in self.states.values():
                 return state
         return "failed" if self.states else "unloaded"
+
+    @property
+    def held(self) -> bool:
+        """Held for a swap on some router (each router holds its own child alone)."""
+        return bool(self.holds)
 
     @property
     def running(self) -> bool:

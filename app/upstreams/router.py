@@ -155,6 +155,7 @@ class Router:
             child = self.children.pop(model)
             log.info("model left the router: %s url=%s", model, self.url)
             child.lane.states.pop(self.url, None)
+            child.lane.holds.discard(self.url)
             self._models.unlist(child.lane, self.url)
             # Retired, not only emptied: should it come back, it comes with a pool of its own.
             child.pool.retire()
@@ -168,10 +169,12 @@ class Router:
             )  # fmt: skip
         for child in seen.values():
             # Holds first, before any await can let a request in on a model being emptied.
-            child.lane.held = child.model in plan.hold
-            if child.lane.held:
+            if child.model in plan.hold:
+                child.lane.holds.add(self.url)
                 child.read_at = None
                 child.pool.resize(None)
+            else:
+                child.lane.holds.discard(self.url)
         for child in seen.values():
             await self._follow(child, plan, now)
         for model in plan.unload:
@@ -311,6 +314,7 @@ class Router:
         self._models.passed_over(self.url, ())
         for child in self.children.values():
             child.lane.states.pop(self.url, None)
+            child.lane.holds.discard(self.url)
             self._models.unlist(child.lane, self.url)
             child.pool.retire()
 

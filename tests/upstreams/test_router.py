@@ -5,10 +5,15 @@ refused in the router's words, unloaded models loaded for their waiters."""
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from slotgate.gate.models import MAX_MODELS, Lane
+from slotgate.gate.admission import Admission
+from slotgate.gate.models import MAX_MODELS, Lane, Models
+from slotgate.upstreams.router import Router
+from slotgate.upstreams.upstream import Props
 
 from tests.conftest import (
     CHAT,
@@ -552,3 +557,34 @@ async def test_a_server_of_a_fleet_restarted_as_a_router_no_longer_serves_its_ol
 def line_or_none(gate: RunningGate, model: str) -> Lane | None:
     found = gate.service.models.find(model)
     return found if found is not None and found.running else None
+
+
+async def test_a_hold_on_one_router_is_shown_while_another_serves_the_same_model() -> None:
+    lanes = Models(lambda: Admission(startup_wait_s=30))
+
+    def follower(url: str, listed: dict[str, str]) -> Router:
+        async def get(path: str) -> tuple[int, bytes]:
+            if path == "/models":
+                data = [{"id": m, "status": {"value": v}} for m, v in listed.items()]
+                return 200, json.dumps({"data": data}).encode()
+            return 200, json.dumps({"total_slots": 2}).encode()
+
+        async def post(path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+            return 200, b'{"success": true}'
+
+        return Router(url, get, post, lanes, lambda pool: None, lambda props: None, Props.parse)
+
+    full = follower("http://a", {"alpha": "loaded", "beta": "unloaded"})
+    roomy = follower("http://b", {"alpha": "loaded"})
+    await full.refresh({"max_instances": 1})
+    await roomy.refresh({"max_instances": 4})
+    beta = lanes.find("beta")
+    assert beta is not None
+    waiter = beta.admission.enter()  # beta waits: the full router empties idle alpha for it
+    await full.refresh({"max_instances": 1})
+    alpha = lanes.find("alpha")
+    assert alpha is not None
+    assert alpha.held
+    await roomy.refresh({"max_instances": 4})  # nothing held there ...
+    assert alpha.held  # ... but still on the full router
+    waiter.release()
