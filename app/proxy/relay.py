@@ -32,7 +32,7 @@ from slotgate.gate.entry import Entry, Gate, Local
 from slotgate.gate.models import Lane, Models
 from slotgate.gate.ticket import Claim
 from slotgate.intake.body import Reading, Wants, model_off_loop, take_off_loop
-from slotgate.intake.endpoints import check_content_type, route_of
+from slotgate.intake.endpoints import Kind, check_content_type, form_field, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
 from slotgate.proxy.access import OPEN_PATHS, Access
@@ -217,7 +217,10 @@ class Proxy:
         lane = None
         if self._models.routed:
             # Upstreams serve several models: the request waits in its model's line.
-            name = await model_off_loop(request.body)
+            if endpoint.kind is Kind.AUDIO:
+                name = form_field(request.body, head.content_type, "model")
+            else:
+                name = await model_off_loop(request.body)
             lane = request.lane = _lane(self._models, request, name, self._startup_wait_s > 0)
             admission = lane.admission
             gate = lane.gate

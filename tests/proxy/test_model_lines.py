@@ -177,3 +177,21 @@ async def test_a_get_with_an_odd_model_is_passed_to_the_router_for_its_own_answe
     assert answer.status_code in (200, 400)
     if answer.status_code == 400:
         assert answer.json()["error"]["code"] == 400
+
+
+async def test_a_transcription_goes_to_the_line_of_its_forms_model(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
+    gate = await gate_before(upstream)
+    files = {"file": ("a.wav", b"RIFF....", "audio/wav")}
+    url = gate.url + "/v1/audio/transcriptions"
+    # The router reads a form's fields as it reads a JSON body's: `model` picks the child.
+    answer = await client.post(url, data={"model": "beta"}, files=files)
+    assert answer.status_code == 200
+    assert children(upstream)["beta"].finished == 1
+    unknown = await client.post(url, data={"model": "gamma"}, files=files)
+    assert unknown.status_code == 400
+    assert unknown.json()["error"]["message"] == "model 'gamma' not found"
+    missing = await client.post(url, files=files)
+    assert missing.json()["error"]["message"] == "model name is missing from the request"

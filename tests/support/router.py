@@ -227,7 +227,13 @@ class Routing:
 
 def _field(body: bytes, name: str) -> Any:
     import json
+    import re
 
+    if body.startswith(b"--"):  # a form: llama-server reads its fields as a JSON object's
+        field = re.search(
+            rb'name="' + name.encode() + rb'"\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--', body, re.S
+        )
+        return None if field is None else field.group(1).decode()
     try:
         value = json.loads(body)
     except ValueError:
