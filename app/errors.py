@@ -28,7 +28,8 @@
     │   ├── Cancelled             an operator ended it (POST /admin/requests/{id}/cancel)
     │   ├── UpstreamError         llama-server could not give its answer
     │   │   ├── UpstreamUnavailable
-    │   │   │   └── UpstreamStarting
+    │   │   │   ├── UpstreamStarting
+    │   │   │   └── ModelLoadFailed
     │   │   └── UpstreamFailed
     │   └── TooManyWatchers       the status stream has all the watchers it takes
     ├── ExchangeFailed            the upstream client's: answered as an UpstreamError
@@ -150,11 +151,18 @@ class UnknownModel(ClientError):
     """A router serves no model of that id or alias (or the request named none): said in
     llama-server's router's own words, before the request waits for anything."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(
-            f"model '{name}' not found" if name else "model name is missing from the request",
-            param="model",
-        )
+    def __init__(self, name: str, beyond: int | None = None) -> None:
+        if beyond is not None:
+            # The router serves it, but slotgate keeps no line for it: say so, not "not found".
+            message = (
+                f"model '{name}' is one of more than {beyond} models the router lists, and "
+                f"slotgate keeps a line for {beyond} at most; serve fewer models per router"
+            )
+        elif name:
+            message = f"model '{name}' not found"
+        else:
+            message = "model name is missing from the request"
+        super().__init__(message, param="model")
 
 
 class ModelNotLoaded(ClientError):
@@ -365,6 +373,20 @@ class UpstreamStarting(UpstreamUnavailable):
         self.sent = sent
 
 
+class ModelLoadFailed(UpstreamUnavailable):
+    """A llama-server router's child for the model exited while it loaded (a broken file, too
+    little memory): its waiters are told at once, as the router tells its own, rather than
+    waiting out STARTUP_WAIT_S for a load that will not come. slotgate asks for it again for
+    the next request."""
+
+    def __init__(self, name: str, exit_code: int | None) -> None:
+        code = "" if exit_code is None else f" (exit code {exit_code})"
+        super().__init__(
+            f"model '{name}' failed to load{code}; llama-server's log says why, and the next "
+            "request for it tries again"
+        )
+
+
 class UpstreamFailed(UpstreamError):
     """llama-server broke off, stalled or answered something that is not HTTP."""
 
@@ -478,6 +500,7 @@ ANSWERS: dict[type[GateError], Shape] = {
     DeadlineUnmet:        Shape(503, _AWAY, "deadline_unmet", "deadline_unmet", True),
     UpstreamUnavailable:  Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
     UpstreamStarting:     Shape(503, _AWAY, "upstream_unavailable", "upstream_unavailable", True),
+    ModelLoadFailed:      Shape(503, _AWAY, "model_load_failed", "upstream_unavailable", True),
     UpstreamFailed:       Shape(502, "server_error", "upstream_failed", "upstream_failed"),
     Cancelled:            Shape(503, _AWAY, "cancelled_by_operator", "cancelled", final=True),
     TooManyWatchers:      Shape(429, _RATE, "too_many_watchers", "bad_request", True),

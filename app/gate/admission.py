@@ -271,6 +271,14 @@ class Admission(Pools):
             assert ticket._future is not None  # noqa: S101 - every ticket in line has one
             ticket._future.set_exception(error)
 
+    def turn_away(self, error: Callable[[], BaseException]) -> None:
+        """Turn every waiter away with a fresh `error()` (what they wait for will not come: a
+        model whose load failed); the line stays open."""
+        for ticket in list(self._line.tickets()):
+            future = ticket._future
+            if future is not None and not future.done():
+                self._refuse(ticket, error())
+
     # -- the line ----------------------------------------------------------------------------
 
     def _widen(self, tenant: Tenant) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from slotgate.gate.admission import Admission
 from slotgate.gate.entry import Local
+from slotgate.gate.pool import Pool
 from slotgate.gate.tenants import Tenant
 
 #: A router's states for a model (`GET /models` `status.value`), and `failed` for a load that
@@ -30,15 +31,18 @@ class Lane:
     model: str
     admission: Admission
     gate: Local
+    #: Every alias any upstream lists for it (`named`, by upstream URL).
     aliases: frozenset[str] = frozenset()
+    named: dict[str, frozenset[str]] = field(default_factory=dict)
     #: Some router serving it loads it on demand (`models_autoload`, its default).
     autoload: bool = True
-    #: A request asked for it to be loaded (`?autoload=true`) though its routers do not load
-    #: on demand: the next look loads it, as the router would for that request.
+    #: A request asked for it while it was not running (with `?autoload=true` where its
+    #: routers do not load on demand, or without waiting for it: STARTUP_WAIT_S=0): the next
+    #: look loads it, as the router would for that request, waiters or none.
     wanted: bool = False
-    #: Held for a swap on some router: no new work there until it is unloaded
+    #: The routers (by URL) holding it for a swap: no new work there until it is unloaded
     #: (app/gate/swaps.py).
-    held: bool = False
+    holds: set[str] = field(default_factory=set)
     #: Its state on each router serving it, and a failed load's exit code, by router URL.
     states: dict[str, str] = field(default_factory=dict)
     exit_codes: dict[str, int] = field(default_factory=dict)
@@ -50,6 +54,11 @@ class Lane:
             if state in self.states.values():
                 return state
         return "failed" if self.states else "unloaded"
+
+    @property
+    def held(self) -> bool:
+        """Held for a swap on some router (each router holds its own child alone)."""
+        return bool(self.holds)
 
     @property
     def running(self) -> bool:
@@ -73,6 +82,9 @@ class Models:
         self.routed = False
         self._lanes: dict[str, Lane] = {}
         self._aliases: dict[str, Lane] = {}
+        #: The names (ids and aliases) of models each upstream lists past the limit, by its
+        #: URL: read only to word a refusal.
+        self._past: dict[str, frozenset[str]] = {}
         self.closed = False
         #: An operator paused admission: every line, and each made until `resume`, grants no
         #: one (the request path reaches a line only through this, so none can miss it).
@@ -89,12 +101,30 @@ class Models:
         lane = self._lanes.get(name)
         return lane if lane is not None else self._aliases.get(name)
 
-    def lane(self, model: str, aliases: Iterable[str] = ()) -> Lane | None:
-        """The lane of `model` (made on first sight), its aliases as last listed; None once
-        MAX_MODELS lines exist and this is not one of them."""
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def passed_over(self, url: str, names: Iterable[str]) -> None:
+        """The models the upstream at `url` lists that got no line (past the limit), as it
+        last listed them."""
+        past = frozenset(names)
+        if past:
+            self._past[url] = past
+        else:
+            self._past.pop(url, None)
+
+    def past(self, name: str) -> bool:
+        """An upstream serves a model of that name, but it has no line (past the limit)."""
+        return any(name in names for names in self._past.values())
+
+    def lane(self, model: str, aliases: Iterable[str] = (), source: str = "") -> Lane | None:
+        """The lane of `model` (made on first sight), with the aliases `source` (an upstream's
+        URL) last listed for it beside those of the others; None once MAX_MODELS lines exist,
+        this is not one of them and none can be forgotten."""
         lane = self._lanes.get(model)
         if lane is None:
-            if len(self._lanes) >= self._limit:
+            if len(self._lanes) >= self._limit and not self._forget_one():
                 return None
             admission = self._make()
             if self.closed:
@@ -103,10 +133,46 @@ class Models:
                 admission.pause()
             lane = self._lanes[model] = Lane(model, admission, Local(admission))
         names = frozenset(aliases) - {model}
+        if lane.named.get(source) != names:
+            lane.named[source] = names
+            self._realias(lane)
+        return lane
+
+    def unlist(self, lane: Lane, source: str) -> None:
+        """The upstream at `source` lists the model no more: its aliases go with it."""
+        if lane.named.pop(source, None):
+            self._realias(lane)
+
+    def _realias(self, lane: Lane) -> None:
+        # Several upstreams may name one model differently (routers with other --alias
+        # presets, a server of one model with none): a request may use any of the names.
+        names = frozenset().union(*lane.named.values())
         if names != lane.aliases:
             lane.aliases = names
             self._aliases = {a: x for x in self._lanes.values() for a in x.aliases}
-        return lane
+
+    def _forget_one(self) -> bool:
+        """Make room: drop a line no upstream lists any more and nothing holds or waits in
+        (a router whose models were renamed or replaced), else none. Its core is closed, so a
+        request that found it just before is told (503), not left waiting in a dead line."""
+        for model, lane in self._lanes.items():
+            admission = lane.admission
+            if not lane.states and not admission.active and not admission.queued:
+                del self._lanes[model]
+                admission.close()
+                self._aliases = {a: x for x in self._lanes.values() for a in x.aliases}
+                return True
+        return False
+
+    def unplace(self, pool: Pool, source: str) -> None:
+        """The upstream at `source` no longer serves the model of the line `pool` is in (it
+        came back serving another, or as a router): the pool retires, the line forgets it."""
+        for lane in self._lanes.values():
+            if pool in lane.admission.pools:
+                lane.states.pop(source, None)
+                lane.exit_codes.pop(source, None)
+                self.unlist(lane, source)
+        pool.retire()
 
     def retune(self, tenants: Iterable[Tenant]) -> None:
         """Reloaded tenants: every line's weights and limits from now on."""

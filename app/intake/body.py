@@ -9,11 +9,11 @@ import itertools
 import logging
 import multiprocessing
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from slotgate.errors import BadRequest
 from slotgate.gate.routing import AFFINITY_PREFIX_CHARS, stable_hash
@@ -45,6 +45,8 @@ ASSEMBLED = frozenset({Kind.CHAT, Kind.COMPLETION})
 VERBOSE_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions"})
 
 log = logging.getLogger("slotgate.intake")
+
+_T = TypeVar("_T")
 
 #: How much of a chat's start makes its conversation key: the system prompt and the first
 #: user message, or this much of them.
@@ -228,23 +230,59 @@ def _texts(parts: list[object]) -> Iterator[str]:
 
 async def take_off_loop(endpoint: Endpoint, body: bytes, reading: Reading) -> Intake:
     """`take`, in a worker process when the body is big."""
-    global _broken
     if len(body) <= OFF_LOOP_BYTES or endpoint.kind is Kind.AUDIO or _broken:
         return take(endpoint, body, reading)
+    result = await _in_worker(_take_in_worker, endpoint.route, body, reading)
+    if result is None:
+        return take(endpoint, body, reading)
+    if isinstance(result, Intake):
+        return result
+    message, param = result
+    raise BadRequest(message, param=param)
+
+
+async def model_off_loop(body: bytes) -> str | None:
+    """The body's `model`, if a string (what a llama-server router routes by), parsed in a
+    worker process when the body is big: read before `take`, as the model picks the line
+    whose figures `take` reads. A big body is parsed twice, but never on the loop."""
+    if len(body) <= OFF_LOOP_BYTES or _broken:
+        return _model_of(body)
+    result = await _in_worker(_model_in_worker, body)
+    if result is None:
+        return _model_of(body)
+    model, refusal = result
+    if refusal is not None:
+        message, param = refusal
+        raise BadRequest(message, param=param)
+    return model
+
+
+def _model_of(body: bytes) -> str | None:
+    model = parse_json(body).get("model")
+    return model if isinstance(model, str) else None
+
+
+def _model_in_worker(body: bytes) -> tuple[str | None, tuple[str, str | None] | None]:
+    try:
+        return _model_of(body), None
+    except BadRequest as exc:
+        return None, (exc.message, exc.param)
+
+
+async def _in_worker(call: Callable[..., _T], *args: object) -> _T | None:
+    """`call(*args)` in the worker process; None when no worker can run it (then the caller
+    runs it on the loop, as every big body is from then on)."""
+    global _broken
     loop = asyncio.get_running_loop()
     try:
-        result = await loop.run_in_executor(_pool(), _take_in_worker, endpoint.route, body, reading)
+        return await loop.run_in_executor(_pool(), call, *args)
     except (BrokenProcessPool, OSError, RuntimeError) as exc:
         # No worker could start (no /dev/shm, an entry point without its __main__ guard) or
         # one died: correctness first, so big bodies are read on the loop from now on.
         log.warning("cannot parse big bodies in a worker process, so on the loop: %r", exc)
         _broken = True
         _reset()
-        return take(endpoint, body, reading)
-    if isinstance(result, Intake):
-        return result
-    message, param = result
-    raise BadRequest(message, param=param)
+        return None
 
 
 def _take_in_worker(route: str, body: bytes, reading: Reading) -> Intake | tuple[str, str | None]:

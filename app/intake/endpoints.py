@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -158,6 +159,41 @@ def check_content_type(endpoint: Endpoint, content_type: str) -> None:
         f"content type {media!r} is not accepted here; send JSON with "
         "Content-Type: application/json"
     )
+
+
+_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
+#: The most bytes a form part's head, and a text field's value, are read for; the most parts
+#: looked at (a transcription's form has a few fields: a crafted one of a million tiny parts
+#: would hold the loop for a second).
+_FORM_HEAD_BYTES = 1024
+_FORM_VALUE_BYTES = 4096
+_FORM_PARTS = 64
+
+
+def form_field(body: bytes, content_type: str, name: str) -> str | None:
+    """A text field of a multipart/form-data body (a transcription's `model`, which a
+    llama-server router routes it by, as it reads the form's fields as a JSON object's); None
+    if it has none. Each part's boundary is found once, its head read within a bound: one
+    pass over the body, never split into copies of its parts."""
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        return None
+    delimiter = b"--" + found.group(1).encode("latin-1")
+    wanted = b'name="' + name.encode() + b'"'
+    at = body.find(delimiter)
+    for _ in range(_FORM_PARTS):
+        if at < 0:
+            break
+        start = at + len(delimiter)
+        following = body.find(b"\r\n" + delimiter, start)
+        head_end = body.find(b"\r\n\r\n", start, start + _FORM_HEAD_BYTES)
+        if head_end >= 0 and wanted in body[start:head_end]:
+            end = len(body) if following < 0 else following
+            if end - head_end - 4 > _FORM_VALUE_BYTES:
+                return None
+            return body[head_end + 4 : end].decode("utf-8", "replace")
+        at = -1 if following < 0 else following + 2
+    return None
 
 
 def demand(endpoint: Endpoint, body: bytes, capacity: int) -> Demand:

@@ -37,8 +37,8 @@ from slotgate.gate.preemption import Preemption
 from slotgate.gate.quotas import Ledger, Windows
 from slotgate.gate.sessions import Sessions, routing_key, session_of
 from slotgate.gate.ticket import Claim
-from slotgate.intake.body import Reading, Wants, take_off_loop
-from slotgate.intake.endpoints import check_content_type, parse_json, route_of
+from slotgate.intake.body import Reading, Wants, model_off_loop, take_off_loop
+from slotgate.intake.endpoints import Kind, check_content_type, form_field, route_of
 from slotgate.metrics import Metrics
 from slotgate.outcome import Outcome
 from slotgate.proxy.access import OPEN_PATHS, Access
@@ -71,14 +71,16 @@ _PREEMPTED_WAIT_S = 3600.0
 _NOTHING_MORE = Wants()
 
 
-def _lane(models: Models, request: Request) -> Lane:
-    """The line of the model a request names (its body's `model`), or the router's refusal:
-    an unknown model at once, as the router would; an unloaded one when the request or the
-    router says not to load it (`?autoload=false`, --no-models-autoload)."""
-    name = parse_json(request.body).get("model")
-    lane = models.find(name) if isinstance(name, str) else None
+def _lane(models: Models, request: Request, name: str | None, waits: bool) -> Lane:
+    """The line of the model a request names (`name`, its body's `model`), or the router's
+    refusal: an unknown model at once, as the router would; an unloaded one when the request
+    or the router says not to load it (`?autoload=false`, --no-models-autoload). `waits`: a
+    request may wait for its model to load (STARTUP_WAIT_S)."""
+    lane = models.find(name) if name is not None else None
     if lane is None or not lane.states:  # never listed, or no longer listed anywhere
-        raise UnknownModel(name if isinstance(name, str) else "")
+        if name is None:
+            raise UnknownModel("")
+        raise UnknownModel(name, models.limit if models.past(name) else None)
     autoload = lane.autoload
     if b"autoload=" in request.query:
         said = parse_qs(request.query.decode("latin-1")).get("autoload")
@@ -87,8 +89,11 @@ def _lane(models: Models, request: Request) -> Lane:
     if not lane.running:
         if not autoload:
             raise ModelNotLoaded
-        if not lane.autoload:
-            lane.wanted = True  # asked for by this request, against the router's default
+        if not (lane.autoload and waits):
+            # Loaded at the next look, as the router would for this request: against the
+            # router's default (?autoload=true), or though the request itself does not wait
+            # for it (STARTUP_WAIT_S=0: it is told to retry). A waiter is reason enough else.
+            lane.wanted = True
     return lane
 
 
@@ -238,7 +243,11 @@ class Proxy:
         lane = None
         if self._models.routed:
             # Upstreams serve several models: the request waits in its model's line.
-            lane = request.lane = _lane(self._models, request)
+            if endpoint.kind is Kind.AUDIO:
+                name = form_field(request.body, head.content_type, "model")
+            else:
+                name = await model_off_loop(request.body)
+            lane = request.lane = _lane(self._models, request, name, self._startup_wait_s > 0)
             admission = lane.admission
             gate = lane.gate
         # A request runs in one upstream, so the largest one's slots bound its weight.

@@ -176,6 +176,9 @@ class Fleet:
         models = self.lanes
         assert models is not None  # noqa: S101 - given to upstreams only with models
         models.routed = True
+        if upstream.model_pool is not None:
+            # A server of one model before: its model is not served here any more.
+            models.unplace(upstream.model_pool, upstream.url)
         if any(u.router is None for u in self._all):
             self._place_all()  # servers of one model beside the router join their lines
 
@@ -206,7 +209,14 @@ class Fleet:
                 else "slotgate routes by slots and cache, not by model",
             )
         self._warned_models = models
-        if lanes is not None and (lanes.routed or len(models) > 1):
+        if lanes is None:
+            return
+        if len(self._all) == 1 and self._all[0].router is None:
+            # One upstream, a router no more (restarted with -m): it serves whatever a request
+            # names, as before any router was seen. (In a fleet the lines stay: a server of
+            # one model that is down must not let its requests go to another's.)
+            lanes.routed = False
+        elif lanes.routed or len(models) > 1:
             self._place_all()
 
     def _place_all(self) -> None:
@@ -219,19 +229,24 @@ class Fleet:
         lanes = self.lanes
         assert lanes is not None  # noqa: S101 - placed only with lanes
         for upstream in list(self._all):
-            if upstream.router is not None or upstream.model_pool is not None:
+            if upstream.router is not None or not upstream.ready:
                 continue
-            if not upstream.ready:
-                continue
+            # Read again at each of its returns: it may have come back serving another model.
             names = await served_names(upstream)
-            lane = lanes.lane(names[0], names[1:]) if names else None
-            if lane is None or upstream.model_pool is not None:
+            lane = lanes.lane(names[0], names[1:], upstream.url) if names else None
+            placed = upstream.model_pool
+            if lane is None or (placed is not None and placed in lane.admission.pools):
                 continue
+            if placed is not None:
+                # Restarted with another model: none of its old model's requests go to it.
+                lanes.unplace(placed, upstream.url)
+                log.info("upstream leaves the line of its old model url=%s", upstream.url)
             pool = lane.admission.add_pool(upstream.url)
             self._model_pools[pool] = upstream
             upstream.model_pool = pool
             if upstream.draining:
                 pool.drain()  # an operator drained it before it joined its model's line
+            upstream.placed_model = None if upstream.props is None else upstream.props.model
             lane.states[upstream.url] = "loaded"
             pool.resize_budget(upstream.pool.budget)
             pool.resize(upstream.pool.capacity)
@@ -430,7 +445,9 @@ def _is_address(host: str) -> bool:
 
 
 def _escape(text: str) -> bytes:
-    return text.replace("\\", "\\\\").replace('"', '\\"').encode()
+    """A label value as the text format writes it (a router's model id is a file name: it
+    may hold any of the three)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").encode()
 
 
 def _labelled(match: re.Match[bytes], label: bytes) -> bytes:

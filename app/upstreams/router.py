@@ -12,14 +12,14 @@ are known, so a child never gets more than its slots.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from slotgate.errors import ExchangeFailed
+import orjson
+from slotgate.errors import ExchangeFailed, ModelLoadFailed
 from slotgate.gate.models import RUNNING, Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.gate.swaps import Demand, Plan, Swaps
@@ -67,7 +67,8 @@ class Child:
         self.stopped_at: float | None = None
 
     def demand(self, now: float) -> Demand:
-        queued = self.lane.admission.queued
+        # A request that asked for it and did not wait counts as one waiting (Lane.wanted).
+        queued = self.lane.admission.queued or int(self.lane.wanted)
         if not queued:
             self.waiting_since = None
         elif self.waiting_since is None:
@@ -151,20 +152,27 @@ class Router:
         status, body = await self._get("/models")
         if status != 200:
             raise ValueError(f"/models answered {status}")
-        listed = json.loads(body)
+        # orjson: a nesting too deep is a ValueError, not a RecursionError that would end the
+        # follower (the router's answers are not slotgate's to trust).
+        listed = orjson.loads(body)
         data = listed.get("data") if isinstance(listed, dict) else None
         if not isinstance(data, list):
             raise ValueError("/models did not list its models under data")  # noqa: TRY004 - bad data
         seen: dict[str, Child] = {}
+        past: list[str] = []
         for entry in data:
-            child = self._child(entry)
+            child = self._child(entry, past)
             if child is not None:
                 seen[child.model] = child
+        self._models.passed_over(self.url, past)
         for model in self.children.keys() - seen.keys():
             child = self.children.pop(model)
             log.info("model left the router: %s url=%s", model, self.url)
             child.lane.states.pop(self.url, None)
-            child.pool.resize(None)
+            child.lane.holds.discard(self.url)
+            self._models.unlist(child.lane, self.url)
+            # Retired, not only emptied: should it come back, it comes with a pool of its own.
+            child.pool.retire()
         now = time.monotonic()
         held = set(self.swaps.held)
         demands = [c.demand(now) for c in seen.values()]
@@ -184,10 +192,12 @@ class Router:
             )  # fmt: skip
         for child in seen.values():
             # Holds first, before any await can let a request in on a model being emptied.
-            child.lane.held = child.model in plan.hold
-            if child.lane.held:
+            if child.model in plan.hold:
+                child.lane.holds.add(self.url)
                 child.read_at = None
                 child.pool.resize(None)
+            else:
+                child.lane.holds.discard(self.url)
         for child in seen.values():
             await self._follow(child, plan, now)
         for model in plan.unload:
@@ -207,7 +217,7 @@ class Router:
                     child.lane.wanted = False
                     await self._load(child)
 
-    def _child(self, entry: Any) -> Child | None:
+    def _child(self, entry: Any, past: list[str]) -> Child | None:
         if not isinstance(entry, dict) or not isinstance(model := entry.get("id"), str):
             return None
         aliases = entry.get("aliases")
@@ -217,9 +227,10 @@ class Router:
         state = status.get("value")
         state = state if isinstance(state, str) else "unloaded"
         child = self.children.get(model)
-        lane = self._models.lane(model, names)
+        lane = self._models.lane(model, names, self.url)
         if lane is None:
-            return None  # past MAX_MODELS: passed through, never gated here
+            past += (model, *names)  # past MAX_MODELS: refused, in words that say so
+            return None
         if child is None:
             pool = lane.admission.add_pool(f"{self.url}#{model}")
             self._adopt(pool)
@@ -227,15 +238,23 @@ class Router:
                 pool.drain()
             child = self.children[model] = Child(model, lane, pool)
             log.info("model on the router: %s (%s) url=%s", model, state, self.url)
+        code = None
         if status.get("failed") is True:
             state = "failed"
             code = status.get("exit_code")
-            if isinstance(code, int):
+            code = code if isinstance(code, int) and not isinstance(code, bool) else None
+            if code is not None:
                 lane.exit_codes[self.url] = code
         else:
             lane.exit_codes.pop(self.url, None)
+        failed_now = state == "failed" and child.state != "failed"
         child.state = state
         lane.states[self.url] = state
+        if failed_now and lane.state == "failed" and not lane.running:
+            # As the router answers its own waiters when a load fails: none of them waits out
+            # STARTUP_WAIT_S for a model no router has. The next request asks for it again.
+            log.warning("model failed to load: %s exit_code=%s url=%s", model, code, self.url)
+            lane.admission.turn_away(lambda: ModelLoadFailed(model, code))
         lane.autoload = self.autoload
         return child
 
@@ -253,7 +272,7 @@ class Router:
         try:
             target = f"/props?model={quote(child.model, safe='')}&autoload=false"
             status, body = await self._get(target)
-            props = self._parse(json.loads(body)) if status == 200 else None
+            props = self._parse(orjson.loads(body)) if status == 200 else None
         except (ValueError, ExchangeFailed, TimeoutError) as exc:
             log.info("cannot read %s's props: %s url=%s", child.model, exc, self.url)
             props = None
@@ -270,6 +289,7 @@ class Router:
                 child.model, props.total_slots, props.n_ctx, self.url,
             )  # fmt: skip
         pool.resize(props.total_slots)
+        child.lane.wanted = False
 
     async def _load(self, child: Child) -> None:
         """Ask the router to load a model whose line waits (as a request would have)."""
@@ -316,8 +336,11 @@ class Router:
 
     def close(self) -> None:
         """The router's upstream leaves: its children's slots are gone."""
+        self._models.passed_over(self.url, ())
         for child in self.children.values():
             child.lane.states.pop(self.url, None)
+            child.lane.holds.discard(self.url)
+            self._models.unlist(child.lane, self.url)
             child.pool.retire()
 
 
@@ -329,7 +352,7 @@ async def served_names(upstream: Upstream) -> tuple[str, ...]:
     fallback = (props.model,) if props is not None and props.model else ()
     try:
         status, body = await upstream.get("/v1/models")
-        data = json.loads(body).get("data") if status == 200 else None
+        data = orjson.loads(body).get("data") if status == 200 else None
     except (ExchangeFailed, TimeoutError, ValueError, AttributeError):
         return fallback
     first = data[0] if isinstance(data, list) and data else None

@@ -201,6 +201,8 @@ class Upstream:
         #: Its pool in its model's line, once upstreams of different models are routed by
         #: model (app/upstreams/fleet.py); sized with `pool`.
         self.model_pool: Pool | None = None
+        #: The model (its /props model) it served when placed in that line.
+        self.placed_model: str | None = None
 
     def readdress(self, address: str | None) -> None:
         """Known by its name so far, it is now one of the name's several addresses: this one;
@@ -387,7 +389,9 @@ class Upstream:
                         "root URL, without /v1"
                     )
                 raise ValueError(f"/props answered {status}: {text}")  # noqa: TRY301 - one handler for every way /props fails
-            data = json.loads(body)
+            # orjson: too deep a nesting is a ValueError (json's RecursionError would end the
+            # follower).
+            data = orjson.loads(body)
             if isinstance(data, dict) and data.get("role") == "router" and self._routing:
                 await self._follow_router(data)
                 return
@@ -439,8 +443,13 @@ class Upstream:
         self.pool.resize_budget(self.kv_budget_tokens(props))
         self.pool.resize(props.total_slots)
         if (placed := self.model_pool) is not None:
-            placed.resize_budget(self.kv_budget_tokens(props))
-            placed.resize(props.total_slots)
+            if props.model == self.placed_model:
+                placed.resize_budget(self.kv_budget_tokens(props))
+                placed.resize(props.total_slots)
+            else:
+                # Back with another model: nothing of its old model's line runs here; the
+                # fleet places it in its new model's line (app/upstreams/fleet.py).
+                placed.resize(None)
 
     async def _follow_router(self, props: dict[str, Any]) -> None:
         """It is a router: ready while it answers; its models' slots come from each child."""
@@ -532,12 +541,16 @@ class Upstream:
     async def count_prompt(self, chat: bool, payload: dict[str, Any]) -> int | None:
         """llama-server's own count of a prompt's tokens (a chat's after its template), or
         None when it cannot tell (a round trip that fails, an older server)."""
+        # A router loads the model a POST names (and evicts another for it) unless told not
+        # to: a count must never load what the swap rule keeps unloaded (app/gate/swaps.py).
+        # Not loaded, it answers 400 and the local bound stands.
+        query = "" if self.router is None else "?autoload=false"
         try:
             # One bound for both round trips: the request holds its place (or its slot) while
             # it is counted, and a count that comes late is worth less than the local bound.
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 if chat:
-                    status, body = await self._post("/apply-template", payload)
+                    status, body = await self._post("/apply-template" + query, payload)
                     if status != 200:
                         return None
                     prompt = json.loads(body).get("prompt")
@@ -548,7 +561,7 @@ class Upstream:
                 request = {"content": prompt, "add_special": True, "parse_special": True}
                 if isinstance(model := payload.get("model"), str):
                     request["model"] = model  # a router tokenizes with that model's child
-                status, body = await self._post("/tokenize", request)
+                status, body = await self._post("/tokenize" + query, request)
             tokens = json.loads(body).get("tokens") if status == 200 else None
         except (ExchangeFailed, TimeoutError, ValueError, AttributeError, RecursionError):
             return None

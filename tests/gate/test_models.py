@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from slotgate.errors import ShuttingDown
 from slotgate.gate.admission import Admission
-from slotgate.gate.models import Models
+from slotgate.gate.models import Lane, Models
 
 
 def models(limit: int = 8) -> Models:
@@ -56,13 +56,49 @@ async def test_each_model_has_its_own_slots_and_line() -> None:
     assert beta.running
 
 
+def listed(lanes: Models, model: str, aliases: tuple[str, ...] = ()) -> Lane:
+    """The lane of `model`, listed by a router."""
+    lane = lanes.lane(model, aliases)
+    assert lane is not None
+    lane.states["http://router"] = "unloaded"
+    return lane
+
+
 def test_lanes_are_bounded_in_number() -> None:
     lanes = models(limit=2)
-    assert lanes.lane("a") is not None
-    assert lanes.lane("b") is not None
+    listed(lanes, "a")
+    listed(lanes, "b")
     assert lanes.lane("c") is None
     assert lanes.lane("a") is not None  # one it has stays found
     assert len(lanes) == 2
+
+
+async def test_a_line_no_router_lists_any_more_makes_room_for_a_new_model() -> None:
+    lanes = models(limit=2)
+    listed(lanes, "a", ("a1",))
+    gone = listed(lanes, "b", ("b1",))
+    gone.states.clear()  # its file left the router's --models-dir
+    # Without room made, a router that renames its models would be refused for good.
+    c = lanes.lane("c")
+    assert c is not None
+    assert len(lanes) == 2
+    assert lanes.find("b") is None
+    assert lanes.find("b1") is None
+    assert lanes.find("a1") is not None
+    with pytest.raises(ShuttingDown):  # a request that found it just before is told
+        gone.admission.enter()
+
+
+async def test_a_line_that_still_holds_requests_keeps_its_place() -> None:
+    lanes = models(limit=2)
+    listed(lanes, "a")
+    gone = listed(lanes, "b")
+    gone.admission.add_pool("router#b")
+    waiter = gone.admission.enter()  # waits for a load that will not come
+    gone.states.clear()
+    assert lanes.lane("c") is None
+    assert lanes.find("b") is gone
+    waiter.release()
 
 
 async def test_closing_turns_every_lines_waiters_away_and_new_lanes_too() -> None:
@@ -111,3 +147,18 @@ def test_a_pause_holds_every_line_and_a_line_made_while_paused_starts_paused() -
     gamma = lanes.find("gamma")
     assert gamma is not None
     assert not gamma.admission.paused
+
+
+def test_aliases_listed_by_several_upstreams_are_each_found_until_theirs_leaves() -> None:
+    lanes = models()
+    alpha = lanes.lane("alpha", ["x"], "http://router-a")
+    # A server of alpha without --alias, placed after: its listing adds none, takes none.
+    assert lanes.lane("alpha", [], "http://server-b") is alpha
+    assert lanes.find("x") is alpha
+    lanes.lane("alpha", ["y"], "http://router-c")
+    assert lanes.find("x") is alpha
+    assert lanes.find("y") is alpha
+    assert alpha is not None
+    lanes.unlist(alpha, "http://router-a")
+    assert lanes.find("x") is None
+    assert lanes.find("y") is alpha

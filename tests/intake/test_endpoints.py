@@ -8,7 +8,14 @@ from typing import Any
 import orjson
 import pytest
 from slotgate.errors import BadRequest
-from slotgate.intake.endpoints import ENDPOINTS, MAX_JSON_DEPTH, demand, parse_json, route_of
+from slotgate.intake.endpoints import (
+    ENDPOINTS,
+    MAX_JSON_DEPTH,
+    demand,
+    form_field,
+    parse_json,
+    route_of,
+)
 from slotgate.intake.rewrite import streaming_body
 
 
@@ -155,3 +162,35 @@ def test_json_nested_to_the_limit_is_parsed_and_can_be_written_again() -> None:
     inner = b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1)
     payload = parse_json(b'{"messages": ' + inner + b"}")
     assert orjson.loads(streaming_body(orjson.dumps(payload)))["stream"] is True
+
+
+FORM = "multipart/form-data; boundary=XyZ"
+
+
+def form(*parts: tuple[str, bytes]) -> bytes:
+    return (
+        b"".join(
+            b'--XyZ\r\nContent-Disposition: form-data; name="%s"\r\n\r\n%s\r\n' % (n.encode(), v)
+            for n, v in parts
+        )
+        + b"--XyZ--\r\n"
+    )
+
+
+def test_a_forms_field_is_found_after_a_big_file_part() -> None:
+    body = form(("file", b"RIFF" * 100_000), ("model", "bêta".encode()))
+    assert form_field(body, FORM, "model") == "bêta"
+    assert form_field(body, 'multipart/form-data; boundary="XyZ"', "model") == "bêta"
+
+
+def test_a_form_without_the_field_has_none() -> None:
+    assert form_field(form(("models", b"x"), ("file", b"RIFF")), FORM, "model") is None
+    assert form_field(form(("model", b"x")), "multipart/form-data", "model") is None
+    assert form_field(form(("model", b"x" * 10_000)), FORM, "model") is None  # not a name
+
+
+def test_a_form_of_very_many_parts_is_read_no_further_than_its_first() -> None:
+    # A million tiny parts would hold the loop for a second: past 64, it has no model.
+    body = form(*[("x", b"v")] * 1000, ("model", b"alpha"))
+    assert form_field(body, FORM, "model") is None
+    assert form_field(form(*[("x", b"v")] * 10, ("model", b"alpha")), FORM, "model") == "alpha"

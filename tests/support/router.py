@@ -64,6 +64,8 @@ class Routing:
         self.peak_loaded = 0
         #: (path, model) of every request forwarded to a child, in order.
         self.forwarded: list[tuple[str, str]] = []
+        #: What `GET /models` answers instead of the listing (a hostile or broken router).
+        self.listing: bytes | None = None
 
     def find(self, name: str) -> tuple[str, Hosted] | None:
         if name in self.hosted:
@@ -142,7 +144,13 @@ class Routing:
         params = parse_qs(query.decode("latin-1"))
         name = (params.get("model") or [""])[-1]
         if path == "/models" and method == "GET":
-            conn._json(self.models())
+            if self.listing is not None:
+                from tests.support.standin import head
+
+                listing = self.listing
+                conn._send(head(200, b"application/json", len(listing), conn.cors) + listing)
+            else:
+                conn._json(self.models())
             return True
         if path == "/models/load" and method == "POST":
             found = self.find(str(_field(body, "model")))
@@ -219,7 +227,13 @@ class Routing:
 
 def _field(body: bytes, name: str) -> Any:
     import json
+    import re
 
+    if body.startswith(b"--"):  # a form: llama-server reads its fields as a JSON object's
+        field = re.search(
+            rb'name="' + name.encode() + rb'"\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--', body, re.S
+        )
+        return None if field is None else field.group(1).decode()
     try:
         value = json.loads(body)
     except ValueError:
