@@ -429,7 +429,7 @@ class Proxy:
             left_s = preemption.after_s - ticket.wait_s
             done, _ = await asyncio.wait((task,), timeout=max(left_s, 0.0))
             if not done and not ticket.admitted:
-                preemption.make_room(request.band, request.id)
+                preemption.make_room(request.band, request.id, request.lane)
             await task
         finally:
             task.cancel()
@@ -451,7 +451,7 @@ class Proxy:
         # Its client has had a byte (or is about to: its slot went back with llama-server's
         # last byte, its answer not yet written).
         started: Callable[[], bool] = lambda: answer.started or ticket.released  # noqa: E731
-        preemption.run(request, request.band, started, stop, request.id)
+        preemption.run(request, request.band, started, stop, request.id, request.lane)
         try:
             while True:
                 try:
