@@ -92,6 +92,15 @@ def _lane(models: Models, request: Request) -> Lane:
     return lane
 
 
+def _eta_s(admission: Admission, lane: Lane | None, ticket: Claim) -> float:
+    """When a waiter's slot should come, as its deadline reckons: its own line's estimate for
+    its place, and for a model not running, what is left of its load (app/gate/models.py)."""
+    eta_s = admission.eta_s(max(ticket.position, 1))
+    if lane is not None:
+        eta_s += lane.load_eta_s(time.monotonic())
+    return eta_s
+
+
 @functools.lru_cache(maxsize=256)
 def _quoted(path: str) -> str:
     """The path as it goes upstream. A handful of paths carry nearly every request: quoting
@@ -328,7 +337,7 @@ class Proxy:
         if ticket.admitted:
             self._let_go(request)
         elif request.max_wait_s is not None:
-            self._in_time(ticket, request.max_wait_s, admission)
+            self._in_time(ticket, request.max_wait_s, admission, lane)
         request.ticket = ticket
         request.estimate = cost
         return ticket
@@ -411,11 +420,11 @@ class Proxy:
     def _within(self, waiting: Awaitable[None], request: Request, ticket: Claim) -> Awaitable[None]:
         """The wait, out of the line with DeadlineUnmet once its bound (X-Max-Wait) is reached."""
         assert request.max_wait_s is not None  # noqa: S101 - only for a request with a bound
-        admission = self._admission if request.lane is None else request.lane.admission
+        lane = request.lane
+        admission = self._admission if lane is None else lane.admission
         return deadlines.within(
-            waiting, request.max_wait_s, ticket.wait_s,
-            lambda: admission.eta_s(max(ticket.position, 1)),
-        )  # fmt: skip
+            waiting, request.max_wait_s, ticket.wait_s, lambda: _eta_s(admission, lane, ticket)
+        )
 
     # -- preemption (PREEMPT_AFTER_S) ----------------------------------------------------------
 
@@ -471,10 +480,12 @@ class Proxy:
 
     # -- waiting -------------------------------------------------------------------------------
 
-    def _in_time(self, ticket: Claim, bound_s: float, admission: Admission) -> None:
+    def _in_time(
+        self, ticket: Claim, bound_s: float, admission: Admission, lane: Lane | None
+    ) -> None:
         """Refuse at once a request whose place in line promises a slot only past its bound."""
         try:
-            deadlines.check(admission.eta_s(max(ticket.position, 1)), bound_s)
+            deadlines.check(_eta_s(admission, lane, ticket), bound_s)
         except DeadlineUnmet:
             ticket.release()  # its place, before anyone waits behind it for nothing
             raise
