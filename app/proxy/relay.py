@@ -267,7 +267,8 @@ class Proxy:
             self._fleet.several if lane is None else len(admission.pools) > 1
         )
         wants = _NOTHING_MORE
-        if budget or cold or affinity:
+        sessions = self._sessions
+        if budget or cold or affinity or sessions is not None:
             upstream = self._fleet.primary
             wants = Wants(
                 budget=budget,
@@ -275,6 +276,7 @@ class Proxy:
                 expect=cold,
                 tokens_per_s=upstream.tokens_per_s if cold else None,
                 affinity=affinity,
+                session=sessions is not None,
             )
         taken = await take_off_loop(
             endpoint,
@@ -313,16 +315,20 @@ class Proxy:
         if head.max_wait is not None or tenant.max_wait_s is not None:
             request.max_wait_s = deadlines.max_wait_s(head.max_wait, tenant.max_wait_s)
         key, conversation, flow = taken.affinity, taken.conversation, tenant
-        if (affinity or self._sessions is not None) and (
-            session := session_of(head.raw)
-        ) is not None:
-            # An agent's session: each turn back where it last ran (its history is cached
-            # there), and, with SESSION_FLOWS, a flow of its own beside its tenant's others.
-            if affinity:
-                conversation = routing_key(session)
-                key = conversation if key is None else key
-            if self._sessions is not None:
-                flow = self._sessions.flow(tenant, session)
+        if affinity or sessions is not None:
+            session = session_of(head.raw)
+            if session is not None:
+                # An agent's session: each turn back where it last ran (its history is cached
+                # there), and, with SESSION_FLOWS, a flow of its own beside its tenant's others.
+                if affinity:
+                    conversation = routing_key(session)
+                    key = conversation if key is None else key
+            else:
+                # A body's prompt_cache_key routes as its affinity key already; it names a
+                # session for the fair order too.
+                session = taken.session
+            if sessions is not None and session is not None:
+                flow = sessions.flow(tenant, session)
         if self.preemption is not None:
             request.band = flow.band if band is None else band
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,

@@ -60,23 +60,30 @@ def said(text: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}], "stream": False}
 
 
+def in_session(text: str, session: str, by: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A request of `session`, named `by` a header, or by its body's prompt_cache_key."""
+    if by == "prompt_cache_key":
+        return {**said(text), "prompt_cache_key": session}, {}
+    return said(text), {by: session}
+
+
 async def chat_after_a_flood(
-    gate: RunningGate, client: httpx.AsyncClient, standin: StandIn, flood: int
-) -> list[str]:
+    gate: RunningGate, client: httpx.AsyncClient, standin: StandIn, flood: int,
+    by: tuple[str, str] = ("session-id", "x-session-affinity"),
+) -> list[str]:  # fmt: skip
     """Session `a` sends `flood` requests at once, session `b` one once the rest of them
-    wait: the prompts in the order the stand-in ran them from then on."""
+    wait (each naming its session `by` a header or the body): the prompts in the order the
+    stand-in ran them from then on."""
+    sent = [in_session(f"flood {n}", "a", by[0]) for n in range(flood)]
     tasks = [
-        asyncio.create_task(
-            client.post(gate.url + CHAT, json=said(f"flood {n}"), headers={"session-id": "a"})
-        )
-        for n in range(flood)
+        asyncio.create_task(client.post(gate.url + CHAT, json=body, headers=headers))
+        for body, headers in sent
     ]
     try:
         await gate.until(lambda: gate.service.admission.queued >= flood - 2)
         before = len(standin.seen)
-        answer = await client.post(
-            gate.url + CHAT, json=said("chat"), headers={"x-session-affinity": "b"}
-        )
+        body, headers = in_session("chat", "b", by[1])
+        answer = await client.post(gate.url + CHAT, json=body, headers=headers)
         assert answer.status_code == 200
         return [json.loads(s.body)["messages"][0]["content"] for s in standin.seen[before:]]
     finally:
@@ -90,6 +97,16 @@ async def test_one_sessions_flood_does_not_hold_back_another_sessions_request(
     gate = await start_gate(session_flows=16, max_queue=0)
     seen = await chat_after_a_flood(gate, client, standin, 30)
     # Behind about 28 of the flood in one line, yet among the next two to run.
+    assert seen.index("chat") <= 2, seen
+
+
+async def test_a_bodys_prompt_cache_key_names_a_session_for_its_own_flow(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 10, 0.02
+    gate = await start_gate(session_flows=16, max_queue=0)
+    by = ("prompt_cache_key", "prompt_cache_key")
+    seen = await chat_after_a_flood(gate, client, standin, 30, by)
     assert seen.index("chat") <= 2, seen
 
 
