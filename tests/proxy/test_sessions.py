@@ -11,7 +11,17 @@ from typing import Any
 import httpx
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, GateFactory, RunningGate, StartUpstreams, cancel_all, serve
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    GatesFor,
+    MakeRouter,
+    RunningGate,
+    StartUpstreams,
+    cancel_all,
+    serve,
+)
+from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 
 
@@ -117,3 +127,30 @@ async def test_without_session_flows_a_session_waits_its_turn_in_one_line(
     gate = await start_gate(max_queue=0)
     seen = await chat_after_a_flood(gate, client, standin, 8)
     assert seen.index("chat") >= 6, seen
+
+
+async def test_a_sessions_turns_stay_on_one_router_among_those_serving_its_model(
+    router: MakeRouter, gates_for: GatesFor, client: httpx.AsyncClient
+) -> None:
+    routers = [await router({"alpha": hosted(2)}), await router({"alpha": hosted(2)})]
+    gate = await gates_for(routers)
+    await gate.until(
+        lambda: (
+            (lane := gate.service.models.find("alpha")) is not None and lane.admission.capacity == 4
+        )
+    )
+    kids = [children(r)["alpha"] for r in routers]
+    for n in range(10):
+        answer = await client.post(gate.url + CHAT, json={**turn(n), "model": "alpha"})
+        assert answer.status_code == 200
+    # Ten prompts of their own: spread over both routers by their keys.
+    assert all(kid.seen for kid in kids)
+    before = [len(kid.seen) for kid in kids]
+    for n in range(10, 20):
+        answer = await client.post(
+            gate.url + CHAT, json={**turn(n), "model": "alpha"},
+            headers={"x-claude-code-session-id": "sess-1"},
+        )  # fmt: skip
+        assert answer.status_code == 200
+    after = [len(kid.seen) - b for kid, b in zip(kids, before, strict=True)]
+    assert sorted(after) == [0, 10]  # one session, one router
