@@ -107,16 +107,21 @@ async def test_a_request_in_a_models_line_is_held_to_its_own_lines_estimate(
     gate = await gate_before(upstream)
     alpha = gate.service.models.find("alpha")
     assert alpha is not None
+    kid = children(upstream)["alpha"]
+    kid.token_delay_s = 0.5  # a hold of 1.5 s seen: alpha's estimate stays above 0.5 s
     assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
-    children(upstream)["alpha"].tokens = 1000  # a real hold seen, now a long one
+    kid.tokens = 1000
     holder = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="alpha")))
     try:
         await gate.until(lambda: alpha.admission.active == 1)
-        bound = {"x-max-wait": "0"}
-        # alpha's line is busy: its estimate, not the idle main line's, refuses the request.
+        bound = {"x-max-wait": "0.2"}
+        # alpha's line is busy: its estimate, not the idle main line's, refuses the request
+        # at once, rather than after waiting out its bound.
         refused = await client.post(gate.url + CHAT, json=chat(model="alpha"), headers=bound)
         assert refused.status_code == 503
-        assert refused.json()["error"]["eta_s"] > 0
+        error = refused.json()["error"]
+        assert error["eta_s"] > 0.2
+        assert error["message"].startswith("the expected wait for a slot")
         # beta's line is free: the same bound lets it straight in.
         served = await client.post(gate.url + CHAT, json=chat(model="beta"), headers=bound)
         assert served.status_code == 200
