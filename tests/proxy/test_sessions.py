@@ -113,7 +113,9 @@ async def test_one_sessions_flood_does_not_hold_back_another_sessions_request(
 async def test_a_bodys_prompt_cache_key_names_a_session_for_its_own_flow(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 10, 0.02
+    # Each of the flood's answers holds the slot a second: a loaded machine that is slow to
+    # put the chat in line lets no more of them run before it.
+    standin.total_slots, standin.tokens, standin.token_delay_s = 1, 50, 0.02
     gate = await start_gate(session_flows=16, max_queue=0)
     by = ("prompt_cache_key", "prompt_cache_key")
     seen = await chat_after_a_flood(gate, client, standin, 30, by)
