@@ -20,6 +20,7 @@ from slotgate.gate.entry import Gate, Local
 from slotgate.gate.models import Models
 from slotgate.gate.pool import Snapshot
 from slotgate.gate.quotas import Ledger, Windows
+from slotgate.gate.tenants import Tenant
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
 from slotgate.proxy.headers import id_headers
@@ -274,8 +275,21 @@ class Service:
                     # Its part of the slot-seconds held by requests that ended in about the
                     # last minute (0 to 1; all tenants' add up to 1 once anything ended).
                     "slot_seconds_share_1m": round(shares.get(tenant.name, 0.0), 4),
+                    **({} if tenant.quota is None else {"quota": self.quota_view(tenant)}),
                 }
             )
+        return shown
+
+    def quota_view(self, tenant: Tenant) -> dict[str, dict[str, Any]]:
+        """A tenant's standing against each of its limits, read now from its windows (one
+        window per tenant, whatever the model). With REDIS_URL the fleet's windows are in
+        Redis, which /admission does not wait for: the limits alone are shown."""
+        quota = tenant.quota
+        assert quota is not None  # noqa: S101 - only tenants with a quota are shown one
+        shown: dict[str, dict[str, Any]] = self.quotas.view(tenant.name, quota)
+        if self.ledger is not self.quotas:
+            for window in shown.values():
+                window.update(used=None, remaining=None, reset_s=None)
         return shown
 
 

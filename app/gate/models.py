@@ -46,6 +46,21 @@ class Lane:
     #: Its state on each router serving it, and a failed load's exit code, by router URL.
     states: dict[str, str] = field(default_factory=dict)
     exit_codes: dict[str, int] = field(default_factory=dict)
+    #: How long its last load took, from slotgate asking a router for it to its slots known
+    #: (seconds); None until one was seen. What a deadline adds for a model not running.
+    load_s: float | None = None
+    #: Since when (monotonic) a load slotgate asked for has been under way; None: none is.
+    loading_since: float | None = None
+
+    def load_eta_s(self, now: float) -> float:
+        """How long until its slots should be known: nothing once it runs; else what its last
+        load took, less what a load under way has taken already (0 before any load was seen:
+        a first load's time is not known)."""
+        if self.running or self.load_s is None:
+            return 0.0
+        if self.loading_since is None:
+            return self.load_s
+        return max(self.load_s - (now - self.loading_since), 0.0)
 
     @property
     def state(self) -> str:

@@ -13,6 +13,8 @@ band, whether its answer has begun, and how to stop it. The rules:
 - The victim: of the requests below the waiter's band, one of the lowest band, the most
   recently started among them (the least work thrown away).
 - One victim per waiter, once it has waited the bound.
+- Only in the waiter's own line: with one line per model (app/gate/models.py), a request
+  running on another model's slots frees nothing for the waiter, so it is never a victim.
 
 In one process only: with replicas sharing a line, a replica preempts only what it runs itself.
 """
@@ -38,6 +40,8 @@ class Running:
     label: str
     seq: int
     preempted: bool = False
+    #: The line it holds slots in (a model's lane; None: the main line).
+    line: object = None
 
 
 class Preemption:
@@ -55,14 +59,14 @@ class Preemption:
 
     def run(
         self, key: object, band: int, started: Callable[[], bool], stop: Callable[[], None],
-        label: str,
+        label: str, line: object = None,
     ) -> None:  # fmt: skip
-        """`key`'s request holds its slots now (again, after a preemption: then it stays
-        immune)."""
+        """`key`'s request holds its slots in `line` now (again, after a preemption: then it
+        stays immune)."""
         known = self._running.get(key)
         self._seq += 1
         self._running[key] = Running(
-            band, started, stop, label, self._seq, known is not None and known.preempted
+            band, started, stop, label, self._seq, known is not None and known.preempted, line
         )
 
     def end(self, key: object) -> None:
@@ -72,12 +76,17 @@ class Preemption:
         running = self._running.get(key)
         return running is not None and running.preempted
 
-    def make_room(self, band: int, waiter: str) -> bool:
-        """A waiter of `band` has waited the bound: stop one lower-band request that has sent
-        nothing yet; False when there is none."""
+    def make_room(self, band: int, waiter: str, line: object = None) -> bool:
+        """A waiter of `band` in `line` has waited the bound: stop one lower-band request of
+        that line that has sent nothing yet; False when there is none."""
         victim: Running | None = None
         for running in self._running.values():
-            if running.band >= band or running.preempted or running.started():
+            if (
+                running.line is not line
+                or running.band >= band
+                or running.preempted
+                or running.started()
+            ):
                 continue
             if (
                 victim is None

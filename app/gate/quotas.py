@@ -144,6 +144,24 @@ def standing(account: Account, quota: Quota, now: float) -> Standing:
     )
 
 
+def view(account: Account, quota: Quota, now: float) -> dict[str, dict[str, float | int]]:
+    """Each limit that is set, with what its window holds (`used`), what is `left` of it and
+    the seconds until it resets (`reset_s`), for /admission: read when asked, never kept."""
+    account = current(account, now)
+    minute_left = round((account.minute + 1) * MINUTE_S - now, 3)
+    day_left = round((account.day + 1) * DAY_S - now, 3)
+    windows = (
+        (REQUESTS_PER_MINUTE, quota.requests_per_minute, account.requests, minute_left),
+        (TOKENS_PER_MINUTE, quota.tokens_per_minute, account.minute_tokens, minute_left),
+        (TOKENS_PER_DAY, quota.tokens_per_day, account.day_tokens, day_left),
+    )
+    return {
+        name: {"limit": limit, "used": used, "remaining": max(limit - used, 0), "reset_s": reset}
+        for name, limit, used, reset in windows
+        if limit is not None
+    }
+
+
 class Ledger(Protocol):
     """Where the windows are kept: in this process (`Windows`), or for the fleet in Redis."""
 
@@ -189,3 +207,7 @@ class Windows:
     def account(self, name: str) -> Account:
         """The tenant's windows as they stand now."""
         return current(self._accounts.get(name, EMPTY), self.clock())
+
+    def view(self, name: str, quota: Quota) -> dict[str, dict[str, float | int]]:
+        """The tenant's standing against each of its limits now (`view`)."""
+        return view(self._accounts.get(name, EMPTY), quota, self.clock())

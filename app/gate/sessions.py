@@ -3,9 +3,9 @@ session on the upstream that has its cache and, with SESSION_FLOWS, to give each
 of its own in the fair order.
 
 Standard library only. The id is the first non-empty of the headers agents send
-(`x-claude-code-session-id`, `x-session-affinity`, `session-id`, `session_id`); a body's
-`prompt_cache_key` already keeps its requests together (app/intake/body.py) and is not read
-again here.
+(`x-claude-code-session-id`, `x-session-affinity`, `session-id`, `session_id`), else a body's
+`prompt_cache_key` (read with the body, app/intake/body.py): that one already keeps its
+requests on one upstream as their affinity key, and names their session for the fair order.
 
 Routing: the session's key takes the place of a chat's conversation key, so that each turn goes
 back to the upstream its session last ran on (its whole history is cached there), while its

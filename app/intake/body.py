@@ -17,6 +17,7 @@ from typing import NamedTuple, TypeVar
 
 from slotgate.errors import BadRequest
 from slotgate.gate.routing import AFFINITY_PREFIX_CHARS, stable_hash
+from slotgate.gate.sessions import MAX_ID_BYTES
 from slotgate.intake.cost import Estimate, local
 from slotgate.intake.endpoints import (
     ENDPOINTS,
@@ -69,6 +70,7 @@ class Intake:
     expected_hold_s: float | None = None  # how long it should hold its slots (a cold gate)
     affinity: int | None = None  # its routing key among several upstreams (app/gate/routing.py)
     conversation: int | None = None  # the key of its conversation, within the affinity key's
+    session: bytes | None = None  # its `prompt_cache_key`, read for SESSION_FLOWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,7 @@ class Wants:
     expect: bool = False  # a cold gate: how long should it hold its slots (app/intake/pace.py)
     tokens_per_s: float | None = None
     affinity: bool = False  # its routing key (several upstreams, ROUTING=affinity)
+    session: bool = False  # its `prompt_cache_key` as a session id (SESSION_FLOWS)
 
 
 class Reading(NamedTuple):
@@ -111,6 +114,7 @@ def take(endpoint: Endpoint, body: bytes, reading: Reading) -> Intake:
         )
     key = affinity_of(payload) if wants.affinity else None
     talk = conversation_of(payload) if key is not None else None
+    session = session_of(payload) if wants.session else None
     teaches = False
     if assemble and not want.stream and endpoint.kind in ASSEMBLED:
         # llama-server reads `verbose` as a boolean, null as absent (server-schema.cpp); its
@@ -120,10 +124,10 @@ def take(endpoint: Endpoint, body: bytes, reading: Reading) -> Intake:
             streaming, _ = streaming_request(body)
             return Intake(
                 want, streaming, True, False, payload.get("return_tokens") is True, estimate,
-                expected, key, talk,
+                expected, key, talk, session,
             )  # fmt: skip
         teaches = verbose is None
-    return Intake(want, body, False, teaches, False, estimate, expected, key, talk)
+    return Intake(want, body, False, teaches, False, estimate, expected, key, talk, session)
 
 
 def affinity_of(payload: dict[str, object]) -> int | None:
@@ -146,6 +150,15 @@ def affinity_of(payload: dict[str, object]) -> int | None:
     if not size:
         return None
     return stable_hash("\x00".join(parts)[:AFFINITY_PREFIX_CHARS])
+
+
+def session_of(payload: dict[str, object]) -> bytes | None:
+    """Its `prompt_cache_key` as a session id (app/gate/sessions.py), bounded as a header's is;
+    None without one."""
+    key = payload.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return key.encode()[:MAX_ID_BYTES]
+    return None
 
 
 def conversation_of(payload: dict[str, object]) -> int | None:

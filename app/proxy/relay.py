@@ -97,6 +97,15 @@ def _lane(models: Models, request: Request, name: str | None, waits: bool) -> La
     return lane
 
 
+def _eta_s(admission: Admission, lane: Lane | None, ticket: Claim) -> float:
+    """When a waiter's slot should come, as its deadline reckons: its own line's estimate for
+    its place, and for a model not running, what is left of its load (app/gate/models.py)."""
+    eta_s = admission.eta_s(max(ticket.position, 1))
+    if lane is not None:
+        eta_s += lane.load_eta_s(time.monotonic())
+    return eta_s
+
+
 @functools.lru_cache(maxsize=256)
 def _quoted(path: str) -> str:
     """The path as it goes upstream. A handful of paths carry nearly every request: quoting
@@ -266,7 +275,8 @@ class Proxy:
             self._fleet.several if lane is None else len(admission.pools) > 1
         )
         wants = _NOTHING_MORE
-        if budget or cold or affinity:
+        sessions = self._sessions
+        if budget or cold or affinity or sessions is not None:
             upstream = self._fleet.primary
             wants = Wants(
                 budget=budget,
@@ -274,6 +284,7 @@ class Proxy:
                 expect=cold,
                 tokens_per_s=upstream.tokens_per_s if cold else None,
                 affinity=affinity,
+                session=sessions is not None,
             )
         taken = await take_off_loop(
             endpoint,
@@ -312,16 +323,20 @@ class Proxy:
         if head.max_wait is not None or tenant.max_wait_s is not None:
             request.max_wait_s = deadlines.max_wait_s(head.max_wait, tenant.max_wait_s)
         key, conversation, flow = taken.affinity, taken.conversation, tenant
-        if (affinity or self._sessions is not None) and (
-            session := session_of(head.raw)
-        ) is not None:
-            # An agent's session: each turn back where it last ran (its history is cached
-            # there), and, with SESSION_FLOWS, a flow of its own beside its tenant's others.
-            if affinity:
-                conversation = routing_key(session)
-                key = conversation if key is None else key
-            if self._sessions is not None:
-                flow = self._sessions.flow(tenant, session)
+        if affinity or sessions is not None:
+            session = session_of(head.raw)
+            if session is not None:
+                # An agent's session: each turn back where it last ran (its history is cached
+                # there), and, with SESSION_FLOWS, a flow of its own beside its tenant's others.
+                if affinity:
+                    conversation = routing_key(session)
+                    key = conversation if key is None else key
+            else:
+                # A body's prompt_cache_key routes as its affinity key already; it names a
+                # session for the fair order too.
+                session = taken.session
+            if sessions is not None and session is not None:
+                flow = sessions.flow(tenant, session)
         if self.preemption is not None:
             request.band = flow.band if band is None else band
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
@@ -336,7 +351,7 @@ class Proxy:
         if ticket.admitted:
             self._let_go(request)
         elif request.max_wait_s is not None:
-            self._in_time(ticket, request.max_wait_s, admission)
+            self._in_time(ticket, request.max_wait_s, admission, lane)
         request.ticket = ticket
         request.estimate = cost
         return ticket
@@ -413,11 +428,11 @@ class Proxy:
     def _within(self, waiting: Awaitable[None], request: Request, ticket: Claim) -> Awaitable[None]:
         """The wait, out of the line with DeadlineUnmet once its bound (X-Max-Wait) is reached."""
         assert request.max_wait_s is not None  # noqa: S101 - only for a request with a bound
-        admission = self._admission if request.lane is None else request.lane.admission
+        lane = request.lane
+        admission = self._admission if lane is None else lane.admission
         return deadlines.within(
-            waiting, request.max_wait_s, ticket.wait_s,
-            lambda: admission.eta_s(max(ticket.position, 1)),
-        )  # fmt: skip
+            waiting, request.max_wait_s, ticket.wait_s, lambda: _eta_s(admission, lane, ticket)
+        )
 
     # -- preemption (PREEMPT_AFTER_S) ----------------------------------------------------------
 
@@ -431,7 +446,7 @@ class Proxy:
             left_s = preemption.after_s - ticket.wait_s
             done, _ = await asyncio.wait((task,), timeout=max(left_s, 0.0))
             if not done and not ticket.admitted:
-                preemption.make_room(request.band, request.id)
+                preemption.make_room(request.band, request.id, request.lane)
             await task
         finally:
             task.cancel()
@@ -453,7 +468,7 @@ class Proxy:
         # Its client has had a byte (or is about to: its slot went back with llama-server's
         # last byte, its answer not yet written).
         started: Callable[[], bool] = lambda: answer.started or ticket.released  # noqa: E731
-        preemption.run(request, request.band, started, stop, request.id)
+        preemption.run(request, request.band, started, stop, request.id, request.lane)
         try:
             while True:
                 try:
@@ -473,10 +488,12 @@ class Proxy:
 
     # -- waiting -------------------------------------------------------------------------------
 
-    def _in_time(self, ticket: Claim, bound_s: float, admission: Admission) -> None:
+    def _in_time(
+        self, ticket: Claim, bound_s: float, admission: Admission, lane: Lane | None
+    ) -> None:
         """Refuse at once a request whose place in line promises a slot only past its bound."""
         try:
-            deadlines.check(admission.eta_s(max(ticket.position, 1)), bound_s)
+            deadlines.check(_eta_s(admission, lane, ticket), bound_s)
         except DeadlineUnmet:
             ticket.release()  # its place, before anyone waits behind it for nothing
             raise

@@ -241,6 +241,7 @@ class Router:
         code = None
         if status.get("failed") is True:
             state = "failed"
+            lane.loading_since = None  # no load under way to time
             code = status.get("exit_code")
             code = code if isinstance(code, int) and not isinstance(code, bool) else None
             if code is not None:
@@ -283,6 +284,11 @@ class Router:
         child.n_ctx = props.n_ctx
         # The budget first: the resize lets in whoever waited, weighed by the budget too.
         pool.resize_budget(self._budget(props))
+        lane = child.lane
+        if lane.loading_since is not None and pool.capacity is None:
+            # The load it asked for is done: what the next deadline for this model reckons with.
+            lane.load_s = time.monotonic() - lane.loading_since
+            lane.loading_since = None
         if pool.capacity != props.total_slots:
             log.info(
                 "model ready: %s total_slots=%d n_ctx=%s url=%s",
@@ -303,6 +309,8 @@ class Router:
             return
         if status == 200:
             child.state = child.lane.states[self.url] = "loading"
+            if child.lane.loading_since is None:
+                child.lane.loading_since = child.asked_at
         else:
             text = body[:200].decode("utf-8", "replace")
             log.warning("loading %s answered %d: %s url=%s", child.model, status, text, self.url)

@@ -162,3 +162,16 @@ def test_aliases_listed_by_several_upstreams_are_each_found_until_theirs_leaves(
     lanes.unlist(alpha, "http://router-a")
     assert lanes.find("x") is None
     assert lanes.find("y") is alpha
+
+
+def test_a_model_not_running_is_expected_after_what_its_last_load_took() -> None:
+    alpha = models().lane("alpha")
+    assert alpha is not None
+    assert alpha.load_eta_s(100.0) == 0.0  # no load seen: its time is not known
+    alpha.load_s = 30.0
+    assert alpha.load_eta_s(100.0) == 30.0
+    alpha.loading_since = 90.0  # a load under way for 10 s
+    assert alpha.load_eta_s(100.0) == 20.0
+    assert alpha.load_eta_s(200.0) == 0.0  # overdue: no more than nothing
+    alpha.admission.resize(2)
+    assert alpha.load_eta_s(100.0) == 0.0  # running: no load to wait for

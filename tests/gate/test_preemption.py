@@ -9,11 +9,14 @@ from slotgate.gate.preemption import Preemption
 
 
 class Victim:
-    def __init__(self, preemption: Preemption, name: str, band: int, started: bool = False):
+    def __init__(
+        self, preemption: Preemption, name: str, band: int, started: bool = False,
+        line: object = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.started = started
         self.stopped = 0
-        preemption.run(self, band, lambda: self.started, self.stop, name)
+        preemption.run(self, band, lambda: self.started, self.stop, name, line)
 
     def stop(self) -> None:
         self.stopped += 1
@@ -57,3 +60,17 @@ def test_never_a_request_of_the_waiters_band_or_above() -> None:
     preemption.end(above)
     assert not preemption.make_room(9, "chat")
     assert (same.stopped, above.stopped) == (0, 0)
+
+
+def test_a_waiter_preempts_only_a_request_running_in_its_own_models_line() -> None:
+    preemption = Preemption(1.0)
+    alpha, beta = object(), object()
+    # beta's batch request started last, on beta's slots: it frees nothing for alpha's waiter.
+    on_alpha = Victim(preemption, "on-alpha", 0, line=alpha)
+    on_beta = Victim(preemption, "on-beta", 0, line=beta)
+    on_main = Victim(preemption, "on-main", 0)
+    assert preemption.make_room(2, "chat", alpha)
+    assert (on_alpha.stopped, on_beta.stopped, on_main.stopped) == (1, 0, 0)
+    # Nothing else of alpha's line to take: beta's and the main line's are not alpha's.
+    assert not preemption.make_room(2, "chat", alpha)
+    assert (on_beta.stopped, on_main.stopped) == (0, 0)

@@ -153,3 +153,20 @@ def test_a_quota_that_is_not_a_positive_whole_number_stops_start_up(
     path.write_text(f'[tenants.chat]\nkey = "sk-chat"\ntokens_per_minute = {value}\n')
     with pytest.raises(InvalidTenantsFile, match="tokens_per_minute: must be a whole number"):
         roster(path=path)
+
+
+def test_a_tenants_standing_is_read_for_each_limit_it_has() -> None:
+    clock = Clock()
+    quota = Quota(requests_per_minute=10, tokens_per_day=1000)
+    windows = Windows(clock)
+    windows.admit_now("chat", quota)
+    windows.charge("chat", 300)
+    assert windows.view("chat", quota) == {
+        "requests_per_minute": {"limit": 10, "used": 1, "remaining": 9, "reset_s": 50.0},
+        "tokens_per_day": {"limit": 1000, "used": 300, "remaining": 700, "reset_s": DAY_S - 10},
+    }
+    clock.now += 50.0  # a new minute: its requests start again, the day's tokens stay
+    shown = windows.view("chat", quota)
+    assert shown["requests_per_minute"]["used"] == 0
+    assert shown["tokens_per_day"]["used"] == 300
+    assert windows.view("idle", quota)["tokens_per_day"]["remaining"] == 1000

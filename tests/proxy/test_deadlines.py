@@ -11,7 +11,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import CHAT, GateFactory, RunningGate, cancel_all, chat, write_keys
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    GatesFor,
+    MakeRouter,
+    RunningGate,
+    cancel_all,
+    chat,
+    write_keys,
+)
+from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 
 
@@ -88,3 +98,63 @@ async def test_a_bound_that_is_not_a_number_is_refused_before_it_waits(
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "X-Max-Wait"
     assert busy.service.admission.queued == 0
+
+
+async def test_a_request_in_a_models_line_is_held_to_its_own_lines_estimate(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1), "beta": hosted(1)})
+    gate = await gate_before(upstream)
+    alpha = gate.service.models.find("alpha")
+    assert alpha is not None
+    kid = children(upstream)["alpha"]
+    kid.token_delay_s = 0.5  # a hold of 1.5 s seen: alpha's estimate stays above 0.5 s
+    assert (await client.post(gate.url + CHAT, json=chat(model="alpha"))).status_code == 200
+    kid.tokens = 1000
+    holder = asyncio.create_task(client.post(gate.url + CHAT, json=chat(model="alpha")))
+    try:
+        await gate.until(lambda: alpha.admission.active == 1)
+        bound = {"x-max-wait": "0.2"}
+        # alpha's line is busy: its estimate, not the idle main line's, refuses the request
+        # at once, rather than after waiting out its bound.
+        refused = await client.post(gate.url + CHAT, json=chat(model="alpha"), headers=bound)
+        assert refused.status_code == 503
+        error = refused.json()["error"]
+        assert error["eta_s"] > 0.2
+        assert error["message"].startswith("the expected wait for a slot")
+        # beta's line is free: the same bound lets it straight in.
+        served = await client.post(gate.url + CHAT, json=chat(model="beta"), headers=bound)
+        assert served.status_code == 200
+    finally:
+        upstream.hurry()
+        await cancel_all([holder])
+
+
+async def test_a_request_for_an_unloaded_model_is_held_to_its_last_load_time(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1, "unloaded")}, load_delay_s=0.5)
+    gate = await gate_before(upstream)
+    alpha = gate.service.models.find("alpha")
+    assert alpha is not None
+    # The first load's time is not known yet: a bound waits for it rather than guessing.
+    first = await client.post(
+        gate.url + CHAT, json=chat(model="alpha"), headers={"x-max-wait": "60"}
+    )
+    assert first.status_code == 200
+    assert alpha.load_s is not None
+    assert alpha.load_s >= 0.5
+    assert upstream.hosted is not None
+    upstream.hosted["alpha"].state = "unloaded"  # evicted, as a router full of models does
+    await gate.until(lambda: not alpha.running)
+    refused = await client.post(
+        gate.url + CHAT, json=chat(model="alpha"), headers={"x-max-wait": "0.2"}
+    )
+    assert refused.status_code == 503
+    error = refused.json()["error"]
+    assert error["code"] == "deadline_unmet"
+    assert error["eta_s"] >= 0.5
+    assert alpha.admission.queued == 0
+    # Refused at once: nothing waited, so nothing asked for a load.
+    assert upstream.routing is not None
+    assert upstream.routing.loads == 1

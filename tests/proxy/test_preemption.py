@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import CHAT, GateFactory, RunningGate
+from tests.conftest import CHAT, GateFactory, GatesFor, MakeRouter, RunningGate
+from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 
 BATCH = {"x-priority": "batch"}
@@ -118,3 +119,38 @@ async def test_without_preempt_after_s_nothing_is_preempted(
     standin.hold_s = 0
     standin.hurry()
     assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
+
+
+async def test_a_waiter_in_a_models_line_preempts_only_a_request_on_that_models_slots(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient
+) -> None:
+    upstream = await router({"alpha": hosted(1), "beta": hosted(1)})
+    for child in children(upstream).values():
+        # One slot each, held a minute before the first token, the head sent with it.
+        child.tokens, child.hold_s, child.late_head = 1, 60.0, True
+    gate = await gate_before(upstream, preempt_after_s=0.3, max_queue=0)
+    lanes = gate.service.models
+    alpha, beta = lanes.find("alpha"), lanes.find("beta")
+    assert alpha is not None
+    assert beta is not None
+
+    def batch(model: str) -> asyncio.Task[httpx.Response]:
+        body = {**said(f"batch {model}", stream=True), "model": model}
+        return asyncio.create_task(client.post(gate.url + CHAT, json=body, headers=BATCH))
+
+    held = [batch("alpha")]
+    await gate.until(lambda: alpha.admission.active == 1)
+    # beta's batch request starts last: the most recent, were lines not told apart.
+    held.append(batch("beta"))
+    await gate.until(lambda: beta.admission.active == 1)
+    chat = asyncio.create_task(
+        client.post(gate.url + CHAT, json={**said("chat"), "model": "alpha"})
+    )
+    await gate.until(lambda: "chat" in prompts(children(upstream)["alpha"]))
+    for child in children(upstream).values():
+        child.hold_s = 0
+    upstream.hurry()  # the router's connections serve its children's requests
+    assert [a.status_code for a in await asyncio.gather(chat, *held)] == [200] * 3
+    assert Counter(prompts(children(upstream)["alpha"])) == {"batch alpha": 2, "chat": 1}
+    assert prompts(children(upstream)["beta"]) == ["batch beta"]
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 1

@@ -14,8 +14,17 @@ import pytest
 from slotgate.gate.quotas import MINUTE_S
 from slotgate.proxy.quota import Tally, duration
 
-from tests.conftest import CHAT, GateFactory, RunningGate, chat, write_keys
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    GatesFor,
+    MakeRouter,
+    RunningGate,
+    chat,
+    write_keys,
+)
 from tests.support.clock import T0, Clock
+from tests.support.router import hosted
 from tests.support.standin import StandIn
 
 
@@ -273,3 +282,39 @@ def test_an_anthropic_streams_prompt_tokens_are_read_from_its_first_event() -> N
     )
     tally.settle()
     assert charged == [28]
+
+
+async def test_a_tenants_quota_counts_its_requests_for_every_model_in_one_window(
+    router: MakeRouter, gate_before: GatesFor, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    keys = write_keys(
+        tmp_path,
+        '[tenants.chat]\nkey = "sk-chat"\nrequests_per_minute = 3\ntokens_per_day = 1000\n'
+        '[tenants.free]\nkey = "sk-free"\n',
+    )
+    upstream = await router({"alpha": hosted(2), "beta": hosted(2)})
+    gate = await gate_before(upstream, api_keys_file=keys)
+    gate.service.quotas.clock = Clock()
+    left = []
+    for model in ("alpha", "beta", "alpha"):
+        answer = await client.post(
+            gate.url + CHAT, json=chat(model=model), headers=bearer("sk-chat")
+        )
+        assert answer.status_code == 200
+        left.append(answer.headers["x-ratelimit-remaining-requests"])
+    assert left == ["2", "1", "0"]
+    refused = await client.post(gate.url + CHAT, json=chat(model="beta"), headers=bearer("sk-chat"))
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "quota_exceeded"
+    view = (await client.get(gate.url + "/admission", headers=bearer("sk-chat"))).json()
+    tenants = {t["name"]: t for t in view["tenants"]}
+    assert "quota" not in tenants["free"]
+    quota = tenants["chat"]["quota"]
+    assert quota["requests_per_minute"] == {
+        "limit": 3, "used": 3, "remaining": 0, "reset_s": 50.0,
+    }  # fmt: skip
+    day = quota["tokens_per_day"]
+    # Three answers' prompts and completions, whichever model gave them.
+    assert day["used"] > 0
+    assert day["used"] + day["remaining"] == day["limit"] == 1000
+    assert "tokens_per_minute" not in quota

@@ -16,7 +16,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import CHAT, GateFactory, GatesFor, MakeRouter, RunningGate, chat
+from tests.conftest import (
+    CHAT,
+    GateFactory,
+    GatesFor,
+    MakeRouter,
+    RunningGate,
+    chat,
+    write_keys,
+)
+from tests.support.clock import Clock
 from tests.support.router import children, hosted
 from tests.support.standin import StandIn
 from tests.support.tools import tool
@@ -310,3 +319,25 @@ async def test_behind_a_router_the_page_shows_each_models_state_line_and_slots(
     for holder in holders:
         assert await holder == 200
     assert page.errors == []
+
+
+async def test_the_tenants_table_shows_what_is_left_of_a_tenants_quota(
+    start_gate: GateFactory, browser: Any, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    keys = write_keys(
+        tmp_path, f'[tenants.chat]\nkey = "{KEY}"\nrequests_per_minute = 60\n'
+        '[tenants.free]\nkey = "sk-free"\n',
+    )  # fmt: skip
+    gate = await start_gate(api_keys_file=keys)
+    gate.service.quotas.clock = Clock()  # a minute that does not turn over during the test
+    answer = await client.post(
+        gate.url + CHAT, json=chat(), headers={"authorization": f"Bearer {KEY}"}
+    )
+    assert answer.status_code == 200
+    page = await open_page(browser, gate)
+    await page.fill("#key", KEY)
+    await page.press("#key", "Enter")
+    await text(
+        page, "#tenants tbody tr:first-child td:first-child", r"^chat59 of 60 requests/min left$"
+    )
+    await text(page, "#tenants tbody tr:nth-child(2) td:first-child", r"^free$")

@@ -363,12 +363,22 @@ function fmt(v) {
   return v >= 10 ? String(Math.round(v)) : v.toFixed(1);
 }
 
+const QUOTAS = {requests_per_minute: "requests/min", tokens_per_minute: "tokens/min", tokens_per_day: "tokens/day"};
+
+// A tenant's quota standing under its name: what is left of each limit it has (null with a
+// shared line, whose windows are in Redis).
+function quota(q) {
+  return Object.entries(q).map(([name, w]) =>
+    (w.remaining ?? "?") + " of " + w.limit + " " + (QUOTAS[name] || name) + " left").join(" · ");
+}
+
 function tenants(list) {
   const body = $("tenants").tBodies[0];
   body.replaceChildren();
   for (const t of list || []) {
+    const standing = t.quota ? [el("br"), el("small", {}, quota(t.quota))] : [];
     body.append(el("tr", {},
-      el("td", {}, t.name), el("td", {}, t.band), el("td", {}, t.weight),
+      el("td", {}, t.name, ...standing), el("td", {}, t.band), el("td", {}, t.weight),
       el("td", {}, t.active), el("td", {}, t.queued),
       el("td", {}, Math.round(t.slot_seconds_share_1m * 100) + " %")));
   }
