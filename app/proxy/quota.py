@@ -5,12 +5,12 @@ tenant has no quota never reaches this module.
 
 The tokens are read from the last bytes relayed, not by parsing the answer: llama-server ends
 every answer with its `usage` (`prompt_tokens`, `completion_tokens`; Anthropic's
-`input_tokens`, `output_tokens`) and `timings` (`prompt_n`, `predicted_n`), and in JSON a key
-with its quotes unescaped cannot occur inside a string, so the last `"completion_tokens":`
-in the tail is llama-server's. An Anthropic stream tells its prompt's tokens in its first event
-(`message_start`), so the first bytes are kept too, for the prompt when the tail lacks it. A
-stream that was cut before its usage (the client left, llama-server failed) is charged one
-token per event relayed, its prompt unknown.
+`input_tokens`, `output_tokens`; embeddings and rerank only `prompt_tokens`) and `timings`
+(`prompt_n`, `predicted_n`), and in JSON a key with its quotes unescaped cannot occur inside a
+string, so the last `"completion_tokens":` in the tail is llama-server's. An Anthropic stream
+tells its prompt's tokens in its first event (`message_start`), so the first bytes are kept
+too, for the prompt when the tail lacks it. A stream that was cut before its usage (the client
+left, llama-server failed) is charged one token per event relayed, its prompt unknown.
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ class Tally:
         """Prompt and completion tokens, as llama-server reported them; else its events."""
         tail = bytes(self.tail)
         completion = _last(_COMPLETION, tail)
+        prompt = _last(_PROMPT, tail)
         if completion is not None:
-            prompt = _last(_PROMPT, tail)
             if prompt is None:
                 prompt = _last(_PROMPT, self.head)
             return completion + (prompt or 0)
+        if prompt is not None:  # embeddings and rerank: a prompt, nothing generated
+            return prompt
         predicted = _last(_PREDICTED_N, tail)
         if predicted is not None:
             return predicted + (_last(_PROMPT_N, tail) or 0)

@@ -273,3 +273,39 @@ def test_an_anthropic_streams_prompt_tokens_are_read_from_its_first_event() -> N
     )
     tally.settle()
     assert charged == [28]
+
+
+class Charges:
+    """A ledger that records what is charged."""
+
+    def __init__(self) -> None:
+        self.charged: list[int] = []
+
+    async def admit(self, name: str, quota: Any) -> Any:
+        raise NotImplementedError
+
+    def charge(self, name: str, tokens: int) -> None:
+        self.charged.append(tokens)
+
+    async def aclose(self) -> None:
+        return
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # llama-server's /v1/embeddings and /v1/rerank: a usage with no completion tokens.
+        b'{"data":[{"embedding":[0.1,0.2],"index":0,"object":"embedding"}],"model":"m",'
+        b'"object":"list","usage":{"prompt_tokens":42,"total_tokens":42}}',
+        b'{"model":"m","object":"list","results":[{"index":0,"relevance_score":0.5}],'
+        b'"usage":{"prompt_tokens":42,"total_tokens":42}}',
+    ],
+    ids=["embeddings", "rerank"],
+)
+def test_an_answer_with_only_prompt_tokens_is_charged_them(body: bytes) -> None:
+    ledger = Charges()
+    tally = Tally(ledger, "chat")
+    tally.feed(body)
+    tally.settle()
+    # Not nothing: embeddings would otherwise pass tokens_per_minute and tokens_per_day free.
+    assert ledger.charged == [42]
