@@ -451,8 +451,12 @@ class Proxy:
             task.cancel(msg="preempted")
 
         # Its client has had a byte (or is about to: its slot went back with llama-server's
-        # last byte, its answer not yet written).
-        started: Callable[[], bool] = lambda: answer.started or ticket.released  # noqa: E731
+        # last byte, its answer not yet written), or llama-server's first token came: an
+        # answer assembled from a stream sends its client nothing until it ends, but its
+        # tokens so far are work that preempting it would throw away.
+        started: Callable[[], bool] = lambda: (  # noqa: E731
+            answer.started or ticket.released or request.first_byte_at is not None
+        )
         preemption.run(request, request.band, started, stop, request.id)
         try:
             while True:

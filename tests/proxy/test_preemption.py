@@ -84,6 +84,32 @@ async def test_a_batch_request_whose_answer_has_begun_is_never_preempted(
     assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
 
 
+async def test_a_non_streamed_request_whose_tokens_have_begun_is_never_preempted(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # Assembled from a stream (STREAM_UPSTREAM): its client has had no byte while its
+    # generation runs, yet its tokens are work that preempting it would throw away.
+    standin.total_slots, standin.tokens = 2, 1
+    standin.late_head = True
+    gate = await start_gate(preempt_after_s=0.3, max_queue=0)
+    # Shows llama-server adds no __verbose: the next ones are assembled.
+    assert (await client.post(gate.url + CHAT, json=said("warm"))).status_code == 200
+    standin.tokens, standin.token_delay_s = 1200, 0.05
+    batch = [
+        asyncio.create_task(client.post(gate.url + CHAT, json=said(f"batch {n}"), headers=BATCH))
+        for n in range(2)
+    ]
+    await gate.until(lambda: gate.service.admission.active == 2)
+    await gate.until(lambda: standin.running == 2)
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await asyncio.sleep(1.0)  # over three times its bound
+    assert "chat" not in prompts(standin)
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    standin.hurry()
+    assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
+
+
 async def test_a_non_streamed_request_sent_upstream_as_it_is_is_never_preempted(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
