@@ -88,3 +88,16 @@ async def test_a_bound_that_is_not_a_number_is_refused_before_it_waits(
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "X-Max-Wait"
     assert busy.service.admission.queued == 0
+
+
+async def test_two_bounds_are_refused_not_one_picked(
+    busy: RunningGate, client: httpx.AsyncClient
+) -> None:
+    answer = await client.post(
+        busy.url + CHAT, json=chat(),
+        headers=[("authorization", "Bearer sk-patient"), ("x-max-wait", "600"),
+                 ("x-max-wait", "0")],
+    )  # fmt: skip
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "X-Max-Wait"
+    assert busy.service.admission.queued == 0
