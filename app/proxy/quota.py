@@ -10,7 +10,8 @@ every answer with its `usage` (`prompt_tokens`, `completion_tokens`; Anthropic's
 string, so the last `"completion_tokens":` in the tail is llama-server's. An Anthropic stream
 tells its prompt's tokens in its first event (`message_start`), so the first bytes are kept
 too, for the prompt when the tail lacks it. A stream that was cut before its usage (the client
-left, llama-server failed) is charged one token per event relayed, its prompt unknown.
+left, llama-server failed) is charged one token per event relayed, and its prompt where known
+(Anthropic's).
 """
 
 from __future__ import annotations
@@ -55,18 +56,25 @@ class Tally:
     def tokens(self) -> int:
         """Prompt and completion tokens, as llama-server reported them; else its events."""
         tail = bytes(self.tail)
-        completion = _last(_COMPLETION, tail)
+        counted = tail
+        start = tail.rfind(b'"message_start"')
+        if start >= 0:
+            # An Anthropic stream's first event has a usage too, its output_tokens a
+            # placeholder (0): only a later one (message_delta's) counts what was generated.
+            end = tail.find(b"\n\n", start)
+            counted = tail[end:] if end >= 0 else b""
+        completion = _last(_COMPLETION, counted)
         prompt = _last(_PROMPT, tail)
+        if prompt is None:  # an Anthropic stream's is in its first event
+            prompt = _last(_PROMPT, self.head)
         if completion is not None:
-            if prompt is None:
-                prompt = _last(_PROMPT, self.head)
             return completion + (prompt or 0)
-        if prompt is not None:  # embeddings and rerank: a prompt, nothing generated
-            return prompt
+        if prompt is not None and start < 0:
+            return prompt  # embeddings and rerank: a prompt, nothing generated
         predicted = _last(_PREDICTED_N, tail)
         if predicted is not None:
             return predicted + (_last(_PROMPT_N, tail) or 0)
-        return self.events
+        return self.events + (prompt or 0)
 
     def settle(self) -> None:
         """Charge the answer's tokens; once."""

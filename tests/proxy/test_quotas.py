@@ -309,3 +309,18 @@ def test_an_answer_with_only_prompt_tokens_is_charged_them(body: bytes) -> None:
     tally.settle()
     # Not nothing: embeddings would otherwise pass tokens_per_minute and tokens_per_day free.
     assert ledger.charged == [42]
+
+
+def test_an_anthropic_stream_cut_before_its_end_is_charged_its_prompt_and_events() -> None:
+    # Its first event's usage ("output_tokens":0) is a placeholder, not the count: a stream
+    # cut before message_delta was charged its prompt alone, whatever it had generated.
+    ledger = Charges()
+    tally = Tally(ledger, "chat")
+    tally.feed(
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+        b'{"input_tokens":21,"output_tokens":0}}}\n\n'
+    )
+    for _ in range(30):
+        tally.feed(b'event: content_block_delta\ndata: {"delta":{"text":"x"}}\n\n')
+    tally.settle()
+    assert ledger.charged == [21 + 31]  # its prompt; one per event relayed, as documented
