@@ -9,9 +9,10 @@ every answer with its `usage` (`prompt_tokens`, `completion_tokens`; Anthropic's
 (`prompt_n`, `predicted_n`), and in JSON a key with its quotes unescaped cannot occur inside a
 string, so the last `"completion_tokens":` in the tail is llama-server's. An Anthropic stream
 tells its prompt's tokens in its first event (`message_start`), so the first bytes are kept
-too, for the prompt when the tail lacks it. A stream that was cut before its usage (the client
-left, llama-server failed) is charged one token per event relayed, and its prompt where known
-(Anthropic's).
+too, for the prompt when the tail lacks it; and a usage or timings that leaves the tail with
+more after it (a native answer's completion_probabilities) is kept. A stream that was cut
+before its usage (the client left, llama-server failed) is charged one token per event
+relayed, and its prompt where known (Anthropic's).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from slotgate.gate.tenants import Tenant
 
 #: What is kept of a relayed answer: its usage and timings are in its last few hundred bytes.
 TAIL_BYTES = 4096
+#: What is kept from a usage or timings that left the tail: both fit in a few hundred bytes.
+REPORT_BYTES = 1024
 
 _PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
@@ -35,13 +38,15 @@ class Tally:
     """The tokens one answer used: the tail of what was relayed, and its events, counted; the
     charge to its tenant's windows once it ends (`settle`)."""
 
-    __slots__ = ("_ledger", "_name", "events", "head", "tail")
+    __slots__ = ("_ledger", "_name", "events", "head", "report", "tail")
 
     def __init__(self, ledger: Ledger, name: str) -> None:
         self._ledger = ledger
         self._name = name
         self.head = b""
         self.tail = bytearray()
+        #: llama-server's usage or timings, kept when they left the tail with more after them.
+        self.report = b""
         self.events = 0
 
     def feed(self, chunk: bytes) -> None:
@@ -51,11 +56,21 @@ class Tally:
         tail = self.tail
         tail += chunk
         if len(tail) > 2 * TAIL_BYTES:
+            self._keep_report(tail)
             del tail[:-TAIL_BYTES]
+
+    def _keep_report(self, tail: bytearray) -> None:
+        """Keep llama-server's usage and timings when more follows them than the tail holds
+        (a native answer's completion_probabilities come after its timings)."""
+        leaving = len(tail) - TAIL_BYTES
+        at = max(tail.rfind(b'"usage"', 0, leaving), tail.rfind(b'"timings"', 0, leaving))
+        if at >= 0:
+            self.report = bytes(tail[at : at + REPORT_BYTES])
 
     def tokens(self) -> int:
         """Prompt and completion tokens, as llama-server reported them; else its events."""
-        tail = bytes(self.tail)
+        # The report kept first: a match in the tail, later, wins.
+        tail = self.report + self.tail
         counted = tail
         start = tail.rfind(b'"message_start"')
         if start >= 0:
@@ -78,7 +93,7 @@ class Tally:
 
     def settle(self) -> None:
         """Charge the answer's tokens; once."""
-        tokens, self.events, self.head = self.tokens(), 0, b""
+        tokens, self.events, self.head, self.report = self.tokens(), 0, b"", b""
         self.tail.clear()
         self._ledger.charge(self._name, tokens)
 

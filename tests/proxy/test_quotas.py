@@ -324,3 +324,23 @@ def test_an_anthropic_stream_cut_before_its_end_is_charged_its_prompt_and_events
         tally.feed(b'event: content_block_delta\ndata: {"delta":{"text":"x"}}\n\n')
     tally.settle()
     assert ledger.charged == [21 + 31]  # its prompt; one per event relayed, as documented
+
+
+def test_a_native_answer_whose_timings_precede_long_probabilities_is_charged_them() -> None:
+    # llama-server's /completion puts completion_probabilities (n_probs) after its timings:
+    # they pushed the timings out of the kept tail, and the answer was charged nothing.
+    probs = b",".join(
+        b'{"id":1,"token":"x","bytes":[120],"prob":0.5,"top_probs":[]}' for _ in range(400)
+    )
+    body = (
+        b'{"index":0,"content":"' + b"x" * 400 + b'","tokens":[],"stop":true,'
+        b'"tokens_predicted":400,"tokens_evaluated":12,"timings":{"cache_n":0,"prompt_n":12,'
+        b'"predicted_n":400},"completion_probabilities":[' + probs + b"]}"
+    )
+    for chunked in (False, True):
+        ledger = Charges()
+        tally = Tally(ledger, "chat")
+        for at in range(0, len(body), 1000 if chunked else len(body)):
+            tally.feed(body[at : at + (1000 if chunked else len(body))])
+        tally.settle()
+        assert ledger.charged == [412], chunked
