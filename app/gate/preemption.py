@@ -13,6 +13,7 @@ band, whether its answer has begun, and how to stop it. The rules:
   between them, so a request cannot begin its answer in between: it is stopped where it
   waits (for llama-server's first bytes), before its answer is written.
 - Never twice the same request: one preempted once runs to its end the next time.
+- Never one that holds no slot (waiting again for a restarting llama-server): it frees none.
 - The victim: of the requests below the waiter's band, one of the lowest band, the most
   recently started among them (the least work thrown away).
 - One victim per waiter, once it has waited the bound.

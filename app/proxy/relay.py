@@ -456,11 +456,12 @@ class Proxy:
         # its tokens so far are work that preempting it would throw away. A stream's head and
         # `: queued` comments, sent while it waited, are slotgate's own: sent again, it relays
         # into the same stream, so a backlog of streams that waited STREAM_HEAD_AFTER_S stays
-        # preemptible.
+        # preemptible. One waiting again for a restarting llama-server holds no slot to free.
         started: Callable[[], bool] = lambda: (  # noqa: E731
             answer.bytes_out > 0
             or (answer.started and not answer.stream)
             or ticket.released
+            or not ticket.admitted
             or request.first_byte_at is not None
         )
         preemption.run(request, request.band, started, stop, request.id)

@@ -159,6 +159,26 @@ async def test_a_stream_that_waited_long_enough_for_its_head_is_still_preempted_
     assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 1
 
 
+async def test_a_request_waiting_again_for_a_restarting_llama_server_is_not_preempted(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # Refused by a loading llama-server, it holds no slot while it waits to be sent again:
+    # stopping it would free nothing, and spend the waiter's one preemption and its own.
+    standin.total_slots, standin.tokens = 2, 1
+    gate = await start_gate(preempt_after_s=0.3, max_queue=0, startup_wait_s=30)
+    standin.loading = True
+    batch = asyncio.create_task(
+        client.post(gate.url + CHAT, json=said("batch", stream=True), headers=BATCH)
+    )
+    await gate.until(lambda: "batch" in prompts(standin) and gate.service.admission.queued == 1)
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: gate.service.admission.queued == 2)
+    await asyncio.sleep(1.0)  # over three times its bound
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    standin.loading = False
+    assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
+
+
 async def test_a_non_streamed_request_sent_upstream_as_it_is_is_never_preempted(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
