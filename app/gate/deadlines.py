@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Awaitable, Callable
 
 from slotgate.errors import BadRequest, DeadlineUnmet
 
 #: The longest bound a request may give: a day, past which it means nothing.
 MAX_WAIT_S = 86400.0
+#: A number of seconds as X-Max-Wait gives it: "5", "2.5", ".5".
+_SECONDS = re.compile(rb"[ \t]*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[ \t]*")
 
 
 def max_wait_s(header: bytes | None, default: float | None) -> float | None:
@@ -27,10 +30,8 @@ def max_wait_s(header: bytes | None, default: float | None) -> float | None:
     neither. A value that is not a number is refused: a client that sets one counts on it."""
     if header is None:
         return default
-    try:
-        value = float(header)
-    except ValueError:
-        value = math.nan
+    # Digits and a point only: float() alone would also take "1_0", "1e1" and "-0".
+    value = float(header) if _SECONDS.fullmatch(header) else math.nan
     if not 0 <= value <= MAX_WAIT_S:
         raise BadRequest(
             f"X-Max-Wait must be a number of seconds from 0 to {MAX_WAIT_S:.0f}",

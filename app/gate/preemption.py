@@ -5,11 +5,15 @@ client a single byte; that request goes back to the head of its band and is sent
 Standard library only; it knows of running requests only what the request path registers: its
 band, whether its answer has begun, and how to stop it. The rules:
 
-- Never a request whose client has had a byte (its answer's head went out): what it sent
-  cannot be taken back. The check and the stop happen in one step on the loop, with no await
+- Never a request whose client has had a byte of its answer (llama-server's, or a head it
+  goes with; a waiting stream's head and comments are slotgate's own, and it relays into
+  that stream when sent again): what it sent cannot be taken back; nor one llama-server has
+  begun to answer (an answer assembled from a stream sends nothing until it ends): its tokens
+  would be thrown away. The check and the stop happen in one step on the loop, with no await
   between them, so a request cannot begin its answer in between: it is stopped where it
-  waits (for llama-server's first bytes), before its head is written.
+  waits (for llama-server's first bytes), before its answer is written.
 - Never twice the same request: one preempted once runs to its end the next time.
+- Never one that holds no slot (waiting again for a restarting llama-server): it frees none.
 - The victim: of the requests below the waiter's band, one of the lowest band, the most
   recently started among them (the least work thrown away).
 - One victim per waiter, once it has waited the bound.

@@ -36,6 +36,9 @@ REQUESTS_PER_MINUTE = "requests_per_minute"
 TOKENS_PER_MINUTE = "tokens_per_minute"
 TOKENS_PER_DAY = "tokens_per_day"
 LIMITS = (REQUESTS_PER_MINUTE, TOKENS_PER_MINUTE, TOKENS_PER_DAY)
+#: The largest limit the keys file takes: the Redis script counts in doubles and writes its
+#: numbers back with 14 significant digits, so a count from 10**14 would come back as "1e+14".
+MAX_LIMIT = 10**12
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from typing import Any
 
 from slotgate.errors import InvalidTenantsFile
 from slotgate.gate.deadlines import MAX_WAIT_S
-from slotgate.gate.quotas import LIMITS, Quota
+from slotgate.gate.quotas import LIMITS, MAX_LIMIT, Quota
 
 log = logging.getLogger("slotgate")
 
@@ -262,9 +262,9 @@ def _tenant(where: str, name: str, table: object) -> tuple[Tenant, list[bytes]]:
     for field in LIMITS:
         value = table.get(field)
         if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT
         ):
-            raise fail(field, "must be a whole number of at least 1")
+            raise fail(field, f"must be a whole number from 1 to {MAX_LIMIT}")
         limits[field] = value
     quota = Quota(*(limits[field] for field in LIMITS)) if any(map(limits.get, LIMITS)) else None
     max_wait = table.get("max_wait_s")

@@ -5,12 +5,14 @@ tenant has no quota never reaches this module.
 
 The tokens are read from the last bytes relayed, not by parsing the answer: llama-server ends
 every answer with its `usage` (`prompt_tokens`, `completion_tokens`; Anthropic's
-`input_tokens`, `output_tokens`) and `timings` (`prompt_n`, `predicted_n`), and in JSON a key
-with its quotes unescaped cannot occur inside a string, so the last `"completion_tokens":`
-in the tail is llama-server's. An Anthropic stream tells its prompt's tokens in its first event
-(`message_start`), so the first bytes are kept too, for the prompt when the tail lacks it. A
-stream that was cut before its usage (the client left, llama-server failed) is charged one
-token per event relayed, its prompt unknown.
+`input_tokens`, `output_tokens`; embeddings and rerank only `prompt_tokens`) and `timings`
+(`prompt_n`, `predicted_n`), and in JSON a key with its quotes unescaped cannot occur inside a
+string, so the last `"completion_tokens":` in the tail is llama-server's. An Anthropic stream
+tells its prompt's tokens in its first event (`message_start`), so the first bytes are kept
+too, for the prompt when the tail lacks it; and a usage or timings that leaves the tail with
+more after it (a native answer's completion_probabilities) is kept. A stream that was cut
+before its usage (the client left, llama-server failed) is charged one token per event
+relayed, and its prompt where known (Anthropic's).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from slotgate.gate.tenants import Tenant
 
 #: What is kept of a relayed answer: its usage and timings are in its last few hundred bytes.
 TAIL_BYTES = 4096
+#: What is kept from a usage or timings that left the tail: both fit in a few hundred bytes.
+REPORT_BYTES = 1024
 
 _PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
@@ -34,13 +38,15 @@ class Tally:
     """The tokens one answer used: the tail of what was relayed, and its events, counted; the
     charge to its tenant's windows once it ends (`settle`)."""
 
-    __slots__ = ("_ledger", "_name", "events", "head", "tail")
+    __slots__ = ("_ledger", "_name", "events", "head", "report", "tail")
 
     def __init__(self, ledger: Ledger, name: str) -> None:
         self._ledger = ledger
         self._name = name
         self.head = b""
         self.tail = bytearray()
+        #: llama-server's usage or timings, kept when they left the tail with more after them.
+        self.report = b""
         self.events = 0
 
     def feed(self, chunk: bytes) -> None:
@@ -50,25 +56,44 @@ class Tally:
         tail = self.tail
         tail += chunk
         if len(tail) > 2 * TAIL_BYTES:
+            self._keep_report(tail)
             del tail[:-TAIL_BYTES]
+
+    def _keep_report(self, tail: bytearray) -> None:
+        """Keep llama-server's usage and timings when more follows them than the tail holds
+        (a native answer's completion_probabilities come after its timings)."""
+        leaving = len(tail) - TAIL_BYTES
+        at = max(tail.rfind(b'"usage"', 0, leaving), tail.rfind(b'"timings"', 0, leaving))
+        if at >= 0:
+            self.report = bytes(tail[at : at + REPORT_BYTES])
 
     def tokens(self) -> int:
         """Prompt and completion tokens, as llama-server reported them; else its events."""
-        tail = bytes(self.tail)
-        completion = _last(_COMPLETION, tail)
+        # The report kept first: a match in the tail, later, wins.
+        tail = self.report + self.tail
+        counted = tail
+        start = tail.rfind(b'"message_start"')
+        if start >= 0:
+            # An Anthropic stream's first event has a usage too, its output_tokens a
+            # placeholder (0): only a later one (message_delta's) counts what was generated.
+            end = tail.find(b"\n\n", start)
+            counted = tail[end:] if end >= 0 else b""
+        completion = _last(_COMPLETION, counted)
+        prompt = _last(_PROMPT, tail)
+        if prompt is None:  # an Anthropic stream's is in its first event
+            prompt = _last(_PROMPT, self.head)
         if completion is not None:
-            prompt = _last(_PROMPT, tail)
-            if prompt is None:
-                prompt = _last(_PROMPT, self.head)
             return completion + (prompt or 0)
+        if prompt is not None and start < 0:
+            return prompt  # embeddings and rerank: a prompt, nothing generated
         predicted = _last(_PREDICTED_N, tail)
         if predicted is not None:
             return predicted + (_last(_PROMPT_N, tail) or 0)
-        return self.events
+        return self.events + (prompt or 0)
 
     def settle(self) -> None:
         """Charge the answer's tokens; once."""
-        tokens, self.events, self.head = self.tokens(), 0, b""
+        tokens, self.events, self.head, self.report = self.tokens(), 0, b"", b""
         self.tail.clear()
         self._ledger.charge(self._name, tokens)
 

@@ -465,16 +465,27 @@ class Proxy:
             stopped = True
             task.cancel(msg="preempted")
 
-        # Its client has had a byte (or is about to: its slot went back with llama-server's
-        # last byte, its answer not yet written).
-        started: Callable[[], bool] = lambda: answer.started or ticket.released  # noqa: E731
+        # Its client has had a byte of the answer (or is about to: its slot went back with
+        # llama-server's last byte, its answer not yet written), or llama-server's first token
+        # came: an answer assembled from a stream sends its client nothing until it ends, but
+        # its tokens so far are work that preempting it would throw away. A stream's head and
+        # `: queued` comments, sent while it waited, are slotgate's own: sent again, it relays
+        # into the same stream, so a backlog of streams that waited STREAM_HEAD_AFTER_S stays
+        # preemptible. One waiting again for a restarting llama-server holds no slot to free.
+        started: Callable[[], bool] = lambda: (  # noqa: E731
+            answer.bytes_out > 0
+            or (answer.started and not answer.stream)
+            or ticket.released
+            or not ticket.admitted
+            or request.first_byte_at is not None
+        )
         preemption.run(request, request.band, started, stop, request.id, request.lane)
         try:
             while True:
                 try:
                     await self._forward_when_up(request, answer, ticket)
                 except asyncio.CancelledError:
-                    if not stopped or answer.started or task.uncancel() > 0:
+                    if not stopped or started() or task.uncancel() > 0:
                         raise
                 else:
                     return

@@ -144,6 +144,9 @@ class Head:
             elif name == b"x-priority":
                 self.priority = value
             elif name == b"x-max-wait":
+                # Which of several a client meant is anyone's guess: none is picked.
+                if self.max_wait is not None:
+                    raise BadRequest("more than one X-Max-Wait header", param="X-Max-Wait")
                 self.max_wait = value
             elif name == b"origin":
                 # llama-server reads the first; one value only, so both sides read the same.

@@ -19,11 +19,22 @@ def test_a_requests_header_is_its_bound_else_its_tenants() -> None:
     assert max_wait_s(None, None) is None
 
 
-@pytest.mark.parametrize("value", [b"soon", b"-1", b"nan", b"inf", b"86401", b""])
+@pytest.mark.parametrize(
+    "value",
+    # Python's float() reads more than numbers of seconds: underscores, exponents, words.
+    [b"soon", b"-1", b"nan", b"inf", b"86401", b"", b"1_0", b"1e1", b"1e309", b"infinity",
+     b"-0", b"5, 7", b"\xd9\xa5", b"0x10"],
+)  # fmt: skip
 def test_a_bound_that_is_not_a_number_of_seconds_is_a_bad_request(value: bytes) -> None:
     with pytest.raises(BadRequest) as refused:
         max_wait_s(value, 30.0)
     assert refused.value.param == "X-Max-Wait"
+
+
+@pytest.mark.parametrize(("value", "bound"), [(b"0", 0.0), (b"5", 5.0), (b"2.5", 2.5),
+                                              (b".5", 0.5), (b"86400", 86400.0)])  # fmt: skip
+def test_a_bound_in_seconds_is_read_as_given(value: bytes, bound: float) -> None:
+    assert max_wait_s(value, 30.0) == bound
 
 
 def test_a_request_expected_to_wait_past_its_bound_is_refused_at_once_with_the_estimate() -> None:

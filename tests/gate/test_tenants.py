@@ -133,6 +133,14 @@ def test_x_priority_may_lower_a_requests_band_but_never_raise_it(
         ('[tenants.a]\nkey = "k"\n[tenants.b]\nkey = "k"\n', "tenant 'b': key: the same key as"),
         ('[tenants."a b"]\nkey = "k"\n', "tenant 'a b': name: use 1 to 64 letters"),
         ('[tenants.default]\nkey = "k"\n', "tenant 'default': name: 'default' is slotgate's"),
+        # Past what the fleet's Redis script counts exactly (its numbers are doubles).
+        (
+            '[tenants.a]\nkey = "k"\ntokens_per_day = 100000000000000\n',
+            "tenant 'a': tokens_per_day: must be a whole number from 1 to 1000000000000",
+        ),
+        ('[tenants.a]\nkey = "k"\nrequests_per_minute = 0\n', "requests_per_minute: must be"),
+        ('[tenants.a]\nkey = "k"\ntokens_per_minute = 1.5\n', "tokens_per_minute: must be"),
+        ('[tenants.a]\nkey = "k"\ntokens_per_minute = "9"\n', "tokens_per_minute: must be"),
         ('[tenant.a]\nkey = "k"\n', "unknown top-level key 'tenant'"),
         ("", "no [tenants.NAME] table"),
         ("[tenants.a\n", "is not valid TOML"),

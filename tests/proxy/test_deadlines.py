@@ -158,3 +158,16 @@ async def test_a_request_for_an_unloaded_model_is_held_to_its_last_load_time(
     # Refused at once: nothing waited, so nothing asked for a load.
     assert upstream.routing is not None
     assert upstream.routing.loads == 1
+
+
+async def test_two_bounds_are_refused_not_one_picked(
+    busy: RunningGate, client: httpx.AsyncClient
+) -> None:
+    answer = await client.post(
+        busy.url + CHAT, json=chat(),
+        headers=[("authorization", "Bearer sk-patient"), ("x-max-wait", "600"),
+                 ("x-max-wait", "0")],
+    )  # fmt: skip
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "X-Max-Wait"
+    assert busy.service.admission.queued == 0

@@ -36,6 +36,21 @@ async def preempting_gate(start_gate: GateFactory, standin: StandIn) -> RunningG
     return gate
 
 
+async def chat_preempting(
+    gate: RunningGate,
+    standin: StandIn,
+    client: httpx.AsyncClient,
+    batch: list[asyncio.Task[httpx.Response]],
+) -> list[httpx.Response]:
+    """Send a chat, which reaches llama-server only by preempting a batch request; then let
+    everything end: the chat's answer, then the batch requests'."""
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: "chat" in prompts(standin))
+    standin.hold_s = 0
+    standin.hurry()
+    return await asyncio.gather(chat, *batch)
+
+
 async def test_a_waiting_interactive_request_preempts_a_batch_request_that_sent_nothing(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
@@ -47,12 +62,8 @@ async def test_a_waiting_interactive_request_preempts_a_batch_request_that_sent_
         for n in range(8)
     ]
     await gate.until(lambda: gate.service.admission.queued == 6)
-    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
     # Both batch generations would hold their slots for a minute: the chat runs long before.
-    await gate.until(lambda: "chat" in prompts(standin))
-    standin.hold_s = 0
-    standin.hurry()
-    answers = await asyncio.gather(chat, *batch)
+    answers = await chat_preempting(gate, standin, client, batch)
     assert [a.status_code for a in answers] == [200] * 9
     sent = Counter(prompts(standin))
     # One batch request was cut before its first byte and sent again; none was lost.
@@ -83,6 +94,90 @@ async def test_a_batch_request_whose_answer_has_begun_is_never_preempted(
     assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
     standin.hurry()
     assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
+
+
+async def test_a_non_streamed_request_whose_tokens_have_begun_is_never_preempted(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # Assembled from a stream (STREAM_UPSTREAM): its client has had no byte while its
+    # generation runs, yet its tokens are work that preempting it would throw away.
+    standin.total_slots, standin.tokens = 2, 1
+    standin.late_head = True
+    gate = await start_gate(preempt_after_s=0.3, max_queue=0)
+    # Shows llama-server adds no __verbose: the next ones are assembled.
+    assert (await client.post(gate.url + CHAT, json=said("warm"))).status_code == 200
+    standin.tokens, standin.token_delay_s = 1200, 0.05
+    batch = [
+        asyncio.create_task(client.post(gate.url + CHAT, json=said(f"batch {n}"), headers=BATCH))
+        for n in range(2)
+    ]
+    await gate.until(lambda: gate.service.admission.active == 2)
+    await gate.until(lambda: standin.running == 2)
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await asyncio.sleep(1.0)  # over three times its bound
+    assert "chat" not in prompts(standin)
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    standin.hurry()
+    assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
+
+
+async def test_a_stream_that_waited_long_enough_for_its_head_is_still_preempted_cleanly(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # Its head and `: queued` comments are slotgate's, not llama-server's answer: sent again,
+    # its client reads one head and one clean stream. (Immune, a backlog of batch streams that
+    # all waited STREAM_HEAD_AFTER_S would leave nothing to preempt.)
+    standin.total_slots, standin.tokens, standin.hold_s = 2, 3, 60.0
+    standin.late_head = True
+    gate = await start_gate(
+        preempt_after_s=0.3, max_queue=0, stream_head_after_s=0, keepalive_interval_s=0.05
+    )
+    # Two interactive requests hold both slots while the batch streams wait, heads out.
+    blockers = [
+        asyncio.create_task(client.post(gate.url + CHAT, json=said(f"block {n}"))) for n in range(2)
+    ]
+    await gate.until(lambda: standin.running == 2)
+    batch = [
+        asyncio.create_task(
+            client.post(gate.url + CHAT, json=said(f"batch {n}", stream=True), headers=BATCH)
+        )
+        for n in range(2)
+    ]
+    await gate.until(lambda: gate.service.admission.queued == 2)
+    await asyncio.sleep(0.2)  # their heads and a few comments go out
+    standin.hurry()  # the blockers end; the batch streams run, 60 s before their first token
+    assert [a.status_code for a in await asyncio.gather(*blockers)] == [200, 200]
+    await gate.until(lambda: prompts(standin).count("batch 1") == 1 and standin.running == 2)
+    answers = await chat_preempting(gate, standin, client, batch)
+    assert [a.status_code for a in answers] == [200] * 3
+    for streamed in answers[1:]:
+        events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert streamed.text.count("data: [DONE]") == 1
+        assert len(events) == standin.tokens + 3  # its role, tokens, stop, [DONE]: once each
+    assert sorted(Counter(prompts(standin)).values()) == [1, 1, 1, 1, 2]
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 1
+
+
+async def test_a_request_waiting_again_for_a_restarting_llama_server_is_not_preempted(
+    start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
+) -> None:
+    # Refused by a loading llama-server, it holds no slot while it waits to be sent again:
+    # stopping it would free nothing, and spend the waiter's one preemption and its own.
+    standin.total_slots, standin.tokens = 2, 1
+    gate = await start_gate(preempt_after_s=0.3, max_queue=0, startup_wait_s=30)
+    standin.loading = True
+    batch = asyncio.create_task(
+        client.post(gate.url + CHAT, json=said("batch", stream=True), headers=BATCH)
+    )
+    await gate.until(lambda: "batch" in prompts(standin) and gate.service.admission.queued == 1)
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: gate.service.admission.queued == 2)
+    await asyncio.sleep(1.0)  # over three times its bound
+    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    standin.loading = False
+    assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
 
 
 async def test_a_non_streamed_request_sent_upstream_as_it_is_is_never_preempted(

@@ -318,3 +318,74 @@ async def test_a_tenants_quota_counts_its_requests_for_every_model_in_one_window
     assert day["used"] > 0
     assert day["used"] + day["remaining"] == day["limit"] == 1000
     assert "tokens_per_minute" not in quota
+
+
+class Charges:
+    """A ledger that records what is charged."""
+
+    def __init__(self) -> None:
+        self.charged: list[int] = []
+
+    async def admit(self, name: str, quota: Any) -> Any:
+        raise NotImplementedError
+
+    def charge(self, name: str, tokens: int) -> None:
+        self.charged.append(tokens)
+
+    async def aclose(self) -> None:
+        return
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # llama-server's /v1/embeddings and /v1/rerank: a usage with no completion tokens.
+        b'{"data":[{"embedding":[0.1,0.2],"index":0,"object":"embedding"}],"model":"m",'
+        b'"object":"list","usage":{"prompt_tokens":42,"total_tokens":42}}',
+        b'{"model":"m","object":"list","results":[{"index":0,"relevance_score":0.5}],'
+        b'"usage":{"prompt_tokens":42,"total_tokens":42}}',
+    ],
+    ids=["embeddings", "rerank"],
+)
+def test_an_answer_with_only_prompt_tokens_is_charged_them(body: bytes) -> None:
+    ledger = Charges()
+    tally = Tally(ledger, "chat")
+    tally.feed(body)
+    tally.settle()
+    # Not nothing: embeddings would otherwise pass tokens_per_minute and tokens_per_day free.
+    assert ledger.charged == [42]
+
+
+def test_an_anthropic_stream_cut_before_its_end_is_charged_its_prompt_and_events() -> None:
+    # Its first event's usage ("output_tokens":0) is a placeholder, not the count: a stream
+    # cut before message_delta was charged its prompt alone, whatever it had generated.
+    ledger = Charges()
+    tally = Tally(ledger, "chat")
+    tally.feed(
+        b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+        b'{"input_tokens":21,"output_tokens":0}}}\n\n'
+    )
+    for _ in range(30):
+        tally.feed(b'event: content_block_delta\ndata: {"delta":{"text":"x"}}\n\n')
+    tally.settle()
+    assert ledger.charged == [21 + 31]  # its prompt; one per event relayed, as documented
+
+
+def test_a_native_answer_whose_timings_precede_long_probabilities_is_charged_them() -> None:
+    # llama-server's /completion puts completion_probabilities (n_probs) after its timings:
+    # they pushed the timings out of the kept tail, and the answer was charged nothing.
+    probs = b",".join(
+        b'{"id":1,"token":"x","bytes":[120],"prob":0.5,"top_probs":[]}' for _ in range(400)
+    )
+    body = (
+        b'{"index":0,"content":"' + b"x" * 400 + b'","tokens":[],"stop":true,'
+        b'"tokens_predicted":400,"tokens_evaluated":12,"timings":{"cache_n":0,"prompt_n":12,'
+        b'"predicted_n":400},"completion_probabilities":[' + probs + b"]}"
+    )
+    for chunked in (False, True):
+        ledger = Charges()
+        tally = Tally(ledger, "chat")
+        for at in range(0, len(body), 1000 if chunked else len(body)):
+            tally.feed(body[at : at + (1000 if chunked else len(body))])
+        tally.settle()
+        assert ledger.charged == [412], chunked

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from slotgate.errors import QuotaExceeded
-from slotgate.gate.quotas import DAY_S, MINUTE_S, Quota, Standing, Windows
+from slotgate.gate.quotas import DAY_S, MAX_LIMIT, MINUTE_S, Quota, Standing, Windows
 from slotgate.replicas.quotas import SharedWindows, parsed
 from slotgate.settings import Settings
 
@@ -225,3 +225,26 @@ async def test_with_redis_away_a_replica_counts_quotas_on_its_own(valkey: Valkey
 async def until_charged(shared: SharedWindows) -> None:
     while shared.pending:
         await asyncio.sleep(0.01)
+
+
+async def test_the_largest_limits_a_keys_file_accepts_are_counted_exactly_in_redis(
+    valkey: Valkey,
+) -> None:
+    # The script's numbers are doubles, written back with 14 digits: a limit past that came
+    # back as "1e+14", which no replica could read (every request of the tenant failed).
+    largest = Quota(MAX_LIMIT, MAX_LIMIT - 1, MAX_LIMIT)
+    shared = SharedWindows(valkey.url, f"largest-{time.monotonic_ns()}", timeout_s=5.0)
+    try:
+        first = parsed(await shared.call("chat", largest, -1, BASE))
+        await shared.call("chat", Quota(), 7, BASE + 1)
+        second = parsed(await shared.call("chat", largest, -1, BASE + 2))
+    finally:
+        await shared.aclose()
+    # Exactly, not approximately: a remaining count off by one is wrong.
+    assert first == (
+        None,
+        Standing(MAX_LIMIT, MAX_LIMIT - 1, 50.0, MAX_LIMIT - 1, MAX_LIMIT - 1, 50.0),
+    )
+    assert second == (
+        None, Standing(MAX_LIMIT, MAX_LIMIT - 2, 48.0, MAX_LIMIT - 1, MAX_LIMIT - 8, 48.0)
+    )  # fmt: skip
