@@ -185,12 +185,19 @@ class Watch:
                     del running[listed]
                 else:
                     running.delist(listed, self)
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._connection is not None:
-            self._connection.cancel()
-        if self._pending is not None:
-            self._pending.cancel()
+        # Each of these holds a bound method of this watch, and the watch holds it: a cycle
+        # that would keep the watch, its task, the task's coroutine and context alive until a
+        # garbage collection (one for every request, which at 32 connections made collections
+        # cost a quarter of the throughput). Dropped here, they go by reference count.
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.cancel()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
 
     def ours(self) -> bool:
         """After a CancelledError: was it only this watch's doing (so it may end here)?"""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from slotgate.proxy.watch import Watch
 from slotgate.upstreams.cors import MAX_ORIGINS
 
 from tests.conftest import (
@@ -718,3 +720,26 @@ async def test_a_slow_reader_pushes_back_on_upstream_instead_of_filling_memory(
     assert standin.sent_bytes > total * 0.99
     writer.close()
     await gate.until(lambda: gate.service.admission.active == 0)
+
+
+async def test_a_finished_request_leaves_no_reference_cycle_for_the_collector(
+    start_gate: GateFactory, client: httpx.AsyncClient
+) -> None:
+    # A cycle through a request's watch kept it, its task, coroutine and context alive until a
+    # garbage collection: one for every request, which made collections a quarter of the cost
+    # at 32 connections. Freed by reference count, nothing of it reaches the collector.
+    gate = await start_gate()
+    assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
+        gc.collect()
+        left = [type(thing).__name__ for thing in gc.garbage if isinstance(thing, Watch)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
