@@ -24,8 +24,8 @@ async def sharing(
     values: dict[str, Any] = {
         "llama_server_url": ",".join(u.url for u in upstreams),
         "props_refresh_interval_s": 0.2, "keepalive_interval_s": 0, "log_level": "warning",
-        "redis_url": valkey_url, "redis_fleet": "controls", "redis_ttl_s": 0.6,
-        "redis_timeout_s": 0.3,
+        "redis_url": valkey_url, "redis_fleet": "controls", "redis_ttl_s": 1.5,
+        "redis_timeout_s": 1.0,
     }  # fmt: skip
     values.update(overrides)
     gate = await serve(Settings(_env_file=None, **values))

@@ -25,6 +25,10 @@ def free_port() -> int:
         return port
 
 
+class PortTaken(RuntimeError):
+    """valkey-server exited at start, as it does when its port is taken."""
+
+
 class Valkey:
     """One valkey-server on a loopback port, without persistence: a restart comes back empty."""
 
@@ -33,8 +37,26 @@ class Valkey:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
         self.paused = False
+        # Its clients know its URL once it has started: only a first start may move it.
+        self._movable = port is None
 
     def start(self) -> None:
+        """Start it and wait until it answers. A port found free may be taken before
+        valkey-server binds it (by another test's outgoing connection, whose port comes from
+        the same range): a first start on a port of its own choosing tries another."""
+        for _ in range(4 if self._movable else 0):
+            try:
+                self._start()
+            except PortTaken:
+                self.port = free_port()
+                self.url = f"redis://127.0.0.1:{self.port}/0"
+                continue
+            self._movable = False
+            return
+        self._start()
+        self._movable = False
+
+    def _start(self) -> None:
         binary = str(server_binary())
         options = (
             f"--port {self.port} --bind 127.0.0.1 --appendonly no --enable-debug-command local"
@@ -48,7 +70,8 @@ class Valkey:
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
-                raise RuntimeError(f"valkey-server exited ({code}): is port {self.port} taken?")
+                self.process = None
+                raise PortTaken(f"valkey-server exited ({code}): is port {self.port} taken?")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                     # Its own process answering, not another server that took the port.
