@@ -17,7 +17,8 @@ from slotgate.gate.models import Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
 from slotgate.upstreams.router import Router, served_names
-from slotgate.upstreams.upstream import Props, Upstream, address_url
+from slotgate.upstreams.server import address_url
+from slotgate.upstreams.upstream import Props, Upstream
 
 log = logging.getLogger("slotgate.fleet")
 
