@@ -302,31 +302,28 @@ class Router:
         child.loads += 1
         child.asked_at = time.monotonic()
         log.info("loading model for its line: %s url=%s", child.model, self.url)
-        try:
-            status, body = await self._post("/models/load", {"model": child.model})
-        except (ExchangeFailed, TimeoutError) as exc:
-            log.warning("cannot load %s: %s url=%s", child.model, exc, self.url)
-            return
-        if status == 200:
+        if await self._ask("load", child.model):
             child.state = child.lane.states[self.url] = "loading"
             if child.lane.loading_since is None:
                 child.lane.loading_since = child.asked_at
-        else:
-            text = body[:200].decode("utf-8", "replace")
-            log.warning("loading %s answered %d: %s url=%s", child.model, status, text, self.url)
 
     async def _unload(self, child: Child) -> None:
         """Ask the router to unload a model, to make room for another line (the swap rule)."""
         self.unloads += 1
         log.info("unloading model to make room: %s url=%s", child.model, self.url)
+        await self._ask("unload", child.model)
+
+    async def _ask(self, action: str, model: str) -> bool:
+        """`POST /models/{action}` for `model`: did the router take it? A refusal is logged."""
         try:
-            status, body = await self._post("/models/unload", {"model": child.model})
+            status, body = await self._post(f"/models/{action}", {"model": model})
         except (ExchangeFailed, TimeoutError) as exc:
-            log.warning("cannot unload %s: %s url=%s", child.model, exc, self.url)
-            return
+            log.warning("cannot %s %s: %s url=%s", action, model, exc, self.url)
+            return False
         if status != 200:
             text = body[:200].decode("utf-8", "replace")
-            log.warning("unloading %s answered %d: %s url=%s", child.model, status, text, self.url)
+            log.warning("%sing %s answered %d: %s url=%s", action, model, status, text, self.url)
+        return status == 200
 
     def metrics_targets(self) -> list[tuple[str, str]]:
         """(model, path) of every running child's `/metrics` (the router's own is a 400)."""
