@@ -70,20 +70,16 @@ async def preemptions(gate: RunningGate, client: httpx.AsyncClient) -> int | Non
 
 
 async def chat_left_waiting(
-    gate: RunningGate,
-    standin: StandIn,
-    client: httpx.AsyncClient,
-    batch: list[asyncio.Task[httpx.Response]],
-) -> None:
-    """Send a chat behind `batch`, which holds every slot with generations begun: it waits
-    three times its bound and preempts none of them; then everything ends, answered."""
+    gate: RunningGate, standin: StandIn, client: httpx.AsyncClient
+) -> asyncio.Task[httpx.Response]:
+    """Send a chat behind requests that hold every slot with their generations begun: it
+    waits three times its bound and preempts none of them."""
     chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
     await gate.until(lambda: gate.service.admission.queued == 1)
     await asyncio.sleep(1.0)  # over three times its bound
     assert "chat" not in prompts(standin)
     assert await preemptions(gate, client) == 0
-    standin.hurry()
-    assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
+    return chat
 
 
 async def test_a_waiting_interactive_request_preempts_a_batch_request_that_sent_nothing(
@@ -111,7 +107,9 @@ async def test_a_batch_request_whose_answer_has_begun_is_never_preempted(
     standin.hold_s, standin.tokens, standin.token_delay_s = 0, 1200, 0.05
     batch = send_batch(gate, client, 2)
     await gate.until(lambda: gate.service.admission.active == 2)
-    await chat_left_waiting(gate, standin, client, batch)
+    chat = await chat_left_waiting(gate, standin, client)
+    standin.hurry()
+    assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
 
 
 async def test_a_non_streamed_request_whose_tokens_have_begun_is_never_preempted(
@@ -128,7 +126,9 @@ async def test_a_non_streamed_request_whose_tokens_have_begun_is_never_preempted
     batch = send_batch(gate, client, 2, stream=False)
     await gate.until(lambda: gate.service.admission.active == 2)
     await gate.until(lambda: standin.running == 2)
-    await chat_left_waiting(gate, standin, client, batch)
+    chat = await chat_left_waiting(gate, standin, client)
+    standin.hurry()
+    assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
 
 
 async def test_a_stream_that_waited_long_enough_for_its_head_is_still_preempted_cleanly(
