@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -22,6 +21,7 @@ from slotgate.intake.cost import Estimate, counted
 from slotgate.intake.pace import generation_speed
 from slotgate.settings import Settings
 from slotgate.upstreams.cors import CorsPolicy
+from slotgate.upstreams.props import Props
 from slotgate.upstreams.router import Router
 from slotgate.upstreams.server import CONNECT_TIMEOUT_S, LlamaServer
 
@@ -37,40 +37,6 @@ _CONTEXT_EXHAUSTED = b"Context size has been exceeded"
 
 #: llama-server's own headers on /metrics that slotgate's merged /metrics carries on.
 _METRICS_HEADERS = frozenset({b"process-start-time-unix"})
-
-
-@dataclass(frozen=True, slots=True)
-class Props:
-    """What slotgate keeps from llama-server's /props."""
-
-    total_slots: int
-    n_ctx: int | None
-    model: str | None
-    build_info: str | None
-    #: llama-server's own output limit for a request that sets none or -1 (its -n); None =
-    #: unbounded (-1, its default).
-    n_predict: int | None = None
-
-    @classmethod
-    def parse(cls, body: Any) -> Props:
-        if not isinstance(body, dict):
-            raise ValueError("/props did not answer a JSON object")  # noqa: TRY004 - bad data, not a bad call
-        slots = body.get("total_slots")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"/props total_slots is {slots!r}, not a positive integer")
-        settings = body.get("default_generation_settings")
-        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-        model = body.get("model_alias") or body.get("model_path")
-        build = body.get("build_info")
-        params = settings.get("params") if isinstance(settings, dict) else None
-        n_predict = params.get("n_predict") if isinstance(params, dict) else None
-        return cls(
-            slots,
-            n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None,
-            model if isinstance(model, str) else None,
-            build if isinstance(build, str) else None,
-            n_predict if isinstance(n_predict, int) and n_predict >= 0 else None,
-        )
 
 
 class Upstream(LlamaServer):
