@@ -71,6 +71,18 @@ class Pools:
         first = await self.share(urls, slots, **overrides)
         return first, await self.share(urls, slots, **overrides)
 
+    async def large_one_filled(
+        self, small: StandIn, large: StandIn, client: httpx.AsyncClient, redis: aioredis.Redis
+    ) -> tuple[RunningGate, RunningGate, asyncio.Future[httpx.Response]]:
+        """Two slotgates over `small` and `large` (`two_over`), and a request of as many
+        choices as `large` has slots sent to the first: running there, once Redis counts it."""
+        first, second = await self.two_over(small, large)
+        filling = asyncio.ensure_future(
+            client.post(first.url + CHAT, json=chat(n=large.total_slots))
+        )
+        await until_counted(redis, large.total_slots)
+        return first, second, filling
+
 
 @pytest.fixture
 def pools(valkey: Valkey, served: list[RunningGate], start_upstreams: StartUpstreams) -> Pools:
@@ -123,12 +135,10 @@ async def test_a_prompt_array_runs_on_a_smaller_upstream_holding_its_slots_in_re
 ) -> None:
     small = StandIn(total_slots=2, tokens=40, token_delay_s=0.02)
     large = StandIn(total_slots=3, tokens=40, token_delay_s=0.1)
-    first, second = await pools.two_over(small, large)
     # Three choices fill the large upstream for 4 s; five prompts then run on the small
     # one, two at a time (llama-server works through them in the slots it has), and hold
     # both of its slots, not the three they would hold on the large one.
-    busy = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
-    await until_counted(redis, 3)
+    _, second, busy = await pools.large_one_filled(small, large, client, redis)
     array = asyncio.ensure_future(
         client.post(second.url + "/v1/completions", json={"prompt": list("abcde")})
     )
@@ -149,9 +159,7 @@ async def test_one_slot_requests_behind_a_waiting_n3_run_at_once_on_the_one_slot
 ) -> None:
     small = StandIn(total_slots=1, tokens=8, token_delay_s=0.02)
     large = StandIn(total_slots=3, tokens=50, token_delay_s=0.1)
-    first, second = await pools.two_over(small, large)
-    running = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
-    await until_counted(redis, 3)
+    first, second, running = await pools.large_one_filled(small, large, client, redis)
     # The head of the line: it waits for the 3-slot upstream, 5 s away.
     head = asyncio.ensure_future(client.post(second.url + CHAT, json=chat(n=3)))
     async with asyncio.timeout(10):
