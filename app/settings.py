@@ -6,7 +6,7 @@ import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
@@ -72,6 +72,13 @@ class _OldNames(PydanticBaseSettingsSource):
             if values:
                 found[new.lower()] = values[0]
         return found
+
+
+def _check_port(parts: SplitResult) -> None:
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port only when it is read
+    except ValueError:
+        raise ValueError("must have a port from 0 to 65535, if any") from None
 
 
 class Settings(BaseSettings):
@@ -309,10 +316,7 @@ class Settings(BaseSettings):
         if parts.username is not None or parts.password is not None:
             # slotgate would not send them, and /admission and the logs show the URL.
             raise ValueError("must not carry user:password@; llama-server's key is LLAMA_API_KEY")
-        try:
-            parts.port  # noqa: B018 - urlsplit checks the port only when it is read
-        except ValueError:
-            raise ValueError("must have a port from 0 to 65535, if any") from None
+        _check_port(parts)
         return value.rstrip("/")
 
     @field_validator("redis_url")
@@ -327,10 +331,7 @@ class Settings(BaseSettings):
             raise ValueError("must name a host")
         if parts.scheme == "unix" and not parts.path:
             raise ValueError("must name the socket's path")
-        try:
-            parts.port  # noqa: B018 - urlsplit checks the port only when it is read
-        except ValueError:
-            raise ValueError("must have a port from 0 to 65535, if any") from None
+        _check_port(parts)
         return value
 
     @field_validator("host")

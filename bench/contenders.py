@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -106,6 +107,16 @@ def start_slotgate(
     return await_ready(spawn(name, command, port, core, logs, env=values, cwd=logs), "/readyz", 30)
 
 
+async def start_slotgate_over(
+    upstream_url: str, logs: Path, env: dict[str, str] | None = None
+) -> Server:
+    """slotgate, free on every core, in front of a stand-in that this process runs: waited for
+    in a thread, so that the stand-in goes on answering meanwhile. The slotgate measured is
+    the one this Python imports (its PYTHONPATH is passed on)."""
+    values = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return await asyncio.to_thread(start_slotgate, "slotgate", upstream_url, logs, values, None)
+
+
 def await_ready(server: Server, path: str, timeout_s: float) -> Server:
     """`server` once `path` answers 200; stopped, and its log's tail raised, if it never does."""
     try:
@@ -179,19 +190,8 @@ def start_nginx(
     conf.write_text(
         _NGINX_CONF.format(user=user, work=work, servers=servers, balance=method, port=port)
     )
-    server = spawn(
-        name,
-        [binary, "-c", str(conf), "-p", str(work), "-g", "daemon off;"],
-        port,
-        core,
-        logs,
-    )
-    try:
-        wait_http(port, "/props", 20, lambda status: status == 200)
-    except TimeoutError:
-        server.stop()
-        raise RuntimeError(f"nginx did not start:\n{server.tail()}") from None
-    return server
+    command = [binary, "-c", str(conf), "-p", str(work), "-g", "daemon off;"]
+    return await_ready(spawn(name, command, port, core, logs), "/props", 20)
 
 
 # -- LiteLLM --
@@ -243,9 +243,4 @@ def _litellm(upstream: int, logs: Path) -> Server:
         "1",
     ]
     server = spawn("litellm", command, port, SERVER_CORE, logs, env=env, cwd=logs)
-    try:
-        wait_http(port, "/health/liveliness", 120, lambda status: status == 200)
-    except TimeoutError:
-        server.stop()
-        raise RuntimeError(f"LiteLLM did not start:\n{server.tail()}") from None
-    return server
+    return await_ready(server, "/health/liveliness", 120)

@@ -38,6 +38,14 @@ def _target(
     }
 
 
+def _at_most(name: str, value: float | None, limit: float, unit: str = "") -> dict[str, Any]:
+    return _target(name, value, limit, unit, at_most=True)
+
+
+def _at_least(name: str, value: float | None, limit: float, unit: str = "") -> dict[str, Any]:
+    return _target(name, value, limit, unit, at_most=False)
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target of issue 6 as {target, value, limit, met}; met is None when not measured."""
     s = results["scenarios"]
@@ -45,68 +53,53 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     one = {name: _row(results, "1_nonstream", name) for name in s.get("1_nonstream", {})}
     if one:
         direct_p50 = _pick(one.get("direct", {}), 1).get("p50_ms")
-        for gate in (HIGH, LOW):
-            added = difference(_pick(one.get(gate, {}), 1).get("p50_ms"), direct_p50)
-            found.append(
-                _target(
-                    f"added p50 latency at c=1, {gate} vs direct (ms)",
-                    added,
-                    0.2,
-                    " ms",
-                    at_most=True,
-                )
+        found += [
+            _at_most(
+                f"added p50 latency at c=1, {gate} vs direct (ms)",
+                difference(_pick(one.get(gate, {}), 1).get("p50_ms"), direct_p50),
+                0.2,
+                " ms",
             )
-        high32 = _pick(one.get(HIGH, {}), 32).get("rps")
-        found.append(
-            _target(
+            for gate in (HIGH, LOW)
+        ]
+        high32 = _pick(one.get(HIGH, {}), 32)
+        nginx32 = _pick(one.get("nginx", {}), 32)
+        found += [
+            _at_least(
                 "non-streamed rps at c=32, slotgate-high / nginx",
-                ratio(high32, _pick(one.get("nginx", {}), 32).get("rps")),
+                ratio(high32.get("rps"), nginx32.get("rps")),
                 0.3,
                 "x",
-                at_most=False,
-            )
-        )
-        # Other people's work on a shared core skews req/s; CPU per request much less so.
-        found.append(
-            _target(
+            ),
+            # Other people's work on a shared core skews req/s; CPU per request much less so.
+            _at_least(
                 "(CPU-normalised) requests per CPU second at c=32, slotgate-high / nginx",
-                ratio(
-                    _pick(one.get("nginx", {}), 32).get("cpu_s_per_1k"),
-                    _pick(one.get(HIGH, {}), 32).get("cpu_s_per_1k"),
-                ),
+                ratio(nginx32.get("cpu_s_per_1k"), high32.get("cpu_s_per_1k")),
                 0.3,
                 "x",
-                at_most=False,
-            )
-        )
-        found.append(
-            _target(
+            ),
+            _at_least(
                 "non-streamed rps at c=32, slotgate-high / LiteLLM",
-                ratio(high32, _pick(one.get("litellm", {}), 32).get("rps")),
+                ratio(high32.get("rps"), _pick(one.get("litellm", {}), 32).get("rps")),
                 10,
                 "x",
-                at_most=False,
-            )
-        )
+            ),
+        ]
     two = {name: _row(results, "2_stream", name) for name in s.get("2_stream", {})}
     if two:
         direct = two.get("direct", {}).get("latency_c1", {})
         high = two.get(HIGH, {})
-        added = difference(
-            high.get("latency_c1", {}).get("chunk_transit_p50_ms"),
-            direct.get("chunk_transit_p50_ms"),
-        )
-        found.append(
-            _target(
+        found += [
+            _at_most(
                 "streaming: added per-chunk latency p50, slotgate-high vs direct",
-                added,
+                difference(
+                    high.get("latency_c1", {}).get("chunk_transit_p50_ms"),
+                    direct.get("chunk_transit_p50_ms"),
+                ),
                 0.1,
                 " ms",
-                at_most=True,
-            )
-        )
-        found.append(
-            _target(
+            ),
+            _at_least(
                 "streaming: chunks/s, slotgate-high / nginx",
                 ratio(
                     high.get("throughput", {}).get("chunks_per_s"),
@@ -114,113 +107,76 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ),
                 0.3,
                 "x",
-                at_most=False,
-            )
-        )
+            ),
+        ]
     storm = s.get("3_storm", {})
     if "closed_loop" in storm:
-        found.extend(
-            _target(
+        found += [
+            _at_most(
                 f"storm ({loop.replace('_', ' ')}): p99 time to the 429 (ms)",
                 storm[loop]["p99_ms"],
                 5,
                 " ms",
-                at_most=True,
             )
             for loop in ("closed_loop", "open_loop")
-        )
+        ]
         best = max((row.get("rps") or 0 for row in one.get(HIGH, {}).values()), default=None)
         found.append(
-            _target(
+            _at_least(
                 "storm: 429s/s / slotgate-high's best non-streamed rps",
                 ratio(storm["closed_loop"]["rejections_per_s"], best),
                 1,
                 "x",
-                at_most=False,
             )
         )
     handoff = s.get("3b_handoff", {}).get("slotgate", {})
     if handoff:
-        found.append(
-            _target(
-                "hand-off: idle slot at the upstream, p50 (ms)",
-                handoff["idle_p50_ms"],
-                0.3,
-                " ms",
-                at_most=True,
+        found += [
+            _at_most(
+                f"hand-off: idle slot at the upstream, {q} (ms)", handoff[f"idle_{q}_ms"], x, " ms"
             )
-        )
-        found.append(
-            _target(
-                "hand-off: idle slot at the upstream, p99 (ms)",
-                handoff["idle_p99_ms"],
-                2,
-                " ms",
-                at_most=True,
-            )
-        )
+            for q, x in (("p50", 0.3), ("p99", 2))
+        ]
     memory = s.get("4_memory", {})
     if "kb_per_waiter" in memory:
         found.append(
-            _target(
+            _at_most(
                 f"memory per waiting request at {memory['waiters']} (KB)",
                 memory["kb_per_waiter"],
                 10,
                 " KB",
-                at_most=True,
             )
         )
     core = s.get("5_core", {})
     if "fast_depth_0" in core:
         depth = core["depth"]
-        found.append(
-            _target(
-                "core: pairs/s at depth 0 (enter+release)",
-                core["fast_depth_0"],
-                500_000,
-                "",
-                at_most=False,
-            )
-        )
-        found.append(
-            _target(
+        found += [
+            _at_least("core: pairs/s at depth 0 (enter+release)", core["fast_depth_0"], 500_000),
+            _at_least(
                 f"core: pairs/s at depth {depth} (hand-off)",
                 core[f"handoff_depth_{depth}"],
                 500_000,
-                "",
-                at_most=False,
-            )
-        )
-        found.extend(
-            _target(
+            ),
+        ]
+        found += [
+            _at_least(
                 f"core: {kind} pairs/s, depth {depth} / depth 0 (flat)",
                 ratio(core[f"{kind}_depth_{depth}"], core[f"{kind}_depth_0"]),
                 0.9,
                 "x",
-                at_most=False,
             )
             for kind in ("handoff", "churn")
-        )
+        ]
     llama = s.get("6_llama", {})
     if "ratio" in llama:
-        found.append(
-            _target(
-                "real llama.cpp: tokens/s, slotgate / direct",
-                llama["ratio"],
-                0.99,
-                "x",
-                at_most=False,
-            )
-        )
-        found.append(
-            _target(
+        found += [
+            _at_least("real llama.cpp: tokens/s, slotgate / direct", llama["ratio"], 0.99, "x"),
+            _at_most(
                 "real llama.cpp: requests_deferred through slotgate (max)",
                 llama["slotgate"]["requests_deferred_max"],
                 0,
-                "",
-                at_most=True,
-            )
-        )
+            ),
+        ]
     return found + fleet_targets(s)
 
 
@@ -239,17 +195,13 @@ def fleet_targets(s: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(cache.get(name), dict) and "error" not in cache[name]
     }
     if cache:
-        found.append(
-            _target(
+        found += [
+            _at_least(
                 "fleet: prompt tokens reused, slotgate affinity",
                 runs.get(AFFINITY, {}).get("reused"),
                 0.8,
-                "",
-                at_most=False,
-            )
-        )
-        found.append(
-            _target(
+            ),
+            _at_least(
                 "fleet: TTFT p50, nginx least_conn / slotgate affinity",
                 ratio(
                     runs.get(NGINX_LC, {}).get("ttft_p50_ms"),
@@ -257,57 +209,47 @@ def fleet_targets(s: dict[str, Any]) -> list[dict[str, Any]]:
                 ),
                 2,
                 "x",
-                at_most=False,
-            )
-        )
-        found.extend(
-            _target(
+            ),
+        ]
+        found += [
+            _at_most(
                 f"fleet: requests_deferred on any engine through {name} (max)",
                 runs.get(name, {}).get("requests_deferred_max"),
                 0,
-                "",
-                at_most=True,
             )
             for name in (AFFINITY, LEAST)
-        )
+        ]
         for name, run in runs.items():
             idle = run.get("all_idle_after_s")
-            row = _target(f"fleet: every slot idle after the run, {name} (s)", idle, 1, " s", True)
+            row = _at_most(f"fleet: every slot idle after the run, {name} (s)", idle, 1, " s")
             if idle is None and run.get("requests"):
                 row.update(value="not within 5 s", met=False)
             found.append(row)
     cost = s.get("fleet_cost", {})
-    found.extend(
-        _target(
+    found += [
+        _at_most(
             f"fleet: CPU per request, {cost['upstreams']} upstreams / 1 ({mode}, one offered rate)",
             cost[mode].get("ratio"),
             1.1,
             "x",
-            at_most=True,
         )
         for mode in ("no key", "keyed")
         if isinstance(cost.get(mode), dict)
-    )
+    ]
     balance = s.get("fleet_balance", {})
     if "max_abs_deviation" in balance:
-        found.append(
-            _target(
+        found += [
+            _at_most(
                 "fleet: balance, max |busy share / capacity share - 1|",
                 balance["max_abs_deviation"],
                 0.1,
-                "",
-                at_most=True,
-            )
-        )
-        found.append(
-            _target(
+            ),
+            _at_most(
                 "fleet: generations above an upstream's slots (stand-ins)",
                 balance["above_slots"],
                 0,
-                "",
-                at_most=True,
-            )
-        )
+            ),
+        ]
     return found
 
 

@@ -23,16 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.contenders import await_ready
+from bench.contenders import start_slotgate_over
 from bench.loadgen import chat_body, open_loop, request_bytes
-from bench.procs import Server, free_port, spawn
+from bench.procs import Server
 from tests.support.standin import StandIn
 
 
@@ -123,15 +122,10 @@ async def main(seconds: float, watchers: int, waiting: int, load: float) -> None
         else StandIn(total_slots=2, tokens=2000, token_delay_s=0.05, record=False)
     )
     await standin.start()
-    port = free_port()
-    env = {"LLAMA_SERVER_URL": standin.url, "HOST": "127.0.0.1", "PORT": str(port),
-           "LOG_LEVEL": "warning", "MAX_QUEUE": "0", "KEEPALIVE_INTERVAL_S": "0"}  # fmt: skip
+    env = {"MAX_QUEUE": "0", "KEEPALIVE_INTERVAL_S": "0"}
     try:
         with tempfile.TemporaryDirectory() as logs:
-            started = spawn(
-                "slotgate", [sys.executable, "-m", "slotgate"], port, None, Path(logs), env
-            )
-            gate = await asyncio.to_thread(await_ready, started, "/readyz", 30)
+            gate = await start_slotgate_over(standin.url, Path(logs), env)
             try:
                 await rounds(gate, seconds, watchers, waiting, load)
             finally:

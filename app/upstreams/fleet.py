@@ -17,7 +17,8 @@ from slotgate.gate.models import Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.settings import Settings
 from slotgate.upstreams.router import Router, served_names
-from slotgate.upstreams.upstream import Props, Upstream, address_url
+from slotgate.upstreams.server import address_url
+from slotgate.upstreams.upstream import Upstream
 
 log = logging.getLogger("slotgate.fleet")
 
@@ -185,11 +186,10 @@ class Fleet:
         def adopt(pool: Pool) -> None:
             self._model_pools[pool] = upstream
 
+        settings = self._settings
         return Router(
-            upstream.url, upstream.get, upstream.post, models, adopt,
-            upstream.kv_budget_tokens, Props.parse, self._settings.model_swap_after_s,
-            self._settings.props_refresh_interval_s,
-        )  # fmt: skip
+            upstream, models, adopt, settings.model_swap_after_s, settings.props_refresh_interval_s
+        )
 
     def models(self) -> set[str]:
         """The models the ready upstreams serve (one, as meant, unless they disagree)."""

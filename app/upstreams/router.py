@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 import orjson
@@ -23,9 +23,10 @@ from slotgate.errors import ExchangeFailed, ModelLoadFailed
 from slotgate.gate.models import RUNNING, Lane, Models
 from slotgate.gate.pool import Pool
 from slotgate.gate.swaps import Demand, Plan, Swaps
+from slotgate.upstreams.props import Props
 
 if TYPE_CHECKING:
-    from slotgate.upstreams.upstream import Props, Upstream
+    from slotgate.upstreams.upstream import Upstream
 
 log = logging.getLogger("slotgate.router")
 
@@ -33,9 +34,24 @@ log = logging.getLogger("slotgate.router")
 #: this often: a broken model file would fail every time, and each try costs the router a start.
 FAILED_RELOAD_S = 5.0
 
-#: A GET or a POST of JSON to the router: its status and body.
-Get = Callable[[str], Awaitable[tuple[int, bytes]]]
-Post = Callable[[str, dict[str, Any]], Awaitable[tuple[int, bytes]]]
+
+class Server(Protocol):
+    """What a router's follower asks of its upstream (an `Upstream`)."""
+
+    @property
+    def url(self) -> str: ...
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """A GET of one of the router's control paths: its status and body."""
+        ...
+
+    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """A POST of JSON to one of the router's control paths: its status and body."""
+        ...
+
+    def kv_budget_tokens(self, props: Props) -> int | None:
+        """The KV budget of a server with these props (a running child), if one binds."""
+        ...
 
 
 class Child:
@@ -94,23 +110,17 @@ class Router:
 
     def __init__(
         self,
-        url: str,
-        get: Get,
-        post: Post,
+        server: Server,
         models: Models,
         adopt: Callable[[Pool], None],
-        budget: Callable[[Props], int | None],
-        parse: Callable[[Any], Props],
         swap_after_s: float = 10.0,
         refresh_s: float = 10.0,
     ) -> None:
-        self.url = url
-        self._get = get
-        self._post = post
+        #: The router's URL when it showed itself one: what its models' lines know it by.
+        self.url = server.url
+        self._server = server
         self._models = models
         self._adopt = adopt
-        self._budget = budget
-        self._parse = parse
         #: `--models-max` (`max_instances` in its props): how many children run at once.
         self.max_instances: int | None = None
         #: `--models-autoload` (on by default): a request for an unloaded model loads it.
@@ -149,7 +159,7 @@ class Router:
         instances = props.get("max_instances")
         self.max_instances = instances if isinstance(instances, int) and instances > 0 else None
         self.autoload = props.get("models_autoload") is not False
-        status, body = await self._get("/models")
+        status, body = await self._server.get("/models")
         if status != 200:
             raise ValueError(f"/models answered {status}")
         # orjson: a nesting too deep is a ValueError, not a RecursionError that would end the
@@ -272,8 +282,8 @@ class Router:
         # The child's own props, through the router; never a load of its own making.
         try:
             target = f"/props?model={quote(child.model, safe='')}&autoload=false"
-            status, body = await self._get(target)
-            props = self._parse(orjson.loads(body)) if status == 200 else None
+            status, body = await self._server.get(target)
+            props = Props.parse(orjson.loads(body)) if status == 200 else None
         except (ValueError, ExchangeFailed, TimeoutError) as exc:
             log.info("cannot read %s's props: %s url=%s", child.model, exc, self.url)
             props = None
@@ -283,7 +293,7 @@ class Router:
             return
         child.n_ctx = props.n_ctx
         # The budget first: the resize lets in whoever waited, weighed by the budget too.
-        pool.resize_budget(self._budget(props))
+        pool.resize_budget(self._server.kv_budget_tokens(props))
         lane = child.lane
         if lane.loading_since is not None and pool.capacity is None:
             # The load it asked for is done: what the next deadline for this model reckons with.
@@ -302,31 +312,28 @@ class Router:
         child.loads += 1
         child.asked_at = time.monotonic()
         log.info("loading model for its line: %s url=%s", child.model, self.url)
-        try:
-            status, body = await self._post("/models/load", {"model": child.model})
-        except (ExchangeFailed, TimeoutError) as exc:
-            log.warning("cannot load %s: %s url=%s", child.model, exc, self.url)
-            return
-        if status == 200:
+        if await self._ask("load", child.model):
             child.state = child.lane.states[self.url] = "loading"
             if child.lane.loading_since is None:
                 child.lane.loading_since = child.asked_at
-        else:
-            text = body[:200].decode("utf-8", "replace")
-            log.warning("loading %s answered %d: %s url=%s", child.model, status, text, self.url)
 
     async def _unload(self, child: Child) -> None:
         """Ask the router to unload a model, to make room for another line (the swap rule)."""
         self.unloads += 1
         log.info("unloading model to make room: %s url=%s", child.model, self.url)
+        await self._ask("unload", child.model)
+
+    async def _ask(self, action: str, model: str) -> bool:
+        """`POST /models/{action}` for `model`: did the router take it? A refusal is logged."""
         try:
-            status, body = await self._post("/models/unload", {"model": child.model})
+            status, body = await self._server.post(f"/models/{action}", {"model": model})
         except (ExchangeFailed, TimeoutError) as exc:
-            log.warning("cannot unload %s: %s url=%s", child.model, exc, self.url)
-            return
+            log.warning("cannot %s %s: %s url=%s", action, model, exc, self.url)
+            return False
         if status != 200:
             text = body[:200].decode("utf-8", "replace")
-            log.warning("unloading %s answered %d: %s url=%s", child.model, status, text, self.url)
+            log.warning("%sing %s answered %d: %s url=%s", action, model, status, text, self.url)
+        return status == 200
 
     def metrics_targets(self) -> list[tuple[str, str]]:
         """(model, path) of every running child's `/metrics` (the router's own is a 400)."""
@@ -371,4 +378,4 @@ async def served_names(upstream: Upstream) -> tuple[str, ...]:
     return (first["id"], *names)
 
 
-__all__ = ["Child", "Router", "served_names"]
+__all__ = ["Child", "Router", "Server", "served_names"]

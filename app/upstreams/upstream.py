@@ -1,4 +1,7 @@
-"""The only code that talks to llama-server: its connections and the capacity follower."""
+"""What slotgate knows of one llama-server's state, followed from its `/props`: ready or not
+and why, its slots and KV budget for its pools, its speed, its counts of a prompt's tokens, and
+a router's models once it shows itself one (router.py). How slotgate reaches it is `LlamaServer`
+(server.py)."""
 
 from __future__ import annotations
 
@@ -7,37 +10,23 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
 
 import orjson
 from slotgate.asgi import Header
-from slotgate.errors import (
-    ConnectFailed,
-    Disconnected,
-    ExchangeFailed,
-    Stalled,
-    UpstreamFailed,
-    UpstreamStarting,
-)
+from slotgate.errors import ConnectFailed, ExchangeFailed
 from slotgate.gate.pool import Pool
 from slotgate.gate.ticket import Claim
 from slotgate.intake.cost import Estimate, counted
 from slotgate.intake.pace import generation_speed
 from slotgate.settings import Settings
-from slotgate.upstreams.client import Response
 from slotgate.upstreams.cors import CorsPolicy
-from slotgate.upstreams.reuse import UpstreamClient
+from slotgate.upstreams.props import Props
 from slotgate.upstreams.router import Router
+from slotgate.upstreams.server import CONNECT_TIMEOUT_S, LlamaServer
 
 log = logging.getLogger("slotgate.upstream")
 
-#: How long a connection attempt or a /props read may take before llama-server counts as down.
-CONNECT_TIMEOUT_S = 5.0
-#: llama-server (cpp-httplib) closes idle keep-alive connections after 5 s; reusing one just as
-#: it closes would fail a POST that cannot safely be retried, so idle ones are dropped sooner.
-KEEPALIVE_S = 4.0
 #: While llama-server is down or loading, look again this often rather than every refresh.
 NOT_READY_RETRY_S = 1.0
 #: ... and this often while requests wait for it: nothing can be generating then, so reading
@@ -46,91 +35,12 @@ STARTING_POLL_S = 0.15
 #: llama-server's message when the requests in flight need more KV cache than it has.
 _CONTEXT_EXHAUSTED = b"Context size has been exceeded"
 
-#: The most bytes a count's answer takes per byte of its question, beyond CONTROL_BODY_BYTES:
-#: a token id and its comma take at most 8 bytes, and a token is at least one byte of prompt.
-_COUNT_BYTES_PER_BYTE = 8
-
 #: llama-server's own headers on /metrics that slotgate's merged /metrics carries on.
 _METRICS_HEADERS = frozenset({b"process-start-time-unix"})
-#: The most of /props or /metrics slotgate reads; llama-server's are tens of KiB at most (the
-#: chat template is the largest part), and an answer past this is no /props slotgate can use.
-CONTROL_BODY_BYTES = 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Props:
-    """What slotgate keeps from llama-server's /props."""
-
-    total_slots: int
-    n_ctx: int | None
-    model: str | None
-    build_info: str | None
-    #: llama-server's own output limit for a request that sets none or -1 (its -n); None =
-    #: unbounded (-1, its default).
-    n_predict: int | None = None
-
-    @classmethod
-    def parse(cls, body: Any) -> Props:
-        if not isinstance(body, dict):
-            raise ValueError("/props did not answer a JSON object")  # noqa: TRY004 - bad data, not a bad call
-        slots = body.get("total_slots")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"/props total_slots is {slots!r}, not a positive integer")
-        settings = body.get("default_generation_settings")
-        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
-        model = body.get("model_alias") or body.get("model_path")
-        build = body.get("build_info")
-        params = settings.get("params") if isinstance(settings, dict) else None
-        n_predict = params.get("n_predict") if isinstance(params, dict) else None
-        return cls(
-            slots,
-            n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None,
-            model if isinstance(model, str) else None,
-            build if isinstance(build, str) else None,
-            n_predict if isinstance(n_predict, int) and n_predict >= 0 else None,
-        )
-
-
-def address_url(parts: SplitResult, address: str) -> str:
-    """`parts` as a URL with `address` for its host."""
-    host = f"[{address}]" if ":" in address else address
-    netloc = host if parts.port is None else f"{host}:{parts.port}"
-    return parts._replace(netloc=netloc).geturl()
-
-
-class Exchange:
-    """One request to llama-server as a scope: the response lives until the block ends.
-
-    Leaving the block normally releases the response (a complete one pools its connection);
-    leaving it by an exception closes the connection, which is what makes llama-server cancel
-    the task behind it. `Response.release`/`close` inside the block end it early; both are
-    idempotent, so the exit then does nothing more.
-    """
-
-    __slots__ = ("_args", "_response", "_upstream")
-
-    def __init__(
-        self, upstream: Upstream, method: str, target: str, headers: list[Header], body: bytes
-    ) -> None:
-        self._upstream = upstream
-        self._args = (method, target, headers, body)
-        self._response: Response | None = None
-
-    async def __aenter__(self) -> Response:
-        self._response = await self._upstream.send(*self._args)
-        return self._response
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        response = self._response
-        assert response is not None  # noqa: S101 - __aenter__ returned it
-        if exc_type is None:
-            response.release()
-        else:
-            response.close()
-
-
-class Upstream:
-    """llama-server behind one client, and what slotgate knows of its state."""
+class Upstream(LlamaServer):
+    """A llama-server and what slotgate knows of its state: its follower reads `/props`."""
 
     def __init__(
         self,
@@ -141,12 +51,7 @@ class Upstream:
         on_ready: Callable[[], None] | None = None,
         routing: Callable[[Upstream], Router] | None = None,
     ) -> None:
-        parts = urlsplit(url or settings.llama_server_url)
-        #: Its base URL; for one of the addresses a name resolves to, with that address in it.
-        self.url = parts.geturl() if address is None else address_url(parts, address)
-        #: The URL as configured (the name, when it resolves to several addresses).
-        self.configured = parts.geturl()
-        self._root = parts.path
+        super().__init__(settings, url, address)
         self.pool = pool
         self._refresh_s = settings.props_refresh_interval_s
         self._kv_budget_tokens = settings.kv_budget_tokens
@@ -154,22 +59,6 @@ class Upstream:
         pool.resize_budget(settings.kv_budget_tokens)
         #: Seen llama-server run out of a cache its slots share (KV_BUDGET_TOKENS unset).
         self.shared_cache_seen = False
-        tls = parts.scheme == "https"
-        # The client has no connection limit: the admission pool bounds concurrent generations,
-        # and a limit here would only become a second, hidden queue behind the gate.
-        self._client = UpstreamClient(
-            parts.hostname or "127.0.0.1",
-            parts.port or (443 if tls else 80),
-            tls=tls,
-            connect_timeout_s=CONNECT_TIMEOUT_S,
-            keepalive_s=KEEPALIVE_S,
-            stall_s=settings.upstream_stall_timeout_s or None,
-            address=address,
-        )
-        key = settings.llama_api_key
-        self.auth: Header | None = (
-            (b"authorization", f"Bearer {key.get_secret_value()}".encode()) if key else None
-        )
         self.props: Props | None = None
         #: Called each time it becomes ready (the fleet compares the upstreams' models).
         self._on_ready = on_ready
@@ -179,20 +68,10 @@ class Upstream:
         self.cors = CorsPolicy()
         self.ready = False
         self.reason = "llama-server not contacted yet"
-        #: Why it cannot be reached, while nothing has ever answered there since slotgate
-        #: started: an address nobody listens on (a wrong LLAMA_SERVER_URL) is not a
-        #: llama-server that is loading, so requests are refused at once instead of waiting
-        #: STARTUP_WAIT_S for it. None once anything answered there, or before the first try.
-        self.unreached: str | None = None
-        self._answered = False
-        #: Response heads it has sent to requests: a /props read that times out while this
-        #: moves found it busy (or slotgate's own loop late), not gone.
-        self.answers = 0
         #: It adds `__verbose` to its answers unasked (--verbose), which assembly cannot
         #: rebuild; None until an answer has shown it (app/proxy/modes.py, `_learn_verbose`).
         self.verbose: bool | None = None
         self._follower: asyncio.Task[None] | None = None
-        self._poke = asyncio.Event()
         #: Makes its `Router` once its /props says it is one (the fleet's models); None: a
         #: router is followed as nothing more than a server that is not ready.
         self._routing = routing
@@ -206,19 +85,10 @@ class Upstream:
 
     def readdress(self, address: str | None) -> None:
         """Known by its name so far, it is now one of the name's several addresses: this one;
-        or, None, the other way round: its name resolves to it alone again."""
-        self.url = (
-            self.configured if address is None else address_url(urlsplit(self.configured), address)
-        )
-        self._client.connect_to(address)
+        or, None, the other way round: its name resolves to it alone again. Its pool is
+        renamed with it."""
+        super().readdress(address)
         self.pool.rename(self.url)
-
-    @property
-    def name(self) -> str:
-        """How operators name it (`/admission`, `/admin/upstreams/{name}/...`): its URL's host,
-        port and path, without the scheme."""
-        parts = urlsplit(self.url)
-        return parts.netloc + parts.path.rstrip("/")
 
     @property
     def draining(self) -> bool:
@@ -242,11 +112,6 @@ class Upstream:
         if self.router is not None:
             self.router.restore()
 
-    @property
-    def keeps_streams(self) -> bool | None:
-        """Does llama-server keep a connection open after an event stream? None until seen."""
-        return self._client.keeps_streams
-
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -264,77 +129,6 @@ class Upstream:
                 raise error
         self._client.close()
 
-    # -- requests ------------------------------------------------------------------------------
-
-    def request(self, method: str, target: str, headers: list[Header], body: bytes) -> Exchange:
-        """`async with upstream.request(...) as response:` sends the request, and on the way
-        out gives the connection back (a clean exit) or closes it (any exception)."""
-        return Exchange(self, method, target, headers, body)
-
-    async def send(self, method: str, target: str, headers: list[Header], body: bytes) -> Response:
-        """Send one request (target: a checked, quoted path and query) and return the response
-        with its head read and its body still to come."""
-        try:
-            response = await self._client.request(method, self._root + target, headers, body)
-        except ConnectFailed as exc:
-            self._not_reached(exc)
-            self.poke()
-            raise UpstreamStarting(
-                f"llama-server at {self.url} cannot be reached ({exc}); retry shortly"
-            ) from None
-        except Disconnected as exc:
-            self.poke()
-            raise UpstreamStarting(
-                f"llama-server at {self.url} cannot be reached ({exc}); retry shortly", sent=True
-            ) from None
-        except Stalled:
-            raise UpstreamFailed(
-                "llama-server did not answer within UPSTREAM_STALL_TIMEOUT_S"
-            ) from None
-        except ExchangeFailed as exc:
-            raise UpstreamFailed(f"llama-server answered badly ({exc})") from None
-        self.answers += 1
-        if not self._answered:
-            self._reached()
-        return response
-
-    def _not_reached(self, exc: ConnectFailed) -> None:
-        if not self._answered:
-            self.unreached = (
-                f"llama-server at {self.url} has not been reachable since slotgate started "
-                f"({exc}); check LLAMA_SERVER_URL, or retry once it is up"
-            )
-
-    def _reached(self) -> None:
-        self._answered = True
-        self.unreached = None
-
-    async def get(self, path: str) -> tuple[int, bytes]:
-        """GET one of llama-server's control paths (its own key sent), within
-        CONNECT_TIMEOUT_S; its status and body, read up to CONTROL_BODY_BYTES."""
-        return await self._get(path)
-
-    async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
-        """POST JSON to one of llama-server's control paths, within CONNECT_TIMEOUT_S."""
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            return await self._post(path, payload)
-
-    async def _get(self, path: str) -> tuple[int, bytes]:
-        status, body, _ = await self._get_with_headers(path)
-        return status, body
-
-    async def _get_with_headers(self, path: str) -> tuple[int, bytes, list[Header]]:
-        headers = [self.auth] if self.auth else []
-        async with asyncio.timeout(CONNECT_TIMEOUT_S):
-            response = await self._client.request("GET", self._root + path, headers, b"")
-            try:
-                body = await response.read(CONTROL_BODY_BYTES)
-            except BaseException:
-                response.close()
-                raise
-            response.release()
-            return response.status, body, response.headers
-
     async def metrics(self, path: str = "/metrics") -> tuple[bytes, list[Header]]:
         """llama-server's own /metrics (it needs --metrics) and the headers of its own that
         the merged answer keeps (Process-Start-Time-Unix); nothing when it has none. `path`
@@ -348,11 +142,6 @@ class Upstream:
         if status != 200:
             return b"", []
         return body, [(name, value) for name, value in headers if name in _METRICS_HEADERS]
-
-    def poke(self) -> None:
-        """Something went wrong with llama-server, or it seems back: read /props again now,
-        not at the next tick."""
-        self._poke.set()
 
     def lost(self, reason: str) -> None:
         """llama-server is away (a request found it so): not ready until /props says again."""
@@ -566,22 +355,6 @@ class Upstream:
         except (ExchangeFailed, TimeoutError, ValueError, AttributeError, RecursionError):
             return None
         return len(tokens) if isinstance(tokens, list) else None
-
-    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
-        """POST a count request; an answer longer than its question can justify is not read
-        (a templated prompt, or a token list, takes a few bytes per byte asked about)."""
-        headers: list[Header] = [(b"content-type", b"application/json")]
-        if self.auth:
-            headers.append(self.auth)
-        body = orjson.dumps(payload)
-        response = await self._client.request("POST", self._root + path, headers, body)
-        try:
-            answer = await response.read(CONTROL_BODY_BYTES + _COUNT_BYTES_PER_BYTE * len(body))
-        except BaseException:
-            response.close()
-            raise
-        response.release()
-        return response.status, answer
 
     async def _learn_speed(self) -> None:
         """llama-server's generation speed so far, for Retry-After before any hold is seen.

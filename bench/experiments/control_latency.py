@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.contenders import await_ready
-from bench.procs import free_port, spawn
+from bench.contenders import start_slotgate_over
 from tests.support.standin import StandIn
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2000}
@@ -68,18 +66,12 @@ async def cancel_one(client: httpx.AsyncClient, request_id: str) -> tuple[float,
 async def main(rounds: int) -> None:
     standin = StandIn(total_slots=2, tokens=1200, token_delay_s=0.05, record=False)
     await standin.start()
-    port = free_port()
-    env = {"LLAMA_SERVER_URL": standin.url, "HOST": "127.0.0.1", "PORT": str(port),
-           "LOG_LEVEL": "warning"}  # fmt: skip
     times: dict[str, list[float]] = {}
     try:
         with tempfile.TemporaryDirectory() as logs:
-            started = spawn(
-                "slotgate", [sys.executable, "-m", "slotgate"], port, None, Path(logs), env
-            )
-            gate = await asyncio.to_thread(await_ready, started, "/readyz", 30)
+            gate = await start_slotgate_over(standin.url, Path(logs))
             try:
-                url = f"http://127.0.0.1:{port}"
+                url = f"http://127.0.0.1:{gate.port}"
                 async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                     name = (await client.get("/admission")).json()["upstreams"][0]["name"]
                     for index in range(rounds):

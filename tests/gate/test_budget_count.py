@@ -18,7 +18,7 @@ from slotgate.gate.ticket import Ticket
 from slotgate.intake.cost import local
 from slotgate.intake.endpoints import ENDPOINTS
 from slotgate.upstreams import upstream as upstream_module
-from slotgate.upstreams.upstream import Props
+from slotgate.upstreams.props import Props
 
 from tests.conftest import CHAT, GateFactory, counting, words
 from tests.support.standin import StandIn

@@ -51,16 +51,42 @@ async def chat_preempting(
     return await asyncio.gather(chat, *batch)
 
 
+def send_batch(
+    gate: RunningGate, client: httpx.AsyncClient, count: int, stream: bool = True
+) -> list[asyncio.Task[httpx.Response]]:
+    """`count` batch requests, "batch 0" onwards, sent at once."""
+    return [
+        asyncio.create_task(
+            client.post(gate.url + CHAT, json=said(f"batch {n}", stream=stream), headers=BATCH)
+        )
+        for n in range(count)
+    ]
+
+
+async def preemptions(gate: RunningGate, client: httpx.AsyncClient) -> int | None:
+    """The preemptions `/admission` counts (None: preemption is off)."""
+    count: int | None = (await client.get(gate.url + "/admission")).json()["preemptions"]
+    return count
+
+
+async def chat_left_waiting(
+    gate: RunningGate, standin: StandIn, client: httpx.AsyncClient
+) -> asyncio.Task[httpx.Response]:
+    """Send a chat behind requests that hold every slot with their generations begun: it
+    waits three times its bound and preempts none of them."""
+    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
+    await gate.until(lambda: gate.service.admission.queued == 1)
+    await asyncio.sleep(1.0)  # over three times its bound
+    assert "chat" not in prompts(standin)
+    assert await preemptions(gate, client) == 0
+    return chat
+
+
 async def test_a_waiting_interactive_request_preempts_a_batch_request_that_sent_nothing(
     start_gate: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
     gate = await preempting_gate(start_gate, standin)
-    batch = [
-        asyncio.create_task(
-            client.post(gate.url + CHAT, json=said(f"batch {n}", stream=True), headers=BATCH)
-        )
-        for n in range(8)
-    ]
+    batch = send_batch(gate, client, 8)
     await gate.until(lambda: gate.service.admission.queued == 6)
     # Both batch generations would hold their slots for a minute: the chat runs long before.
     answers = await chat_preempting(gate, standin, client, batch)
@@ -69,8 +95,7 @@ async def test_a_waiting_interactive_request_preempts_a_batch_request_that_sent_
     # One batch request was cut before its first byte and sent again; none was lost.
     assert sorted(sent.values()) == [1] * 8 + [2]
     assert sent["chat"] == 1
-    view = (await client.get(gate.url + "/admission")).json()
-    assert view["preemptions"] == 1
+    assert await preemptions(gate, client) == 1
     assert gate.service.admission.active == 0
 
 
@@ -80,18 +105,9 @@ async def test_a_batch_request_whose_answer_has_begun_is_never_preempted(
     gate = await preempting_gate(start_gate, standin)
     # Streamed: tokens flow to their clients for a minute.
     standin.hold_s, standin.tokens, standin.token_delay_s = 0, 1200, 0.05
-    batch = [
-        asyncio.create_task(
-            client.post(gate.url + CHAT, json=said(f"batch {n}", stream=True), headers=BATCH)
-        )
-        for n in range(2)
-    ]
+    batch = send_batch(gate, client, 2)
     await gate.until(lambda: gate.service.admission.active == 2)
-    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
-    await gate.until(lambda: gate.service.admission.queued == 1)
-    await asyncio.sleep(1.0)  # over three times its bound
-    assert "chat" not in prompts(standin)
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    chat = await chat_left_waiting(gate, standin, client)
     standin.hurry()
     assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
 
@@ -107,17 +123,10 @@ async def test_a_non_streamed_request_whose_tokens_have_begun_is_never_preempted
     # Shows llama-server adds no __verbose: the next ones are assembled.
     assert (await client.post(gate.url + CHAT, json=said("warm"))).status_code == 200
     standin.tokens, standin.token_delay_s = 1200, 0.05
-    batch = [
-        asyncio.create_task(client.post(gate.url + CHAT, json=said(f"batch {n}"), headers=BATCH))
-        for n in range(2)
-    ]
+    batch = send_batch(gate, client, 2, stream=False)
     await gate.until(lambda: gate.service.admission.active == 2)
     await gate.until(lambda: standin.running == 2)
-    chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
-    await gate.until(lambda: gate.service.admission.queued == 1)
-    await asyncio.sleep(1.0)  # over three times its bound
-    assert "chat" not in prompts(standin)
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    chat = await chat_left_waiting(gate, standin, client)
     standin.hurry()
     assert [a.status_code for a in await asyncio.gather(chat, *batch)] == [200] * 3
 
@@ -138,12 +147,7 @@ async def test_a_stream_that_waited_long_enough_for_its_head_is_still_preempted_
         asyncio.create_task(client.post(gate.url + CHAT, json=said(f"block {n}"))) for n in range(2)
     ]
     await gate.until(lambda: standin.running == 2)
-    batch = [
-        asyncio.create_task(
-            client.post(gate.url + CHAT, json=said(f"batch {n}", stream=True), headers=BATCH)
-        )
-        for n in range(2)
-    ]
+    batch = send_batch(gate, client, 2)
     await gate.until(lambda: gate.service.admission.queued == 2)
     await asyncio.sleep(0.2)  # their heads and a few comments go out
     standin.hurry()  # the blockers end; the batch streams run, 60 s before their first token
@@ -157,7 +161,7 @@ async def test_a_stream_that_waited_long_enough_for_its_head_is_still_preempted_
         assert streamed.text.count("data: [DONE]") == 1
         assert len(events) == standin.tokens + 3  # its role, tokens, stop, [DONE]: once each
     assert sorted(Counter(prompts(standin)).values()) == [1, 1, 1, 1, 2]
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 1
+    assert await preemptions(gate, client) == 1
 
 
 async def test_a_request_waiting_again_for_a_restarting_llama_server_is_not_preempted(
@@ -175,7 +179,7 @@ async def test_a_request_waiting_again_for_a_restarting_llama_server_is_not_pree
     chat = asyncio.create_task(client.post(gate.url + CHAT, json=said("chat")))
     await gate.until(lambda: gate.service.admission.queued == 2)
     await asyncio.sleep(1.0)  # over three times its bound
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    assert await preemptions(gate, client) == 0
     standin.loading = False
     assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
 
@@ -192,7 +196,7 @@ async def test_a_non_streamed_request_sent_upstream_as_it_is_is_never_preempted(
     await gate.until(lambda: gate.service.admission.queued == 1)
     await asyncio.sleep(1.0)  # over three times its bound
     assert prompts(standin) == ["batch"]
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 0
+    assert await preemptions(gate, client) == 0
     standin.hold_s = 0
     standin.hurry()
     assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
@@ -210,7 +214,7 @@ async def test_without_preempt_after_s_nothing_is_preempted(
     await gate.until(lambda: gate.service.admission.queued == 1)
     await asyncio.sleep(0.5)
     assert prompts(standin) == ["batch"]
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] is None
+    assert await preemptions(gate, client) is None
     standin.hold_s = 0
     standin.hurry()
     assert [a.status_code for a in await asyncio.gather(chat, batch)] == [200, 200]
@@ -248,4 +252,4 @@ async def test_a_waiter_in_a_models_line_preempts_only_a_request_on_that_models_
     assert [a.status_code for a in await asyncio.gather(chat, *held)] == [200] * 3
     assert Counter(prompts(children(upstream)["alpha"])) == {"batch alpha": 2, "chat": 1}
     assert prompts(children(upstream)["beta"]) == ["batch beta"]
-    assert (await client.get(gate.url + "/admission")).json()["preemptions"] == 1
+    assert await preemptions(gate, client) == 1

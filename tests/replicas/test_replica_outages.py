@@ -211,6 +211,17 @@ async def test_redis_restarted_empty_brings_shared_mode_back_with_one_fallback(
     await shared_again_after_one_fallback(client, (first, second), capacity=2)
 
 
+def by_name(valkey: Valkey, port: int) -> Settings:
+    """A slotgate sharing `valkey` in front of `localhost:port`, a name that the test's own
+    resolver resolves."""
+    return Settings(
+        _env_file=None,
+        llama_server_url=f"http://localhost:{port}",
+        props_refresh_interval_s=0.1, keepalive_interval_s=0, log_level="warning",
+        redis_url=valkey.url, redis_fleet="edges", redis_ttl_s=1.5, redis_timeout_s=1.0,
+    )  # fmt: skip
+
+
 async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keeps_its_grants(
     valkey: Valkey, client: httpx.AsyncClient
 ) -> None:
@@ -222,12 +233,7 @@ async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keep
     async def resolver(host: str, port: int) -> list[str]:
         return list(addresses)
 
-    settings = Settings(
-        _env_file=None,
-        llama_server_url=f"http://localhost:{first.port}",
-        props_refresh_interval_s=0.1, keepalive_interval_s=0, log_level="warning",
-        redis_url=valkey.url, redis_fleet="edges", redis_ttl_s=1.5, redis_timeout_s=1.0,
-    )  # fmt: skip
+    settings = by_name(valkey, first.port)
     gate = None
     try:
         await second.start()
@@ -254,7 +260,6 @@ async def test_an_upstream_renamed_when_its_name_resolves_to_more_addresses_keep
 async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_back_in_full(
     shared_line: SharedLine, redis: aioredis.Redis
 ) -> None:
-    client = redis
     renaming = await shared_line("rekey", "r0")
     other = await shared_line("rekey", "r1")
     prefix = "slotgate:{rekey}:"
@@ -265,9 +270,9 @@ async def test_a_rekeyed_upstream_moves_only_this_replicas_grants_and_they_come_
     await renaming.rekey("name", "address")
     await renaming.resize("address", 2, budget=100)
     assert mine.upstream == "address"
-    active = await client.hgetall(prefix + "active")
+    active = await redis.hgetall(prefix + "active")
     assert (active[b"name"], active[b"address"]) == (b"1", b"1")
-    assert await client.hget(prefix + "tokens", "address") == b"30"
+    assert await redis.hget(prefix + "tokens", "address") == b"30"
     # The new name has one slot left, not two.
     assert (await renaming.enter(entry())).granted
     assert not (await renaming.enter(entry())).granted
@@ -280,12 +285,11 @@ async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fle
 ) -> None:
     standin = StandIn(total_slots=2)
     await standin.start()
-    client = redis
-    pubsub = client.pubsub()
+    pubsub = redis.pubsub()
     try:
         await sharing([standin])
         # Every change to the fleet's pools, as Valkey's keyspace events tell it.
-        await client.config_set("notify-keyspace-events", "Kh")
+        await redis.config_set("notify-keyspace-events", "Kh")
         await pubsub.subscribe("__keyspace@0__:slotgate:{edges}:pools")
         await sharing([standin])
         events = []
@@ -302,7 +306,6 @@ async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fle
 async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_last_grant_ends(
     shared_line: SharedLine, redis: aioredis.Redis
 ) -> None:
-    client = redis
     admission = await shared_line("gone", "r0")
     # A fleet behind a DNS name whose addresses come and go (pods rolled): each one seen
     # once would stay a field read by every script call for good.
@@ -312,7 +315,7 @@ async def test_an_upstream_gone_from_the_pools_leaves_no_count_behind_once_its_l
         await admission.resize(f"http://10.0.0.{n}:8080", None)
         await ticket.aclose()
     await admission.resize("http://10.0.0.9:8080", 1)
-    assert await client.hgetall("slotgate:{gone}:active") == {}
+    assert await redis.hgetall("slotgate:{gone}:active") == {}
 
 
 async def test_upstreams_that_leave_dns_one_after_another_are_not_remembered_by_the_replica(
@@ -350,12 +353,7 @@ async def test_two_replicas_behind_one_name_count_its_one_server_once(
     async def one(host: str, port: int) -> list[str]:
         return ["127.0.0.1"]
 
-    settings = Settings(
-        _env_file=None,
-        llama_server_url=f"http://localhost:{first.port}",
-        props_refresh_interval_s=0.1, keepalive_interval_s=0, log_level="warning",
-        redis_url=valkey.url, redis_fleet="edges", redis_ttl_s=1.5, redis_timeout_s=1.0,
-    )  # fmt: skip
+    settings = by_name(valkey, first.port)
     gates: list[RunningGate] = []
     try:
         early = await serve(settings, create_app(settings, scaled))

@@ -61,12 +61,27 @@ class Pools:
         await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == slots)
         return gate
 
-    async def two(
-        self, urls: Sequence[str], slots: int, **overrides: Any
+    async def two_over(
+        self, *upstreams: StandIn, **overrides: Any
     ) -> tuple[RunningGate, RunningGate]:
-        """Two slotgates sharing `valkey`, as `share` starts them."""
+        """`upstreams` started, and two slotgates sharing `valkey` in front of them all."""
+        await self.start(*upstreams)
+        urls = [upstream.url for upstream in upstreams]
+        slots = sum(upstream.total_slots for upstream in upstreams)
         first = await self.share(urls, slots, **overrides)
         return first, await self.share(urls, slots, **overrides)
+
+    async def large_one_filled(
+        self, small: StandIn, large: StandIn, client: httpx.AsyncClient, redis: aioredis.Redis
+    ) -> tuple[RunningGate, RunningGate, asyncio.Future[httpx.Response]]:
+        """Two slotgates over `small` and `large` (`two_over`), and a request of as many
+        choices as `large` has slots sent to the first: running there, once Redis counts it."""
+        first, second = await self.two_over(small, large)
+        filling = asyncio.ensure_future(
+            client.post(first.url + CHAT, json=chat(n=large.total_slots))
+        )
+        await until_counted(redis, large.total_slots)
+        return first, second, filling
 
 
 @pytest.fixture
@@ -105,8 +120,7 @@ async def test_requests_of_several_choices_run_on_the_one_upstream_with_room_for
 ) -> None:
     small = StandIn(total_slots=2, tokens=8, token_delay_s=0.01)
     large = StandIn(total_slots=3, tokens=8, token_delay_s=0.01)
-    await pools.start(small, large)
-    first, second = await pools.two((small.url, large.url), 5)
+    first, second = await pools.two_over(small, large)
     sent = [(first, second)[i % 2].url + CHAT for i in range(8)]
     answers = await asyncio.gather(*(client.post(url, json=chat(n=3)) for url in sent))
     assert [a.status_code for a in answers] == [200] * 8
@@ -121,13 +135,10 @@ async def test_a_prompt_array_runs_on_a_smaller_upstream_holding_its_slots_in_re
 ) -> None:
     small = StandIn(total_slots=2, tokens=40, token_delay_s=0.02)
     large = StandIn(total_slots=3, tokens=40, token_delay_s=0.1)
-    await pools.start(small, large)
-    first, second = await pools.two((small.url, large.url), 5)
     # Three choices fill the large upstream for 4 s; five prompts then run on the small
     # one, two at a time (llama-server works through them in the slots it has), and hold
     # both of its slots, not the three they would hold on the large one.
-    busy = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
-    await until_counted(redis, 3)
+    _, second, busy = await pools.large_one_filled(small, large, client, redis)
     array = asyncio.ensure_future(
         client.post(second.url + "/v1/completions", json={"prompt": list("abcde")})
     )
@@ -148,10 +159,7 @@ async def test_one_slot_requests_behind_a_waiting_n3_run_at_once_on_the_one_slot
 ) -> None:
     small = StandIn(total_slots=1, tokens=8, token_delay_s=0.02)
     large = StandIn(total_slots=3, tokens=50, token_delay_s=0.1)
-    await pools.start(small, large)
-    first, second = await pools.two((small.url, large.url), 4)
-    running = asyncio.ensure_future(client.post(first.url + CHAT, json=chat(n=3)))
-    await until_counted(redis, 3)
+    first, second, running = await pools.large_one_filled(small, large, client, redis)
     # The head of the line: it waits for the 3-slot upstream, 5 s away.
     head = asyncio.ensure_future(client.post(second.url + CHAT, json=chat(n=3)))
     async with asyncio.timeout(10):
@@ -245,9 +253,8 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
 ) -> None:
     upstream = StandIn(total_slots=2, tokens=5)
     upstream.token_delay_s = 0.01
-    await pools.start(upstream)
     # The default TTL: a second's sleep gives no replica up.
-    first, second = await pools.two([upstream.url], 2, max_queue=4, redis_ttl_s=3)
+    first, second = await pools.two_over(upstream, max_queue=4, redis_ttl_s=3)
     answers: list[httpx.Response] = []
     stop = asyncio.Event()
 
@@ -335,8 +342,7 @@ async def test_a_tenants_max_active_raised_by_a_reload_lets_its_waiters_run_on_f
     keys.write_text(JOBS.format(max_active=1))
     upstream = StandIn(total_slots=3, tokens=60)
     upstream.token_delay_s = 0.02
-    await pools.start(upstream)
-    first, second = await pools.two([upstream.url], 3, api_keys_file=keys)
+    first, second = await pools.two_over(upstream, api_keys_file=keys)
     jobs = {"authorization": "Bearer sk-jobs"}
     held = [
         asyncio.create_task(client.post(g.url + CHAT, json=chat(), headers=jobs))
@@ -362,8 +368,7 @@ async def test_a_tenants_max_active_counts_a_requests_slots_across_replicas_and_
     keys.write_text(JOBS.format(max_active=2))
     upstream = StandIn(total_slots=4, tokens=60)
     upstream.token_delay_s = 0.02
-    await pools.start(upstream)
-    first, second = await pools.two([upstream.url], 4, api_keys_file=keys)
+    first, second = await pools.two_over(upstream, api_keys_file=keys)
     jobs = {"authorization": "Bearer sk-jobs"}
     refused = await client.post(first.url + CHAT, json=chat(n=3), headers=jobs)
     assert refused.status_code == 400
@@ -457,8 +462,7 @@ async def test_a_request_of_all_an_upstreams_slots_while_redis_is_away_is_a_503_
     pools: Pools, client: httpx.AsyncClient
 ) -> None:
     upstream = StandIn(total_slots=2)
-    await pools.start(upstream)
-    first, second = await pools.two([upstream.url], 2)
+    first, second = await pools.two_over(upstream)
     for gate in (first, second):
         await gate.until(lambda g=gate: replica_view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
     pools.valkey.kill()
@@ -477,8 +481,7 @@ async def test_a_waiter_of_all_the_slots_when_redis_goes_away_is_turned_away_not
 ) -> None:
     upstream = StandIn(total_slots=2, tokens=150)
     upstream.token_delay_s = 0.02
-    await pools.start(upstream)
-    first, second = await pools.two([upstream.url], 2)
+    first, second = await pools.two_over(upstream)
     for gate in (first, second):
         await gate.until(lambda g=gate: replica_view(g)["fleet"]["replicas"] == 2)  # type: ignore[misc]
     running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))

@@ -9,7 +9,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -80,9 +80,24 @@ async def started(stack: AsyncExitStack, fleet: list[SharedAdmission]) -> list[S
     return fleet
 
 
-async def one_replica(stack: AsyncExitStack, valkey: Valkey, slots: int) -> SharedAdmission:
+#: Starts replicas as `replicas` makes them (`n`, 3 unless told; its options); each is closed
+#: as the test ends.
+Start = Callable[..., Awaitable[list[SharedAdmission]]]
+
+
+@pytest.fixture
+async def start_replicas(valkey: Valkey) -> AsyncIterator[Start]:
+    async with AsyncExitStack() as stack:
+
+        async def start(n: int = 3, **options: object) -> list[SharedAdmission]:
+            return await started(stack, replicas(valkey, n, **options))
+
+        yield start
+
+
+async def one_replica(start_replicas: Start, slots: int) -> SharedAdmission:
     """One replica started, upstream "a" of `slots` known to it."""
-    (admission,) = await started(stack, replicas(valkey, n=1))
+    (admission,) = await start_replicas(n=1)
     await admission.resize("a", slots)
     return admission
 
@@ -108,166 +123,159 @@ async def until(condition: object, timeout_s: float, step_s: float = 0.02) -> fl
 
 
 async def test_a_burst_across_three_replicas_keeps_every_bound_and_grants_in_arrival_order(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
     capacities = {"a": 2, "b": 1}
-    async with AsyncExitStack() as stack:
-        # A burst waits for connections outside the timeout, so it is not taken for a slow
-        # Redis (all three stay shared below); 10 s leaves room for a 2-core box loaded by
-        # other work (seen: three llama.cpp engines starting made a call pass 0.5 s, a CPU
-        # burner beside other test runs one pass 2 s).
-        # A TTL as long: only fleet[0] reports the upstreams' slots here, so a heartbeat late
-        # past the TTL (a starved loop) would give it up and leave the fleet with no capacity.
-        fleet = await started(stack, replicas(valkey, timeout_s=10.0, heartbeat_s=1.0, ttl_s=10.0))
-        for upstream, capacity in capacities.items():
-            await fleet[0].resize(upstream, capacity)
-        held: dict[str, int] = dict.fromkeys(capacities, 0)
-        peaks: dict[str, int] = dict.fromkeys(capacities, 0)
-        granted: list[SharedTicket] = []
-        answers = {"granted": 0, "full": 0}
-        samples = {"line": 0, "n": 0}
-        done = asyncio.Event()
+    # A burst waits for connections outside the timeout, so it is not taken for a slow
+    # Redis (all three stay shared below); 10 s leaves room for a 2-core box loaded by
+    # other work (seen: three llama.cpp engines starting made a call pass 0.5 s, a CPU
+    # burner beside other test runs one pass 2 s).
+    # A TTL as long: only fleet[0] reports the upstreams' slots here, so a heartbeat late
+    # past the TTL (a starved loop) would give it up and leave the fleet with no capacity.
+    fleet = await start_replicas(timeout_s=10.0, heartbeat_s=1.0, ttl_s=10.0)
+    for upstream, capacity in capacities.items():
+        await fleet[0].resize(upstream, capacity)
+    held: dict[str, int] = dict.fromkeys(capacities, 0)
+    peaks: dict[str, int] = dict.fromkeys(capacities, 0)
+    granted: list[SharedTicket] = []
+    answers = {"granted": 0, "full": 0}
+    samples = {"line": 0, "n": 0}
+    done = asyncio.Event()
 
-        async def watch() -> None:
-            while not done.is_set():
-                active, line, _ = await pool_state(redis_client)
-                for upstream, count in active.items():
-                    assert count <= capacities[upstream], active
-                samples["line"] = max(samples["line"], line)
-                samples["n"] += 1
-                await asyncio.sleep(0.001)
+    async def watch() -> None:
+        while not done.is_set():
+            active, line, _ = await pool_state(redis_client)
+            for upstream, count in active.items():
+                assert count <= capacities[upstream], active
+            samples["line"] = max(samples["line"], line)
+            samples["n"] += 1
+            await asyncio.sleep(0.001)
 
-        async def request(i: int) -> None:
-            admission = fleet[i % 3]
-            try:
-                ticket = await admission.enter(entry(), ranking=random.sample(list(capacities), 2))
-            except QueueFull:
-                answers["full"] += 1
-                return
-            async with ticket:
-                await ticket.wait()
-                assert ticket.upstream is not None
-                held[ticket.upstream] += 1
-                peaks[ticket.upstream] = max(peaks[ticket.upstream], held[ticket.upstream])
-                granted.append(ticket)
-                answers["granted"] += 1
-                await asyncio.sleep(random.uniform(0, 0.004))
-                held[ticket.upstream] -= 1
-
-        watcher = asyncio.create_task(watch())
+    async def request(i: int) -> None:
+        admission = fleet[i % 3]
         try:
-            await asyncio.gather(*(request(i) for i in range(1000)))
-        finally:
-            done.set()
-            await watcher
-        for admission in fleet:
-            await admission.settle()
-        assert all(a.mode is Mode.SHARED for a in fleet)
-        assert answers["granted"] + answers["full"] == 1000
-        assert answers["full"] > 0
-        assert samples["n"] > 0
-        assert samples["line"] <= 20
-        assert all(peaks[u] <= capacities[u] for u in capacities), peaks
-        # Every grant, free or handed over, in the order of arrival across the replicas.
-        by_grant = sorted(granted, key=lambda t: t.grant_no)
-        seqs = [t.seq for t in by_grant]
-        assert seqs == sorted(seqs)
-        assert len({t.grant_no for t in granted}) == len(granted)
-        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
+            ticket = await admission.enter(entry(), ranking=random.sample(list(capacities), 2))
+        except QueueFull:
+            answers["full"] += 1
+            return
+        async with ticket:
+            await ticket.wait()
+            assert ticket.upstream is not None
+            held[ticket.upstream] += 1
+            peaks[ticket.upstream] = max(peaks[ticket.upstream], held[ticket.upstream])
+            granted.append(ticket)
+            answers["granted"] += 1
+            await asyncio.sleep(random.uniform(0, 0.004))
+            held[ticket.upstream] -= 1
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*(request(i) for i in range(1000)))
+    finally:
+        done.set()
+        await watcher
+    for admission in fleet:
+        await admission.settle()
+    assert all(a.mode is Mode.SHARED for a in fleet)
+    assert answers["granted"] + answers["full"] == 1000
+    assert answers["full"] > 0
+    assert samples["n"] > 0
+    assert samples["line"] <= 20
+    assert all(peaks[u] <= capacities[u] for u in capacities), peaks
+    # Every grant, free or handed over, in the order of arrival across the replicas.
+    by_grant = sorted(granted, key=lambda t: t.grant_no)
+    seqs = [t.seq for t in by_grant]
+    assert seqs == sorted(seqs)
+    assert len({t.grant_no for t in granted}) == len(granted)
+    assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
 
 
 async def test_with_one_tenant_the_line_score_is_the_arrival_number(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey))
-        await fleet[0].resize("a", 1)
-        first = await fleet[0].enter(entry())
-        waiters = [await fleet[i % 3].enter(entry()) for i in range(1, 6)]
-        line = cast(
-            "list[tuple[bytes, float]]",
-            await redis_client.zrange(PREFIX + "line", 0, -1, withscores=True),
-        )
-        assert [(text(m), int(s)) for m, s in line] == [(t.member, t.seq) for t in waiters]
-        assert [t.seq for t in waiters] == list(range(2, 7))
-        # A higher band goes ahead of the whole line; a tag orders inside a band.
-        urgent = await fleet[1].enter(entry(band=1))
-        early = await fleet[2].enter(entry(band=0), tag=0.5)
-        members = [text(m) for m in await redis_client.zrange(PREFIX + "line", 0, -1)]
-        assert members[:2] == [urgent.member, early.member]
-        assert [t.position for t in waiters] == [1, 2, 3, 4, 5]
-        for ticket in [first, *waiters, urgent, early]:
-            await ticket.aclose()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    fleet = await start_replicas()
+    await fleet[0].resize("a", 1)
+    first = await fleet[0].enter(entry())
+    waiters = [await fleet[i % 3].enter(entry()) for i in range(1, 6)]
+    line = cast(
+        "list[tuple[bytes, float]]",
+        await redis_client.zrange(PREFIX + "line", 0, -1, withscores=True),
+    )
+    assert [(text(m), int(s)) for m, s in line] == [(t.member, t.seq) for t in waiters]
+    assert [t.seq for t in waiters] == list(range(2, 7))
+    # A higher band goes ahead of the whole line; a tag orders inside a band.
+    urgent = await fleet[1].enter(entry(band=1))
+    early = await fleet[2].enter(entry(band=0), tag=0.5)
+    members = [text(m) for m in await redis_client.zrange(PREFIX + "line", 0, -1)]
+    assert members[:2] == [urgent.member, early.member]
+    assert [t.position for t in waiters] == [1, 2, 3, 4, 5]
+    for ticket in [first, *waiters, urgent, early]:
+        await ticket.aclose()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
 async def test_a_release_hands_the_slot_to_the_head_only_on_its_own_replica(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey))
-        await fleet[0].resize("a", 2)
-        heavy_holder = await fleet[0].enter(entry())
-        other = await fleet[0].enter(entry())
-        heavy = await fleet[1].enter(entry(weight=2))  # the head: needs both slots
-        light = await fleet[2].enter(entry(weight=1))  # behind it; must not overtake
-        other.release()
-        await fleet[0].settle()
-        await asyncio.sleep(0.1)
-        assert not heavy.granted
-        assert not light.granted
-        heavy_holder.release()
-        await asyncio.wait_for(heavy.wait(), 2)
-        assert heavy.upstream == "a"
-        assert not light.granted
-        await heavy.aclose()
-        await asyncio.wait_for(light.wait(), 2)
-        await light.aclose()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    fleet = await start_replicas()
+    await fleet[0].resize("a", 2)
+    heavy_holder = await fleet[0].enter(entry())
+    other = await fleet[0].enter(entry())
+    heavy = await fleet[1].enter(entry(weight=2))  # the head: needs both slots
+    light = await fleet[2].enter(entry(weight=1))  # behind it; must not overtake
+    other.release()
+    await fleet[0].settle()
+    await asyncio.sleep(0.1)
+    assert not heavy.granted
+    assert not light.granted
+    heavy_holder.release()
+    await asyncio.wait_for(heavy.wait(), 2)
+    assert heavy.upstream == "a"
+    assert not light.granted
+    await heavy.aclose()
+    await asyncio.wait_for(light.wait(), 2)
+    await light.aclose()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
-async def test_affinity_holds_within_bounded_load_else_least_loaded(valkey: Valkey) -> None:
-    async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1, epsilon=0.0))
-        await admission.resize("a", 4)
-        await admission.resize("b", 4)
-        tickets = [await admission.enter(entry(), ranking=["a", "b"]) for _ in range(4)]
-        # With eps 0, "a" may take at most its share of the fleet's load: 1, 1, 2, 2.
-        assert [t.upstream for t in tickets] == ["a", "b", "a", "b"]
-        assert [t.reason for t in tickets] == ["affinity", "load", "affinity", "load"]
-        for ticket in tickets:
-            await ticket.aclose()
+async def test_affinity_holds_within_bounded_load_else_least_loaded(start_replicas: Start) -> None:
+    (admission,) = await start_replicas(n=1, epsilon=0.0)
+    await admission.resize("a", 4)
+    await admission.resize("b", 4)
+    tickets = [await admission.enter(entry(), ranking=["a", "b"]) for _ in range(4)]
+    # With eps 0, "a" may take at most its share of the fleet's load: 1, 1, 2, 2.
+    assert [t.upstream for t in tickets] == ["a", "b", "a", "b"]
+    assert [t.reason for t in tickets] == ["affinity", "load", "affinity", "load"]
+    for ticket in tickets:
+        await ticket.aclose()
 
 
 async def test_a_waiter_that_leaves_gives_its_place_and_any_grant_back(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(
-            stack, replicas(valkey, policy=QueuePolicy(max_queue=0), timeout_s=2.0)
-        )
-        await fleet[0].resize("a", 3)
-        exits = {"waiting": 0, "granted": 0}
+    fleet = await start_replicas(policy=QueuePolicy(max_queue=0), timeout_s=2.0)
+    await fleet[0].resize("a", 3)
+    exits = {"waiting": 0, "granted": 0}
 
-        async def request(i: int) -> None:
-            ticket = await fleet[i % 3].enter(entry())
-            task = asyncio.create_task(ticket.wait())
-            # Leave at a random moment: in line, just as the grant is published, or after it.
-            await asyncio.sleep(random.uniform(0, 0.02))
-            exits["granted" if ticket.granted else "waiting"] += 1
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            ticket.release()
+    async def request(i: int) -> None:
+        ticket = await fleet[i % 3].enter(entry())
+        task = asyncio.create_task(ticket.wait())
+        # Leave at a random moment: in line, just as the grant is published, or after it.
+        await asyncio.sleep(random.uniform(0, 0.02))
+        exits["granted" if ticket.granted else "waiting"] += 1
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ticket.release()
 
-        await asyncio.gather(*(request(i) for i in range(300)))
-        for admission in fleet:
-            await admission.settle()
-        assert exits["waiting"] > 0
-        assert exits["granted"] > 0
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
-        for replica in ("r0", "r1", "r2"):
-            assert await redis_client.hlen(f"{PREFIX}r:{replica}") == 0
+    await asyncio.gather(*(request(i) for i in range(300)))
+    for admission in fleet:
+        await admission.settle()
+    assert exits["waiting"] > 0
+    assert exits["granted"] > 0
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    for replica in ("r0", "r1", "r2"):
+        assert await redis_client.hlen(f"{PREFIX}r:{replica}") == 0
 
 
 KILLED_REPLICA = """
@@ -329,60 +337,55 @@ async def kill_a_replica_holding_grants_and_waiters(
 # Slow: it waits out a real TTL and the kept grants after it (scripts/check runs it).
 @pytest.mark.slow
 async def test_a_killed_replicas_places_come_back_within_its_ttl_and_its_slots_once_kept(
-    valkey: Valkey, redis_client: aioredis.Redis
+    valkey: Valkey, start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        (survivor,) = await started(stack, replicas(valkey, n=1))
-        await kill_a_replica_holding_grants_and_waiters(
-            valkey.url, survivor, redis_client, "doomed"
-        )
+    (survivor,) = await start_replicas(n=1)
+    await kill_a_replica_holding_grants_and_waiters(valkey.url, survivor, redis_client, "doomed")
 
 
 @pytest.mark.slow
 async def test_fifty_replicas_killed_in_a_row_leak_nothing(
-    valkey: Valkey, redis_client: aioredis.Redis
+    valkey: Valkey, start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        (survivor,) = await started(stack, replicas(valkey, n=1))
-        times = [
-            await kill_a_replica_holding_grants_and_waiters(
-                valkey.url, survivor, redis_client, f"doomed{i}"
-            )
-            for i in range(50)
-        ]
-        # The figure for the notes: -o log_cli=true --log-cli-level=INFO shows it.
-        logging.getLogger(__name__).info(
-            "slots reissued after kill -9: max %.2f s, mean %.2f s", max(times), sum(times) / 50
+    (survivor,) = await start_replicas(n=1)
+    times = [
+        await kill_a_replica_holding_grants_and_waiters(
+            valkey.url, survivor, redis_client, f"doomed{i}"
         )
+        for i in range(50)
+    ]
+    # The figure for the notes: -o log_cli=true --log-cli-level=INFO shows it.
+    logging.getLogger(__name__).info(
+        "slots reissued after kill -9: max %.2f s, mean %.2f s", max(times), sum(times) / 50
+    )
 
 
 async def test_a_replica_given_up_and_back_reregisters_what_it_holds_and_nothing_goes_negative(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        # Its grants kept 0.5 s past its TTL, then given up too.
-        slow, fast = await started(stack, replicas(valkey, n=2, kept_s=0.5))
-        await slow.resize("a", 2)
-        held = await slow.enter(entry())
-        waiting = [await slow.enter(entry()), await slow.enter(entry()), await slow.enter(entry())]
-        # Silence the slow replica's heartbeat past its TTL: the other gives it up.
-        assert slow._keeper is not None
-        slow._keeper.cancel()
-        await until(lambda: _gone(redis_client, "r0"), 3)
-        assert await redis_client.hlen(PREFIX + "r:r0") == 0
-        # Its place went to the head, which was its own: gone with it. Back now:
-        slow._keeper = asyncio.create_task(slow._link.keep())
-        await until(lambda: _back(redis_client, "r0"), 3)
-        active, line, _ = await pool_state(redis_client)
-        assert active["a"] == sum(t.weight for t in [held, *waiting] if t.granted)
-        assert line == sum(1 for t in waiting if not t.granted)
-        held.release()
-        for ticket in waiting:
-            await asyncio.wait_for(ticket.wait(), 2)
-            await ticket.aclose()
-        await slow.settle()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
-        assert fast.mode is Mode.SHARED
+    # Its grants kept 0.5 s past its TTL, then given up too.
+    slow, fast = await start_replicas(n=2, kept_s=0.5)
+    await slow.resize("a", 2)
+    held = await slow.enter(entry())
+    waiting = [await slow.enter(entry()), await slow.enter(entry()), await slow.enter(entry())]
+    # Silence the slow replica's heartbeat past its TTL: the other gives it up.
+    assert slow._keeper is not None
+    slow._keeper.cancel()
+    await until(lambda: _gone(redis_client, "r0"), 3)
+    assert await redis_client.hlen(PREFIX + "r:r0") == 0
+    # Its place went to the head, which was its own: gone with it. Back now:
+    slow._keeper = asyncio.create_task(slow._link.keep())
+    await until(lambda: _back(redis_client, "r0"), 3)
+    active, line, _ = await pool_state(redis_client)
+    assert active["a"] == sum(t.weight for t in [held, *waiting] if t.granted)
+    assert line == sum(1 for t in waiting if not t.granted)
+    held.release()
+    for ticket in waiting:
+        await asyncio.wait_for(ticket.wait(), 2)
+        await ticket.aclose()
+    await slow.settle()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    assert fast.mode is Mode.SHARED
 
 
 async def _gone(client: aioredis.Redis, replica: str) -> bool:
@@ -489,81 +492,82 @@ async def test_redis_away_under_load_answers_every_request_and_shared_mode_comes
             await fresh.aclose()
 
 
-async def test_reject_mode_answers_503_while_redis_is_away(valkey: Valkey) -> None:
-    async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1, failure_mode="reject"))
-        await admission.resize("a", 1)
-        holder = await admission.enter(entry())
-        waiter = await admission.enter(entry())
-        valkey.kill()
-        with pytest.raises(NotReady):
-            await asyncio.wait_for(waiter.wait(), 3)
-        with pytest.raises(NotReady):
-            await admission.enter(entry())
-        holder.release()
+async def test_reject_mode_answers_503_while_redis_is_away(
+    valkey: Valkey, start_replicas: Start
+) -> None:
+    (admission,) = await start_replicas(n=1, failure_mode="reject")
+    await admission.resize("a", 1)
+    holder = await admission.enter(entry())
+    waiter = await admission.enter(entry())
+    valkey.kill()
+    with pytest.raises(NotReady):
+        await asyncio.wait_for(waiter.wait(), 3)
+    with pytest.raises(NotReady):
+        await admission.enter(entry())
+    holder.release()
+    assert admission.mode is Mode.DEGRADED
+
+
+async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(
+    valkey: Valkey, start_replicas: Start
+) -> None:
+    fleet = await start_replicas()
+    for admission in fleet:
+        await admission.resize("a", 6)
+    await until(lambda: all(a.snapshot().fleet.replicas == 3 for a in fleet), 3)
+    valkey.kill()
+    for admission in fleet:
+        first, second = await admission.enter(entry()), await admission.enter(entry())
+        third = await admission.enter(entry())
         assert admission.mode is Mode.DEGRADED
-
-
-async def test_degraded_replicas_each_gate_on_their_share_of_the_slots(valkey: Valkey) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey))
-        for admission in fleet:
-            await admission.resize("a", 6)
-        await until(lambda: all(a.snapshot().fleet.replicas == 3 for a in fleet), 3)
-        valkey.kill()
-        for admission in fleet:
-            first, second = await admission.enter(entry()), await admission.enter(entry())
-            third = await admission.enter(entry())
-            assert admission.mode is Mode.DEGRADED
-            assert (first.granted, second.granted, third.granted) == (True, True, False)
-            first.release()
-            await asyncio.wait_for(third.wait(), 1)
-            assert admission.snapshot().active == 2
-            second.release()
-            third.release()
+        assert (first.granted, second.granted, third.granted) == (True, True, False)
+        first.release()
+        await asyncio.wait_for(third.wait(), 1)
+        assert admission.snapshot().active == 2
+        second.release()
+        third.release()
 
 
 async def test_what_a_replica_runs_when_it_falls_back_counts_against_its_tenants_limits(
     valkey: Valkey,
+    start_replicas: Start,
 ) -> None:
-    async with AsyncExitStack() as stack:
-        admission = await one_replica(stack, valkey, 3)
-        running = await admission.enter(entry(tenant="t", max_active=1))
-        waiting = await admission.enter(entry(tenant="t", max_active=1))
-        assert running.granted
-        assert not waiting.granted
-        valkey.kill()
-        other = await admission.enter(entry(tenant="u"))
-        assert admission.mode is Mode.DEGRADED
-        assert other.granted
-        await asyncio.sleep(0.05)  # a grant to the waiter would have reached it by now
-        assert not waiting.granted  # a slot is free, but its tenant runs its one
-        running.release()
-        await asyncio.wait_for(waiting.wait(), 2)
-        assert (waiting.upstream, admission.snapshot().active) == ("a", 2)
-        for ticket in (waiting, other):
-            ticket.release()
+    admission = await one_replica(start_replicas, 3)
+    running = await admission.enter(entry(tenant="t", max_active=1))
+    waiting = await admission.enter(entry(tenant="t", max_active=1))
+    assert running.granted
+    assert not waiting.granted
+    valkey.kill()
+    other = await admission.enter(entry(tenant="u"))
+    assert admission.mode is Mode.DEGRADED
+    assert other.granted
+    await asyncio.sleep(0.05)  # a grant to the waiter would have reached it by now
+    assert not waiting.granted  # a slot is free, but its tenant runs its one
+    running.release()
+    await asyncio.wait_for(waiting.wait(), 2)
+    assert (waiting.upstream, admission.snapshot().active) == ("a", 2)
+    for ticket in (waiting, other):
+        ticket.release()
 
 
 async def test_a_waiter_of_a_replica_gating_alone_waits_in_the_shared_line_once_redis_is_back(
-    valkey: Valkey, redis_client: aioredis.Redis
+    valkey: Valkey, start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        admission = await one_replica(stack, valkey, 1)
-        valkey.kill()
-        holder = await admission.enter(entry(tenant="t"))
-        assert admission.mode is Mode.DEGRADED
-        waiter = await admission.enter(entry(tenant="u", band=BATCH))
-        assert holder.granted
-        assert not waiter.granted
-        valkey.start()
-        await until(lambda: admission.snapshot().mode is Mode.SHARED, 5)
-        assert not waiter.granted  # the replica's own core grants nobody once shared
-        assert (await pool_state(redis_client))[:2] == ({"a": 1}, 1)
-        holder.release()
-        await asyncio.wait_for(waiter.wait(), 2)
-        await waiter.aclose()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    admission = await one_replica(start_replicas, 1)
+    valkey.kill()
+    holder = await admission.enter(entry(tenant="t"))
+    assert admission.mode is Mode.DEGRADED
+    waiter = await admission.enter(entry(tenant="u", band=BATCH))
+    assert holder.granted
+    assert not waiter.granted
+    valkey.start()
+    await until(lambda: admission.snapshot().mode is Mode.SHARED, 5)
+    assert not waiter.granted  # the replica's own core grants nobody once shared
+    assert (await pool_state(redis_client))[:2] == ({"a": 1}, 1)
+    holder.release()
+    await asyncio.wait_for(waiter.wait(), 2)
+    await waiter.aclose()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
 def fits(pool: FakePool, weight: int) -> bool:
@@ -579,98 +583,89 @@ class FakePool:
 
 
 async def test_the_scripts_upstream_is_the_one_routing_chooses_keyed_or_drawn_evenly_without(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
     rng = random.Random(20)
-    async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1))
-        drawn = 0
-        for case in range(300):
-            epsilon = rng.choice([0.0, 0.25, 1.0])
-            admission._epsilon = epsilon
-            pools = [
-                FakePool(f"u{i}", stable_hash(f"u{i}"), rng.randint(1, 4), 0)
-                for i in range(rng.randint(1, 4))
-            ]
-            for pool in pools:
-                assert pool.capacity is not None
-                pool.active = rng.randint(0, pool.capacity)
-            weight = rng.randint(1, 2)
-            key = rng.getrandbits(64) if rng.random() < 0.7 else None
-            await redis_client.delete(PREFIX + "pools", PREFIX + "active")
-            await redis_client.hset(
-                PREFIX + "pools", mapping={p.name: p.capacity or 0 for p in pools}
-            )
-            await redis_client.hset(PREFIX + "active", mapping={p.name: p.active for p in pools})
-            ranking = (
-                []
-                if key is None
-                else [p.name for p in sorted(pools, key=lambda p: score(key, p.salt), reverse=True)]
-            )
-            # The draw hashes the fleet-wide arrival number, the one this ENTER takes.
-            spread = int(await redis_client.get(PREFIX + "seq") or 0) + 1
-            expected = choose(
-                pools, weight, partial(fits, weight=weight), key, epsilon, spread=spread
-            )
-            if weight > max(p.capacity or 0 for p in pools):
-                continue
-            try:
-                ticket = await admission.enter(entry(weight=weight), ranking=ranking)
-            except QueueFull:
-                ticket = None
-            if expected is None:
-                assert ticket is None or not ticket.granted, case
-            else:
-                assert ticket is not None, case
-                reason = "affinity" if expected[1] else "load"
-                assert (ticket.upstream, ticket.reason) == (expected[0].name, reason), case
-                drawn += key is None or not expected[1]
-            if ticket is not None:
-                await ticket.aclose()
-        assert drawn > 50
+    (admission,) = await start_replicas(n=1)
+    drawn = 0
+    for case in range(300):
+        epsilon = rng.choice([0.0, 0.25, 1.0])
+        admission._epsilon = epsilon
+        pools = [
+            FakePool(f"u{i}", stable_hash(f"u{i}"), rng.randint(1, 4), 0)
+            for i in range(rng.randint(1, 4))
+        ]
+        for pool in pools:
+            assert pool.capacity is not None
+            pool.active = rng.randint(0, pool.capacity)
+        weight = rng.randint(1, 2)
+        key = rng.getrandbits(64) if rng.random() < 0.7 else None
+        await redis_client.delete(PREFIX + "pools", PREFIX + "active")
+        await redis_client.hset(PREFIX + "pools", mapping={p.name: p.capacity or 0 for p in pools})
+        await redis_client.hset(PREFIX + "active", mapping={p.name: p.active for p in pools})
+        ranking = (
+            []
+            if key is None
+            else [p.name for p in sorted(pools, key=lambda p: score(key, p.salt), reverse=True)]
+        )
+        # The draw hashes the fleet-wide arrival number, the one this ENTER takes.
+        spread = int(await redis_client.get(PREFIX + "seq") or 0) + 1
+        expected = choose(pools, weight, partial(fits, weight=weight), key, epsilon, spread=spread)
+        if weight > max(p.capacity or 0 for p in pools):
+            continue
+        try:
+            ticket = await admission.enter(entry(weight=weight), ranking=ranking)
+        except QueueFull:
+            ticket = None
+        if expected is None:
+            assert ticket is None or not ticket.granted, case
+        else:
+            assert ticket is not None, case
+            reason = "affinity" if expected[1] else "load"
+            assert (ticket.upstream, ticket.reason) == (expected[0].name, reason), case
+            drawn += key is None or not expected[1]
+        if ticket is not None:
+            await ticket.aclose()
+    assert drawn > 50
 
 
 async def test_waiting_requests_cost_redis_nothing_while_they_wait(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        (admission,) = await started(
-            stack, replicas(valkey, n=1, policy=QueuePolicy(max_queue=0), heartbeat_s=0.2)
-        )
-        await admission.resize("a", 1)
-        held = await admission.enter(entry())
-        waiters = [await admission.enter(entry()) for _ in range(50)]
-        waiting = [asyncio.create_task(t.wait()) for t in waiters]
-        await redis_client.config_resetstat()
-        await asyncio.sleep(1.0)
-        stats = await redis_client.info("commandstats")
-        # Heartbeats only (about five in a second), not one call per waiter.
-        assert stats["cmdstat_fcall"]["calls"] <= 10
-        assert "cmdstat_publish" not in stats
-        held.release()
-        for ticket, task in zip(waiters, waiting, strict=True):
-            await asyncio.wait_for(task, 10)
-            ticket.release()
+    (admission,) = await start_replicas(n=1, policy=QueuePolicy(max_queue=0), heartbeat_s=0.2)
+    await admission.resize("a", 1)
+    held = await admission.enter(entry())
+    waiters = [await admission.enter(entry()) for _ in range(50)]
+    waiting = [asyncio.create_task(t.wait()) for t in waiters]
+    await redis_client.config_resetstat()
+    await asyncio.sleep(1.0)
+    stats = await redis_client.info("commandstats")
+    # Heartbeats only (about five in a second), not one call per waiter.
+    assert stats["cmdstat_fcall"]["calls"] <= 10
+    assert "cmdstat_publish" not in stats
+    held.release()
+    for ticket, task in zip(waiters, waiting, strict=True):
+        await asyncio.wait_for(task, 10)
+        ticket.release()
 
 
 async def test_a_replica_that_closes_hands_back_everything_at_once(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        leaving, staying = await started(stack, replicas(valkey, n=2))
-        await leaving.resize("a", 2)
-        await leaving.enter(entry())
-        await leaving.enter(entry())
-        gone = [await leaving.enter(entry()), await leaving.enter(entry())]
-        waiter = await staying.enter(entry())
-        await leaving.close()
-        for ticket in gone:
-            with pytest.raises(ShuttingDown):
-                await ticket.wait()
-        await asyncio.wait_for(waiter.wait(), 1)
-        assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
-        assert not await redis_client.keys(PREFIX + "*r0*")
-        await waiter.aclose()
+    leaving, staying = await start_replicas(n=2)
+    await leaving.resize("a", 2)
+    await leaving.enter(entry())
+    await leaving.enter(entry())
+    gone = [await leaving.enter(entry()), await leaving.enter(entry())]
+    waiter = await staying.enter(entry())
+    await leaving.close()
+    for ticket in gone:
+        with pytest.raises(ShuttingDown):
+            await ticket.wait()
+    await asyncio.wait_for(waiter.wait(), 1)
+    assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
+    assert not await redis_client.keys(PREFIX + "*r0*")
+    await waiter.aclose()
 
 
 async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellation_for_an_error(
@@ -723,32 +718,31 @@ async def test_a_replica_closes_in_bounded_time_when_redis_takes_its_cancellatio
 
 
 async def test_a_rerouted_grant_waits_again_at_the_head_for_whichever_upstream_frees_first(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        first, second = await started(stack, replicas(valkey, n=2))
-        await first.resize("a", 1)
-        await first.resize("b", 1)
-        refused = await first.enter(entry(), ranking=["a"])
-        other = await first.enter(entry(), ranking=["b"])
-        behind = await second.enter(entry())
-        assert (refused.upstream, other.upstream, behind.granted) == ("a", "b", False)
-        # "a" refused the request and is down: the request goes back ahead of `behind`.
-        await first.resize("a", None)
-        refused.reroute()
-        await first.settle()
-        assert not refused.granted
-        assert await pool_state(redis_client) == ({"b": 1}, 2, 2)
-        other.release()
-        await asyncio.wait_for(refused.wait(), 2)
-        assert refused.upstream == "b"
-        assert not behind.granted
-        await first.resize("a", 1)
-        await asyncio.wait_for(behind.wait(), 2)
-        assert behind.upstream == "a"
-        for ticket in (refused, behind):
-            await ticket.aclose()
-        assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
+    first, second = await start_replicas(n=2)
+    await first.resize("a", 1)
+    await first.resize("b", 1)
+    refused = await first.enter(entry(), ranking=["a"])
+    other = await first.enter(entry(), ranking=["b"])
+    behind = await second.enter(entry())
+    assert (refused.upstream, other.upstream, behind.granted) == ("a", "b", False)
+    # "a" refused the request and is down: the request goes back ahead of `behind`.
+    await first.resize("a", None)
+    refused.reroute()
+    await first.settle()
+    assert not refused.granted
+    assert await pool_state(redis_client) == ({"b": 1}, 2, 2)
+    other.release()
+    await asyncio.wait_for(refused.wait(), 2)
+    assert refused.upstream == "b"
+    assert not behind.granted
+    await first.resize("a", 1)
+    await asyncio.wait_for(behind.wait(), 2)
+    assert behind.upstream == "a"
+    for ticket in (refused, behind):
+        await ticket.aclose()
+    assert await pool_state(redis_client) == ({"a": 0, "b": 0}, 0, 0)
 
 
 # -- fair order, budgets and tenant limits inside the shared line ------------------------------
@@ -785,217 +779,205 @@ async def flood_by_tenant(
 
 
 async def test_two_tenants_flooding_three_replicas_share_the_slots_three_to_one(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        # Shared all along (no fallback), however loaded the machine.
-        fleet = await started(
-            stack, replicas(valkey, policy=QueuePolicy(max_queue=0), timeout_s=10.0)
-        )
-        await fleet[0].resize("a", 3)
-        granted, held = await flood_by_tenant(
-            fleet, {"big": (3.0, 0.01), "small": (1.0, 0.01)}, clients=9, grants=400
-        )
-        # Under FIFO, as many clients each would get as many grants (1:1).
-        assert 2.85 < granted["big"] / granted["small"] < 3.15, granted
-        assert 2.7 < held["big"] / held["small"] < 3.3, held
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    # Shared all along (no fallback), however loaded the machine.
+    fleet = await start_replicas(policy=QueuePolicy(max_queue=0), timeout_s=10.0)
+    await fleet[0].resize("a", 3)
+    granted, held = await flood_by_tenant(
+        fleet, {"big": (3.0, 0.01), "small": (1.0, 0.01)}, clients=9, grants=400
+    )
+    # Under FIFO, as many clients each would get as many grants (1:1).
+    assert 2.85 < granted["big"] / granted["small"] < 3.15, granted
+    assert 2.7 < held["big"] / held["small"] < 3.3, held
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
 async def test_a_tenant_pays_for_the_slot_time_it_held_not_for_the_grants(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, policy=QueuePolicy(max_queue=0)))
-        await fleet[0].resize("a", 2)
-        # Equal shares; "long" holds its slots three times as long as "short".
-        granted, held = await flood_by_tenant(
-            fleet, {"long": (1.0, 0.03), "short": (1.0, 0.01)}, clients=6, grants=300
-        )
-        assert 0.9 < held["long"] / held["short"] < 1.1, held
-        assert granted["short"] > 2 * granted["long"], granted
+    fleet = await start_replicas(policy=QueuePolicy(max_queue=0))
+    await fleet[0].resize("a", 2)
+    # Equal shares; "long" holds its slots three times as long as "short".
+    granted, held = await flood_by_tenant(
+        fleet, {"long": (1.0, 0.03), "short": (1.0, 0.01)}, clients=6, grants=300
+    )
+    assert 0.9 < held["long"] / held["short"] < 1.1, held
+    assert granted["short"] > 2 * granted["long"], granted
 
 
 async def test_an_interactive_tenant_behind_a_flood_of_another_is_served_at_the_next_release(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, policy=QueuePolicy(max_queue=0)))
-        await fleet[0].resize("a", 2)
-        holding = [await fleet[0].enter(entry(tenant="flood")) for _ in range(2)]
-        flood = [await fleet[i % 2].enter(entry(tenant="flood")) for i in range(200)]
-        assert not any(t.granted for t in flood)
-        chat = await fleet[2].enter(entry(tenant="chat"))
-        assert not chat.granted
-        assert chat.position == 1
-        holding[0].release()
-        await asyncio.wait_for(chat.wait(), 2)
-        assert not any(t.granted for t in flood)
-        # Inside the flooding tenant, first come first served.
-        for ticket in [holding[1], chat, *flood]:
-            await ticket.aclose()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    fleet = await start_replicas(policy=QueuePolicy(max_queue=0))
+    await fleet[0].resize("a", 2)
+    holding = [await fleet[0].enter(entry(tenant="flood")) for _ in range(2)]
+    flood = [await fleet[i % 2].enter(entry(tenant="flood")) for i in range(200)]
+    assert not any(t.granted for t in flood)
+    chat = await fleet[2].enter(entry(tenant="chat"))
+    assert not chat.granted
+    assert chat.position == 1
+    holding[0].release()
+    await asyncio.wait_for(chat.wait(), 2)
+    assert not any(t.granted for t in flood)
+    # Inside the flooding tenant, first come first served.
+    for ticket in [holding[1], chat, *flood]:
+        await ticket.aclose()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
 async def test_without_tenants_a_late_request_waits_behind_the_whole_line(
-    valkey: Valkey,
+    start_replicas: Start,
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, n=2, policy=QueuePolicy(max_queue=0)))
-        await fleet[0].resize("a", 1)
-        holding = await fleet[0].enter(entry())
-        line = [await fleet[0].enter(entry()) for _ in range(5)]
-        late = await fleet[1].enter(entry())
-        assert late.position == 6
-        holding.release()
-        await asyncio.wait_for(line[0].wait(), 2)
-        assert not late.granted
-        for ticket in [*line, late]:
-            await ticket.aclose()
+    fleet = await start_replicas(n=2, policy=QueuePolicy(max_queue=0))
+    await fleet[0].resize("a", 1)
+    holding = await fleet[0].enter(entry())
+    line = [await fleet[0].enter(entry()) for _ in range(5)]
+    late = await fleet[1].enter(entry())
+    assert late.position == 6
+    holding.release()
+    await asyncio.wait_for(line[0].wait(), 2)
+    assert not late.granted
+    for ticket in [*line, late]:
+        await ticket.aclose()
 
 
-async def test_a_lower_band_waits_while_a_higher_band_has_waiters(valkey: Valkey) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey))
-        await fleet[0].resize("a", 1)
-        holding = await fleet[0].enter(entry(tenant="team", band=0))
-        batch = [await fleet[i % 3].enter(entry(tenant="team", band=0)) for i in range(3)]
-        chat = [await fleet[i % 3].enter(entry(tenant="chat", band=1)) for i in range(3)]
-        order: list[SharedTicket] = []
-        current = holding
-        for _ in range(6):
-            current.release()
-            waiting = [t for t in batch + chat if t not in order]
-            await until(lambda: any(t.granted for t in waiting), 2)  # noqa: B023
-            (current,) = [t for t in waiting if t.granted]
-            order.append(current)
-        assert order == chat + batch
-        await current.aclose()
+async def test_a_lower_band_waits_while_a_higher_band_has_waiters(start_replicas: Start) -> None:
+    fleet = await start_replicas()
+    await fleet[0].resize("a", 1)
+    holding = await fleet[0].enter(entry(tenant="team", band=0))
+    batch = [await fleet[i % 3].enter(entry(tenant="team", band=0)) for i in range(3)]
+    chat = [await fleet[i % 3].enter(entry(tenant="chat", band=1)) for i in range(3)]
+    order: list[SharedTicket] = []
+    current = holding
+    for _ in range(6):
+        current.release()
+        waiting = [t for t in batch + chat if t not in order]
+        await until(lambda: any(t.granted for t in waiting), 2)  # noqa: B023
+        (current,) = [t for t in waiting if t.granted]
+        order.append(current)
+    assert order == chat + batch
+    await current.aclose()
 
 
 async def test_a_tenant_at_its_max_queued_is_refused_while_others_still_get_in(
-    valkey: Valkey,
+    start_replicas: Start,
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, n=2))
-        await fleet[0].resize("a", 1)
-        holding = await fleet[0].enter(entry(tenant="other"))
-        mine = [await fleet[i].enter(entry(tenant="t", max_queued=2)) for i in range(2)]
-        with pytest.raises(TenantQueueFull) as refused:
-            await fleet[1].enter(entry(tenant="t", max_queued=2))
-        tenant = refused.value.snapshot.tenant
-        assert tenant is not None
-        assert (tenant.name, tenant.queued, tenant.active) == ("t", 2, 0)
-        assert refused.value.retry_after_s >= 1
-        other = await fleet[1].enter(entry(tenant="other", max_queued=2))
-        assert not other.granted
-        mine[0].release()
-        await fleet[0].settle()
-        again = await fleet[1].enter(entry(tenant="t", max_queued=2))
-        for ticket in [holding, mine[1], other, again]:
-            await ticket.aclose()
+    fleet = await start_replicas(n=2)
+    await fleet[0].resize("a", 1)
+    holding = await fleet[0].enter(entry(tenant="other"))
+    mine = [await fleet[i].enter(entry(tenant="t", max_queued=2)) for i in range(2)]
+    with pytest.raises(TenantQueueFull) as refused:
+        await fleet[1].enter(entry(tenant="t", max_queued=2))
+    tenant = refused.value.snapshot.tenant
+    assert tenant is not None
+    assert (tenant.name, tenant.queued, tenant.active) == ("t", 2, 0)
+    assert refused.value.retry_after_s >= 1
+    other = await fleet[1].enter(entry(tenant="other", max_queued=2))
+    assert not other.granted
+    mine[0].release()
+    await fleet[0].settle()
+    again = await fleet[1].enter(entry(tenant="t", max_queued=2))
+    for ticket in [holding, mine[1], other, again]:
+        await ticket.aclose()
 
 
 async def test_a_tenant_at_its_max_active_is_passed_over_and_no_slot_stays_idle(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        fleet = await started(stack, replicas(valkey, n=2))
-        await fleet[0].resize("a", 3)
-        first = await fleet[0].enter(entry(tenant="greedy", max_active=1))
-        second = await fleet[1].enter(entry(tenant="greedy", max_active=1))
-        assert first.granted
-        assert not second.granted  # two slots free, but its tenant holds its one
-        others = [await fleet[i % 2].enter(entry(tenant="other")) for i in range(3)]
-        assert [t.granted for t in others] == [True, True, False]
-        first.release()
-        await asyncio.wait_for(second.wait(), 2)
-        assert not others[2].granted
-        others[0].release()
-        await asyncio.wait_for(others[2].wait(), 2)
-        for ticket in [second, *others[1:]]:
-            await ticket.aclose()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
-        assert await redis_client.hlen(PREFIX + "tactive") == 0
-        assert await redis_client.hlen(PREFIX + "tqueued") == 0
+    fleet = await start_replicas(n=2)
+    await fleet[0].resize("a", 3)
+    first = await fleet[0].enter(entry(tenant="greedy", max_active=1))
+    second = await fleet[1].enter(entry(tenant="greedy", max_active=1))
+    assert first.granted
+    assert not second.granted  # two slots free, but its tenant holds its one
+    others = [await fleet[i % 2].enter(entry(tenant="other")) for i in range(3)]
+    assert [t.granted for t in others] == [True, True, False]
+    first.release()
+    await asyncio.wait_for(second.wait(), 2)
+    assert not others[2].granted
+    others[0].release()
+    await asyncio.wait_for(others[2].wait(), 2)
+    for ticket in [second, *others[1:]]:
+        await ticket.aclose()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    assert await redis_client.hlen(PREFIX + "tactive") == 0
+    assert await redis_client.hlen(PREFIX + "tqueued") == 0
 
 
 async def test_a_tenants_max_active_counts_every_slot_of_a_request_even_when_it_holds_none(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        first, second = await started(stack, replicas(valkey, n=2))
-        await first.resize("a", 4)
-        with pytest.raises(TooLarge):
-            await first.enter(entry(weight=3, tenant="t", max_active=2))
-        # Redis refuses it too, whoever asks (a replica's own check aside).
-        reply = await redis_client.fcall(
-            shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, *shared_lua.POLICY,
-            "r1", "x.1", 3, 0, "", 1.0, 0, "", -1, -1, -1, "t", "1.0", 2, -1, 0,
-        )  # fmt: skip
-        assert reply[0] == b"large"
-        held = await first.enter(entry(weight=2, tenant="t", max_active=2))
-        assert held.granted
-        held.release()
-        await first.settle()
-        # A waiter whose max_active is lowered under its weight by a reload is refused.
-        blocker = await first.enter(entry(weight=4))
-        waiting = await second.enter(entry(weight=2, tenant="t", max_active=2))
-        await second.retune("t", 1.0, 1)
-        await blocker.aclose()
-        with pytest.raises(TooLarge):
-            await asyncio.wait_for(waiting.wait(), 2)
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    first, second = await start_replicas(n=2)
+    await first.resize("a", 4)
+    with pytest.raises(TooLarge):
+        await first.enter(entry(weight=3, tenant="t", max_active=2))
+    # Redis refuses it too, whoever asks (a replica's own check aside).
+    reply = await redis_client.fcall(
+        shared_lua.FUNCTIONS["ENTER"], 1, PREFIX, *shared_lua.POLICY,
+        "r1", "x.1", 3, 0, "", 1.0, 0, "", -1, -1, -1, "t", "1.0", 2, -1, 0,
+    )  # fmt: skip
+    assert reply[0] == b"large"
+    held = await first.enter(entry(weight=2, tenant="t", max_active=2))
+    assert held.granted
+    held.release()
+    await first.settle()
+    # A waiter whose max_active is lowered under its weight by a reload is refused.
+    blocker = await first.enter(entry(weight=4))
+    waiting = await second.enter(entry(weight=2, tenant="t", max_active=2))
+    await second.retune("t", 1.0, 1)
+    await blocker.aclose()
+    with pytest.raises(TooLarge):
+        await asyncio.wait_for(waiting.wait(), 2)
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
 
 
 async def test_an_upstreams_token_budget_binds_and_its_tokens_come_back(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        first, second = await started(stack, replicas(valkey, n=2))
-        await first.resize("a", 4, budget=100)
-        big = await first.enter(entry(cost=60))
-        over = await second.enter(entry(cost=60))  # two slots free, but 60 + 60 > 100 tokens
-        small = await second.enter(entry(cost=10))  # fits, but does not overtake the head
-        assert big.granted
-        assert not over.granted
-        assert not small.granted
-        assert await redis_client.hget(PREFIX + "tokens", "a") == b"60"
-        big.release()
-        await asyncio.wait_for(over.wait(), 2)
-        await asyncio.wait_for(small.wait(), 2)
-        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
-        # A cost above the budget is cut to it: it runs once nothing else holds tokens.
-        huge = await first.enter(entry(cost=500))
-        assert not huge.granted
-        for ticket in (over, small):
-            await ticket.aclose()
-        await asyncio.wait_for(huge.wait(), 2)
-        assert await redis_client.hget(PREFIX + "tokens", "a") == b"100"
-        await huge.aclose()
-        assert await redis_client.hlen(PREFIX + "tokens") == 0
-        # Without a budget the tokens do not bind.
-        await first.resize("a", 4)
-        both = [await first.enter(entry(cost=500)), await second.enter(entry(cost=500))]
-        assert all(t.granted for t in both)
-        for ticket in both:
-            await ticket.aclose()
+    first, second = await start_replicas(n=2)
+    await first.resize("a", 4, budget=100)
+    big = await first.enter(entry(cost=60))
+    over = await second.enter(entry(cost=60))  # two slots free, but 60 + 60 > 100 tokens
+    small = await second.enter(entry(cost=10))  # fits, but does not overtake the head
+    assert big.granted
+    assert not over.granted
+    assert not small.granted
+    assert await redis_client.hget(PREFIX + "tokens", "a") == b"60"
+    big.release()
+    await asyncio.wait_for(over.wait(), 2)
+    await asyncio.wait_for(small.wait(), 2)
+    assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+    # A cost above the budget is cut to it: it runs once nothing else holds tokens.
+    huge = await first.enter(entry(cost=500))
+    assert not huge.granted
+    for ticket in (over, small):
+        await ticket.aclose()
+    await asyncio.wait_for(huge.wait(), 2)
+    assert await redis_client.hget(PREFIX + "tokens", "a") == b"100"
+    await huge.aclose()
+    assert await redis_client.hlen(PREFIX + "tokens") == 0
+    # Without a budget the tokens do not bind.
+    await first.resize("a", 4)
+    both = [await first.enter(entry(cost=500)), await second.enter(entry(cost=500))]
+    assert all(t.granted for t in both)
+    for ticket in both:
+        await ticket.aclose()
 
 
 async def test_a_waiter_past_the_queue_timeout_is_refused_and_its_place_given_back(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        first, second = await started(stack, replicas(valkey, n=2, queue_timeout_s=0.3))
-        await first.resize("a", 1)
-        holding = await first.enter(entry())
-        waiter = await second.enter(entry(tenant="t"))
-        with pytest.raises(QueueTimeout):
-            await asyncio.wait_for(waiter.wait(), 2)
-        await second.settle()
-        assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
-        assert await redis_client.hlen(PREFIX + "tqueued") == 0
-        await holding.aclose()
+    first, second = await start_replicas(n=2, queue_timeout_s=0.3)
+    await first.resize("a", 1)
+    holding = await first.enter(entry())
+    waiter = await second.enter(entry(tenant="t"))
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(waiter.wait(), 2)
+    await second.settle()
+    assert await pool_state(redis_client) == ({"a": 1}, 0, 0)
+    assert await redis_client.hlen(PREFIX + "tqueued") == 0
+    await holding.aclose()
 
 
 async def test_the_scripts_draw_hashes_as_routing_s_splitmix64_bit_for_bit(
@@ -1021,69 +1003,66 @@ async def test_the_scripts_draw_hashes_as_routing_s_splitmix64_bit_for_bit(
 
 
 async def test_a_rerouted_request_waits_past_the_queue_timeout_while_an_upstream_is_known(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        (admission,) = await started(stack, replicas(valkey, n=1, queue_timeout_s=0.2))
-        await admission.resize("a", 1)
-        await admission.resize("b", 1)
-        refused = await admission.enter(entry(), ranking=["a", "b"])
-        busy = await admission.enter(entry(), ranking=["b", "a"])
-        assert (refused.upstream, busy.upstream) == ("a", "b")
-        await asyncio.sleep(0.3)  # past the queue timeout since it entered
-        await admission.resize("a", None)
-        refused.reroute(known_by=time.monotonic() + 0.3)
-        waiting = asyncio.create_task(refused.wait())
-        await asyncio.sleep(0.5)  # past both: "b" is known, so it still waits
-        assert not waiting.done()
-        busy.release()
-        await asyncio.wait_for(waiting, 10)
-        assert refused.upstream == "b"
-        await refused.aclose()
-        assert await pool_state(redis_client) == ({"b": 0}, 0, 0)
+    (admission,) = await start_replicas(n=1, queue_timeout_s=0.2)
+    await admission.resize("a", 1)
+    await admission.resize("b", 1)
+    refused = await admission.enter(entry(), ranking=["a", "b"])
+    busy = await admission.enter(entry(), ranking=["b", "a"])
+    assert (refused.upstream, busy.upstream) == ("a", "b")
+    await asyncio.sleep(0.3)  # past the queue timeout since it entered
+    await admission.resize("a", None)
+    refused.reroute(known_by=time.monotonic() + 0.3)
+    waiting = asyncio.create_task(refused.wait())
+    await asyncio.sleep(0.5)  # past both: "b" is known, so it still waits
+    assert not waiting.done()
+    busy.release()
+    await asyncio.wait_for(waiting, 10)
+    assert refused.upstream == "b"
+    await refused.aclose()
+    assert await pool_state(redis_client) == ({"b": 0}, 0, 0)
 
 
 async def test_a_rerouted_request_is_refused_when_no_upstream_is_known_by_its_deadline(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        admission = await one_replica(stack, valkey, 1)
-        refused = await admission.enter(entry())
-        await admission.resize("a", None)
-        await until(lambda: admission.snapshot().fleet.capacity == 0, 2)
-        refused.reroute(known_by=time.monotonic() + 0.2)
-        with pytest.raises(NotReady):
-            await asyncio.wait_for(refused.wait(), 2)
-        await admission.settle()
-        assert await pool_state(redis_client) == ({}, 0, 0)
+    admission = await one_replica(start_replicas, 1)
+    refused = await admission.enter(entry())
+    await admission.resize("a", None)
+    await until(lambda: admission.snapshot().fleet.capacity == 0, 2)
+    refused.reroute(known_by=time.monotonic() + 0.2)
+    with pytest.raises(NotReady):
+        await asyncio.wait_for(refused.wait(), 2)
+    await admission.settle()
+    assert await pool_state(redis_client) == ({}, 0, 0)
 
 
 async def test_a_replica_given_up_gives_its_tokens_back_and_rejoining_takes_them_again(
-    valkey: Valkey, redis_client: aioredis.Redis
+    start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    async with AsyncExitStack() as stack:
-        # Its grant kept 0.5 s past its TTL, then given up too.
-        slow, fast = await started(stack, replicas(valkey, n=2, kept_s=0.5))
-        await slow.resize("a", 2, budget=100)
-        held = await slow.enter(entry(cost=70, tenant="t", max_active=1))
-        assert held.granted
-        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
-        assert slow._keeper is not None
-        slow._keeper.cancel()
-        await until(lambda: _gone(redis_client, "r0"), 3)
-        # Given up: its slot, tokens and tenant's count are the fleet's again.
-        other = await fast.enter(entry(cost=70, tenant="t", max_active=1))
-        assert other.granted
-        await other.aclose()
-        assert await redis_client.hlen(PREFIX + "tokens") == 0
-        slow._keeper = asyncio.create_task(slow._link.keep())
-        await until(lambda: _back(redis_client, "r0"), 3)
-        assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
-        assert await redis_client.hget(PREFIX + "tactive", "t") == b"1"
-        await held.aclose()
-        assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
-        assert await redis_client.hlen(PREFIX + "tokens") == 0
-        assert await redis_client.hlen(PREFIX + "tactive") == 0
+    # Its grant kept 0.5 s past its TTL, then given up too.
+    slow, fast = await start_replicas(n=2, kept_s=0.5)
+    await slow.resize("a", 2, budget=100)
+    held = await slow.enter(entry(cost=70, tenant="t", max_active=1))
+    assert held.granted
+    assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+    assert slow._keeper is not None
+    slow._keeper.cancel()
+    await until(lambda: _gone(redis_client, "r0"), 3)
+    # Given up: its slot, tokens and tenant's count are the fleet's again.
+    other = await fast.enter(entry(cost=70, tenant="t", max_active=1))
+    assert other.granted
+    await other.aclose()
+    assert await redis_client.hlen(PREFIX + "tokens") == 0
+    slow._keeper = asyncio.create_task(slow._link.keep())
+    await until(lambda: _back(redis_client, "r0"), 3)
+    assert await redis_client.hget(PREFIX + "tokens", "a") == b"70"
+    assert await redis_client.hget(PREFIX + "tactive", "t") == b"1"
+    await held.aclose()
+    assert await pool_state(redis_client) == ({"a": 0}, 0, 0)
+    assert await redis_client.hlen(PREFIX + "tokens") == 0
+    assert await redis_client.hlen(PREFIX + "tactive") == 0
 
 
 # -- one policy, two implementations: the same scenarios through the core and the script ------

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from slotgate.gate.admission import Admission
 from slotgate.gate.models import MAX_MODELS, Lane, Models
 from slotgate.status.waiting import waiting
+from slotgate.upstreams.props import Props
 from slotgate.upstreams.router import Router
-from slotgate.upstreams.upstream import Props
 
 from tests.conftest import (
     CHAT,
@@ -557,17 +557,27 @@ def line_or_none(gate: RunningGate, model: str) -> Lane | None:
 async def test_a_hold_on_one_router_is_shown_while_another_serves_the_same_model() -> None:
     lanes = Models(lambda: Admission(startup_wait_s=30))
 
-    def follower(url: str, listed: dict[str, str]) -> Router:
-        async def get(path: str) -> tuple[int, bytes]:
+    class Listing:
+        """A router that lists `listed` (model: state), every child with two slots."""
+
+        def __init__(self, url: str, listed: dict[str, str]) -> None:
+            self.url = url
+            self.listed = listed
+
+        async def get(self, path: str) -> tuple[int, bytes]:
             if path == "/models":
-                data = [{"id": m, "status": {"value": v}} for m, v in listed.items()]
+                data = [{"id": m, "status": {"value": v}} for m, v in self.listed.items()]
                 return 200, json.dumps({"data": data}).encode()
             return 200, json.dumps({"total_slots": 2}).encode()
 
-        async def post(path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        async def post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
             return 200, b'{"success": true}'
 
-        return Router(url, get, post, lanes, lambda pool: None, lambda props: None, Props.parse)
+        def kv_budget_tokens(self, props: Props) -> int | None:
+            return None
+
+    def follower(url: str, listed: dict[str, str]) -> Router:
+        return Router(Listing(url, listed), lanes, lambda pool: None)
 
     full = follower("http://a", {"alpha": "loaded", "beta": "unloaded"})
     roomy = follower("http://b", {"alpha": "loaded"})
