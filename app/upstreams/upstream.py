@@ -98,37 +98,6 @@ def address_url(parts: SplitResult, address: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
-class Exchange:
-    """One request to llama-server as a scope: the response lives until the block ends.
-
-    Leaving the block normally releases the response (a complete one pools its connection);
-    leaving it by an exception closes the connection, which is what makes llama-server cancel
-    the task behind it. `Response.release`/`close` inside the block end it early; both are
-    idempotent, so the exit then does nothing more.
-    """
-
-    __slots__ = ("_args", "_response", "_upstream")
-
-    def __init__(
-        self, upstream: Upstream, method: str, target: str, headers: list[Header], body: bytes
-    ) -> None:
-        self._upstream = upstream
-        self._args = (method, target, headers, body)
-        self._response: Response | None = None
-
-    async def __aenter__(self) -> Response:
-        self._response = await self._upstream.send(*self._args)
-        return self._response
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        response = self._response
-        assert response is not None  # noqa: S101 - __aenter__ returned it
-        if exc_type is None:
-            response.release()
-        else:
-            response.close()
-
-
 class Upstream:
     """llama-server behind one client, and what slotgate knows of its state."""
 
@@ -265,11 +234,6 @@ class Upstream:
         self._client.close()
 
     # -- requests ------------------------------------------------------------------------------
-
-    def request(self, method: str, target: str, headers: list[Header], body: bytes) -> Exchange:
-        """`async with upstream.request(...) as response:` sends the request, and on the way
-        out gives the connection back (a clean exit) or closes it (any exception)."""
-        return Exchange(self, method, target, headers, body)
 
     async def send(self, method: str, target: str, headers: list[Header], body: bytes) -> Response:
         """Send one request (target: a checked, quoted path and query) and return the response
