@@ -42,6 +42,7 @@ REPLICATION_MODES = ("shared", "degraded", "rejecting")
 #: The `outcome` of a wait that ended in a slot; other waits carry the reason they ended (one of
 #: REASONS, the `reason` labels of slotgate_requests_rejected).
 ADMITTED = Outcome.ADMITTED
+SERVED = Outcome.SERVED
 #: The tenant label of the tenants past METRICS_TENANTS.
 OTHER = "other"
 #: Request series are labelled by what operators group by, the kind of work (chat, completion,
@@ -459,7 +460,8 @@ class Metrics(Collector):
         error of its own included), it counts in the first-byte and duration histograms (given
         those); else as rejected under its outcome's reason, and, given `wait_s`, as a wait
         that ended without a slot."""
-        reason = outcome.reason
+        # Served, nearly always: known without the property's call.
+        reason = None if outcome is SERVED else outcome.reason
         if reason is None:
             if duration_s is not None:
                 series = self._of_tenant.get(tenant) or self._of(tenant)

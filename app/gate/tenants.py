@@ -133,20 +133,17 @@ def credentials(authorization: bytes | None, api_key: bytes | None) -> bytes | N
 class Roster:
     """The tenants and the key digests that identify them; never changed once built."""
 
-    __slots__ = ("_digests", "_owners", "source", "tenants")
+    __slots__ = ("_digests", "_owners", "keyed", "source", "tenants")
 
     def __init__(self, owners: Iterable[tuple[bytes, Tenant]], source: Path | None = None) -> None:
         pairs = list(owners)
         self._digests = tuple(digest for digest, _ in pairs)
+        #: Requests must present a key (an attribute, not a property: every request asks).
+        self.keyed = bool(self._digests)
         self._owners = tuple(tenant for _, tenant in pairs)
         #: Every tenant once, in the order first named; (EVERYONE,) without keys.
         self.tenants = tuple({t.name: t for t in self._owners}.values()) or (EVERYONE,)
         self.source = source
-
-    @property
-    def keyed(self) -> bool:
-        """Requests must present a key."""
-        return bool(self._digests)
 
     def identify(self, presented: bytes | None) -> Tenant | None:
         """The tenant whose key this is; None for no key or a wrong one (EVERYONE without keys).

@@ -108,6 +108,14 @@ _OUTPUT_FIELDS = ("n_predict", "max_completion_tokens", "max_tokens")
 MESSAGES_OUTPUT = 4096
 
 
+#: Read once: on Python 3.11 an enum member looked up on its class costs about 0.1 us, and
+#: every request's intake reads several.
+_KIND_AUDIO, _KIND_MESSAGES, _KIND_RESPONSES = Kind.AUDIO, Kind.MESSAGES, Kind.RESPONSES
+# A tuple, not a set: `in` finds a member by identity, where a set would call Enum's __hash__.
+_KINDS_LIMITED = (Kind.CHAT, Kind.COMPLETION, Kind.RESPONSES)
+_TASKS_PROMPTS, _TASKS_DOCUMENTS = Tasks.PROMPTS, Tasks.DOCUMENTS
+
+
 def route_of(method: str, path: str) -> Endpoint | None:
     """The endpoint behind a request, when it occupies llama-server slots."""
     if method != "POST":
@@ -150,7 +158,7 @@ def _weighed(stream: bool, choices: int, tasks: int, field: str, capacity: int) 
 
 
 def check_content_type(endpoint: Endpoint, content_type: str) -> None:
-    if endpoint.kind is Kind.AUDIO or not content_type:
+    if endpoint.kind is _KIND_AUDIO or not content_type:
         return
     media = content_type.split(";", 1)[0].strip().lower()
     if media in _JSON_TYPES or media.endswith("+json"):
@@ -198,7 +206,7 @@ def form_field(body: bytes, content_type: str, name: str) -> str | None:
 
 def demand(endpoint: Endpoint, body: bytes, capacity: int) -> Demand:
     """Parse and check the body; how many slots it takes and whether it streams."""
-    if endpoint.kind is Kind.AUDIO:
+    if endpoint.kind is _KIND_AUDIO:
         return Demand(1, False)
     return demand_of(endpoint, parse_json(body), capacity)
 
@@ -219,7 +227,7 @@ def output_limit(kind: Kind, payload: dict[str, Any]) -> int | None:
     """The tokens a request lets itself generate, read as llama-server reads them; None when
     it leaves that to the server's own -n (no field, null, or -1), which is no limit unless
     the server was started with -n. One reading for the KV charge and the pace."""
-    if kind is Kind.MESSAGES and "max_tokens" not in payload:
+    if kind is _KIND_MESSAGES and "max_tokens" not in payload:
         return MESSAGES_OUTPUT
     name = _output_field(kind, payload)
     value = payload.get(name) if name is not None else None
@@ -230,12 +238,12 @@ def output_limit(kind: Kind, payload: dict[str, Any]) -> int | None:
 
 def _output_field(kind: Kind, payload: dict[str, Any]) -> str | None:
     """The field llama-server reads the output limit from, when it reads one."""
-    if kind is Kind.MESSAGES:
+    if kind is _KIND_MESSAGES:
         return "max_tokens" if payload.get("max_tokens") is not None else None
-    if kind not in (Kind.CHAT, Kind.COMPLETION, Kind.RESPONSES):
+    if kind not in _KINDS_LIMITED:
         return None
     names = _OUTPUT_FIELDS
-    if kind is Kind.RESPONSES and "max_output_tokens" in payload:
+    if kind is _KIND_RESPONSES and "max_output_tokens" in payload:
         names = (*_OUTPUT_FIELDS[:-1], "max_output_tokens")
     # A loop, not next() over a generator: this runs for every request.
     for name in names:
@@ -287,7 +295,7 @@ def _choices(payload: dict[str, Any]) -> tuple[str, int]:
 
 
 def _task_count(payload: dict[str, Any], endpoint: Endpoint) -> int:
-    if endpoint.tasks is Tasks.PROMPTS:
+    if endpoint.tasks is _TASKS_PROMPTS:
         # The first field present is the one read, even when it holds something unusable.
         items = next((payload[name] for name in endpoint.inputs if name in payload), None)
         if not isinstance(items, list):
@@ -296,7 +304,7 @@ def _task_count(payload: dict[str, Any], endpoint: Endpoint) -> int:
         if any(isinstance(item, int) and not isinstance(item, bool) for item in items):
             return 1
         return len(items) or 1
-    if endpoint.tasks is Tasks.DOCUMENTS:
+    if endpoint.tasks is _TASKS_DOCUMENTS:
         # llama-server takes the first field that reads as an array of strings.
         for name in endpoint.inputs:
             items = payload.get(name)

@@ -26,7 +26,7 @@ class Access:
     def check(self, path: str, authorization: bytes | None, api_key: bytes | None) -> Tenant:
         """The tenant of the request's key; raise Unauthorized unless it carries one of the
         keys (or needs none: then EVERYONE). Keys are compared in constant time."""
-        if not self.tenants.keyed or path in OPEN_PATHS:
+        if not self.tenants.roster.keyed or path in OPEN_PATHS:
             return EVERYONE
         tenant = self.tenants.identify(authorization, api_key)
         if tenant is None:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 
-from slotgate.asgi import Headers, Send
+from slotgate.asgi import Headers, Message, Send
 from slotgate.errors import AnswerStarted, Flavor, Refusal
 from slotgate.proxy.quota import Tally
 from slotgate.proxy.refusals import render, stream_event
@@ -63,17 +63,19 @@ class Answer:
         self, status: int, headers: Headers, *, stream: bool = False, whole: bool = False
     ) -> None:
         """The head; `whole`: the caller sends the end next, at once (`BODY_FOLLOWS`)."""
+        message = {"type": _START, "status": status, "headers": self._head(status, headers, stream)}
+        if whole:
+            message[BODY_FOLLOWS] = True
+        await self._send(message)
+
+    def _head(self, status: int, headers: Headers, stream: bool) -> Headers:
+        """The head's headers, the answer marked as started."""
         if self.started:
             raise AnswerStarted(f"the answer's head ({self.status}) went out already")
         self.started = True
         self.status = status
         self.stream = stream
-        if self.extra is not None:
-            headers = headers + self.extra
-        message = {"type": _START, "status": status, "headers": headers}
-        if whole:
-            message[BODY_FOLLOWS] = True
-        await self._send(message)
+        return headers if self.extra is None else headers + self.extra
 
     # -- the body ------------------------------------------------------------------------------
 
@@ -98,19 +100,26 @@ class Answer:
         await self._send({"type": _BODY, "body": event, "more_body": True})
 
     async def end(self, body: bytes = b"") -> None:
+        await self._send(self._last(body))
+        self.ended = True
+
+    def _last(self, body: bytes) -> Message:
+        """The end's message, its body counted."""
         self._ending = body
         if self.tally is not None and body:
             self.tally.feed(body)
         self.bytes_out += len(body)
-        await self._send({"type": _BODY, "body": body, "more_body": False})
-        self.ended = True
+        return {"type": _BODY, "body": body, "more_body": False}
 
     async def whole(
         self, status: int, headers: Headers, body: bytes, *, stream: bool = False
     ) -> None:
-        """A head and a body in one go."""
-        await self.start(status, headers, stream=stream, whole=True)
-        await self.end(body)
+        """A head and a body in one go: `start` and `end` without their two coroutines, which
+        every non-streamed answer would pay for."""
+        head = self._head(status, headers, stream)
+        await self._send({"type": _START, "status": status, "headers": head, BODY_FOLLOWS: True})
+        await self._send(self._last(body))
+        self.ended = True
 
     # -- refusals ------------------------------------------------------------------------------
 

@@ -70,8 +70,9 @@ def relayed(
     upstream: Iterable[Header], request_id: str, origin: bytes | None, *, stream: bool
 ) -> Headers:
     """llama-server's headers as the client gets them with its answer relayed as it is: an
-    event stream's head completed to slotgate's own."""
-    headers = [(name.lower(), value) for name, value in upstream if name not in _RESPONSE_DROP]
+    event stream's head completed to slotgate's own. (Names come lowercased, as the upstream
+    client parses them.)"""
+    headers = [(name, value) for name, value in upstream if name not in _RESPONSE_DROP]
     headers += id_headers(request_id)
     if origin is not None:
         CorsPolicy.expose(headers)
@@ -85,7 +86,7 @@ def assembled(
     upstream: Iterable[Header], request_id: str, origin: bytes | None, length: int
 ) -> Headers:
     """llama-server's own headers (CORS among them), but those of a JSON body of `length`."""
-    headers = [(name.lower(), value) for name, value in upstream if name not in _ASSEMBLED_DROP]
+    headers = [(name, value) for name, value in upstream if name not in _ASSEMBLED_DROP]
     headers += [
         (b"content-type", b"application/json; charset=utf-8"),
         (b"content-length", str(length).encode()),

@@ -229,8 +229,14 @@ class Proxy:
         if request.endpoint is None:
             await self._forward(request, answer)
             return
-        async with Watch(receive, request, answer, self._own, self.running):
+        watch = Watch(receive, request, answer, self._own, self.running)
+        try:
             await self._forward(request, answer)
+        except BaseException as exc:
+            if not await watch.settle(exc):
+                raise
+        finally:
+            watch.close()
 
     async def _count(self, request: Request, answer: Answer) -> None:
         """Count it against its tenant's quota (or refuse it); its answer shows the standing."""
@@ -360,7 +366,9 @@ class Proxy:
         self, request: Request, receive: Receive, answer: Answer, ticket: Claim
     ) -> None:
         """Count, wait for the slot, forward; the client leaving cancels whatever is under way."""
-        async with Watch(receive, request, answer, self._own, self.running) as watch:
+        # The watch's scope, written out: `async with` would cost every request two coroutines.
+        watch = Watch(receive, request, answer, self._own, self.running)
+        try:
             try:
                 # Its body counts while it waits: until admitted, or its wait ends otherwise
                 # (a `finally` for the frame's sake, as in `__call__`).
@@ -382,7 +390,9 @@ class Proxy:
                 finally:
                     request.held.release()
                 request.weight = ticket.weight
-                self._metrics.admit(request.route or "", ticket.wait_s, request.tenant.name)
+                endpoint = request.endpoint
+                assert endpoint is not None  # noqa: S101 - gated: _take_in found it
+                self._metrics.admit(endpoint.route, ticket.wait_s, request.tenant.name)
                 # Only a request that goes upstream as a stream is preempted: llama-server stops
                 # the work of a non-streamed one whose connection closed only unreliably.
                 if self.preemption is None or not (request.stream or request.assembly):
@@ -394,6 +404,11 @@ class Proxy:
                     request.outcome = Outcome.CLIENT_GONE
                     return
                 await refuse(request, answer, refusal(exc), self._own)
+        except BaseException as exc:
+            if not await watch.settle(exc):
+                raise
+        finally:
+            watch.close()
 
     async def _forward_when_up(self, request: Request, answer: Answer, ticket: Claim) -> None:
         """Forward; while llama-server is restarting (and did not take the request), keep the
@@ -571,15 +586,25 @@ class Proxy:
             upstream = request.upstream
             if upstream is None:  # not gated: any upstream answers it (of its ?model=)
                 upstream = request.upstream = self._fleet.serving(request.query)
-            async with upstream.request(request.method, target, headers, request.body) as r:
-                await self._relay_answer(request, answer, r)
+            response = await upstream.send(request.method, target, headers, request.body)
+            # The exchange's scope, written out (`async with` costs two coroutines): a normal
+            # end releases the response (a complete one pools its connection).
+            try:
+                await self._relay_answer(request, answer, response)
+            except BaseException:
+                response.close()
+                raise
+            response.release()
         except GateError as exc:
             if request.gated or answer.started:
                 raise
             await refuse(request, answer, refusal(exc), self._own)
 
-    async def _relay_answer(self, request: Request, answer: Answer, response: Response) -> None:
-        """Pick the relay mode for llama-server's answer, once."""
+    def _relay_answer(
+        self, request: Request, answer: Answer, response: Response
+    ) -> Awaitable[None]:
+        """Pick the relay mode for llama-server's answer, once, and hand back what to await
+        (a plain function: a coroutine frame less for every request)."""
         upstream = request.upstream
         assert upstream is not None  # noqa: S101 - set by _forward
         if not upstream.ready and response.status == 200:
@@ -591,11 +616,10 @@ class Proxy:
             upstream.cors.learn(request.origin, response.headers)
         request.upstream_status = response.status
         if answer.stream:
-            await relay_into_stream(request, answer, response)
-        elif request.assembly is not None and response.content_type == SSE:
-            await relay_assembled(request, answer, response, request.assembly, self._own)
-        else:
-            await relay(request, answer, response, self._own)
+            return relay_into_stream(request, answer, response)
+        if request.assembly is not None and response.content_type == SSE:
+            return relay_assembled(request, answer, response, request.assembly, self._own)
+        return relay(request, answer, response, self._own)
 
     # -- answers slotgate makes itself ---------------------------------------------------------
 

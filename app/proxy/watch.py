@@ -214,23 +214,32 @@ class Watch:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool:
-        """True (the cancellation ends here) when the client left, or was told of the
-        shutdown; the watch goes on watching until then, as the request did."""
-        request, answer = self._request, self._answer
         try:
-            if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
-                return False
-            if self.ours():
-                if self.cancelled:  # first, whether or not its client left since
-                    return await self._cancelled(request, answer)
-                request.outcome = Outcome.CLIENT_GONE
-                return True
-            return await cut_short(request, answer, self._own)
+            return exc is not None and await self.settle(exc)
         finally:
-            self.stop()
-            # Whatever still holds the watch (a connection's, a timer's reference on its way
-            # out) must not hold the request's body with it.
-            self._request = self._answer = None
+            self.close()
+
+    def close(self) -> None:
+        """The request's work ended without an exception: stop watching."""
+        self.stop()
+        # Whatever still holds the watch (a connection's, a timer's reference on its way out)
+        # must not hold the request's body with it.
+        self._request = self._answer = None
+
+    async def settle(self, exc: BaseException) -> bool:
+        """The request's work ended by `exc`: True (the cancellation ends here) when the client
+        left, an operator cancelled it, or its client was told of the shutdown; the watch goes
+        on watching until then, as the request did; `close` follows either way. The relay
+        calls both itself rather than `async with`: two coroutines less for every request."""
+        request, answer = self._request, self._answer
+        if not isinstance(exc, asyncio.CancelledError) or request is None or answer is None:
+            return False
+        if self.ours():
+            if self.cancelled:  # first, whether or not its client left since
+                return await self._cancelled(request, answer)
+            request.outcome = Outcome.CLIENT_GONE
+            return True
+        return await cut_short(request, answer, self._own)
 
     async def _cancelled(self, request: Request, answer: Answer) -> bool:
         """Cancelled by an operator: its slot (or its place) back at once, then the client told

@@ -18,12 +18,16 @@ from slotgate.errors import BodyTooLarge, ConnectFailed
 from slotgate.upstreams.connection import Connection
 
 _SSE = "text/event-stream"
+#: A content length not read yet (None is a response without one).
+_UNREAD = -1
 
 
 class Response:
     """A response whose head has arrived; its body is read as it comes."""
 
-    __slots__ = ("_client", "_conn", "_done", "_head_only", "_type", "headers", "status")
+    __slots__ = (
+        "_client", "_conn", "_done", "_head_only", "_length", "_type", "headers", "status",
+    )  # fmt: skip
 
     def __init__(self, client: Client, conn: Connection, head_only: bool) -> None:
         self._client = client
@@ -31,8 +35,10 @@ class Response:
         self._head_only = head_only
         self._done = False
         self.status = conn.status
+        #: As they came, their names lowercased.
         self.headers = conn.headers
         self._type: str | None = None
+        self._length: int | None = _UNREAD
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -51,8 +57,12 @@ class Response:
 
     @property
     def content_length(self) -> int | None:
-        value = self.header(b"content-length")
-        return int(value) if value is not None and value.isdigit() else None
+        # Read once: the relay and the read each ask for it.
+        length = self._length
+        if length is _UNREAD:
+            value = self.header(b"content-length")
+            length = self._length = int(value) if value is not None and value.isdigit() else None
+        return length
 
     async def readany(self) -> bytes:
         """The next bytes of the body as they arrive; b"" at its end."""

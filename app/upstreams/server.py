@@ -1,6 +1,7 @@
-"""One llama-server as slotgate talks to it: its URL and key, the one client, a request as a
-scope (`Exchange`), its control paths, and whether anything has answered there yet. What it
-reports (readiness, slots, a router's models) is followed by `Upstream` (upstream.py)."""
+"""One llama-server as slotgate talks to it: its URL and key, the one client, `send` (the
+relay holds the response it returns in a scope of its own), its control paths, and whether
+anything has answered there yet. What it reports (readiness, slots, a router's models) is
+followed by `Upstream` (upstream.py)."""
 
 from __future__ import annotations
 
@@ -42,37 +43,6 @@ def address_url(parts: SplitResult, address: str) -> str:
     host = f"[{address}]" if ":" in address else address
     netloc = host if parts.port is None else f"{host}:{parts.port}"
     return parts._replace(netloc=netloc).geturl()
-
-
-class Exchange:
-    """One request to llama-server as a scope: the response lives until the block ends.
-
-    Leaving the block normally releases the response (a complete one pools its connection);
-    leaving it by an exception closes the connection, which is what makes llama-server cancel
-    the task behind it. `Response.release`/`close` inside the block end it early; both are
-    idempotent, so the exit then does nothing more.
-    """
-
-    __slots__ = ("_args", "_response", "_server")
-
-    def __init__(
-        self, server: LlamaServer, method: str, target: str, headers: list[Header], body: bytes
-    ) -> None:
-        self._server = server
-        self._args = (method, target, headers, body)
-        self._response: Response | None = None
-
-    async def __aenter__(self) -> Response:
-        self._response = await self._server.send(*self._args)
-        return self._response
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        response = self._response
-        assert response is not None  # noqa: S101 - __aenter__ returned it
-        if exc_type is None:
-            response.release()
-        else:
-            response.close()
 
 
 class LlamaServer:
@@ -140,11 +110,6 @@ class LlamaServer:
         self._poke.set()
 
     # -- requests ------------------------------------------------------------------------------
-
-    def request(self, method: str, target: str, headers: list[Header], body: bytes) -> Exchange:
-        """`async with upstream.request(...) as response:` sends the request, and on the way
-        out gives the connection back (a clean exit) or closes it (any exception)."""
-        return Exchange(self, method, target, headers, body)
 
     async def send(self, method: str, target: str, headers: list[Header], body: bytes) -> Response:
         """Send one request (target: a checked, quoted path and query) and return the response
@@ -229,4 +194,4 @@ class LlamaServer:
         return response.status, answer
 
 
-__all__ = ["CONNECT_TIMEOUT_S", "CONTROL_BODY_BYTES", "Exchange", "LlamaServer", "address_url"]
+__all__ = ["CONNECT_TIMEOUT_S", "CONTROL_BODY_BYTES", "LlamaServer", "address_url"]

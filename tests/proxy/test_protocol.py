@@ -24,6 +24,7 @@ from slotgate.proxy.protocol import (
     _Cycle,
 )
 from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
@@ -472,13 +473,20 @@ class _Wire:
         return "close" in self.done
 
 
-def _cycle(wire: _Wire, *, keep_alive: bool = True) -> Any:
+def _cycle(
+    wire: _Wire,
+    *,
+    keep_alive: bool = True,
+    method: str = "POST",
+    default: list[tuple[bytes, bytes]] | None = None,
+    kind: type[RequestResponseCycle] = _Cycle,
+) -> Any:
     transport: Any = wire
-    scope: Any = {"method": "POST", "path": CHAT, "http_version": "1.1"}
-    return _Cycle(
+    scope: Any = {"method": method, "path": CHAT, "http_version": "1.1"}
+    return kind(
         scope, transport, FlowControl(transport), logging.getLogger("test"),
-        logging.getLogger("test.access"), False, [], asyncio.Event(), False, keep_alive,
-        lambda: None,
+        logging.getLogger("test.access"), False, default or [], asyncio.Event(), False,
+        keep_alive, lambda: None,
     )  # fmt: skip
 
 
@@ -517,3 +525,61 @@ async def test_a_whole_answer_goes_out_in_one_write_and_any_other_in_order() -> 
     assert len(refused.done) == 1
     assert isinstance(refused.done[0], bytes)
     assert refused.done[0].endswith(b"\r\n\r\n")
+
+
+_HEADS = [
+    pytest.param("POST", 200, [(b"content-length", b"5")], id="a-length"),
+    pytest.param(
+        "POST", 200, [(b"Content-Type", b"text/plain"), (b"Content-Length", b"5")],
+        id="names-with-capitals",
+    ),
+    pytest.param("POST", 200, [(b"transfer-encoding", b"Chunked")], id="chunked"),
+    pytest.param("POST", 200, [(b"content-type", b"text/event-stream")], id="no-length"),
+    pytest.param("HEAD", 200, [], id="a-head-request"),
+    pytest.param("POST", 204, [], id="no-content"),
+    pytest.param(
+        "POST", 200, [(b"connection", b"Keep-Alive, CLOSE"), (b"content-length", b"0")],
+        id="a-close-asked-for",
+    ),
+    pytest.param("POST", 418, [(b"x-a", b"1"), (b"x-b", b""), (b"x-c", b"a\tb")], id="odd-values"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "status", "headers"), _HEADS)
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_an_answers_head_is_the_one_uvicorn_builds_and_leaves_the_same_state(
+    method: str, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> None:
+    ours, uvicorns = _Wire(), _Wire()
+    cycles = [
+        _cycle(wire, keep_alive=keep_alive, method=method, default=[(b"date", b"today")], kind=kind)
+        for wire, kind in ((ours, _Cycle), (uvicorns, RequestResponseCycle))
+    ]
+    for cycle in cycles:
+        await cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+    assert ours.done == uvicorns.done
+    assert len(ours.done) == 1
+    for state in (
+        "response_started", "chunked_encoding", "expected_content_length", "keep_alive",
+        "waiting_for_100_continue",
+    ):  # fmt: skip
+        assert getattr(cycles[0], state) == getattr(cycles[1], state), state
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [[(b"x bad", b"1")], [(b"x-a:", b"1")], [(b"x-a", b"1\r\nx-b: 2")], [(b"x-a", b"\x00")]],
+)
+async def test_a_header_uvicorn_refuses_is_refused_alike_and_nothing_is_written(
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    said = []
+    for kind in (_Cycle, RequestResponseCycle):
+        wire = _Wire()
+        with pytest.raises(RuntimeError) as raised:
+            await _cycle(wire, kind=kind).send(
+                {"type": "http.response.start", "status": 200, "headers": headers}
+            )
+        said.append(str(raised.value))
+        assert wire.done == []
+    assert said[0] == said[1]
