@@ -78,7 +78,8 @@ def whole_seconds(retry_after_s: float) -> int:
     return max(1, math.floor(retry_after_s + 0.5))
 
 
-def _retry_in(retry_after_s: float) -> str:
+def retry_in(retry_after_s: float) -> str:
+    """The end of a refusal's message that says when to come back."""
     return f"retry in {whole_seconds(retry_after_s)} s (Retry-After)"
 
 
@@ -227,8 +228,7 @@ class QueueFull(AdmissionError):
     @property
     def message(self) -> str:
         return (
-            f"llama-server generation queue is full ({self.counts}); "
-            f"{_retry_in(self.retry_after_s)}"
+            f"llama-server generation queue is full ({self.counts}); {retry_in(self.retry_after_s)}"
         )
 
 
@@ -243,7 +243,7 @@ class TenantQueueFull(QueueFull):
             return super().message
         return (
             f"tenant {own.name} has {own.queued} requests waiting already, its limit "
-            f"(max_queued; active={own.active}); {_retry_in(self.retry_after_s)}"
+            f"(max_queued; active={own.active}); {retry_in(self.retry_after_s)}"
         )
 
 
@@ -330,7 +330,7 @@ class QuotaExceeded(GateError):
         used = s.limit_requests if self.limit == "requests_per_minute" else s.limit_tokens
         return (
             f"tenant {self.tenant} has used its {used} {_UNITS[self.limit]} "
-            f"({self.limit}); {_retry_in(self.retry_after_s)}"
+            f"({self.limit}); {retry_in(self.retry_after_s)}"
         )
 
 
@@ -356,11 +356,11 @@ class DeadlineUnmet(GateError):
             return (
                 f"no slot became free within the request's wait bound of {self.bound_s:g} s "
                 f"(X-Max-Wait); about {self.eta_s:.1f} s more was expected; "
-                f"{_retry_in(self.retry_after_s)} or allow a longer wait"
+                f"{retry_in(self.retry_after_s)} or allow a longer wait"
             )
         return (
             f"the expected wait for a slot ({self.eta_s:.1f} s) exceeds the request's wait "
-            f"bound of {self.bound_s:g} s (X-Max-Wait); {_retry_in(self.retry_after_s)} or "
+            f"bound of {self.bound_s:g} s (X-Max-Wait); {retry_in(self.retry_after_s)} or "
             "allow a longer wait"
         )
 
