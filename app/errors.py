@@ -58,6 +58,7 @@ are written where HTTP lives (app/proxy/refusals.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -68,6 +69,18 @@ if TYPE_CHECKING:
     from slotgate.gate.tenants import Tenant
 
 Flavor = Literal["openai", "anthropic"]
+
+
+def whole_seconds(retry_after_s: float) -> int:
+    """A retry estimate as `Retry-After` gives it: whole seconds, rounded half up, at least 1
+    (so that it is within half a second of `retry-after-ms`). Messages say the same number, so
+    that someone who reads only the message (an SDK's exception) knows when to come back."""
+    return max(1, math.floor(retry_after_s + 0.5))
+
+
+def retry_in(retry_after_s: float) -> str:
+    """The end of a refusal's message that says when to come back."""
+    return f"retry in {whole_seconds(retry_after_s)} s (Retry-After)"
 
 
 class SlotgateError(Exception):
@@ -214,7 +227,9 @@ class QueueFull(AdmissionError):
 
     @property
     def message(self) -> str:
-        return f"llama-server generation queue is full ({self.counts}); retry after Retry-After"
+        return (
+            f"llama-server generation queue is full ({self.counts}); {retry_in(self.retry_after_s)}"
+        )
 
 
 class TenantQueueFull(QueueFull):
@@ -228,7 +243,7 @@ class TenantQueueFull(QueueFull):
             return super().message
         return (
             f"tenant {own.name} has {own.queued} requests waiting already, its limit "
-            f"(max_queued; active={own.active}); retry after Retry-After"
+            f"(max_queued; active={own.active}); {retry_in(self.retry_after_s)}"
         )
 
 
@@ -299,6 +314,8 @@ class QuotaExceeded(GateError):
     """The request's tenant reached one of its quotas (app/gate/quotas.py): `limit` names it,
     `retry_after_s` is when its window resets, `standing` what the rate-limit headers show."""
 
+    retry_after_s: float
+
     def __init__(self, tenant: str, limit: str, retry_after_s: float, standing: Standing) -> None:
         super().__init__(f"tenant {tenant} reached its quota of {limit}")
         self.tenant = tenant
@@ -313,7 +330,7 @@ class QuotaExceeded(GateError):
         used = s.limit_requests if self.limit == "requests_per_minute" else s.limit_tokens
         return (
             f"tenant {self.tenant} has used its {used} {_UNITS[self.limit]} "
-            f"({self.limit}); retry after Retry-After ({self.retry_after_s:.0f} s)"
+            f"({self.limit}); {retry_in(self.retry_after_s)}"
         )
 
 
@@ -322,6 +339,8 @@ class DeadlineUnmet(GateError):
     (X-Max-Wait, or its tenant's max_wait_s; app/gate/deadlines.py). `eta_s`: the wait it
     would still have had; `waited_s`: what it waited. Retry-After: once the line should have
     shortened by what the estimate exceeds the bound."""
+
+    retry_after_s: float
 
     def __init__(self, bound_s: float, eta_s: float, waited_s: float = 0.0) -> None:
         super().__init__(f"no slot within X-Max-Wait {bound_s:g} s")
@@ -336,13 +355,13 @@ class DeadlineUnmet(GateError):
         if self.waited_s:
             return (
                 f"no slot became free within the request's wait bound of {self.bound_s:g} s "
-                f"(X-Max-Wait); about {self.eta_s:.1f} s more was expected; retry after "
-                "Retry-After or allow a longer wait"
+                f"(X-Max-Wait); about {self.eta_s:.1f} s more was expected; "
+                f"{retry_in(self.retry_after_s)} or allow a longer wait"
             )
         return (
             f"the expected wait for a slot ({self.eta_s:.1f} s) exceeds the request's wait "
-            f"bound of {self.bound_s:g} s (X-Max-Wait); retry after Retry-After or allow a "
-            "longer wait"
+            f"bound of {self.bound_s:g} s (X-Max-Wait); {retry_in(self.retry_after_s)} or "
+            "allow a longer wait"
         )
 
 

@@ -182,3 +182,23 @@ def test_retry_after_is_retry_after_ms_rounded_to_the_nearest_second_and_at_leas
     assert headers[b"retry-after"] == seconds.encode()
     assert headers[b"retry-after-ms"] == milliseconds.encode()
     assert headers[b"x-should-retry"] == b"true"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        QueueFull(_SNAP, 2.75),
+        QueueFull(_SNAP, 0.2),
+        TenantQueueFull(dataclasses.replace(_SNAP, tenant=Share("acme", 1.0, 1, 2, 0.0)), 3.5),
+        QuotaExceeded("acme", "requests_per_minute", 41.5, Standing(60, 0, 41.5, None, 0, 0.0)),
+        DeadlineUnmet(2.0, 5.0),
+        DeadlineUnmet(2.0, 5.0, waited_s=2.0),
+    ],
+    ids=lambda exc: type(exc).__name__,
+)
+def test_a_refusal_to_retry_says_when_in_its_message_as_retry_after_does(exc: GateError) -> None:
+    # An SDK's exception shows the message, not the headers: it names the same whole seconds.
+    r = refusal(exc)
+    assert r.retry_after_s is not None
+    seconds = dict(retry_headers(r.retry_after_s))[b"retry-after"].decode()
+    assert f"retry in {seconds} s (Retry-After)" in r.message
