@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from slotgate.errors import QueueBytesFull
+from slotgate.errors import QueueBytesFull, retry_in
 
 if TYPE_CHECKING:
     from slotgate.gate.admission import Admission
@@ -46,12 +46,13 @@ class HeldBody:
         others = count.held - self.bytes
         if limit and others and count.held + size > limit:
             admission = count._admission
+            retry_after_s = admission.retry_after_s(admission.queued + 1)
             raise QueueBytesFull(
                 f"requests not yet admitted already hold {others} bytes of request bodies "
                 f"(being read or waiting in the queue), and {self.bytes + size} would "
-                f"pass QUEUE_BODY_BYTES ({limit}); retry after Retry-After",
+                f"pass QUEUE_BODY_BYTES ({limit}); {retry_in(retry_after_s)}",
                 admission.snapshot(),
-                admission.retry_after_s(admission.queued + 1),
+                retry_after_s,
             )
         count.held += size
         self.bytes += size

@@ -8,12 +8,11 @@ can succeed.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from slotgate.asgi import Headers
-from slotgate.errors import Flavor, Refusal, anthropic_type
+from slotgate.errors import Flavor, Refusal, anthropic_type, whole_seconds
 
 if TYPE_CHECKING:
     from slotgate.gate.pool import Snapshot
@@ -62,7 +61,7 @@ def retry_headers(retry_after_s: float | None) -> Headers:
     if retry_after_s is None:
         return []
     return [
-        (b"retry-after", str(max(1, math.floor(retry_after_s + 0.5))).encode()),
+        (b"retry-after", str(whole_seconds(retry_after_s)).encode()),
         (b"retry-after-ms", str(max(1, round(retry_after_s * 1000))).encode()),
         (b"x-should-retry", b"true"),
     ]
