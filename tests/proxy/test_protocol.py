@@ -568,7 +568,17 @@ async def test_an_answers_head_is_the_one_uvicorn_builds_and_leaves_the_same_sta
 
 @pytest.mark.parametrize(
     "headers",
-    [[(b"x bad", b"1")], [(b"x-a:", b"1")], [(b"x-a", b"1\r\nx-b: 2")], [(b"x-a", b"\x00")]],
+    [
+        [(b"x bad", b"1")],
+        [(b"x-a:", b"1")],
+        [(b"x\r\n", b"1")],
+        [(b"x-a", b"1\r\nx-b: 2")],
+        [(b"x-a", b"1\nx-b: 2")],
+        [(b"x-a", b"1\r")],
+        [(b"x-a", b"\x00")],
+        [(b"x-a", b"\x7f")],
+        [(b"x-ok", b"1"), (b"x-a", b"a\x0bb")],
+    ],
 )
 async def test_a_header_uvicorn_refuses_is_refused_alike_and_nothing_is_written(
     headers: list[tuple[bytes, bytes]],
