@@ -321,10 +321,12 @@ class _Cycle(RequestResponseCycle):
     One write. uvicorn writes the head the moment the app sends it: for a non-streamed
     answer, one write for the head and one for the body, each a trip through the kernel's TCP
     stack. A head sent with `BODY_FOLLOWS` (app/proxy/answer.py) is held, and goes out with
-    the body's first write; whatever else uvicorn does to the transport meanwhile (close it)
-    lets the head out first. A body send that ends without writing (cancelled while uvicorn
-    waits for the socket to drain, or refused) lets it out too, unless the client has gone:
-    the head never waits past the next send, which the app makes at once.
+    the body: a whole body of the length the head said is written with it and the answer
+    ended as uvicorn ends one; any other body goes through uvicorn's `send`, which writes the
+    head first, whatever it does to the transport (close it) lets the head out first, and a
+    send that ends without writing (cancelled while uvicorn waits for the socket to drain, or
+    refused) lets it out too, unless the client has gone: the head never waits past the next
+    send, which the app makes at once.
     """
 
     _head: bytes | None = None
@@ -350,6 +352,25 @@ class _Cycle(RequestResponseCycle):
             # swapped, so no timer or cancellation finds the swap.
             await self.flow.drain()
         self._head = None
+        if (
+            message["type"] == "http.response.body"
+            and not message.get("more_body", False)
+            and not self.disconnected
+            and self.chunked_encoding is False
+            and self.scope["method"] != "HEAD"
+            and len(body := message.get("body", b"")) == self.expected_content_length
+        ):
+            # The whole answer, ended as uvicorn's `send` ends one, its head and body in one
+            # write. (Through uvicorn's `send` with the transport swapped, as below, it costs
+            # a request more: the swap makes uvicorn's writes see two kinds of transport.)
+            self.transport.write(head + body)
+            self.expected_content_length = 0
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
+            return
         transport = self.transport
         joined = _Joined(transport, head)
         self.transport = joined  # type: ignore[assignment]

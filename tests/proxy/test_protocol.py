@@ -486,7 +486,7 @@ def _cycle(
     return kind(
         scope, transport, FlowControl(transport), logging.getLogger("test"),
         logging.getLogger("test.access"), False, default or [], asyncio.Event(), False,
-        keep_alive, lambda: None,
+        keep_alive, lambda: wire.done.append("on_response"),
     )  # fmt: skip
 
 
@@ -505,17 +505,19 @@ async def test_a_whole_answer_goes_out_in_one_write_and_any_other_in_order() -> 
         cycle = _cycle(wire)
         await cycle.send(_start(5, whole=whole))
         await cycle.send(end)
-    assert len(joined.done) == 1
+    assert len(joined.done) == 2
     assert isinstance(joined.done[0], bytes)
     assert joined.done[0].startswith(b"HTTP/1.1 200 OK\r\n")
     assert joined.done[0].endswith(b"\r\n\r\nhello")
-    assert plain.done == [joined.done[0][:-5], b"hello"]
+    assert joined.done[1] == "on_response"
+    assert plain.done == [joined.done[0][:-5], b"hello", "on_response"]
     # A close right after the body (the client asked for one) comes after both.
     closing = _Wire()
     cycle = _cycle(closing, keep_alive=False)
     await cycle.send(_start(5, whole=True))
     await cycle.send(end)
-    assert [type(each) for each in closing.done] == [bytes, str]
+    assert closing.done[1:] == ["close", "on_response"]
+    assert isinstance(closing.done[0], bytes)
     # A body uvicorn refuses before writing it still lets the held head out.
     refused = _Wire()
     cycle = _cycle(refused)
@@ -592,4 +594,56 @@ async def test_a_header_uvicorn_refuses_is_refused_alike_and_nothing_is_written(
             )
         said.append(str(raised.value))
         assert wire.done == []
+    assert said[0] == said[1]
+
+
+_WHOLE = [
+    pytest.param("POST", [(b"content-length", b"5")], b"hello", id="its-length"),
+    pytest.param("HEAD", [(b"content-length", b"5")], b"", id="a-head-request"),
+    pytest.param("POST", [(b"content-type", b"text/plain")], b"hello", id="chunked"),
+    pytest.param("POST", [(b"content-length", b"0")], b"", id="empty"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "headers", "body"), _WHOLE)
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_a_whole_answer_ends_as_uvicorn_ends_one_in_one_write(
+    method: str, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool
+) -> None:
+    ours, uvicorns = _Wire(), _Wire()
+    cycles = [
+        _cycle(wire, keep_alive=keep_alive, method=method, kind=kind)
+        for wire, kind in ((ours, _Cycle), (uvicorns, RequestResponseCycle))
+    ]
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
+    end = {"type": "http.response.body", "body": body, "more_body": False}
+    for cycle in cycles:
+        await cycle.send({**start, BODY_FOLLOWS: True} if cycle is cycles[0] else start)
+        await cycle.send(end)
+    # The same bytes, and then the same close if any: uvicorn's in two writes, ours in one.
+    assert b"".join(d for d in ours.done if isinstance(d, bytes)) == b"".join(
+        d for d in uvicorns.done if isinstance(d, bytes)
+    )
+    assert [d for d in ours.done if isinstance(d, str)] == [
+        d for d in uvicorns.done if isinstance(d, str)
+    ]
+    assert len([d for d in ours.done if isinstance(d, bytes)]) == 1
+    for state in ("response_complete", "expected_content_length", "keep_alive"):
+        assert getattr(cycles[0], state) == getattr(cycles[1], state), state
+    assert cycles[0].message_event.is_set()
+    assert cycles[1].message_event.is_set()
+
+
+@pytest.mark.parametrize("body", [b"hel", b"hello!"], ids=["short", "long"])
+async def test_a_whole_answer_of_another_length_than_its_head_said_fails_as_in_uvicorn(
+    body: bytes,
+) -> None:
+    said = []
+    for kind in (_Cycle, RequestResponseCycle):
+        wire = _Wire()
+        cycle = _cycle(wire, kind=kind)
+        await cycle.send(_start(5, whole=kind is _Cycle))
+        with pytest.raises(RuntimeError) as raised:
+            await cycle.send({"type": "http.response.body", "body": body, "more_body": False})
+        said.append((str(raised.value), b"".join(d for d in wire.done if isinstance(d, bytes))))
     assert said[0] == said[1]
