@@ -60,7 +60,10 @@ class Gateway(FastAPI):
             return
         path = scope["path"]
         if path not in OWN_PATHS and not path.startswith(PREFIX):
-            await self.proxy(scope, receive, send)
+            # Read, then called: called as a method, an attribute the instance holds is a
+            # lookup Python 3.11 cannot specialize.
+            proxy = self.proxy
+            await proxy(scope, receive, send)
             return
         # slotgate's own answers carry the request id as relayed ones do, errors included.
         ids = id_headers(request_id(scope))

@@ -89,6 +89,16 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header 
 _sweeps: weakref.WeakKeyDictionary[ServerState, asyncio.TimerHandle] = weakref.WeakKeyDictionary()
 
 
+#: uvicorn's own callbacks, called by name: on Python 3.11 `super()` makes an object and a
+#: method lookup the interpreter cannot specialize, and these run for every request.
+_uvicorn_data_received = HttpToolsProtocol.data_received
+_uvicorn_on_message_begin = HttpToolsProtocol.on_message_begin
+_uvicorn_on_headers_complete = HttpToolsProtocol.on_headers_complete
+_uvicorn_on_body = HttpToolsProtocol.on_body
+_uvicorn_on_message_complete = HttpToolsProtocol.on_message_complete
+_uvicorn_on_response_complete = HttpToolsProtocol.on_response_complete
+
+
 class BoundedHeadProtocol(HttpToolsProtocol):
     # Slots: uvicorn's own attributes fill the instance dict to the brim, and a few more
     # would double it (1.5 KB a connection).
@@ -156,7 +166,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._head_since = self.loop.time()
         self._fresh = False
-        super().on_message_begin()
+        _uvicorn_on_message_begin(self)
 
     def on_headers_complete(self) -> None:
         self._head_since = None
@@ -169,10 +179,12 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             )
             return
         previous = self.cycle
-        super().on_headers_complete()
+        _uvicorn_on_headers_complete(self)
         if self.cycle is not previous:
-            # uvicorn builds the cycle itself; its class, swapped, costs a request nothing.
+            # uvicorn builds the cycle itself; its class is swapped, and the held head set on
+            # the instance, where reading it costs less than from the class.
             self.cycle.__class__ = _Cycle
+            self.cycle._head = None  # type: ignore[attr-defined]
         if previous is not None and not previous.response_complete:
             earlier = [c for c in self._earlier or () if not c.response_complete]
             earlier.append(previous)
@@ -182,13 +194,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self._head_left is None:
             return
         self._head_left += len(body)
-        super().on_body(body)
+        _uvicorn_on_body(self, body)
 
     def on_message_complete(self) -> None:
         if self._head_left is None:
             return
         self._head_left = HEAD_LIMIT_BYTES
-        super().on_message_complete()
+        _uvicorn_on_message_complete(self)
 
     def on_response_complete(self) -> None:
         # A head begun behind the request just answered gets its full time from now.
@@ -196,7 +208,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._head_since = self.loop.time()
         if self._earlier is not None:
             self._earlier = [c for c in self._earlier if not c.response_complete] or None
-        super().on_response_complete()
+        _uvicorn_on_response_complete(self)
 
     # -- uvicorn's own answers, in the API's shape ----------------------------------------------
 
@@ -239,7 +251,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     # -- internals -------------------------------------------------------------------------------
 
     def _parse(self, data: bytes) -> None:
-        super().data_received(data)
+        _uvicorn_data_received(self, data)
         if self._head_left is None or self.transport.is_closing():
             return
         self._head_left -= len(data)  # the body in it was credited back by on_body
