@@ -1,0 +1,258 @@
+"""Answers' heads and ends as clients see them on real sockets: whatever framing llama-server
+answers with (204, 304, chunked, capitals, duplicates, many headers), HEAD requests, pipelined
+requests, slotgate's own routes with and without keys, and the ways a relayed non-streamed
+answer ends early (its client leaving, an operator's cancel, the drain timeout at shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from tests.conftest import CHAT, GateFactory, RunningGate, before_hostile, chat
+from tests.support.hostile import Answer, Hostile, Peer, Request, reply, sends
+
+Head = tuple[int, list[tuple[bytes, bytes]]]
+
+
+async def read_answer(reader: asyncio.StreamReader, method: str) -> tuple[Head, bytes]:
+    """One answer off a keep-alive connection, read by its own framing as a client would."""
+    async with asyncio.timeout(30):
+        raw = await reader.readuntil(b"\r\n\r\n")
+        line, *fields = raw[:-4].split(b"\r\n")
+        status = int(line.split(b" ", 2)[1])
+        headers = [(n, v.strip()) for n, _, v in (f.partition(b":") for f in fields)]
+        names = [n for n, _ in headers]
+        if method == "HEAD" or status in (204, 304):
+            return (status, headers), b""
+        if b"transfer-encoding" in names:
+            body = b""
+            while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+                body += (await reader.readexactly(size + 2))[:-2]
+            await reader.readexactly(2)
+            return (status, headers), body
+        length = int(dict(headers)[b"content-length"])
+        return (status, headers), await reader.readexactly(length)
+
+
+def ask(method: str, path: str, extra: bytes = b"") -> bytes:
+    return b"%s %s HTTP/1.1\r\nHost: x\r\n%s\r\n" % (method.encode(), path.encode(), extra)
+
+
+#: llama-server's answers to a GET, each one a framing or a head a relay could get wrong.
+FRAMINGS = {
+    "no-content": b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n",
+    "not-modified": b'HTTP/1.1 304 Not Modified\r\nETag: "e"\r\n\r\n',
+    "chunked": (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b'5\r\n{"a":\r\n2\r\n1}\r\n0\r\n\r\n'
+    ),
+    "odd-names": reply(
+        200,
+        b'{"a":1}',
+        (
+            ("X-UPPER-Case", "V"),
+            ("Set-Cookie", "a=1"),
+            ("set-cookie", "b=2"),
+            ("X-Empty", ""),
+            ("X-Tab", "a\tb"),
+            ("Server", "llama"),
+            ("Date", "yesterday"),
+            ("Keep-Alive", "5"),
+        ),
+    ),
+    "many-headers": reply(200, b'{"a":1}', tuple((f"X-H{i}", str(i)) for i in range(90))),
+}
+
+
+@pytest.mark.parametrize("framing", sorted(FRAMINGS))
+async def test_any_framing_llama_server_answers_with_is_relayed_framed_and_both_connections_reused(
+    start_gate: GateFactory, hostile: Hostile, framing: str
+) -> None:
+    gate = await before_hostile(start_gate, hostile)
+    hostile.fallback = sends(FRAMINGS[framing])
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    methods = ["GET", "GET", "HEAD", "GET"]
+    try:
+        # Pipelined, all four at once: each answer must end where its framing says.
+        writer.write(b"".join(ask(method, "/slots") for method in methods))
+        answers = [await read_answer(reader, method) for method in methods]
+        # And the connection still serves: nothing was left over or cut.
+        writer.write(ask("GET", "/health"))
+        hostile.fallback = sends(reply(200, b'{"status":"ok"}'))
+        (status, _), body = await read_answer(reader, "GET")
+        assert (status, body) == (200, b'{"status":"ok"}')
+    finally:
+        writer.close()
+    heads = [head for head, _ in answers]
+    assert len({status for status, _ in heads}) == 1
+    first_status, first = heads[0]
+    for (_, headers), method in zip(heads, methods, strict=True):
+        names = [name for name, _ in headers]
+        assert all(name == name.lower() for name in names)
+        # One date (slotgate's), no server of llama-server's, no hop-by-hop header relayed.
+        assert names.count(b"date") == 1
+        assert dict(headers)[b"date"] != b"yesterday"
+        assert b"server" not in names
+        assert b"keep-alive" not in names
+        framing_of = [name for name in names if name in (b"transfer-encoding", b"content-length")]
+        if first_status in (204, 304):
+            assert framing_of == []  # no body, and none announced
+        elif framing == "chunked":
+            # A HEAD's answer is the GET's head but for the framing of a body it does not have.
+            assert framing_of == ([] if method == "HEAD" else [b"transfer-encoding"])
+        else:
+            assert framing_of == [b"content-length"]
+            assert dict(headers)[b"content-length"] == b"7"
+    gets = [body for (_, _), body in answers[:2]]
+    assert gets[0] == gets[1]
+    if first_status == 200:
+        assert json.loads(gets[0]) == {"a": 1}
+    if framing == "odd-names":
+        assert [v for n, v in first if n == b"set-cookie"] == [b"a=1", b"b=2"]
+        assert (b"x-upper-case", b"V") in first
+        assert (b"x-tab", b"a\tb") in first
+        assert (b"x-empty", b"") in first
+    if framing == "many-headers":
+        assert [n for n, _ in first if n.startswith(b"x-h")] == [b"x-h%d" % i for i in range(90)]
+    # The two GETs before the HEAD went over one connection to llama-server, pooled between.
+    served = [r for r in hostile.served() if r.target == "/slots"]
+    assert [r.method for r in served] == methods
+    assert served[0].connection == served[1].connection
+
+
+def until_closed(closed: asyncio.Event, head: bytes = b"") -> Answer:
+    """Write `head` (nothing, or the start of an answer), then wait for slotgate to close the
+    connection, and say so: the way llama-server learns to stop generating."""
+
+    async def answer(peer: Peer, _: Request) -> None:
+        if head:
+            await peer.write(head)
+        while not peer.hung_up():
+            await asyncio.sleep(0.01)
+        closed.set()
+
+    return answer
+
+
+def generation_bytes(request_id: str) -> bytes:
+    body = json.dumps(chat()).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: %s\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (CHAT.encode(), request_id.encode(), len(body), body)
+    )
+
+
+async def metrics_text(gate: RunningGate) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(ask("GET", "/metrics?source=slotgate"))
+        _, body = await read_answer(reader, "GET")
+    finally:
+        writer.close()
+    return body.decode()
+
+
+async def error_of(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
+    (status, _), body = await read_answer(reader, "POST")
+    error: dict[str, Any] = json.loads(body)["error"]
+    return status, error
+
+
+@pytest.mark.parametrize("when", ["before-its-head", "after-its-head"])
+@pytest.mark.parametrize("how", ["client-leaves", "operator-cancels", "shutdown-drain-ends"])
+async def test_a_relayed_non_streamed_answer_cut_short_closes_llama_servers_connection_and_says_why(
+    start_gate: GateFactory, hostile: Hostile, how: str, when: str
+) -> None:
+    # Sent as it is (not assembled from a stream): llama-server's answer is relayed whole, and
+    # until it is, the slot is held by a connection that must be closed for llama-server to
+    # stop generating.
+    gate = await before_hostile(start_gate, hostile, stream_upstream=False)
+    closed = asyncio.Event()
+    started = b""
+    if when == "after-its-head":  # its head and part of its body came, the rest never does
+        started = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
+    hostile.script.append(until_closed(closed, started))
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(generation_bytes("cut-1"))
+    await gate.until(lambda: len(hostile.served()) == 1)
+    await gate.until(lambda: gate.service.admission.active == 1)
+    stopping = None
+    try:
+        if how == "client-leaves":
+            writer.close()
+        elif how == "operator-cancels":
+            told, control = await asyncio.open_connection("127.0.0.1", gate.port)
+            control.write(b"POST /admin/requests/cut-1/cancel HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Length: 0\r\n\r\n")  # fmt: skip
+            (status, _), _ = await read_answer(told, "POST")
+            control.close()
+            assert status == 200
+        else:
+            stopping = asyncio.create_task(gate.stop())
+        async with asyncio.timeout(30):
+            await closed.wait()
+        if how == "operator-cancels":
+            status, error = await error_of(reader)
+            assert (status, error["code"]) == (503, "cancelled_by_operator")
+            # Its slot went back before its client was told.
+            assert gate.service.admission.active == 0
+        elif how == "shutdown-drain-ends":
+            status, error = await error_of(reader)
+            assert (status, error["code"]) == (503, "shutting_down")
+        else:
+            await gate.until(lambda: gate.service.admission.active == 0)
+    finally:
+        writer.close()
+        if stopping is not None:
+            await stopping
+    if how != "shutdown-drain-ends":
+        reason = "client_gone" if how == "client-leaves" else "cancelled"
+        assert f'slotgate_requests_rejected_total{{family="chat",reason="{reason}"}} 1.0' in (
+            await metrics_text(gate)
+        )
+
+
+OWN_ROUTES = ["/healthz", "/readyz", "/admission", "/metrics", "/status", "/v1/models", "/health"]
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_slotgates_own_routes_and_refusals_answer_every_pipelined_request_framed(
+    start_gate: GateFactory, hostile: Hostile, keyed: bool
+) -> None:
+    gate = await before_hostile(start_gate, hostile, **({"api_keys": "sk-a"} if keyed else {}))
+    hostile.fallback = sends(reply(200, b'{"data":[]}'))
+    asked = [(method, path) for path in OWN_ROUTES for method in ("GET", "HEAD")]
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(b"".join(ask(method, path) for method, path in asked))
+        answers = [await read_answer(reader, method) for method, _ in asked]
+        # The last asks for the connection's end, and gets it after its answer.
+        writer.write(ask("GET", "/healthz", b"Connection: close\r\n"))
+        (status, headers), body = await read_answer(reader, "GET")
+        assert (status, body) == (200, b'{"status":"ok"}')
+        assert (b"connection", b"close") in headers
+        async with asyncio.timeout(30):
+            assert await reader.read() == b""
+    finally:
+        writer.close()
+    by_path: dict[str, list[tuple[int, bytes]]] = {}
+    for (method, path), ((status, headers), body) in zip(asked, answers, strict=True):
+        names = [name for name, _ in headers]
+        assert names.count(b"date") == 1, (method, path)
+        assert b"x-request-id" in names, (method, path)
+        if method == "HEAD":
+            assert body == b"", path
+        by_path.setdefault(path, []).append((status, body))
+    # The status page itself is open; the data it reads (/admission) is not.
+    open_paths = {"/healthz", "/readyz", "/health", "/status"}
+    for path, [(got, _), (head, _)] in by_path.items():
+        expected = 401 if keyed and path not in open_paths else 200
+        assert got == expected, path
+        # A HEAD is answered as its GET is, without the body; 405 where only GET is routed.
+        assert head == (405 if path in ("/admission", "/metrics") else got), path
+    assert by_path["/healthz"][1][0] == by_path["/readyz"][1][0] == 200
