@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
+from slotgate.proxy.protocol import BoundedHeadProtocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, before_hostile, chat
+from tests.proxy.test_protocol import hang_up
 from tests.support.hostile import Answer, Hostile, Peer, Request, reply, sends
+from tests.support.standin import StandIn
 
 Head = tuple[int, list[tuple[bytes, bytes]]]
 
@@ -256,3 +260,98 @@ async def test_slotgates_own_routes_and_refusals_answer_every_pipelined_request_
         # A HEAD is answered as its GET is, without the body; 405 where only GET is routed.
         assert head == (405 if path in ("/admission", "/metrics") else got), path
     assert by_path["/healthz"][1][0] == by_path["/readyz"][1][0] == 200
+
+
+def writes_paused(gate: RunningGate) -> bool:
+    """Some connection's client reads too slowly: uvicorn waits for its socket to drain."""
+    return any(
+        isinstance(c, BoundedHeadProtocol) and c.cycle is not None and c.cycle.flow.write_paused
+        for c in gate.server.server_state.connections
+    )
+
+
+@pytest.mark.parametrize("then", ["reads-late", "resets"])
+async def test_pipelined_whole_answers_to_a_client_that_does_not_read_wait_for_it_whole(
+    start_gate: GateFactory, standin: StandIn, caplog: pytest.LogCaptureFixture, then: str
+) -> None:
+    # Each answer's head waits with its body for the client's socket to drain: what the held
+    # head and the one write must keep intact, or let go of when the client resets.
+    gate = await start_gate()
+    bodies = [bytes([ord("a") + i % 26]) * 256 * 1024 for i in range(24)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        for body in bodies:
+            writer.write(
+                b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+        await gate.until(lambda: writes_paused(gate))
+        if then == "resets":
+            hang_up(writer, "reset")
+            await gate.until(lambda: not gate.server.server_state.connections)
+        else:
+            for body in bodies:
+                (status, _), got = await read_answer(reader, "POST")
+                assert status == 200
+                assert json.loads(got)["body"] == body.decode()  # the stand-in's echo
+    finally:
+        writer.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
+    fresh_reader, fresh = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        fresh.write(ask("GET", "/health"))
+        (status, _), _ = await read_answer(fresh_reader, "GET")
+        assert status == 200
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize(
+    "variant", ["expect-100-continue", "http-1.0", "http-1.0-keep-alive", "connection-close"]
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_generation_over_any_connection_kind_is_answered_framed_and_ends_it_as_asked(
+    start_gate: GateFactory, standin: StandIn, variant: str, stream: bool
+) -> None:
+    gate = await start_gate()
+    body = json.dumps(chat(stream=stream)).encode()
+    version, extra = b"1.1", b""
+    if variant == "expect-100-continue":
+        extra = b"Expect: 100-continue\r\n"
+    elif variant.startswith("http-1.0"):
+        version = b"1.0"
+        extra = b"Connection: keep-alive\r\n" if variant.endswith("keep-alive") else b""
+    elif variant == "connection-close":
+        extra = b"Connection: close\r\n"
+    head = (
+        b"POST %s HTTP/%s\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d"
+        b"\r\n\r\n" % (CHAT.encode(), version, extra, len(body))
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(head)
+        if variant == "expect-100-continue":
+            async with asyncio.timeout(30):
+                interim = await reader.readuntil(b"\r\n\r\n")
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        (status, headers), got = await read_answer(reader, "POST")
+        assert status == 200
+        if stream:
+            assert got.endswith(b"data: [DONE]\n\n")
+        else:
+            assert json.loads(got)["object"] == "chat.completion"
+        # uvicorn ends every HTTP/1.0 connection after its answer, keep-alive asked or not.
+        kept = variant == "expect-100-continue"
+        assert ((b"connection", b"close") in headers) == (not kept)
+        if kept:
+            writer.write(ask("GET", "/health"))
+            (status, _), _ = await read_answer(reader, "GET")
+            assert status == 200
+        else:
+            async with asyncio.timeout(30):
+                assert await reader.read() == b""
+    finally:
+        writer.close()
+    assert gate.service.admission.active == 0
