@@ -15,7 +15,7 @@ from slotgate.proxy.protocol import BoundedHeadProtocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, before_hostile, chat
 from tests.proxy.test_protocol import hang_up
-from tests.support.hostile import Answer, Hostile, Peer, Request, reply, sends
+from tests.support.hostile import CHAT_STREAM, Answer, Hostile, Peer, Request, reply, sends
 from tests.support.standin import StandIn
 
 Head = tuple[int, list[tuple[bytes, bytes]]]
@@ -354,4 +354,42 @@ async def test_a_generation_over_any_connection_kind_is_answered_framed_and_ends
                 assert await reader.read() == b""
     finally:
         writer.close()
+    assert gate.service.admission.active == 0
+
+
+#: A chat stream kept open after its end, as llama-server may keep a connection.
+KEPT_STREAM = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%s\r\n" % (len(event), event) for event in CHAT_STREAM)
+    + b"0\r\n\r\n"
+)
+COMPLETION = reply(200, b'{"object":"chat.completion","choices":[]}')
+
+
+@pytest.mark.parametrize("upstream_as", ["sent", "stream"])
+@pytest.mark.usefixtures("quiet_upstreams")
+async def test_a_generation_relayed_to_its_end_gives_llama_servers_connection_to_the_next(
+    start_gate: GateFactory, hostile: Hostile, upstream_as: str
+) -> None:
+    assembled = upstream_as == "stream"
+    gate = await before_hostile(start_gate, hostile, stream_upstream=assembled)
+    hostile.fallback = sends(KEPT_STREAM if assembled else COMPLETION)
+    primary = gate.service.fleet.primary
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        for n in range(3):
+            writer.write(generation_bytes(f"kept-{n}"))
+            (status, _), body = await read_answer(reader, "POST")
+            assert status == 200
+            assert json.loads(body)["object"] == "chat.completion"
+            if n == 0 and assembled:
+                # The first stream's connection is held aside until slotgate has learned that
+                # llama-server keeps such connections open; pooled from then on.
+                await gate.until(lambda: primary.keeps_streams is not None)
+                assert primary.keeps_streams
+    finally:
+        writer.close()
+    generations = [r for r in hostile.served() if r.target == CHAT]
+    assert [json.loads(r.body)["stream"] for r in generations] == [assembled] * 3
+    assert len({r.connection for r in generations}) == 1
     assert gate.service.admission.active == 0
