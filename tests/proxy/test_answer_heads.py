@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import pytest
+from slotgate.proxy import relay as relay_module
 from slotgate.proxy.protocol import BoundedHeadProtocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, before_hostile, chat
@@ -393,3 +394,60 @@ async def test_a_generation_relayed_to_its_end_gives_llama_servers_connection_to
     assert [json.loads(r.body)["stream"] for r in generations] == [assembled] * 3
     assert len({r.connection for r in generations}) == 1
     assert gate.service.admission.active == 0
+
+
+async def test_an_unexpected_failure_before_the_head_is_a_500_that_ends_the_connection(
+    start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = await start_gate()
+
+    def broken(path: str) -> str:
+        raise RuntimeError("a bug")  # anywhere before the head, where no refusal is meant
+
+    monkeypatch.setattr(relay_module, "checked_path", broken)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(generation_bytes("bug-1") + ask("GET", "/health"))
+        (status, headers), body = await read_answer(reader, "POST")
+        async with asyncio.timeout(30):
+            rest = await reader.read()
+    finally:
+        writer.close()
+    assert (status, body) == (500, b"Internal Server Error")
+    # uvicorn's own answer asks for the close itself: said once, and done, the request
+    # pipelined behind it unanswered.
+    assert [v for n, v in headers if n == b"connection"] == [b"close"]
+    assert rest == b""
+
+
+async def test_a_client_that_resets_while_its_generations_answers_wait_to_drain_frees_every_slot(
+    start_gate: GateFactory, hostile: Hostile, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Whole answers of 900 KB, pipelined: one waits in its head's drain, the next in line.
+    big = b'{"object":"chat.completion","pad":"' + b"x" * 900 * 1024 + b'"}'
+    gate = await before_hostile(start_gate, hostile, stream_upstream=False)
+    hostile.fallback = sends(reply(200, big))
+    _, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(b"".join(generation_bytes(f"big-{n}") for n in range(8)))
+        await gate.until(lambda: writes_paused(gate))
+        hang_up(writer, "reset")
+        await gate.until(lambda: not gate.server.server_state.connections)
+        await gate.until(lambda: gate.service.admission.active == 0)
+    finally:
+        writer.close()
+    assert gate.service.admission.queued == 0
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in (await metrics_text(gate)).splitlines()
+        if line.startswith("slotgate_")
+    }
+    admitted = values['slotgate_requests_admitted_total{family="chat"}']
+    served = values['slotgate_request_duration_seconds_count{family="chat"}']
+    gone = values['slotgate_requests_rejected_total{family="chat",reason="client_gone"}']
+    # Those whose answers the kernel took were served; the one in flight (in its head's drain,
+    # nearly always) ended as its client's leaving; each counted once, none left holding.
+    assert gone <= 1
+    assert 0 <= admitted - served <= gone
+    assert 1 <= served <= 8 - gone
