@@ -451,3 +451,28 @@ async def test_a_client_that_resets_while_its_generations_answers_wait_to_drain_
     assert gone <= 1
     assert 0 <= admitted - served <= gone
     assert 1 <= served <= 8 - gone
+
+
+@pytest.mark.parametrize("path", ["/slots", CHAT])
+async def test_a_status_past_http_s_range_from_llama_server_is_a_502_not_a_dropped_connection(
+    start_gate: GateFactory, hostile: Hostile, caplog: pytest.LogCaptureFixture, path: str
+) -> None:
+    # httptools reads any three digits as a status; uvicorn has a status line for 100 to 599
+    # only, and a head it cannot build drops the connection with no answer at all.
+    gate = await before_hostile(start_gate, hostile, stream_upstream=False)
+    hostile.fallback = sends(b"HTTP/1.1 799 Odd\r\nContent-Length: 2\r\n\r\n{}")
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(generation_bytes("odd-1") if path == CHAT else ask("GET", path))
+        status, error = await error_of(reader)
+        assert (status, error["code"]) == (502, "upstream_failed")
+        assert "799" in error["message"]
+        # The client's connection goes on.
+        hostile.fallback = sends(reply(200, b'{"status":"ok"}'))
+        writer.write(ask("GET", "/health"))
+        (status, _), _ = await read_answer(reader, "GET")
+        assert status == 200
+    finally:
+        writer.close()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert gate.service.admission.active == 0
