@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from slotgate.proxy import relay as relay_module
+from slotgate.proxy.modes import WHOLE_BODY_BYTES
 from slotgate.proxy.protocol import BoundedHeadProtocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, before_hostile, chat
@@ -166,10 +167,14 @@ async def error_of(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
     return status, error
 
 
-@pytest.mark.parametrize("when", ["before-its-head", "after-its-head"])
+@pytest.mark.parametrize("when", ["before-its-head", "after-its-head", "mid-body"])
 @pytest.mark.parametrize("how", ["client-leaves", "operator-cancels", "shutdown-drain-ends"])
 async def test_a_relayed_non_streamed_answer_cut_short_closes_llama_servers_connection_and_says_why(
-    start_gate: GateFactory, hostile: Hostile, how: str, when: str
+    start_gate: GateFactory,
+    hostile: Hostile,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+    when: str,
 ) -> None:
     # Sent as it is (not assembled from a stream): llama-server's answer is relayed whole, and
     # until it is, the slot is held by a connection that must be closed for llama-server to
@@ -181,11 +186,20 @@ async def test_a_relayed_non_streamed_answer_cut_short_closes_llama_servers_conn
         started = (
             b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
         )
+    elif when == "mid-body":  # too long to be read whole first: relayed as it comes
+        started = (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (2 * WHOLE_BODY_BYTES, b"x" * 65536)
+        )
     hostile.script.append(until_closed(closed, started))
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     writer.write(generation_bytes("cut-1"))
     await gate.until(lambda: len(hostile.served()) == 1)
     await gate.until(lambda: gate.service.admission.active == 1)
+    if when == "mid-body":
+        async with asyncio.timeout(30):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
     stopping = None
     try:
         if how == "client-leaves":
@@ -201,7 +215,13 @@ async def test_a_relayed_non_streamed_answer_cut_short_closes_llama_servers_conn
             stopping = asyncio.create_task(gate.stop())
         async with asyncio.timeout(30):
             await closed.wait()
-        if how == "operator-cancels":
+        if when == "mid-body" and how != "client-leaves":
+            # Its head went out: it can only be left unfinished, which its client sees.
+            async with asyncio.timeout(30):
+                got = await reader.read()
+            assert len(got) < 2 * WHOLE_BODY_BYTES
+            await gate.until(lambda: gate.service.admission.active == 0)
+        elif how == "operator-cancels":
             status, error = await error_of(reader)
             assert (status, error["code"]) == (503, "cancelled_by_operator")
             # Its slot went back before its client was told.
@@ -215,6 +235,10 @@ async def test_a_relayed_non_streamed_answer_cut_short_closes_llama_servers_conn
         writer.close()
         if stopping is not None:
             await stopping
+    if when != "mid-body" or how == "client-leaves":
+        # Told, or gone: the request ends quietly (a plain answer cut after its head is left
+        # unfinished, which uvicorn reports as an error of the app's).
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     if how != "shutdown-drain-ends":
         reason = "client_gone" if how == "client-leaves" else "cancelled"
         assert f'slotgate_requests_rejected_total{{family="chat",reason="{reason}"}} 1.0' in (
