@@ -25,6 +25,7 @@ from slotgate.errors import (
     ModelNotLoaded,
     QuotaExceeded,
     UnknownModel,
+    UpstreamFailed,
     UpstreamStarting,
     UpstreamUnavailable,
     refusal,
@@ -607,6 +608,10 @@ class Proxy:
         (a plain function: a coroutine frame less for every request)."""
         upstream = request.upstream
         assert upstream is not None  # noqa: S101 - set by _forward
+        if response.status > 599:
+            # httptools reads any three digits as a status; uvicorn has no status line past
+            # 599, and a head it cannot build drops the client's connection without a word.
+            raise UpstreamFailed(f"llama-server answered status {response.status}, not HTTP's")
         if not upstream.ready and response.status == 200:
             upstream.poke()  # e.g. its /health: it is back, so read its slot count now
         elif request.gated and response.status == 503 and self._startup_wait_s:

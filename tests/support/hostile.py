@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import json
 import os
+import select
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -85,6 +86,16 @@ class Peer:
     def close(self) -> None:
         self.closed = True
         self._writer.close()
+
+    def hung_up(self) -> bool:
+        """Has the other end closed the connection? Asked of the kernel, for an answer that
+        waits while slotgate holds the connection (its request read whole, anything readable
+        is the end)."""
+        poll = select.poll()
+        poll.register(
+            self._writer.get_extra_info("socket").fileno(), select.POLLIN | select.POLLRDHUP
+        )
+        return bool(poll.poll(0))
 
     def abort(self) -> None:
         """Drop the connection now, whatever is still buffered for it."""
