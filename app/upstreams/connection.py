@@ -193,7 +193,10 @@ class Connection(asyncio.Protocol):
             raise _Surplus
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        # Past the head these are a chunked body's trailers: no header of the answer (taken for
+        # one, a trailing Content-Type would give the client two).
+        if not self.head_done:
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()

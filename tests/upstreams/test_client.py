@@ -456,6 +456,28 @@ async def test_interim_answers_are_skipped_for_the_final_one(hostile: Hostile) -
     client.close()
 
 
+async def test_a_chunked_answers_trailers_are_not_taken_for_its_headers(hostile: Hostile) -> None:
+    hostile.script.append(
+        sends(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            b"7\r\n{\"n\":1}\r\n0\r\nContent-Type: text/html\r\nX-Late: 1\r\n\r\n"
+        )
+    )
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    status, body, response = await exchange(client)
+    assert (status, body) == (200, b'{"n":1}')
+    # What came after the body is no header of the answer: relayed as one, it would give the
+    # client a second Content-Type.
+    assert [name for name, _ in response.headers].count(b"content-type") == 1
+    assert response.header(b"content-type") == b"application/json"
+    assert response.header(b"x-late") is None
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 1]
+    client.close()
+
+
 async def test_a_switching_protocols_answer_is_a_protocol_error(hostile: Hostile) -> None:
     hostile.script.append(
         sends(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\nframes")
