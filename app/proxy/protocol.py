@@ -474,6 +474,14 @@ class DisconnectWatch:
         if self.connection._watch is self:
             self.connection._watch = None
 
+    def truncate(self) -> None:
+        """End the request's answer by closing its connection: all a client can be shown of a
+        plain answer cut after its head. The cycle is marked disconnected first, as losing the
+        connection would mark it, so that uvicorn takes the answer for one whose client left,
+        not for one its app failed to complete (an error in its log for every such cut)."""
+        self.cycle.disconnected = True
+        self.connection.transport.close()
+
 
 def watch_disconnect(receive: Receive, gone: Callable[[], None]) -> DisconnectWatch | None:
     """Call `gone` once if the client of the request `receive` belongs to disconnects before

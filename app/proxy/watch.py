@@ -239,7 +239,7 @@ class Watch:
                 return await self._cancelled(request, answer)
             request.outcome = Outcome.CLIENT_GONE
             return True
-        return await cut_short(request, answer, self._own)
+        return await cut_short(request, answer, self._own, self._truncate)
 
     async def _cancelled(self, request: Request, answer: Answer) -> bool:
         """Cancelled by an operator: its slot (or its place) back at once, then the client told
@@ -251,18 +251,35 @@ class Watch:
         if request.ticket is not None:
             request.ticket.release()
         if answer.started and not answer.stream and not answer.ending:
+            self._truncate()
             return True
         await answer.final_words(_CANCELLED, request.flavor, self._own(request))
         return True
 
+    def _truncate(self) -> bool:
+        """Close the connection of a plain answer cut after its head (its client sees the
+        truncation) without uvicorn logging it as an app's error; False where the connection
+        is not slotgate's own protocol's, and uvicorn ends it its own way."""
+        connection = self._connection
+        if connection is None:
+            return False
+        connection.truncate()
+        return True
 
-async def cut_short(request: Request, answer: Answer, own: Callable[[Request], Headers]) -> bool:
+
+async def cut_short(
+    request: Request,
+    answer: Answer,
+    own: Callable[[Request], Headers],
+    truncate: Callable[[], bool] = lambda: False,
+) -> bool:
     """Cancelled from outside: the drain timeout ran out at shutdown. Tell the client while its
     answer can still carry an error; True when it was told.
 
     Then the task may end normally, as uvicorn's shutdown wants, rather than log an error with
     a traceback for every request the drain timeout cut. A plain answer whose head went out can
-    only be left unfinished, which the client sees as a truncation.
+    only be left unfinished, which the client sees as a truncation: `truncate` closes its
+    connection (False where it cannot, and the cancellation goes on up).
     """
     message = "slotgate shut down before this request finished"
     cut = Refusal(503, "unavailable_error", "shutting_down", message, "internal")
@@ -272,7 +289,10 @@ async def cut_short(request: Request, answer: Answer, own: Callable[[Request], H
         await answer.final_words(cut, request.flavor, [])
         return True
     if answer.started and not answer.stream:
-        return False
+        if not truncate():
+            return False
+        request.outcome = Outcome.SHUTDOWN
+        return True
     request.outcome = Outcome.SHUTDOWN
     await answer.final_words(cut, request.flavor, own(request))
     return True

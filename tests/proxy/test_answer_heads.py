@@ -235,10 +235,9 @@ async def test_a_relayed_non_streamed_answer_cut_short_closes_llama_servers_conn
         writer.close()
         if stopping is not None:
             await stopping
-    if when != "mid-body" or how == "client-leaves":
-        # Told, or gone: the request ends quietly (a plain answer cut after its head is left
-        # unfinished, which uvicorn reports as an error of the app's).
-        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # Told, gone, or left unfinished (a plain answer cut after its head): the request ends
+    # quietly, with no error of the app's in uvicorn's log.
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     if how != "shutdown-drain-ends":
         reason = "client_gone" if how == "client-leaves" else "cancelled"
         assert f'slotgate_requests_rejected_total{{family="chat",reason="{reason}"}} 1.0' in (

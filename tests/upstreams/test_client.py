@@ -461,7 +461,7 @@ async def test_a_chunked_answers_trailers_are_not_taken_for_its_headers(hostile:
         sends(
             b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
-            b"7\r\n{\"n\":1}\r\n0\r\nContent-Type: text/html\r\nX-Late: 1\r\n\r\n"
+            b'7\r\n{"n":1}\r\n0\r\nContent-Type: text/html\r\nX-Late: 1\r\n\r\n'
         )
     )
     hostile.fallback = sends(reply(200, b'{"n":2}'))
