@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from slotgate.asgi import Message, Receive
+from slotgate.asgi import Receive
 from slotgate.errors import (
     BadRequest,
     GateError,
@@ -56,18 +56,12 @@ from slotgate.errors import (
     UpgradeRefused,
     refusal,
 )
-from slotgate.proxy.answer import BODY_FOLLOWS
+from slotgate.proxy.cycle import Cycle
 from slotgate.proxy.headers import id_headers
 from slotgate.proxy.refusals import render
 from slotgate.proxy.request import request_id
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_RE,
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 #: A read that ends one request and starts the next is counted whole against the next: reads
@@ -183,7 +177,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self.cycle is not previous:
             # uvicorn builds the cycle itself; its class is swapped, and the held head set on
             # the instance, where reading it costs less than from the class.
-            self.cycle.__class__ = _Cycle
+            self.cycle.__class__ = Cycle
             self.cycle._head = None  # type: ignore[attr-defined]
         if previous is not None and not previous.response_complete:
             earlier = [c for c in self._earlier or () if not c.response_complete]
@@ -316,149 +310,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.socket_paused = False
             self.transport.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
-
-
-class _Cycle(RequestResponseCycle):
-    """uvicorn's request cycle, with a cheaper head, and a whole answer's head and body written
-    in one system call.
-
-    The head. uvicorn checks each header's name and value with a regular expression of its
-    own, lowercases each name into a new string and builds a list per header: for the six or
-    so headers of an answer, about a hundred allocations, more than any other step of a
-    relayed request. `_head_bytes` builds the same head (uvicorn's status lines, its framing
-    decisions, its default headers first) and makes the same two checks, each once over all
-    the names and once over all the values: a character class matches in the joined bytes
-    exactly where it matches in one of them.
-
-    One write. uvicorn writes the head the moment the app sends it: for a non-streamed
-    answer, one write for the head and one for the body, each a trip through the kernel's TCP
-    stack. A head sent with `BODY_FOLLOWS` (app/proxy/answer.py) is held, and goes out with
-    the body: a whole body of the length the head said is written with it and the answer
-    ended as uvicorn ends one; any other body goes through uvicorn's `send`, which writes the
-    head first, whatever it does to the transport (close it) lets the head out first, and a
-    send that ends without writing (cancelled while uvicorn waits for the socket to drain, or
-    refused) lets it out too, unless the client has gone: the head never waits past the next
-    send, which the app makes at once.
-    """
-
-    _head: bytes | None = None
-
-    async def send(self, message: Message) -> None:  # type: ignore[override]
-        head = self._head
-        if head is None:
-            if self.response_started or message["type"] != "http.response.start" or self.access_log:
-                await super().send(message)  # type: ignore[arg-type]
-                return
-            if self.flow.write_paused and not self.disconnected:
-                await self.flow.drain()
-            if self.disconnected:
-                return
-            head = self._head_bytes(message)
-            if message.get(BODY_FOLLOWS):
-                self._head = head
-            else:
-                self.transport.write(head)
-            return
-        if self.flow.write_paused and not self.disconnected:
-            # Waited for here, as uvicorn would: then nothing waits while the transport is
-            # swapped, so no timer or cancellation finds the swap.
-            await self.flow.drain()
-        self._head = None
-        if (
-            message["type"] == "http.response.body"
-            and not message.get("more_body", False)
-            and not self.disconnected
-            and self.chunked_encoding is False
-            and self.scope["method"] != "HEAD"
-            and len(body := message.get("body", b"")) == self.expected_content_length
-        ):
-            # The whole answer, ended as uvicorn's `send` ends one, its head and body in one
-            # write. (Through uvicorn's `send` with the transport swapped, as below, it costs
-            # a request more: the swap makes uvicorn's writes see two kinds of transport.)
-            self.transport.write(head + body)
-            self.expected_content_length = 0
-            self.response_complete = True
-            self.message_event.set()
-            if not self.keep_alive:
-                self.transport.close()
-            self.on_response()
-            return
-        transport = self.transport
-        joined = _Joined(transport, head)
-        self.transport = joined  # type: ignore[assignment]
-        try:
-            await super().send(message)  # type: ignore[arg-type]
-        finally:
-            self.transport = transport
-            if joined.head is not None and not self.disconnected:
-                transport.write(joined.head)
-
-    def _head_bytes(self, message: Message) -> bytes:
-        """The head of the answer `message` starts, as uvicorn's `send` builds it, its state
-        (keep-alive, framing, the length expected) set as uvicorn sets it."""
-        self.response_started = True
-        self.waiting_for_100_continue = False
-        status: int = message["status"]
-        headers = [*self.default_headers, *message.get("headers", ())]
-        if HEADER_RE.search(b"".join([name for name, _ in headers])):
-            raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
-            raise RuntimeError("Invalid HTTP header value.")
-        content = [STATUS_LINE[status]]
-        close = False
-        for name, value in headers:
-            if not name.islower():
-                name = name.lower()
-            if name == b"content-length" and self.chunked_encoding is None:
-                self.expected_content_length = int(value.decode())
-                self.chunked_encoding = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self.expected_content_length = 0
-                self.chunked_encoding = True
-            elif name == b"connection" and b"close" in [
-                token.lower().strip() for token in value.split(b",")
-            ]:
-                self.keep_alive = False
-                close = True
-            content += (name, b": ", value, b"\r\n")
-        if not self.keep_alive and not close:
-            content.append(b"connection: close\r\n")
-        if (
-            self.chunked_encoding is None
-            and self.scope["method"] != "HEAD"
-            and status not in (204, 304)
-        ):
-            # Neither content-length nor transfer-encoding specified.
-            self.chunked_encoding = True
-            content.append(b"transfer-encoding: chunked\r\n")
-        content.append(b"\r\n")
-        return b"".join(content)
-
-
-class _Joined:
-    """What a `_Cycle` writes through while it sends the body after a held head: the first
-    write goes out after the head, in one system call; any other use of the transport (a
-    close) lets the head out first."""
-
-    __slots__ = ("head", "transport")
-
-    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
-        self.transport = transport
-        self.head: bytes | None = head
-
-    def write(self, data: bytes) -> None:
-        head = self.head
-        if head is None:
-            self.transport.write(data)
-            return
-        self.head = None
-        self.transport.write(head + data)
-
-    def __getattr__(self, name: str) -> Any:
-        head, self.head = self.head, None
-        if head is not None:
-            self.transport.write(head)
-        return getattr(self.transport, name)
 
 
 @dataclass(slots=True, eq=False, repr=False)

@@ -1,0 +1,208 @@
+"""slotgate's request cycle: the answer's head it builds and the whole answer it writes at once,
+held to what uvicorn's own cycle writes and leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from slotgate.proxy.answer import BODY_FOLLOWS
+from slotgate.proxy.cycle import Cycle
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from tests.conftest import CHAT
+
+
+class _Wire:
+    """A transport that records what is done to it, in order."""
+
+    def __init__(self) -> None:
+        self.done: list[bytes | str] = []
+
+    def write(self, data: bytes) -> None:
+        self.done.append(bytes(data))
+
+    def close(self) -> None:
+        self.done.append("close")
+
+    def is_closing(self) -> bool:
+        return "close" in self.done
+
+
+def _cycle(
+    wire: _Wire,
+    *,
+    keep_alive: bool = True,
+    method: str = "POST",
+    default: list[tuple[bytes, bytes]] | None = None,
+    kind: type[RequestResponseCycle] = Cycle,
+) -> Any:
+    transport: Any = wire
+    scope: Any = {"method": method, "path": CHAT, "http_version": "1.1"}
+    return kind(
+        scope, transport, FlowControl(transport), logging.getLogger("test"),
+        logging.getLogger("test.access"), False, default or [], asyncio.Event(), False,
+        keep_alive, lambda: wire.done.append("on_response"),
+    )  # fmt: skip
+
+
+def _start(length: int, *, whole: bool) -> dict[str, Any]:
+    headers = [(b"content-length", str(length).encode())]
+    message: dict[str, Any] = {"type": "http.response.start", "status": 200, "headers": headers}
+    if whole:
+        message[BODY_FOLLOWS] = True
+    return message
+
+
+async def test_a_whole_answer_goes_out_in_one_write_and_any_other_in_order() -> None:
+    end = {"type": "http.response.body", "body": b"hello", "more_body": False}
+    joined, plain = _Wire(), _Wire()
+    for wire, whole in ((joined, True), (plain, False)):
+        cycle = _cycle(wire)
+        await cycle.send(_start(5, whole=whole))
+        await cycle.send(end)
+    assert len(joined.done) == 2
+    assert isinstance(joined.done[0], bytes)
+    assert joined.done[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert joined.done[0].endswith(b"\r\n\r\nhello")
+    assert joined.done[1] == "on_response"
+    assert plain.done == [joined.done[0][:-5], b"hello", "on_response"]
+    # A close right after the body (the client asked for one) comes after both.
+    closing = _Wire()
+    cycle = _cycle(closing, keep_alive=False)
+    await cycle.send(_start(5, whole=True))
+    await cycle.send(end)
+    assert closing.done[1:] == ["close", "on_response"]
+    assert isinstance(closing.done[0], bytes)
+    # A body uvicorn refuses before writing it still lets the held head out.
+    refused = _Wire()
+    cycle = _cycle(refused)
+    await cycle.send(_start(2, whole=True))
+    with pytest.raises(RuntimeError, match="longer than Content-Length"):
+        await cycle.send(end)
+    assert len(refused.done) == 1
+    assert isinstance(refused.done[0], bytes)
+    assert refused.done[0].endswith(b"\r\n\r\n")
+
+
+_HEADS = [
+    pytest.param("POST", 200, [(b"content-length", b"5")], id="a-length"),
+    pytest.param(
+        "POST", 200, [(b"Content-Type", b"text/plain"), (b"Content-Length", b"5")],
+        id="names-with-capitals",
+    ),
+    pytest.param("POST", 200, [(b"transfer-encoding", b"Chunked")], id="chunked"),
+    pytest.param("POST", 200, [(b"content-type", b"text/event-stream")], id="no-length"),
+    pytest.param("HEAD", 200, [], id="a-head-request"),
+    pytest.param("POST", 204, [], id="no-content"),
+    pytest.param(
+        "POST", 200, [(b"connection", b"Keep-Alive, CLOSE"), (b"content-length", b"0")],
+        id="a-close-asked-for",
+    ),
+    pytest.param("POST", 418, [(b"x-a", b"1"), (b"x-b", b""), (b"x-c", b"a\tb")], id="odd-values"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "status", "headers"), _HEADS)
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_an_answers_head_is_the_one_uvicorn_builds_and_leaves_the_same_state(
+    method: str, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> None:
+    ours, uvicorns = _Wire(), _Wire()
+    cycles = [
+        _cycle(wire, keep_alive=keep_alive, method=method, default=[(b"date", b"today")], kind=kind)
+        for wire, kind in ((ours, Cycle), (uvicorns, RequestResponseCycle))
+    ]
+    for cycle in cycles:
+        await cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+    assert ours.done == uvicorns.done
+    assert len(ours.done) == 1
+    for state in (
+        "response_started", "chunked_encoding", "expected_content_length", "keep_alive",
+        "waiting_for_100_continue",
+    ):  # fmt: skip
+        assert getattr(cycles[0], state) == getattr(cycles[1], state), state
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b"x bad", b"1")],
+        [(b"x-a:", b"1")],
+        [(b"x\r\n", b"1")],
+        [(b"x-a", b"1\r\nx-b: 2")],
+        [(b"x-a", b"1\nx-b: 2")],
+        [(b"x-a", b"1\r")],
+        [(b"x-a", b"\x00")],
+        [(b"x-a", b"\x7f")],
+        [(b"x-ok", b"1"), (b"x-a", b"a\x0bb")],
+    ],
+)
+async def test_a_header_uvicorn_refuses_is_refused_alike_and_nothing_is_written(
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    said = []
+    for kind in (Cycle, RequestResponseCycle):
+        wire = _Wire()
+        with pytest.raises(RuntimeError) as raised:
+            await _cycle(wire, kind=kind).send(
+                {"type": "http.response.start", "status": 200, "headers": headers}
+            )
+        said.append(str(raised.value))
+        assert wire.done == []
+    assert said[0] == said[1]
+
+
+_WHOLE = [
+    pytest.param("POST", [(b"content-length", b"5")], b"hello", id="its-length"),
+    pytest.param("HEAD", [(b"content-length", b"5")], b"", id="a-head-request"),
+    pytest.param("POST", [(b"content-type", b"text/plain")], b"hello", id="chunked"),
+    pytest.param("POST", [(b"content-length", b"0")], b"", id="empty"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "headers", "body"), _WHOLE)
+@pytest.mark.parametrize("keep_alive", [True, False])
+async def test_a_whole_answer_ends_as_uvicorn_ends_one_in_one_write(
+    method: str, headers: list[tuple[bytes, bytes]], body: bytes, keep_alive: bool
+) -> None:
+    ours, uvicorns = _Wire(), _Wire()
+    cycles = [
+        _cycle(wire, keep_alive=keep_alive, method=method, kind=kind)
+        for wire, kind in ((ours, Cycle), (uvicorns, RequestResponseCycle))
+    ]
+    start = {"type": "http.response.start", "status": 200, "headers": headers}
+    end = {"type": "http.response.body", "body": body, "more_body": False}
+    for cycle in cycles:
+        await cycle.send({**start, BODY_FOLLOWS: True} if cycle is cycles[0] else start)
+        await cycle.send(end)
+    # The same bytes, and then the same close if any: uvicorn's in two writes, ours in one.
+    assert b"".join(d for d in ours.done if isinstance(d, bytes)) == b"".join(
+        d for d in uvicorns.done if isinstance(d, bytes)
+    )
+    assert [d for d in ours.done if isinstance(d, str)] == [
+        d for d in uvicorns.done if isinstance(d, str)
+    ]
+    assert len([d for d in ours.done if isinstance(d, bytes)]) == 1
+    for state in ("response_complete", "expected_content_length", "keep_alive"):
+        assert getattr(cycles[0], state) == getattr(cycles[1], state), state
+    assert cycles[0].message_event.is_set()
+    assert cycles[1].message_event.is_set()
+
+
+@pytest.mark.parametrize("body", [b"hel", b"hello!"], ids=["short", "long"])
+async def test_a_whole_answer_of_another_length_than_its_head_said_fails_as_in_uvicorn(
+    body: bytes,
+) -> None:
+    said = []
+    for kind in (Cycle, RequestResponseCycle):
+        wire = _Wire()
+        cycle = _cycle(wire, kind=kind)
+        await cycle.send(_start(5, whole=kind is Cycle))
+        with pytest.raises(RuntimeError) as raised:
+            await cycle.send({"type": "http.response.body", "body": body, "more_body": False})
+        said.append((str(raised.value), b"".join(d for d in wire.done if isinstance(d, bytes))))
+    assert said[0] == said[1]
