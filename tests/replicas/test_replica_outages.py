@@ -136,7 +136,11 @@ async def shared_line(valkey: Valkey) -> AsyncIterator[SharedLine]:
     opened: list[SharedAdmission] = []
 
     async def start(fleet: str, replica: str) -> SharedAdmission:
-        admission = SharedAdmission(valkey.url, fleet, replica=replica, heartbeat_s=0.2, ttl_s=1.0)
+        # A loaded machine can stall a call past a fraction of a second; a line that then falls
+        # back gates alone, and these tests mean it shared.
+        admission = SharedAdmission(
+            valkey.url, fleet, replica=replica, heartbeat_s=0.2, ttl_s=1.0, timeout_s=1.0
+        )
         opened.append(admission)
         await admission.start()
         return admission
