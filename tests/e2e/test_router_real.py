@@ -186,13 +186,20 @@ async def test_straight_to_the_router_three_times_the_slots_wait_inside_each_chi
     """The control: what the gate prevents below does happen without it, and the Watch sees it."""
     view = RouterView(both.url, client)
     await loaded(view, *MODELS)
-    watch, answers = await watched(
-        view, *(view.chat(model, 32) for model in MODELS for _ in range(3 * SLOTS))
-    )
-    assert [a.status_code for a in answers] == [200] * 6 * SLOTS
-    # Not necessarily in both children (seen: 2 deferred in one, 0 in the other): part of the
-    # burst can wait inside the router itself, unseen by any child's metrics.
-    assert max(watch.max_deferred.values()) > 0, watch
+    # Not necessarily in both children (seen: 2 deferred in one, 0 in the other), nor in every
+    # burst: part of a burst can wait inside the router itself, unseen by any child's metrics,
+    # and on a loaded machine the router may forward one slowly enough that none does. Up to
+    # three bursts, then: the control shows that it happens, and that the Watch sees it.
+    seen = []
+    for _ in range(3):
+        watch, answers = await watched(
+            view, *(view.chat(model, 32) for model in MODELS for _ in range(3 * SLOTS))
+        )
+        assert [a.status_code for a in answers] == [200] * 6 * SLOTS
+        seen.append(watch)
+        if max(watch.max_deferred.values()) > 0:
+            break
+    assert max(watch.max_deferred.values()) > 0, seen
 
 
 async def test_three_times_each_models_slots_through_slotgate_never_wait_inside_a_child(
