@@ -87,7 +87,8 @@ class Answer:
         self._tail = chunk
         if self.tally is not None:
             self.tally.feed(chunk)
-        return self._send({"type": _BODY, "body": chunk, "more_body": True})
+        send = self._send  # as in `whole`
+        return send({"type": _BODY, "body": chunk, "more_body": True})
 
     async def comment(self, comment: bytes) -> None:
         """slotgate's own keep-alive comment in a waiting stream (not counted as bytes out)."""
@@ -117,8 +118,9 @@ class Answer:
         """A head and a body in one go: `start` and `end` without their two coroutines, which
         every non-streamed answer would pay for."""
         head = self._head(status, headers, stream)
-        await self._send({"type": _START, "status": status, "headers": head, BODY_FOLLOWS: True})
-        await self._send(self._last(body))
+        send = self._send  # read as an attribute: called as a method, 3.11 looks it up slowly
+        await send({"type": _START, "status": status, "headers": head, BODY_FOLLOWS: True})
+        await send(self._last(body))
         self.ended = True
 
     # -- refusals ------------------------------------------------------------------------------

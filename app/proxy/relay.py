@@ -266,8 +266,10 @@ class Proxy:
             lane = request.lane = _lane(self._models, request, name, self._startup_wait_s > 0)
             admission = lane.admission
             gate = lane.gate
-        # A request runs in one upstream, so the largest one's slots bound its weight.
-        capacity = admission.largest
+        # A request runs in one upstream, so the largest one's slots bound its weight. (The
+        # budget and the clock are read for the request's shape only: which upstream runs it
+        # is known once admitted.)
+        capacity, budget, cold = admission.bounds()
         unknown = capacity is None
         if unknown:
             if (unreached := self._fleet.unreached) is not None:
@@ -275,9 +277,6 @@ class Proxy:
             # llama-server is (re)starting: wait in the queue, weighed once its slot count is
             # known (app/gate/admission.py), and ask it for that now, not at the next tick.
             self._fleet.poke()
-        # Read for the request's shape only: which upstream runs it is known once admitted.
-        budget = admission.budget_tokens
-        cold = admission.cold
         affinity = self._affinity and (
             self._fleet.several if lane is None else len(admission.pools) > 1
         )
@@ -355,7 +354,7 @@ class Proxy:
         ticket = gate.enter_now(entry)
         if ticket is None:  # the shared line: its answer is Redis's
             ticket = await gate.enter(entry)
-        if ticket.admitted:
+        if ticket.admitted_at is not None:  # admitted (read without the property's call)
             self._let_go(request)
         elif request.max_wait_s is not None:
             self._in_time(ticket, request.max_wait_s, admission, lane)
@@ -380,7 +379,7 @@ class Proxy:
                         lane = request.lane
                         counter = self._fleet.primary if lane is None else self._fleet.of_lane(lane)
                         await counter.count(ticket, request.estimate)
-                    if not ticket.admitted:
+                    if ticket.admitted_at is None:  # not admitted yet
                         # /admission's `waiting` finds it in `running`, by its ticket.
                         awaited = self._wait(request, answer, ticket)
                         if request.max_wait_s is not None:

@@ -18,15 +18,14 @@ from slotgate.errors import BodyTooLarge, ConnectFailed
 from slotgate.upstreams.connection import Connection
 
 _SSE = "text/event-stream"
-#: A content length not read yet (None is a response without one).
-_UNREAD = -1
 
 
 class Response:
     """A response whose head has arrived; its body is read as it comes."""
 
     __slots__ = (
-        "_client", "_conn", "_done", "_head_only", "_length", "_type", "headers", "status",
+        "_client", "_conn", "_done", "_head_only", "content_length", "content_type", "headers",
+        "status",
     )  # fmt: skip
 
     def __init__(self, client: Client, conn: Connection, head_only: bool) -> None:
@@ -37,32 +36,27 @@ class Response:
         self.status = conn.status
         #: As they came, their names lowercased.
         self.headers = conn.headers
-        self._type: str | None = None
-        self._length: int | None = _UNREAD
+        # Both read from the head at once, the first of each: the relay, the read and the
+        # release each ask for them (as properties they cost a call each time).
+        media = length = None
+        for name, value in conn.headers:
+            if name == b"content-type":
+                if media is None:
+                    media = value
+            elif name == b"content-length" and length is None:
+                length = value
+        #: The media type, lowercased, without its parameters ("" if none).
+        self.content_type = (
+            "" if media is None else media.split(b";", 1)[0].strip().lower().decode("latin-1")
+        )
+        #: The body's length as the head gives it (None: not given, or not a number).
+        self.content_length = int(length) if length is not None and length.isdigit() else None
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
             if key == name:
                 return value
         return None
-
-    @property
-    def content_type(self) -> str:
-        # Read once: the relay and the release each ask for it.
-        media = self._type
-        if media is None:
-            value = self.header(b"content-type") or b""
-            media = self._type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
-        return media
-
-    @property
-    def content_length(self) -> int | None:
-        # Read once: the relay and the read each ask for it.
-        length = self._length
-        if length is _UNREAD:
-            value = self.header(b"content-length")
-            length = self._length = int(value) if value is not None and value.isdigit() else None
-        return length
 
     async def readany(self) -> bytes:
         """The next bytes of the body as they arrive; b"" at its end."""

@@ -85,6 +85,9 @@ class Fleet:
         self._resolve = resolver or system_resolver
         self._sources = [_Source(url) for url in settings.llama_server_urls]
         self._by_pool: dict[Pool, Upstream] = {}
+        #: More than one upstream: requests are routed, so they carry an affinity key. (An
+        #: attribute, kept as `_by_pool` changes: every request reads it.)
+        self.several = False
         #: The lines of the models routers serve (app/gate/models.py); their pools' upstreams.
         self.lanes = models
         self._model_pools: dict[Pool, Upstream] = {}
@@ -104,11 +107,6 @@ class Fleet:
     def upstreams(self) -> list[Upstream]:
         """Every upstream taking work, in the order configured (and discovered)."""
         return self._all
-
-    @property
-    def several(self) -> bool:
-        """More than one upstream: requests are routed, so they carry an affinity key."""
-        return len(self._by_pool) > 1
 
     @property
     def ready(self) -> bool:
@@ -384,6 +382,7 @@ class Fleet:
         upstream = Upstream(self._settings, pool, url, address, self._check_models, routing)
         source.upstreams[address] = upstream
         self._by_pool[pool] = upstream
+        self.several = len(self._by_pool) > 1
         self._list()
         return upstream
 
@@ -423,6 +422,7 @@ class Fleet:
         while upstream.pool.active:  # noqa: ASYNC110
             await asyncio.sleep(self._settings.props_refresh_interval_s)
         self._by_pool.pop(upstream.pool, None)
+        self.several = len(self._by_pool) > 1
         await upstream.close()
 
     def _list(self) -> None:

@@ -225,6 +225,10 @@ async def _measure(server: uvicorn.Server, args: argparse.Namespace) -> None:
         print("C functions called from Python, most often first:")
         for name, count in builtins.most_common(args.top):
             print(f"  {count / n:5.2f}  {name}")
+        if args.unspecialized:
+            await _print_unspecialized(client, calls, n, args.top)
+        if args.opcodes:
+            await _print_opcodes(client, n, args.top)
     server.should_exit = True
 
 
@@ -273,6 +277,75 @@ def _print_own(calls: collections.Counter[Any], n: int, top: int) -> None:
         print(f"  {count / n:5.2f}  {where}:{code.co_firstlineno} {code.co_qualname}")
 
 
+async def _print_unspecialized(
+    client: _Driver, calls: collections.Counter[Any], n: int, top: int
+) -> None:
+    """The attribute sites that Python 3.11 could not specialize, in every Python function run
+    per request (slotgate's, uvicorn's, asyncio's), with how often each runs: such a site looks
+    its name up the generic way (`PyObject_GetAttr`, a few hundred instructions) each time. A
+    site that failed to specialize stays `*_ADAPTIVE` (a property, a class attribute read
+    through an instance, an attribute of a class or an enum member), as does one never run,
+    so each is counted by tracing its instructions over a further window (tracing runs them
+    unspecialized, after the state was read). A site that two types share flips between
+    specializations instead, which this cannot see."""
+    import dis
+
+    generic: dict[tuple[Any, int], str] = {}
+    for code, count in calls.items():
+        if count < n / 2:
+            continue
+        for instruction in dis.get_instructions(code, adaptive=True):
+            name = instruction.opname
+            if name.endswith("_ADAPTIVE") and ("ATTR" in name or "METHOD" in name):
+                line = instruction.positions.lineno if instruction.positions else "?"
+                where = f"{Path(code.co_filename).name}:{line} {code.co_qualname}"
+                generic[code, instruction.offset] = f"{where} {name} {instruction.argval}"
+    window = min(n, 300)
+    ran = await _traced(client, window, {code for code, _ in generic})
+    sites = [(ran[key] / window, site) for key, site in generic.items() if ran[key]]
+    print(f"attribute lookups left generic per request: {sum(c for c, _ in sites):.1f}")
+    for count, site in sorted(sites, reverse=True)[:top]:
+        print(f"  {count:5.2f}  {site}")
+
+
+async def _traced(
+    client: _Driver, window: int, codes: set[Any] | None
+) -> collections.Counter[tuple[Any, int]]:
+    """Each bytecode instruction run over `window` requests, by (code, offset), in the
+    functions of `codes` (None: every one)."""
+    ran: collections.Counter[tuple[Any, int]] = collections.Counter()
+
+    def opcodes(frame: FrameType, event: str, arg: object) -> Any:
+        if event == "opcode":
+            ran[frame.f_code, frame.f_lasti] += 1
+        return opcodes
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        if codes is not None and frame.f_code not in codes:
+            return None
+        frame.f_trace_opcodes = True
+        return opcodes
+
+    sys.settrace(trace)
+    await client.send(window)
+    sys.settrace(None)
+    return ran
+
+
+async def _print_opcodes(client: _Driver, n: int, top: int) -> None:
+    """Bytecode instructions run per request, by function (every Python function: slotgate's,
+    uvicorn's, asyncio's): the interpreter's loop is a third of a relayed request's
+    instructions, and it goes where the bytecode is."""
+    window = min(n, 300)
+    ran: collections.Counter[Any] = collections.Counter()
+    for (code, _), count in (await _traced(client, window, None)).items():
+        ran[code] += count
+    print(f"bytecode instructions per request: {sum(ran.values()) / window:.0f}")
+    for code, count in ran.most_common(top):
+        where = f"{Path(code.co_filename).parent.name}/{Path(code.co_filename).name}"
+        print(f"  {count / window:6.1f}  {where}:{code.co_firstlineno} {code.co_qualname}")
+
+
 def _run(args: argparse.Namespace, upstream: int) -> None:
     from slotgate.cli import uvicorn_config
     from slotgate.main import create_app
@@ -307,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--stream", action="store_true", help="streamed chats (the stand-in's 16 tokens at once)"
+    )
+    parser.add_argument(
+        "--unspecialized", action="store_true", help="list the attribute sites left generic"
+    )
+    parser.add_argument(
+        "--opcodes", action="store_true", help="bytecode instructions run, by function"
     )
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
