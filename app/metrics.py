@@ -373,7 +373,7 @@ class _Series:
 class Metrics(Collector):
     """One registry per app, so that several apps (tests) never share series.
 
-    `admit`, `waited`, `rejected`, `held` (and `wait` and `hold`, everyone's) take a request's
+    `admit`, `waited`, `rejected`, `ended` (and `wait` and `hold`, everyone's) take a request's
     route (its path); every route of a family shares the family's histograms, so the lookup
     costs a request nothing more. With `by_tenant` (slotgate has keys) each series carries a
     `tenant` label, the tenant's name ("" for requests refused before a key was known), and a
@@ -458,18 +458,28 @@ class Metrics(Collector):
         wait_s: float | None,
         first_byte_s: float | None = None,
         duration_s: float | None = None,
+        hold_s: float | None = None,
+        slots: int = 1,
+        now: float | None = None,
     ) -> None:
         """A request on a generation route is over. Served (llama-server's answer relayed, an
         error of its own included), it counts in the first-byte and duration histograms (given
         those); else as rejected under its outcome's reason, and, given `wait_s`, as a wait
-        that ended without a slot."""
+        that ended without a slot. Given `hold_s`, it held `slots` slots that long, until
+        `now` (time.monotonic(); read here if not given), whatever its outcome. One call for
+        all of it, the tenant's series looked up once: every request ends here."""
+        series = self._of_tenant.get(tenant) or self._of(tenant)
+        # `_Histogram.observe`, written out here: every served request makes three, and a
+        # call each would cost more than the observation.
+        if hold_s is not None:
+            hold = series.hold[route]
+            hold.counts[bisect.bisect_left(hold.bounds, hold_s)] += 1
+            hold.sum += hold_s
+            self.minute.add(tenant, hold_s * slots, time.monotonic() if now is None else now)
         # Served, nearly always: known without the property's call.
         reason = None if outcome is SERVED else outcome.reason
         if reason is None:
             if duration_s is not None:
-                series = self._of_tenant.get(tenant) or self._of(tenant)
-                # `_Histogram.observe`, written out: every served request makes these two,
-                # and a call each would cost more than the observation.
                 if first_byte_s is not None:
                     first = series.first_byte[route]
                     first.counts[bisect.bisect_left(first.bounds, first_byte_s)] += 1
@@ -481,18 +491,6 @@ class Metrics(Collector):
         self.rejected(route, reason, tenant)
         if wait_s is not None:
             self.waited(route, wait_s, reason, tenant)
-
-    def held(
-        self,
-        route: str,
-        hold_s: float,
-        tenant: str = EVERYONE.name,
-        slots: int = 1,
-        now: float | None = None,
-    ) -> None:
-        """A hold ended; `now` (time.monotonic()) when the caller has read the clock already."""
-        (self._of_tenant.get(tenant) or self._of(tenant)).hold[route].observe(hold_s)
-        self.minute.add(tenant, hold_s * slots, time.monotonic() if now is None else now)
 
     def operator(self, action: str) -> None:
         self.actions[action] += 1

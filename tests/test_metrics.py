@@ -15,6 +15,7 @@ from slotgate import __version__
 from slotgate.gate.admission import Admission
 from slotgate.gate.policy import QueuePolicy
 from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
+from slotgate.outcome import Outcome
 from slotgate.settings import Settings
 
 from tests.conftest import GateFactory, assert_lines, chat
@@ -165,7 +166,7 @@ def test_slotgates_own_series_pass_promtool(capacity: int | None) -> None:
 def test_with_keys_request_series_carry_the_tenant_by_name_once_it_has_a_sample() -> None:
     metrics = Metrics(Admission(QueuePolicy(), capacity=2), lambda: True, by_tenant=True)
     metrics.admit(ROUTE, 0.2, "chat")
-    metrics.held(ROUTE, 1.4, "chat")
+    metrics.ended(ROUTE, Outcome.SERVED, "chat", None, hold_s=1.4)
     metrics.rejected("/v1/embeddings", "tenant_queue_full", "jobs")
     text = metrics.render()
     assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="chat"}') == 1
@@ -248,7 +249,7 @@ def test_the_tenant_label_names_the_first_tenants_seen_and_the_rest_are_other() 
     metrics = Metrics(pool, lambda: True, by_tenant=True, tenants=2)
     for tenant in ("a", "b", "c", "d", "a"):
         metrics.admit(ROUTE, 0.1, tenant)
-        metrics.held(ROUTE, 1.0, tenant)
+        metrics.ended(ROUTE, Outcome.SERVED, tenant, None, hold_s=1.0)
     metrics.rejected(ROUTE, "queue_full", "e")
     text = metrics.render()
     assert sample(text, 'slotgate_requests_admitted_total{family="chat",tenant="a"}') == 2

@@ -27,6 +27,9 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
     route = None if endpoint is None else endpoint.route
     ticket = request.ticket
     now = time.monotonic()
+    hold_s = None
+    if ticket is not None and ticket.admitted_at is not None:
+        hold_s = now - ticket.admitted_at
     if route is not None:
         # A wait that ended without a slot: an admitted request has its upstream, and its wait
         # was observed when it was admitted.
@@ -38,12 +41,8 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
         metrics.ended(
             route, request.outcome, request.tenant.name, wait_s,
             None if first is None else first - request.started, now - request.started,
+            hold_s, 0 if ticket is None else ticket.weight, now,
         )  # fmt: skip
-    hold_s = None
-    if ticket is not None and ticket.admitted_at is not None:
-        hold_s = now - ticket.admitted_at
-        if route is not None:
-            metrics.held(route, hold_s, request.tenant.name, ticket.weight, now)
     if not access_log.isEnabledFor(logging.INFO):
         return
     access_log.info(

@@ -5,6 +5,7 @@ written in one system call."""
 from __future__ import annotations
 
 import asyncio
+import operator
 import re
 from typing import Any
 
@@ -28,6 +29,9 @@ def _refused_by(pattern: re.Pattern[bytes]) -> bytes:
 # search.
 _NAME_REFUSED = _refused_by(HEADER_RE)
 _VALUE_REFUSED = _refused_by(HEADER_VALUE_RE)
+_NAME, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
+#: The names whose values decide the answer's framing or its connection's end.
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
 class Cycle(RequestResponseCycle):
@@ -123,10 +127,11 @@ class Cycle(RequestResponseCycle):
         self.waiting_for_100_continue = False
         status: int = message["status"]
         headers = [*self.default_headers, *message.get("headers", ())]
-        names = b"".join([name for name, _ in headers])
+        # map and itemgetter: no list comprehension's frame (a call each on Python 3.11).
+        names = b"".join(map(_NAME, headers))
         if len(names.translate(None, _NAME_REFUSED)) != len(names):
             raise RuntimeError("Invalid HTTP header name.")
-        values = b"".join([value for _, value in headers])
+        values = b"".join(map(_VALUE, headers))
         if len(values.translate(None, _VALUE_REFUSED)) != len(values):
             raise RuntimeError("Invalid HTTP header value.")
         content = [STATUS_LINE[status]]
@@ -134,6 +139,9 @@ class Cycle(RequestResponseCycle):
         for name, value in headers:
             if not name.islower():
                 name = name.lower()
+            if name not in _FRAMING:
+                content += (name, b": ", value, b"\r\n")
+                continue
             if name == b"content-length" and self.chunked_encoding is None:
                 self.expected_content_length = int(value.decode())
                 self.chunked_encoding = False
