@@ -55,7 +55,14 @@ class Connection(asyncio.Protocol):
         self.state = _NEW
         self._parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
+        # When bytes last arrived, and when the current (or last) wait began: the stall timer
+        # measures silence from the later of the two.
         self._data_at = 0.0
+        self._wait_since = 0.0
+        # Armed by the first wait and kept across waits and exchanges, re-armed only when it
+        # fires: a timer made and cancelled per wait would cost two per request (about 2 us
+        # each under uvloop), where this costs one per connection per stall timeout.
+        self._stall_timer: asyncio.TimerHandle | None = None
         self.carried_stream = False
         #: It sent bytes nobody asked for (while idle, or past its response): closed, and
         #: never reused.
@@ -123,7 +130,6 @@ class Connection(asyncio.Protocol):
         self._buffered = 0
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
-        self._stall_timer: asyncio.TimerHandle | None = None
         #: Wake the reader only at the end (or at the high-water mark): Response.read.
         self.lazy = False
 
@@ -180,6 +186,7 @@ class Connection(asyncio.Protocol):
         self.transport = None
         self._poll = None
         self.state = _CLOSED
+        self._disarm()
         if not self.complete:
             self._fail(Disconnected("upstream closed the connection mid-response"))
         on_lost, self.on_lost = self.on_lost, None
@@ -243,29 +250,40 @@ class Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def wait(self, stall_s: float | None) -> None:
-        """Until something arrives (head, body, end or an error), or the stall timeout.
+        """Until something arrives (head, body, end or an error), or `stall_s` seconds of
+        silence from the upstream since the later of this wait's start and the last bytes.
 
         A plain timer that fails the waiter costs a fraction of an `asyncio.timeout` scope,
-        and this runs once per body chunk.
+        and this runs once per body chunk; the timer is the connection's, armed once and
+        kept (`_stalled`).
         """
         loop = self._loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         if stall_s is not None:
-            self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
+            self._wait_since = time.monotonic()
+            if self._stall_timer is None:
+                self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
         try:
             await waiter
         finally:
             self._waiter = None
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
+
+    def _disarm(self) -> None:
+        """Closed: its stall timer would keep it alive until due."""
+        timer, self._stall_timer = self._stall_timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _stalled(self, stall_s: float) -> None:
+        """The stall timer is due: fail the wait under way if the upstream has been silent for
+        `stall_s` since it began (and since its last bytes), else arm again for the rest;
+        with nobody waiting, disarm (the next wait arms it)."""
+        self._stall_timer = None
         waiter = self._waiter
-        if waiter is None or waiter.done():
+        if waiter is None or waiter.done() or self.state is _CLOSED:
             return
-        # A lazy reader is not woken by every chunk: bytes may have come in meanwhile.
-        quiet_s = time.monotonic() - self._data_at
+        # Bytes may have come in, or a new wait begun, since the timer was armed.
+        quiet_s = time.monotonic() - max(self._data_at, self._wait_since)
         if quiet_s < stall_s:
             loop = self._loop or asyncio.get_running_loop()
             self._stall_timer = loop.call_later(stall_s - quiet_s, self._stalled, stall_s)
@@ -285,6 +303,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         self.state = _CLOSED
         self._poll = None
+        self._disarm()
         if self.transport is not None:
             self.transport.close()
             self.transport = None

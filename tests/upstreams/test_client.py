@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import uvloop
-from slotgate.errors import BodyTooLarge, ConnectFailed, ProtocolError
+from slotgate.errors import BodyTooLarge, ConnectFailed, ProtocolError, Stalled
 from slotgate.upstreams import client as client_module
 from slotgate.upstreams import connection as connection_module
 from slotgate.upstreams import reuse as reuse_module
@@ -127,6 +127,46 @@ async def test_a_whole_body_read_wakes_at_its_end_and_stalls_only_on_silence(
     assert waits <= 2  # not one per chunk (11 events)
     response.release()
     client.close()
+
+
+async def test_an_upstream_silent_past_the_stall_timeout_fails_the_wait(
+    standin: StandIn,
+) -> None:
+    standin.hold_s = 5.0  # the head at once, its first event only after 5 s
+    client = Client("127.0.0.1", standin.port, tls=False, connect_timeout_s=2, keepalive_s=4,
+                    stall_s=0.3)  # fmt: skip
+    body = json.dumps({"messages": [], "stream": True}).encode()
+    response = await client.request("POST", "/v1/chat/completions", [], body)
+    async with asyncio.timeout(4):
+        with pytest.raises(Stalled, match=r"sent nothing for 0\.3 s"):
+            await response.read()
+    response.close()
+    client.close()
+
+
+async def test_one_stall_timer_serves_a_connections_waits_each_timed_from_its_start(
+    standin: StandIn,
+) -> None:
+    client = Client("127.0.0.1", standin.port, tls=False, connect_timeout_s=2, keepalive_s=4,
+                    stall_s=1.0)  # fmt: skip
+    response = await client.request("GET", "/props", [], b"")
+    await response.read()
+    response.release()
+    conn = response._conn
+    timer = conn._stall_timer
+    assert timer is not None  # armed by the first wait, and kept
+    # The next exchange begins 0.8 s later and its first event takes 0.3 s: the timer, due 1 s
+    # after the first wait, finds 0.2 s of silence in this wait and arms again, rather than
+    # failing it for the 1 s since it was armed.
+    await asyncio.sleep(0.8)
+    standin.hold_s = 0.3
+    body = json.dumps({"messages": [], "stream": True}).encode()
+    response = await client.request("POST", "/v1/chat/completions", [], body)
+    assert response._conn is conn
+    assert (await response.read()).endswith(b"data: [DONE]\n\n")
+    response.release()
+    client.close()
+    assert conn._stall_timer is None  # disarmed at the close: nothing keeps the connection
 
 
 async def test_a_head_request_has_no_body_to_wait_for(standin: StandIn) -> None:
