@@ -5,12 +5,16 @@ written in one system call."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 from slotgate.asgi import Message
 from slotgate.proxy.answer import BODY_FOLLOWS
+from uvicorn._types import HTTPScope
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -32,6 +36,9 @@ _VALUE_REFUSED = _refused_by(HEADER_VALUE_RE)
 _NAME, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 #: The names whose values decide the answer's framing or its connection's end.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+_uvicorn_init = RequestResponseCycle.__init__
 
 
 class Cycle(RequestResponseCycle):
@@ -58,14 +65,29 @@ class Cycle(RequestResponseCycle):
     send, which the app makes at once.
     """
 
-    # The held head lives on the instance only (slotgate's protocol sets it when it swaps the
-    # class in): a class default would make Python 3.11 look every read of it up the generic
-    # way.
-    _head: bytes | None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head = None
+    def __init__(
+        self,
+        scope: HTTPScope,
+        transport: asyncio.Transport,
+        flow: FlowControl,
+        logger: logging.Logger,
+        access_logger: logging.Logger,
+        access_log: bool,
+        default_headers: list[tuple[bytes, bytes]],
+        message_event: asyncio.Event,
+        expect_100_continue: bool,
+        keep_alive: bool,
+        on_response: Callable[..., None],
+    ) -> None:
+        # uvicorn's own, its arguments passed on by position: uvicorn makes the cycle with
+        # keywords, and a `**kwargs` passed on would build and unpack a dict per request.
+        _uvicorn_init(
+            self, scope, transport, flow, logger, access_logger, access_log, default_headers,
+            message_event, expect_100_continue, keep_alive, on_response,
+        )  # fmt: skip
+        # The held head, on the instance: a class default would make Python 3.11 look every
+        # read of it up the generic way.
+        self._head: bytes | None = None
 
     async def send(self, message: Message) -> None:  # type: ignore[override]
         head = self._head

@@ -15,7 +15,9 @@ import pytest
 from slotgate.intake.body import take_off_loop
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy import watch as watch_module
+from slotgate.proxy.cycle import Cycle
 from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
+from uvicorn.protocols.http import httptools_impl
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
@@ -446,3 +448,27 @@ async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot
     assert standin.seen == []
     fits = await client.post(gate.url + CHAT, json=chat(), headers={"X-Big": "a" * 8000})
     assert fits.status_code == 200
+
+
+async def test_each_request_runs_in_slotgates_cycle_and_uvicorns_own_name_is_left_as_it_was(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    # The cycle is made by uvicorn under slotgate's name for it: a uvicorn release that made
+    # it some other way would lose the one-write answer without this.
+    standin.tokens = 1
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        kinds = []
+        for _ in range(2):
+            writer.write(generation(stream=False))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            (connection,) = gate.server.server_state.connections
+            assert isinstance(connection, BoundedHeadProtocol)
+            kinds.append(type(connection.cycle))
+        assert kinds == [Cycle, Cycle]
+        assert httptools_impl.RequestResponseCycle is not Cycle
+    finally:
+        writer.close()
