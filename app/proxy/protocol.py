@@ -92,6 +92,9 @@ _uvicorn_on_headers_complete = HttpToolsProtocol.on_headers_complete
 _uvicorn_on_body = HttpToolsProtocol.on_body
 _uvicorn_on_message_complete = HttpToolsProtocol.on_message_complete
 _uvicorn_on_response_complete = HttpToolsProtocol.on_response_complete
+# The names uvicorn's protocol module holds (`on_headers_complete` rebinds one): set through its
+# dict, as a module's attribute set is a lookup Python 3.11 cannot specialize.
+_uvicorn_names = vars(_uvicorn_module)
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
@@ -179,11 +182,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         # afterwards cost a dict per cycle and made every attribute site of uvicorn's that it
         # reaches see two classes, which Python 3.11 then looks up the generic way: about 40
         # lookups per request.) Nothing else runs on the loop meanwhile.
-        _uvicorn_module.RequestResponseCycle = Cycle  # type: ignore[misc]
+        _uvicorn_names["RequestResponseCycle"] = Cycle
         try:
             _uvicorn_on_headers_complete(self)
         finally:
-            _uvicorn_module.RequestResponseCycle = RequestResponseCycle  # type: ignore[misc]
+            _uvicorn_names["RequestResponseCycle"] = RequestResponseCycle
         if previous is not None and not previous.response_complete:
             earlier = [c for c in self._earlier or () if not c.response_complete]
             earlier.append(previous)
