@@ -3,6 +3,7 @@ memory allocations and system calls per request.
 
     python -m bench.experiments.counts [--requests 2000] [--warm 300] [--top 25] [--no-strace]
                                        [--allocations-by-function] [--stream]
+                                       [--unspecialized] [--opcodes]
 
 CPU timings on a shared machine are noise; counts are not. This runs uvicorn in this process,
 configured as `slotgate` runs it (app/cli.py), with slotgate's app on the like-for-like path
@@ -17,6 +18,10 @@ connection (c=1). Three windows of `--requests` requests each, after
   the fly with the system's C compiler (skipped, with a note, without one);
 - Python calls: `sys.setprofile` counting each function entered (Python and C), with the
   functions of slotgate's own code that run most often.
+
+With `--unspecialized`, the attribute sites Python 3.11 left generic, run per request; with
+`--opcodes`, the bytecode instructions each function runs per request (both by tracing a
+further window of at most 300 requests).
 
 Another tree's slotgate, for before and after: put its `.types` folder (a folder holding a
 `slotgate/` package) first on PYTHONPATH, e.g.
