@@ -1,11 +1,12 @@
 """Profile slotgate with py-spy under one bench scenario and summarise where its time goes.
 
     python -m bench.profile nonstream|stream|storm|handoff|fleet [--seconds 10] [--env KEY=VALUE]
-        [--upstreams 8]
+        [--upstreams 8] [--svg PATH]
 
 Starts the stand-in (core 1) and slotgate (core 0) as the bench does, drives the scenario's
 load from core 1, samples slotgate with `py-spy record --nonblocking` and writes the raw
-stacks and a self/inclusive table per function to bench/results/profile-SCENARIO.txt.
+stacks and a self/inclusive table per function to bench/results/profile-SCENARIO.txt
+(`--svg`: a flame graph too, from a second sampler over the same run).
 `fleet` is fleet-cost's load (16 clients, non-streamed, 64 slots split over `--upstreams`
 stand-in ports of one stand-in process), to compare one upstream with several.
 Needs py-spy (`pip install py-spy`); it is not installed by the bench.
@@ -86,7 +87,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("admission enter/release", ("/gate/", "/replicas/")),
     ("client-gone watch", ("proxy/watch.py",)),
     ("relay/answer, the client write",
-     ("RequestResponseCycle.send", "_Cycle.send", "_Joined.", "_Held.", "proxy/answer.py",
+     ("RequestResponseCycle.send", "proxy/cycle.py", "_Joined.", "_Held.", "proxy/answer.py",
       "proxy/modes.py", "relayed (")),
     ("upstream client write/read",
      ("/upstreams/", "upstream_headers", "_quoted", "Proxy._forward ",
@@ -153,6 +154,9 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, default=BENCH / "results")
     parser.add_argument(
+        "--svg", type=Path, help="also write a flame graph of the same samples' run there"
+    )
+    parser.add_argument(
         "--slotgate-tree",
         type=Path,
         help="profile the app/ of another checkout: a folder holding a slotgate/ package, as "
@@ -194,11 +198,20 @@ def main() -> None:
                  str(raw_path), "--pid", str(gate.process.pid)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
+            recorders = [record]
+            if args.svg is not None:
+                flame = [spy, "record", "--nonblocking", "--format", "flamegraph", "--rate",
+                         "250", "--duration", str(int(args.seconds)), "--output",
+                         str(args.svg), "--pid", str(gate.process.pid)]  # fmt: skip
+                recorders.append(
+                    subprocess.Popen(flame, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                )
             time.sleep(0.5)
             cpu_before = gate.cpu_s()
             served = _load(args.scenario, gate, standin, args.seconds + 1.0)
             cpu_used = gate.cpu_s() - cpu_before
-            record.wait(timeout=60)
+            for recorder in recorders:
+                recorder.wait(timeout=60)
         finally:
             gate.stop()
     finally:
