@@ -53,7 +53,8 @@ async def relay(request: Request, answer: Answer, response: Response, own: Own) 
         first = await response.read() if whole else await response.readany()
         request.first_byte_at = time.monotonic()
         if whole:
-            await upstream_done(request, response)
+            if upstream_done(request, response):
+                await asyncio.sleep(0)  # the waiter handed the slot goes first
             if request.teaches and response.status == 200:
                 _learn_verbose(request, first)
         if response.status == 500:
@@ -72,7 +73,8 @@ async def relay(request: Request, answer: Answer, response: Response, own: Own) 
         while chunk:
             await answer.relay(chunk)
             chunk = await response.readany()
-        await upstream_done(request, response)
+        if upstream_done(request, response):
+            await asyncio.sleep(0)  # the waiter handed the slot goes first
     except ExchangeFailed as exc:
         r = refusal(_upstream_failure(exc))
         request.outcome = Outcome(r.reason)
@@ -103,7 +105,8 @@ async def relay_assembled(
                     "(stream: true) or fewer tokens"
                 )
             chunk = await response.readany()
-        await upstream_done(request, response)
+        if upstream_done(request, response):
+            await asyncio.sleep(0)  # the waiter handed the slot goes first
         status, body = assembly.result()
         if status == 500:
             _failed(request, body)
@@ -135,7 +138,8 @@ async def relay_into_stream(request: Request, answer: Answer, response: Response
             # becomes the stream's error event, as llama-server itself does mid-stream.
             error = await response.read(ERROR_BODY_BYTES)
             _failed(request, error)
-            await upstream_done(request, response)
+            if upstream_done(request, response):
+                await asyncio.sleep(0)  # the waiter handed the slot goes first
             request.outcome = Outcome.UPSTREAM_ERROR
             prefix = b"event: error\n" if request.flavor == "anthropic" else b""
             await answer.event(prefix + b"data: " + error.strip() + b"\n\n")
@@ -145,7 +149,8 @@ async def relay_into_stream(request: Request, answer: Answer, response: Response
             while chunk:
                 await answer.relay(chunk)
                 chunk = await response.readany()
-            await upstream_done(request, response)
+            if upstream_done(request, response):
+                await asyncio.sleep(0)  # the waiter handed the slot goes first
     except ExchangeFailed as exc:
         r = refusal(_upstream_failure(exc))
         request.outcome = Outcome(r.reason)
@@ -153,15 +158,15 @@ async def relay_into_stream(request: Request, answer: Answer, response: Response
     await answer.end()
 
 
-async def upstream_done(request: Request, response: Response) -> None:
+def upstream_done(request: Request, response: Response) -> bool:
     """llama-server has sent its last byte: its slot is free, so ours is handed on now, before
-    the rest is relayed, and the next request does not wait for the client."""
+    the rest is relayed, and the next request does not wait for the client. True when a waiter
+    was handed it: the caller then lets that waiter send its request (or, sharing the line
+    through Redis, the release leave for Redis) before this answer is relayed, so that
+    llama-server's slot does not sit idle while slotgate writes to a client. (A plain function:
+    a coroutine per request for a yield nearly none makes would cost more than the yield.)"""
     response.release()
-    if request.ticket is not None and request.ticket.release():
-        # Let the waiter just handed the slot send its request (or, sharing the line through
-        # Redis, the release leave for Redis) before this answer is relayed: llama-server's
-        # slot should not sit idle while slotgate writes to a client.
-        await asyncio.sleep(0)
+    return request.ticket is not None and request.ticket.release()
 
 
 def _failed(request: Request, body: bytes) -> None:

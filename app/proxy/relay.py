@@ -201,7 +201,8 @@ class Proxy:
                 finally:
                     ticket.release()
             finally:
-                held.release()
+                if held.bytes:  # given back already, nearly always: no call for nothing
+                    held.release()
         finally:
             account(request, answer, self._metrics)
 
@@ -355,7 +356,9 @@ class Proxy:
         if ticket is None:  # the shared line: its answer is Redis's
             ticket = await gate.enter(entry)
         if ticket.admitted_at is not None:  # admitted (read without the property's call)
-            self._let_go(request)
+            # Its body no longer counts. Whatever way the request goes, the scope in __call__
+            # gives its bytes back at the latest.
+            request.held.release()
         elif request.max_wait_s is not None:
             self._in_time(ticket, request.max_wait_s, admission, lane)
         request.ticket = ticket
@@ -388,7 +391,9 @@ class Proxy:
                             awaited = self._patient(awaited, request, ticket)
                         await awaited
                 finally:
-                    request.held.release()
+                    held = request.held
+                    if held.bytes:  # nothing held (admitted at once): nothing to give back
+                        held.release()
                 request.weight = ticket.weight
                 endpoint = request.endpoint
                 assert endpoint is not None  # noqa: S101 - gated: _take_in found it
@@ -523,11 +528,6 @@ class Proxy:
         except DeadlineUnmet:
             ticket.release()  # its place, before anyone waits behind it for nothing
             raise
-
-    def _let_go(self, request: Request) -> None:
-        """Admitted: its body no longer counts. Harmless twice; whatever way the request goes,
-        the scope in __call__ gives its bytes back at the latest."""
-        request.held.release()
 
     def _wait(self, request: Request, answer: Answer, ticket: Claim) -> Awaitable[None]:
         """Wait for the slot. A plain function handing back what to await: a coroutine frame
