@@ -187,7 +187,9 @@ class ReplicaTicket:
         if self._released:
             return False
         self._released = True
-        local, self._local = self._local, None
+        # The core's ticket is kept, released, as the core keeps its own: the request's
+        # account (app/proxy/accounting.py), made after this, reads its hold from it.
+        local = self._local
         if local is not None:
             local.release()
         if self._shared is not None:

@@ -472,3 +472,28 @@ async def test_each_request_runs_in_slotgates_cycle_and_uvicorns_own_name_is_lef
         assert httptools_impl.RequestResponseCycle is not Cycle
     finally:
         writer.close()
+
+
+async def test_a_request_uvicorn_fails_inside_its_header_callback_leaves_its_cycle_name_as_it_was(
+    start_gate: GateFactory, standin: StandIn
+) -> None:
+    # A port past 65535 gets by the parser and fails httptools.parse_url inside uvicorn's
+    # on_headers_complete, while its module's name for the cycle is slotgate's.
+    standin.tokens = 1
+    gate = await start_gate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(b"GET http://a:99999999/ HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert httptools_impl.RequestResponseCycle is not Cycle
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    try:
+        writer.write(generation(stream=False))
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        (connection,) = gate.server.server_state.connections
+        assert type(connection.cycle) is Cycle
+    finally:
+        writer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from slotgate.logs import JsonFormatter
 from slotgate.settings import Settings
 
 from tests.conftest import (
@@ -398,3 +400,25 @@ async def test_a_request_asking_more_slots_than_its_tenants_max_active_is_refuse
     assert refused.json()["error"]["code"] == "too_many_slots"
     assert "max_active=2" in refused.json()["error"]["message"]
     assert standin.max_running == 0
+
+
+async def test_a_replicas_served_request_counts_its_slot_hold_and_logs_its_own_queue_wait(
+    standin: StandIn,
+    replicas: Gates,
+    client: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The request's account is kept after its slot went back: what it held, and for how
+    # long, must still be known then (the hold histogram, the minute's slot-time, the log).
+    standin.token_delay_s = 0.05
+    (gate,) = await replicas(1)
+    with caplog.at_level(logging.INFO, logger="slotgate.access"):
+        response = await client.post(gate.url + CHAT, json=chat())
+    assert response.status_code == 200
+    (record,) = [r for r in caplog.records if r.name == "slotgate.access"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["slot_hold_s"] is not None
+    assert line["slot_hold_s"] > 0
+    assert line["queue_wait_s"] < line["slot_hold_s"]
+    metrics = (await client.get(gate.url + "/metrics?source=slotgate")).text
+    assert_lines(metrics, 'slotgate_slot_hold_seconds_count{family="chat"} 1.0')
