@@ -450,6 +450,20 @@ async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot
     assert fits.status_code == 200
 
 
+async def served_cycle_kind(
+    gate: RunningGate, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> type:
+    """The class of the cycle a non-streamed generation sent on the gate's only connection was
+    served in, once its whole answer has arrived."""
+    writer.write(generation(stream=False))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    (connection,) = gate.server.server_state.connections
+    assert isinstance(connection, BoundedHeadProtocol)
+    return type(connection.cycle)
+
+
 async def test_each_request_runs_in_slotgates_cycle_and_uvicorns_own_name_is_left_as_it_was(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
@@ -459,15 +473,7 @@ async def test_each_request_runs_in_slotgates_cycle_and_uvicorns_own_name_is_lef
     gate = await start_gate()
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     try:
-        kinds = []
-        for _ in range(2):
-            writer.write(generation(stream=False))
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            (connection,) = gate.server.server_state.connections
-            assert isinstance(connection, BoundedHeadProtocol)
-            kinds.append(type(connection.cycle))
+        kinds = [await served_cycle_kind(gate, reader, writer) for _ in range(2)]
         assert kinds == [Cycle, Cycle]
         assert httptools_impl.RequestResponseCycle is not Cycle
     finally:
@@ -491,9 +497,6 @@ async def test_a_request_uvicorn_fails_inside_its_header_callback_leaves_its_cyc
     assert httptools_impl.RequestResponseCycle is not Cycle
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     try:
-        writer.write(generation(stream=False))
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        (connection,) = gate.server.server_state.connections
-        assert type(connection.cycle) is Cycle
+        assert await served_cycle_kind(gate, reader, writer) is Cycle
     finally:
         writer.close()
