@@ -88,6 +88,11 @@ class Cycle(RequestResponseCycle):
         # The held head, on the instance: a class default would make Python 3.11 look every
         # read of it up the generic way.
         self._head: bytes | None = None
+        #: The connection's loop, once its protocol (app/proxy/protocol.py) has made the cycle.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: What the connection calls if it ends before this answer does (the request's watch,
+        #: app/proxy/watch.py); None while nothing watches.
+        self.gone: Callable[[], None] | None = None
 
     async def send(self, message: Message) -> None:  # type: ignore[override]
         head = self._head

@@ -35,7 +35,8 @@ A connection's end, told. The relay cancels a request whose client left (app/pro
 `Watch`). Through ASGI alone that takes a pending `receive()` wrapped in a task, for every
 request that waits: about 1 KB each. `watch_disconnect` has the connection call back instead
 when it ends before the request's answer does, at the moment uvicorn would mark that request
-disconnected; a request holds a small handle, and no task.
+disconnected, through the request's own cycle (app/proxy/cycle.py): no task, and no object
+made per request.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import asyncio
 import select
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from slotgate.asgi import Receive
@@ -101,8 +101,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     # Slots: uvicorn's own attributes fill the instance dict to the brim, and a few more
     # would double it (1.5 KB a connection).
     __slots__ = (
-        "_earlier", "_fresh", "_head_left", "_head_since", "_held", "_releasing", "_watch",
-        "socket_paused",
+        "_earlier", "_fresh", "_head_left", "_head_since", "_held", "_releasing", "socket_paused",
     )  # fmt: skip
 
     #: Seconds a request head may take to arrive; 0 = no bound. See `bounded_head_protocol`.
@@ -123,9 +122,6 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._held = b""
         self._releasing = False
         self.socket_paused = False
-        # The running request's disconnect watch, if any: uvicorn runs one request of a
-        # connection at a time (a pipelined one starts once the one before it has answered).
-        self._watch: DisconnectWatch | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -147,9 +143,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 cycle.message_event.set()
         self._held = b""
         super().connection_lost(exc)
-        watch, self._watch = self._watch, None
-        if watch is not None and watch.cycle.disconnected:
-            watch.gone()
+        # Then each request still in flight that watches is told, the newest last.
+        for cycle in self._earlier or ():
+            _tell_gone(cycle)
+        if self.cycle is not None:
+            _tell_gone(self.cycle)
 
     def data_received(self, data: bytes) -> None:
         if self._head_left is None:
@@ -187,6 +185,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             _uvicorn_on_headers_complete(self)
         finally:
             _uvicorn_names["RequestResponseCycle"] = RequestResponseCycle
+        # Its loop, for the request's watch to find its task by without asking asyncio for the
+        # running loop (on Python 3.11 a getpid system call).
+        self.cycle.loop = self.loop  # type: ignore[attr-defined]  # a Cycle: made just above
         if previous is not None and not previous.response_complete:
             earlier = [c for c in self._earlier or () if not c.response_complete]
             earlier.append(previous)
@@ -320,52 +321,29 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
-@dataclass(slots=True, eq=False, repr=False)
-class DisconnectWatch:
-    """One request's watch for its connection ending before its answer does (see
-    `watch_disconnect`); `cancel()` ends it."""
-
-    connection: BoundedHeadProtocol
-    cycle: RequestResponseCycle
-    gone: Callable[[], None]
-
-    def cancel(self) -> None:
-        if self.connection._watch is self:
-            self.connection._watch = None
-
-    def truncate(self) -> None:
-        """End the request's answer by closing its connection: all a client can be shown of a
-        plain answer cut after its head. The cycle is marked disconnected first, as losing the
-        connection would mark it, so that uvicorn takes the answer for one whose client left,
-        not for one its app failed to complete (an error in its log for every such cut)."""
-        self.cycle.disconnected = True
-        self.connection.transport.close()
-
-
-def watch_disconnect(receive: Receive, gone: Callable[[], None]) -> DisconnectWatch | None:
+def watch_disconnect(receive: Receive, gone: Callable[[], None]) -> Cycle | None:
     """Call `gone` once if the client of the request `receive` belongs to disconnects before
-    its answer is complete: when uvicorn's `receive()` would answer `http.disconnect`.
+    its answer is complete: when uvicorn's `receive()` would answer `http.disconnect`. The
+    request's cycle, returned, holds `gone` until its `gone` is set to None (the watch's end).
 
     None when `receive` is not a request of this protocol's (another server, or a test
-    driving the app with its own), when its client is gone already, or when another
-    request's watch on the connection is still on: then a pending `receive()` tells.
+    driving the app with its own), or when its client is gone already: then a pending
+    `receive()` tells.
     """
-    # uvicorn hands the app its cycle's bound `receive`, and the cycle its connection's
-    # transport: the connection (this protocol) is the transport's.
+    # uvicorn hands the app its cycle's bound `receive`; this protocol alone makes `Cycle`s.
     cycle = getattr(receive, "__self__", None)
-    if not isinstance(cycle, RequestResponseCycle):
+    if not isinstance(cycle, Cycle) or cycle.loop is None or cycle.disconnected:
         return None
-    if cycle.disconnected:
-        return None  # gone before the watch began: receive() says so at once
-    connection = cycle.transport.get_protocol()
-    if not isinstance(connection, BoundedHeadProtocol):
-        return None
-    current = connection._watch
-    if current is not None and not current.cycle.response_complete:
-        return None
-    watch = DisconnectWatch(connection, cycle, gone)
-    connection._watch = watch
-    return watch
+    cycle.gone = gone
+    return cycle
+
+
+def _tell_gone(cycle: RequestResponseCycle) -> None:
+    """The connection ended: call the watch of a request it cut short, once."""
+    if isinstance(cycle, Cycle) and cycle.disconnected:
+        gone, cycle.gone = cycle.gone, None
+        if gone is not None:
+            gone()
 
 
 class _HoldingFlow(FlowControl):

@@ -92,7 +92,7 @@ class Watch:
     """
 
     __slots__ = (
-        "_answer", "_connection", "_listed", "_own", "_pending", "_receive", "_request",
+        "_answer", "_cycle", "_listed", "_own", "_pending", "_receive", "_request",
         "_running", "_task", "_timer", "cancelled", "done", "gone",
     )  # fmt: skip
 
@@ -125,13 +125,13 @@ class Watch:
                 running[listed] = self
         self._pending: asyncio.Future[Message] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        # Under slotgate's protocol the watch is a handle on the connection, cheaper than the
-        # timer that would defer it, so it starts at once. Its loop is the connection's:
+        # Under slotgate's protocol the watch is a callback the request's cycle holds, cheaper
+        # than the timer that would defer it, so it starts at once. Its loop is the cycle's:
         # current_task() without one asks asyncio.get_running_loop(), which on Python 3.11 is
         # a getpid system call, and this runs for every gated request.
-        connection = self._connection = watch_disconnect(receive, self._disconnected)
-        if connection is not None:
-            self._task = asyncio.current_task(connection.connection.loop)
+        cycle = self._cycle = watch_disconnect(receive, self._disconnected)
+        if cycle is not None:
+            self._task = asyncio.current_task(cycle.loop)
             return
         task = self._task = asyncio.current_task()
         loop = task.get_loop() if task is not None else asyncio.get_running_loop()
@@ -144,8 +144,8 @@ class Watch:
 
     def _start(self) -> None:
         self._timer = None
-        self._connection = watch_disconnect(self._receive, self._disconnected)
-        if self._connection is None:
+        self._cycle = watch_disconnect(self._receive, self._disconnected)
+        if self._cycle is None:
             self._pending = asyncio.ensure_future(self._receive())
             self._pending.add_done_callback(self._on_message)
 
@@ -172,33 +172,6 @@ class Watch:
         self._task.cancel(msg="cancelled by an operator")
         return True
 
-    def stop(self) -> None:
-        self.done = True
-        listed = self._listed
-        if listed is not None:
-            self._listed = None
-            running = self._running
-            if running is not None:
-                # Its id was sent on no other request still running (nearly always): the
-                # entry goes without `delist`'s call.
-                if not running.older and running.get(listed) is self:
-                    del running[listed]
-                else:
-                    running.delist(listed, self)
-        # Each of these holds a bound method of this watch, and the watch holds it: a cycle
-        # that would keep the watch, its task, the task's coroutine and context alive until a
-        # garbage collection (one for every request, which at 32 connections made collections
-        # cost a quarter of the throughput). Dropped here, they go by reference count.
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.cancel()
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.cancel()
-
     def ours(self) -> bool:
         """After a CancelledError: was it only this watch's doing (so it may end here)?"""
         return (
@@ -220,10 +193,34 @@ class Watch:
             self.close()
 
     def close(self) -> None:
-        """The request's work ended without an exception: stop watching."""
-        self.stop()
-        # Whatever still holds the watch (a connection's, a timer's reference on its way out)
-        # must not hold the request's body with it.
+        """The request's work is over (settled, or ended without an exception): stop watching."""
+        self.done = True
+        listed = self._listed
+        if listed is not None:
+            self._listed = None
+            running = self._running
+            if running is not None:
+                # Its id was sent on no other request still running (nearly always): the
+                # entry goes without `delist`'s call.
+                if not running.older and running.get(listed) is self:
+                    del running[listed]
+                else:
+                    running.delist(listed, self)
+        # Each of these holds a bound method of this watch, and the watch holds it: a cycle
+        # that would keep the watch, its task, the task's coroutine and context alive until a
+        # garbage collection (one for every request, which at 32 connections made collections
+        # cost a quarter of the throughput). Dropped here, they go by reference count.
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        cycle, self._cycle = self._cycle, None
+        if cycle is not None:
+            cycle.gone = None
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
+        # Whatever still holds the watch (a timer's reference on its way out) must not hold
+        # the request's body with it.
         self._request = self._answer = None
 
     async def settle(self, exc: BaseException) -> bool:
@@ -260,10 +257,14 @@ class Watch:
         """Close the connection of a plain answer cut after its head (its client sees the
         truncation) without uvicorn logging it as an app's error; False where the connection
         is not slotgate's own protocol's, and uvicorn ends it its own way."""
-        connection = self._connection
-        if connection is None:
+        cycle = self._cycle
+        if cycle is None:
             return False
-        connection.truncate()
+        # Marked disconnected first, as losing the connection would mark it, so that uvicorn
+        # takes the answer for one whose client left, not for one its app failed to complete
+        # (an error in its log for every such cut).
+        cycle.disconnected = True
+        cycle.transport.close()
         return True
 
 
