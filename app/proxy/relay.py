@@ -70,6 +70,9 @@ _PREEMPTED_WAIT_S = 3600.0
 #: What the gate wants from a body when no budget binds, the gate is warm and nothing is
 #: routed by key: its demand alone (one shared object, not one per request).
 _NOTHING_MORE = Wants()
+#: A named tuple made from all its fields at once, in C: the one a `NamedTuple` class makes
+#: when called is a Python function (a call per request, for each of the two made here).
+_made = tuple.__new__
 
 
 def _lane(models: Models, request: Request, name: str | None, waits: bool) -> Lane:
@@ -296,12 +299,15 @@ class Proxy:
         taken = await take_off_loop(
             endpoint,
             request.body,
-            Reading(
-                _UNSIZED if capacity is None else capacity,
-                self._assemble,
-                # Read only to decide an assembly: a walk over every upstream otherwise wasted.
-                self._fleet.quiet if self._assemble else True,
-                wants,
+            _made(
+                Reading,
+                (
+                    _UNSIZED if capacity is None else capacity,
+                    self._assemble,
+                    # Read only to decide an assembly: a walk over every upstream otherwise wasted.
+                    self._fleet.quiet if self._assemble else True,
+                    wants,
+                ),
             ),
         )
         want, body = taken.demand, taken.body
@@ -348,10 +354,11 @@ class Proxy:
             request.band = flow.band if band is None else band
         # At least its choices in one upstream; a prompt array as many slots as it has tasks,
         # up to those of the upstream that grants it.
-        entry = Entry(
+        # Made by tuple.__new__, as `_made` says, as is the `Reading` above.
+        entry = _made(Entry, (
             want.choices, cost.reserve if cost else 0, weigh, key, flow, band,
             conversation, want.choices * want.tasks if want.tasks > 1 else 0,
-        )  # fmt: skip
+        ))  # fmt: skip
         ticket = gate.enter_now(entry)
         if ticket is None:  # the shared line: its answer is Redis's
             ticket = await gate.enter(entry)
