@@ -103,6 +103,25 @@ _HEADS = [
         id="a-close-asked-for",
     ),
     pytest.param("POST", 418, [(b"x-a", b"1"), (b"x-b", b""), (b"x-c", b"a\tb")], id="odd-values"),
+    pytest.param(
+        "POST", 200,
+        [(b"content-type", b"text/plain"), (b"x-request-id", b"r1"), (b"content-length", b"7")],
+        id="several-lowercase-with-a-length",
+    ),
+    pytest.param(
+        "POST", 200, [(b"content-length", b"7"), (b"content-length", b"9")], id="two-lengths"
+    ),
+    pytest.param(
+        "POST", 200, [(b"x-content-length", b"3"), (b"content-length", b"7")],
+        id="another-name-ending-in-length",
+    ),
+    pytest.param(
+        "POST", 200, [(b"content-length", b"7"), (b"connection", b"close")],
+        id="a-length-and-a-close",
+    ),
+    pytest.param(
+        "POST", 200, [(b"-", b"1"), (b"content-length", b"0")], id="a-name-without-letters"
+    ),
 ]  # fmt: skip
 
 
