@@ -57,13 +57,7 @@ class HeldBody:
         count.held += size
         self.bytes += size
 
-    def release(self, *_exc_info: object) -> None:
+    def release(self) -> None:
         """Its body no longer counts (admitted, refused or gone); harmless twice."""
         self._count.held -= self.bytes
         self.bytes = 0
-
-    def __enter__(self) -> HeldBody:
-        return self
-
-    # The scope's end is the release itself: a call less on every request.
-    __exit__ = release
