@@ -186,8 +186,7 @@ class Admission(Pools):
                 # Granted as it enters: the moment it entered is the one clock read it costs.
                 and self._grant(ticket, ticket.entered_at)
             ):
-                if self._solo is None:  # a fair line accounts the grant; a solo one has none
-                    line.granted(ticket)
+                line.granted(ticket)
                 ticket.admitted_at = ticket.entered_at
                 return ticket
         # A place in the line, if there is one (the line's limit, then its tenant's).

@@ -222,8 +222,7 @@ class Ticket:
             pool.committed -= self.charged
             admitted_at = self.admitted_at
             hold_s = None if admitted_at is None else time.monotonic() - admitted_at
-            if admission._solo is None:  # a fair line accounts the hold; a solo one has none
-                admission._line.released(self, hold_s)
+            admission._line.released(self, hold_s)
             return admission._release(self, pool, self.weight, hold_s)
         future = self._future
         if future is None:
