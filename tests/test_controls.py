@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import orjson
@@ -15,8 +15,13 @@ import pytest
 from slotgate.asgi import Message
 from slotgate.controls import Operators
 from slotgate.errors import Forbidden, Unauthorized
+from slotgate.gate.admission import Admission
+from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.tenants import label
 from slotgate.main import Service
+from slotgate.proxy.answer import Answer
+from slotgate.proxy.body_bytes import BodyBytes, HeldBody
+from slotgate.proxy.request import Request
 from slotgate.proxy.watch import Running, Watch
 from slotgate.settings import Settings
 
@@ -510,9 +515,25 @@ async def test_a_request_id_reused_by_a_shorter_request_still_names_the_longer_o
     assert not running.older
 
 
-def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of_ending() -> None:
+def a_watch() -> Watch:
+    """A request's watch, as the registry holds it (never started: only its identity counts)."""
+    held = HeldBody(BodyBytes(0, Admission(QueuePolicy(), capacity=1)))
+    request = Request(http_scope("POST", CHAT), held)
+
+    async def send(message: Message) -> None:
+        pass
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    return Watch(receive, request, Answer(send), lambda request: [])
+
+
+async def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of_ending() -> (
+    None
+):
     running = Running()
-    a, b, c = (cast(Watch, object()) for _ in range(3))
+    a, b, c = (a_watch() for _ in range(3))
     for watch in (a, b, c):
         running.enlist("x", watch)
     assert running["x"] is c
@@ -524,9 +545,9 @@ def test_the_registry_keeps_only_live_requests_under_a_reused_id_in_any_order_of
     assert not running.older
 
 
-def test_the_registry_walks_every_live_request_in_the_order_they_came_reused_ids_included() -> None:
+async def test_the_registry_walks_every_live_request_in_coming_order_reused_ids_too() -> None:
     running = Running()
-    a, b, c, d = (cast(Watch, object()) for _ in range(4))
+    a, b, c, d = (a_watch() for _ in range(4))
     running.enlist("x", a)
     running.enlist("y", b)
     running.enlist("x", c)  # the same id again: listed under it, after the first

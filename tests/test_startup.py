@@ -217,6 +217,7 @@ async def test_a_llama_server_that_was_up_and_went_away_is_still_waited_for(
     assert answer.status_code == 200
 
 
+@pytest.mark.interpreted
 async def test_a_props_read_that_times_out_while_llama_server_answers_requests_leaves_it_ready(
     start_gate: GateFactory, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,7 @@ bodies parsed in a worker process so the event loop does not stall (docs/design.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -76,9 +77,10 @@ class Intake:
     session: bytes | None = None  # its `prompt_cache_key`, read for SESSION_FLOWS
 
 
-@dataclass(frozen=True, slots=True)
-class Wants:
-    """What the gate wants read from a body besides its demand, in the same parse."""
+class Wants(NamedTuple):
+    """What the gate wants read from a body besides its demand, in the same parse. A named
+    tuple, as `Reading` that carries it: both travel to the worker process that reads a big
+    body, and a compiled build's frozen dataclass does not unpickle there."""
 
     budget: int | None = None  # cost the request against this KV budget (app/intake/cost.py)
     default_output: int | None = None  # llama-server's -n, for a request that bounds none
@@ -325,6 +327,10 @@ def _pool() -> ProcessPoolExecutor:
         _executor = ProcessPoolExecutor(
             WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet
         )
+        # Let go of it at exit while the modules it needs are still there: kept until the
+        # interpreter's last teardown (as a compiled build keeps it), its own cleanup meets
+        # multiprocessing already gone and says so on stderr.
+        atexit.register(_reset)
     return _executor
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -41,6 +42,11 @@ class Endpoint:
     inputs: tuple[str, ...] = ()
     #: llama-server reads n_cmpl (or else n) here: every prompt then runs that many tasks.
     choices: bool = False
+
+    def __reduce__(self) -> tuple[Callable[[str], Endpoint], tuple[str]]:
+        # Sent to intake's worker process and back as its route: a compiled build's frozen
+        # dataclass cannot be rebuilt field by field, and every endpoint is one of ENDPOINTS.
+        return _endpoint_at, (self.route,)
 
 
 # Every route on which llama-server starts generation or inference work, as registered in
@@ -89,6 +95,11 @@ ENDPOINTS = {
     path: Endpoint(kind, flavor, path, tasks, inputs, choices)
     for path, (kind, flavor, tasks, inputs, choices) in _ADMITTED.items()
 }
+
+
+def _endpoint_at(route: str) -> Endpoint:
+    return ENDPOINTS[route]
+
 
 # curl -d sends form-urlencoded by default and llama-server ignores the content type, so those
 # are taken as JSON; a body that declares itself something else is refused.

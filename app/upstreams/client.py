@@ -12,6 +12,7 @@ import os
 import ssl
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 from slotgate.asgi import Header
 from slotgate.errors import BodyTooLarge, ConnectFailed
@@ -20,8 +21,30 @@ from slotgate.upstreams.connection import Connection
 _SSE = "text/event-stream"
 
 
-class Response:
-    """A response whose head has arrived; its body is read as it comes."""
+class Response(Protocol):
+    """What the relay needs of an upstream's response: its head, its body as it comes or whole,
+    and an end. A Protocol, not the class below: a compiled relay checks the classes it names
+    at run time, and any object with these will do (a stand-in upstream's, say)."""
+
+    status: int
+    headers: list[Header]
+    content_type: str
+    content_length: int | None
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    async def readany(self) -> bytes: ...
+
+    async def read(self, limit_bytes: int | None = None) -> bytes: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PooledResponse:
+    """A response whose head has arrived on one of the pool's connections; its body is read as
+    it comes."""
 
     __slots__ = (
         "_client", "_conn", "_done", "_head_only", "content_length", "content_type", "headers",
@@ -173,7 +196,7 @@ class Client:
 
     async def request(
         self, method: str, target: str, headers: Iterable[Header], body: bytes
-    ) -> Response:
+    ) -> PooledResponse:
         """Send one request and wait for the response's head."""
         conn = self._take_idle() or await self._connect()
         conn.begin()
@@ -204,7 +227,7 @@ class Client:
             except BaseException:
                 conn.close()
                 raise
-        return Response(self, conn, head_only=method == "HEAD")
+        return PooledResponse(self, conn, head_only=method == "HEAD")
 
     def _take_idle(self) -> Connection | None:
         idle = self._idle

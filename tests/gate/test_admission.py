@@ -583,6 +583,7 @@ class _Clock:
         return self.now
 
 
+@pytest.mark.interpreted
 def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -726,6 +727,7 @@ def _place_frees_s(k: int, hold_s: float) -> float:
     return (k + 1) // 2 * hold_s
 
 
+@pytest.mark.interpreted
 async def test_a_cold_burst_coming_back_together_is_told_the_places_that_free_not_the_line_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -755,6 +757,7 @@ async def test_a_cold_burst_coming_back_together_is_told_the_places_that_free_no
     await gate.close()
 
 
+@pytest.mark.interpreted
 async def test_an_estimate_after_impatient_clients_is_within_twice_the_wait_it_then_sees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -788,6 +791,7 @@ async def test_the_estimate_shown_is_the_one_a_refusal_would_be_told_now() -> No
         ticket.release()
 
 
+@pytest.mark.interpreted
 async def test_a_client_refused_again_and_again_stands_for_one_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -805,6 +809,7 @@ async def test_a_client_refused_again_and_again_stands_for_one_place(
     await gate.close()
 
 
+@pytest.mark.interpreted
 async def test_a_burst_at_short_holds_is_spread_over_the_places_that_free(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -355,6 +355,7 @@ class _Clock:
         return self.now
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("first", ["heavy", "light"])
 async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
     monkeypatch: pytest.MonkeyPatch, first: str

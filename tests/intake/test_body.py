@@ -8,7 +8,7 @@ import orjson
 import pytest
 from slotgate.errors import BadRequest
 from slotgate.intake import body as intake
-from slotgate.intake.body import OFF_LOOP_BYTES, Reading, take, take_off_loop
+from slotgate.intake.body import OFF_LOOP_BYTES, Reading, Wants, take, take_off_loop
 from slotgate.intake.endpoints import ENDPOINTS
 
 CHAT = ENDPOINTS["/v1/chat/completions"]
@@ -55,6 +55,7 @@ def test_an_answer_that_may_carry_verbose_is_not_assembled(
     assert (taken.assembled, taken.teaches) == (assembled, teaches)
 
 
+@pytest.mark.interpreted
 async def test_a_big_body_is_read_in_a_worker_process_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -72,6 +73,26 @@ async def test_a_big_body_is_read_in_a_worker_process_with_the_same_result(
         await take_off_loop(CHAT, b'{"messages": []}', Reading(4, True))
 
 
+async def test_a_big_bodys_reading_and_what_it_wants_travel_to_the_worker_and_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Everything that crosses to the worker process must pickle, in a compiled build too: one
+    # that does not breaks the worker, and every big body is read on the loop from then on.
+    reading = Reading(4, True, False, Wants(budget=4096, default_output=64, expect=True))
+    body = big(n_cmpl=2, max_tokens=32)
+    read, expected = await take_off_loop(CHAT, body, reading), take(CHAT, body, reading)
+    assert read.estimate is not None
+    assert expected.estimate is not None
+    assert (read.demand, read.body, read.estimate.reserve, read.expected_hold_s) == (
+        expected.demand,
+        expected.body,
+        expected.estimate.reserve,
+        expected.expected_hold_s,
+    )
+    assert not intake._broken
+    assert "worker process" not in caplog.text
+
+
 async def test_a_big_body_refused_in_the_worker_is_refused_with_its_message_and_param() -> None:
     with pytest.raises(BadRequest, match="at most 2") as caught:
         await take_off_loop(CHAT, big(n_cmpl=3), Reading(2, True))
@@ -80,6 +101,7 @@ async def test_a_big_body_refused_in_the_worker_is_refused_with_its_message_and_
         await take_off_loop(CHAT, big()[:-1], Reading(2, True))
 
 
+@pytest.mark.interpreted
 async def test_without_a_working_worker_big_bodies_are_read_on_the_loop(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -419,6 +419,7 @@ async def test_a_generation_relayed_to_its_end_gives_llama_servers_connection_to
     assert gate.service.admission.active == 0
 
 
+@pytest.mark.interpreted
 async def test_an_unexpected_failure_before_the_head_is_a_500_that_ends_the_connection(
     start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

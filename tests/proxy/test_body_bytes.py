@@ -257,6 +257,7 @@ def loop_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+@pytest.mark.interpreted
 async def test_a_big_body_is_not_parsed_on_the_loop_when_llama_server_becomes_known(
     start_gate: GateFactory,
     standin: StandIn,

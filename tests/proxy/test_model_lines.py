@@ -83,6 +83,7 @@ async def test_a_child_that_answers_503_sends_its_request_back_to_its_line_only(
     assert (await waiting).status_code == 200
 
 
+@pytest.mark.interpreted
 async def test_a_big_bodys_model_is_read_off_the_event_loop(
     router: MakeRouter,
     gate_before: GatesFor,

@@ -234,6 +234,7 @@ async def test_a_request_waiting_in_line_learns_of_its_client_leaving_from_the_c
     await gate.until(lambda: gate.service.admission.active == 0)
 
 
+@pytest.mark.interpreted
 async def test_a_client_gone_before_its_request_began_to_watch_still_takes_it_out_of_line(
     start_gate: GateFactory, standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

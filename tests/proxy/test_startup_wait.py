@@ -301,6 +301,7 @@ async def test_a_request_that_waited_for_a_hostile_llama_server_to_start_gets_a_
     await gate.until(lambda: settled(gate))
 
 
+@pytest.mark.interpreted
 async def test_a_big_body_whose_parse_ends_after_llama_server_is_back_is_weighed_by_its_slots(
     start_gate: GateFactory,
     standin: StandIn,

@@ -98,7 +98,7 @@ class FakeResponse:
             raise self._failure
         return b""
 
-    async def read(self, limit: int | None = None) -> bytes:
+    async def read(self, limit_bytes: int | None = None) -> bytes:
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)

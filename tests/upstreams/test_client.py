@@ -104,6 +104,7 @@ async def test_a_chunked_stream_is_decoded_to_its_events(standin: StandIn) -> No
     client.close()
 
 
+@pytest.mark.interpreted
 async def test_a_whole_body_read_wakes_at_its_end_and_stalls_only_on_silence(
     standin: StandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -211,7 +212,7 @@ async def test_after_a_stream_a_replacement_connection_is_opened_ahead_of_need(
     client.close()
 
 
-async def stream(client: Client) -> client_module.Response:
+async def stream(client: Client) -> client_module.PooledResponse:
     body = json.dumps({"messages": [], "stream": True}).encode()
     response = await client.request("POST", "/v1/chat/completions", [], body)
     assert (await response.read()).endswith(b"data: [DONE]\n\n")
@@ -356,7 +357,7 @@ def client_of(hostile: Hostile) -> Client:
                   stall_s=5)  # fmt: skip
 
 
-async def exchange(client: Client) -> tuple[int, bytes, client_module.Response]:
+async def exchange(client: Client) -> tuple[int, bytes, client_module.PooledResponse]:
     response = await client.request("POST", "/tokenize", [], b"{}")
     body = await response.read()
     response.release()
