@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -42,6 +43,11 @@ REPLICAS = DOCKER / "compose.replicas.yaml"
 BALANCER_CONF = DOCKER / "nginx.replicas.conf"
 REPLICA_NAMES = ("slotgate-a", "slotgate-b")
 ENV_EXAMPLE = REPO / ".env.example"
+#: The modules the compiled build compiles, as imported (pyproject.toml, setup.py).
+COMPILED = [
+    "slotgate." + path.removesuffix(".py").replace("/", ".")
+    for path in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["slotgate"]["compiled"]
+]
 # check-jsonschema carries the Compose Specification's schema: nothing outside the clone is read.
 SCHEMA = ["--builtin-schema", "vendor.compose-spec"]
 
@@ -1014,6 +1020,9 @@ class Replay:
                 shutil.copy2(origin, target)
 
     def run(self, command: str) -> None:
+        if command.startswith("apt-get "):
+            self.system_packages(command)
+            return
         with self.log.open("a") as log:
             log.write(f"\n$ {command}\n")
             log.flush()
@@ -1027,6 +1036,27 @@ class Replay:
                 check=False,
             )
         assert result.returncode == 0, f"RUN {command}\n{self.log.read_text()[-4000:]}"
+
+    @staticmethod
+    def system_packages(command: str) -> None:
+        """A RUN that installs Debian packages is not replayed (it would change this machine):
+        they must be here already, as they are where CI runs (.ci/run installs them)."""
+        words = command.split("&&")[1].split()
+        packages = [
+            word for word in words[words.index("install") + 1 :] if not word.startswith("-")
+        ]
+        assert packages, f"RUN {command}: which packages?"
+        if shutil.which("dpkg-query") is None:
+            assert shutil.which("cc"), f"the image builds with {packages}: no C compiler here"
+            return
+        for package in packages:
+            found = subprocess.run(
+                ["dpkg-query", "-W", "-f=${Status}", package],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert "install ok installed" in found.stdout, f"the image needs {package}: install it"
 
 
 def status(url: str) -> int:
@@ -1057,6 +1087,24 @@ def test_the_image_install_steps_give_a_slotgate_that_serves_and_drains_on_sigte
     program = shutil.which(command[0], path=env["PATH"])
     assert program, f"{command[0]} is not on the image's PATH"
     assert Path(program).is_relative_to(replay.root), f"{program} is not the one just installed"
+    # It is the compiled build: every module pyproject.toml lists is a C extension there.
+    python = shutil.which("python", path=env["PATH"])
+    assert python
+    where = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib, sys; print(*(importlib.import_module(m).__file__ for m in sys.argv[1:]))",  # noqa: E501
+            *COMPILED,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    loaded = where.stdout.split()
+    assert len(loaded) == len(COMPILED)
+    assert all(path.endswith(".so") for path in loaded), loaded
 
     run_dir = tmp_path / "run"  # no .env here: slotgate reads one from its working directory
     run_dir.mkdir()

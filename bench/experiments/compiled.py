@@ -10,8 +10,9 @@ C compiler. The protocol and the request cycle stay interpreted: they subclass u
 classes, which mypyc does not compile, and an interpreted class cannot subclass a compiled
 one (so the upstream client's subclass, reuse.py, is compiled with it).
 
-This is a measurement, not a build slotgate ships: the tests' stand-ins for the relay's
-objects are not the types the compiled code checks for at run time (bench/README.md).
+The same modules as slotgate's compiled build (setup.py, SLOTGATE_COMPILE=1), compiled in a
+copy so that a checkout can measure both; `--modules` compiles a subset, to find which module
+a difference comes from.
 """
 
 from __future__ import annotations
@@ -21,20 +22,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 from bench.contenders import REPO
 
-#: The modules a relayed request spends its Python time in, outside uvicorn's classes.
-MODULES = (
-    "slotgate/gate/ticket.py", "slotgate/gate/line.py", "slotgate/gate/clock.py",
-    "slotgate/gate/pool.py", "slotgate/gate/admission.py", "slotgate/gate/entry.py",
-    "slotgate/proxy/request.py", "slotgate/proxy/answer.py", "slotgate/proxy/headers.py",
-    "slotgate/proxy/accounting.py", "slotgate/proxy/modes.py", "slotgate/proxy/body_bytes.py",
-    "slotgate/proxy/watch.py", "slotgate/proxy/relay.py", "slotgate/intake/body.py",
-    "slotgate/intake/endpoints.py", "slotgate/metrics.py", "slotgate/upstreams/client.py",
-    "slotgate/upstreams/connection.py", "slotgate/upstreams/reuse.py",
-)  # fmt: skip
+#: The modules the compiled build compiles (pyproject.toml's [tool.slotgate] compiled, setup.py).
+MODULES = tuple(
+    f"slotgate/{module}"
+    for module in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["slotgate"][
+        "compiled"
+    ]
+)
 
 _SETUP = """
 import sys
