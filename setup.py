@@ -3,11 +3,10 @@ build. With SLOTGATE_COMPILE=1, mypyc (part of mypy) compiles the modules a rela
 through, listed in pyproject.toml under [tool.slotgate] compiled, into C extensions installed
 beside their sources; Python imports those first. It needs a C compiler, the Python headers,
 and mypy and setuptools installed beside slotgate's dependencies, as mypyc type-checks what it
-compiles against them:
+compiles against them (docs/performance.md):
 
-    pip install mypy 'setuptools>=77' && SLOTGATE_COMPILE=1 pip install --no-build-isolation .
-
-docs/performance.md says what it saves and how it is tested.
+    pip install . && pip install mypy 'setuptools>=77'
+    SLOTGATE_COMPILE=1 pip install --no-build-isolation --no-deps --force-reinstall .
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def compiled_modules() -> list[Any]:
     except ImportError:
         sys.exit(
             "SLOTGATE_COMPILE=1 needs mypy where slotgate is built: pip install mypy"
-            " 'setuptools>=77', then pip install --no-build-isolation ."
+            " 'setuptools>=77', then build with pip install --no-build-isolation"
         )
     with open(ROOT / "pyproject.toml", "rb") as pyproject:
         modules = tomllib.load(pyproject)["tool"]["slotgate"]["compiled"]
