@@ -7,6 +7,10 @@ compiles against them (docs/performance.md):
 
     pip install . && pip install mypy 'setuptools>=77'
     SLOTGATE_COMPILE=1 pip install --no-build-isolation --no-deps --force-reinstall .
+
+SLOTGATE_COMPILE may instead name modules, comma-separated paths under app/ (proxy/relay.py,
+gate/line.py): only those are compiled, to measure what one module's compiling is worth
+(python -m bench.experiments.compiled).
 """
 
 from __future__ import annotations
@@ -24,11 +28,20 @@ ROOT = Path(__file__).parent
 
 def compiled_modules() -> list[Any]:
     """The extensions to build: none unless SLOTGATE_COMPILE asks for them."""
-    wanted = os.environ.get("SLOTGATE_COMPILE", "").strip().lower()
-    if wanted in ("", "0", "false", "no"):
+    wanted = os.environ.get("SLOTGATE_COMPILE", "").strip()
+    if wanted.lower() in ("", "0", "false", "no"):
         return []
-    if wanted not in ("1", "true", "yes"):
-        sys.exit(f"SLOTGATE_COMPILE={wanted!r}: set it to 1 to compile, or leave it unset")
+    if wanted.lower() in ("1", "true", "yes"):
+        with open(ROOT / "pyproject.toml", "rb") as pyproject:
+            modules = tomllib.load(pyproject)["tool"]["slotgate"]["compiled"]
+    else:
+        modules = [module.strip() for module in wanted.split(",")]
+        missing = [module for module in modules if not (ROOT / "app" / module).is_file()]
+        if missing:
+            sys.exit(
+                f"SLOTGATE_COMPILE={wanted!r}: set it to 1 to compile, to paths under app/ to"
+                f" compile only those ({missing[0]!r} is none), or leave it unset"
+            )
     try:
         from mypyc.build import mypycify
     except ImportError:
@@ -36,8 +49,6 @@ def compiled_modules() -> list[Any]:
             "SLOTGATE_COMPILE=1 needs mypy where slotgate is built: pip install mypy"
             " 'setuptools>=77', then build with pip install --no-build-isolation"
         )
-    with open(ROOT / "pyproject.toml", "rb") as pyproject:
-        modules = tomllib.load(pyproject)["tool"]["slotgate"]["compiled"]
     # Through .types/slotgate (a link to app/), as `mypy` checks them: the modules are named
     # slotgate.*, the name they are installed and imported under.
     os.chdir(ROOT)

@@ -1,76 +1,79 @@
-"""A copy of this checkout's slotgate with its request path compiled by mypyc, for the bench to
-measure beside the interpreted one (`--slotgate-tree DIR`).
+"""slotgate's compiled build of this checkout, in a folder of its own, for the bench to measure
+beside the interpreted one (`--slotgate-tree DIR`).
 
-    python -m bench.experiments.compiled DIR [--modules slotgate/proxy/relay.py,...]
+    python -m bench.experiments.compiled DIR [--modules proxy/relay.py,gate/line.py,...]
 
-Copies app/ to DIR/slotgate and compiles the modules a relayed request runs through (the
-admission core, the relay, intake, metrics and the upstream client) into C extensions beside
-their sources, where Python imports them first. Needs mypy (the test extras), setuptools and a
-C compiler. The protocol and the request cycle stay interpreted: they subclass uvicorn's
-classes, which mypyc does not compile, and an interpreted class cannot subclass a compiled
-one (so the upstream client's subclass, reuse.py, is compiled with it).
-
-The same modules as slotgate's compiled build (setup.py, SLOTGATE_COMPILE=1), compiled in a
-copy so that a checkout can measure both; `--modules` compiles a subset, to find which module
-a difference comes from.
+Builds through setup.py, as the image and scripts/check do (`SLOTGATE_COMPILE`, docs/
+performance.md), from a copy of the checkout so that the checkout's own build/ folder is left
+alone: DIR/slotgate is the package, with the modules pyproject.toml lists under
+`[tool.slotgate] compiled` as C extensions beside their sources. `--modules` compiles only
+those (paths under app/, listed or not), to find which module a difference comes from. Needs
+mypy and setuptools (the test extras) and a C compiler.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 from bench.contenders import REPO
 
-#: The modules the compiled build compiles (pyproject.toml's [tool.slotgate] compiled, setup.py).
-MODULES = tuple(
-    f"slotgate/{module}"
-    for module in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["slotgate"][
-        "compiled"
-    ]
-)
-
-_SETUP = """
-import sys
-from setuptools import setup
-from mypyc.build import mypycify
-modules, sys.argv[3:] = sys.argv[3:], []
-setup(name="slotgate-compiled", ext_modules=mypycify(modules, opt_level="3"))
-"""
+#: What setup.py builds from: the package, its type-checking link, and the project's files.
+_SOURCES = ("app", ".types", "setup.py", "pyproject.toml", "README.md")
 
 
-def build(target: Path, modules: tuple[str, ...] = MODULES) -> None:
-    """DIR/slotgate: this checkout's app/, with `modules` compiled beside their sources."""
-    package = target / "slotgate"
-    if package.exists():
-        shutil.rmtree(package)
-    target.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(REPO / "app", package, ignore=shutil.ignore_patterns("__pycache__"))
-    with tempfile.TemporaryDirectory(prefix="slotgate-mypyc-") as scratch:
-        setup = Path(scratch) / "setup.py"
-        setup.write_text(_SETUP)
+def build(target: Path, modules: tuple[str, ...] = ()) -> None:
+    """DIR/slotgate: this checkout's slotgate, built with `modules` (default: the listed ones)
+    compiled."""
+    with tempfile.TemporaryDirectory(prefix="slotgate-compiled-") as scratch:
+        source = Path(scratch) / "slotgate"
+        source.mkdir()
+        for name in _SOURCES:
+            path = REPO / name
+            if path.is_dir():
+                shutil.copytree(
+                    path,
+                    source / name,
+                    symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"),
+                )
+            else:
+                shutil.copy2(path, source / name)
+        env = {**os.environ, "SLOTGATE_COMPILE": ",".join(modules) if modules else "1"}
         subprocess.run(
-            [sys.executable, str(setup), "build_ext", "--inplace", *modules],
-            cwd=target,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-build-isolation",
+                "--no-deps",
+                "--upgrade",
+                "--target",
+                str(target),
+                str(source),
+            ],
+            env=env,
             check=True,
-            stdout=subprocess.DEVNULL,
         )
-    shutil.rmtree(target / "build", ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", type=Path, help="the folder to hold the compiled slotgate/")
-    parser.add_argument("--modules", help="comma-separated paths under the target (default: all)")
+    parser.add_argument(
+        "--modules", help="comma-separated paths under app/ (default: pyproject.toml's list)"
+    )
     args = parser.parse_args(argv)
-    modules = tuple(args.modules.split(",")) if args.modules else MODULES
+    modules = tuple(args.modules.split(",")) if args.modules else ()
     build(args.target.resolve(), modules)
-    print(f"compiled {len(modules)} modules into {args.target}/slotgate")
+    print(f"built slotgate into {args.target}, {args.modules or 'the listed modules'} compiled")
     return 0
 
 

@@ -2,7 +2,7 @@
 load does not move, where CPU timings on a shared machine are noise.
 
     python -m bench.experiments.instructions [--concurrency 32] [--seconds 30] [--warm-s 8]
-        [--slotgate-tree DIR] [--env KEY=VALUE ...]
+        [--slotgate-tree DIR] [--env KEY=VALUE ...] [--cache-sim]
 
 Starts the stand-in and slotgate (`STREAM_UPSTREAM=false`, one upstream of 1,024 slots, no
 tenants, no budget, no Redis: the like-for-like path) with slotgate under
@@ -11,6 +11,11 @@ wrk load at `--concurrency` connections (instrumentation on through `callgrind_c
 divides the instructions counted by the requests wrk completed. Also prints the calls to
 CPython's generic attribute lookup (`PyObject_GetAttr`, what a load the interpreter could not
 specialize costs) and to its allocator, per request. Needs valgrind and wrk (Debian packages).
+
+With `--cache-sim`, callgrind also simulates the caches (its model: first-level instruction
+and data caches and the last level, of this machine's sizes) and prints their misses per
+request: what fewer instructions can still lose to a bigger footprint. It sees one process's
+accesses only, not the evictions by the kernel and the other processes between two requests.
 
 User-space instructions only: system calls count as the instructions that make them. Under
 valgrind slotgate runs some fifty times slower, so a timer shorter than a request's time
@@ -40,6 +45,10 @@ from bench.scenarios import CHAT
 
 #: The calls callgrind's output names, counted per request.
 _CALLS = ("PyObject_GetAttr", "_PyObject_Malloc")
+#: The simulated caches' misses (`--cache-sim`), by callgrind's event names: first-level
+#: instruction and data (reads and writes), and the last level's for all three.
+_MISSES = {"I1mr": "I1", "D1mr": "D1 read", "D1mw": "D1 write"}
+_LAST_LEVEL = ("ILmr", "DLmr", "DLmw")
 
 
 def _calls(profile: Path) -> collections.Counter[str]:
@@ -96,6 +105,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     command = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", "--vgdb=yes",
         f"--vgdb-prefix={prefix}", f"--callgrind-out-file={profile}",
+        *(["--cache-sim=yes"] if args.cache_sim else []),
         sys.executable, "-m", "slotgate",
     ]  # fmt: skip
     gate = spawn("slotgate", command, port, None, work, env=env, cwd=work)
@@ -113,12 +123,18 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     while not profile.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     requests = int(result["requests"])
-    totals = re.search(r"^totals: (\d+)", profile.read_text(errors="replace"), re.M)
-    if totals is None or not requests:
+    text = profile.read_text(errors="replace")
+    events = re.search(r"^events: (.+)$", text, re.M)
+    totals = re.search(r"^totals: (.+)$", text, re.M)
+    if events is None or totals is None or not requests:
         raise SystemExit(f"no count: see the logs in {work}")
+    counted = dict(zip(events.group(1).split(), map(int, totals.group(1).split()), strict=True))
     calls = _calls(profile)
-    figures = {"requests": float(requests), "instructions": int(totals.group(1)) / requests}
+    figures = {"requests": float(requests), "instructions": counted["Ir"] / requests}
     figures.update({name: calls[name] / requests for name in _CALLS})
+    if args.cache_sim:
+        figures.update({label: counted[event] / requests for event, label in _MISSES.items()})
+        figures["last level"] = sum(counted[event] for event in _LAST_LEVEL) / requests
     return figures
 
 
@@ -128,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="counted")
     parser.add_argument("--warm-s", type=float, default=8.0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--cache-sim", action="store_true", help="count simulated cache misses")
     parser.add_argument(
         "--slotgate-tree", type=Path, help="a folder holding a slotgate/ package (another tree)"
     )
@@ -144,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{figures['instructions'] / 1000:.1f} k instructions, "
         + ", ".join(f"{figures[name]:.1f} calls to {name}" for name in _CALLS)
     )
+    if args.cache_sim:
+        labels = [*_MISSES.values(), "last level"]
+        print(
+            "cache misses per request: "
+            + ", ".join(f"{label} {figures[label]:.0f}" for label in labels)
+        )
     return 0
 
 
