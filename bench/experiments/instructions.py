@@ -2,7 +2,7 @@
 load does not move, where CPU timings on a shared machine are noise.
 
     python -m bench.experiments.instructions [--concurrency 32] [--seconds 30] [--warm-s 8]
-        [--slotgate-tree DIR] [--env KEY=VALUE ...] [--cache-sim]
+        [--slotgate-tree DIR] [--env KEY=VALUE ...] [--cache-sim] [--floor]
 
 Starts the stand-in and slotgate (`STREAM_UPSTREAM=false`, one upstream of 1,024 slots, no
 tenants, no budget, no Redis: the like-for-like path) with slotgate under
@@ -11,6 +11,10 @@ wrk load at `--concurrency` connections (instrumentation on through `callgrind_c
 divides the instructions counted by the requests wrk completed. Also prints the calls to
 CPython's generic attribute lookup (`PyObject_GetAttr`, what a load the interpreter could not
 specialize costs) and to its allocator, per request. Needs valgrind and wrk (Debian packages).
+
+With `--floor`, the same count of bench/floor.py's bare uvicorn answering every request itself
+(scenario 1's `uvicorn-bare`): the floor slotgate's count is compared with, which the CPU
+target's "times bare uvicorn" compares in CPU time.
 
 With `--cache-sim`, callgrind also simulates the caches (its model: first-level instruction
 and data caches and the last level, of this machine's sizes) and prints their misses per
@@ -106,9 +110,12 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         "valgrind", "--tool=callgrind", "--instr-atstart=no", "--vgdb=yes",
         f"--vgdb-prefix={prefix}", f"--callgrind-out-file={profile}",
         *(["--cache-sim=yes"] if args.cache_sim else []),
-        sys.executable, "-m", "slotgate",
+        sys.executable, "-m",
+        *(["bench.floor", "--answer", "--port", str(port)] if args.floor else ["slotgate"]),
     ]  # fmt: skip
-    gate = spawn("slotgate", command, port, None, work, env=env, cwd=work)
+    # The floor is run from the checkout (it imports the stand-in's answer from tests/).
+    cwd = contenders.REPO if args.floor else work
+    gate = spawn("slotgate", command, port, None, work, env=env, cwd=cwd)
     try:
         wait_http(port, "/readyz", 300, lambda status: status == 200)
         body = loadgen.chat_body(stream=False)
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="counted")
     parser.add_argument("--warm-s", type=float, default=8.0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--floor", action="store_true", help="count bare uvicorn instead")
     parser.add_argument("--cache-sim", action="store_true", help="count simulated cache misses")
     parser.add_argument(
         "--slotgate-tree", type=Path, help="a folder holding a slotgate/ package (another tree)"
@@ -156,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         contenders.slotgate_tree = args.slotgate_tree.resolve()
     figures = measure(args)
     print(
-        f"slotgate from {contenders.slotgate_tree}, {args.concurrency} connections: "
+        (
+            "bare uvicorn (bench/floor.py --answer)"
+            if args.floor
+            else f"slotgate from {contenders.slotgate_tree}"
+        )
+        + f", {args.concurrency} connections: "
         f"{figures['requests']:.0f} requests counted; per request "
         f"{figures['instructions'] / 1000:.1f} k instructions, "
         + ", ".join(f"{figures[name]:.1f} calls to {name}" for name in _CALLS)
