@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import uvicorn
 from pydantic import ValidationError
 from slotgate import __version__, logs
-from slotgate.proxy.protocol import bounded_head_protocol
+from slotgate.proxy.protocol import http_protocol
 from slotgate.settings import (
     ENGINE_VARIABLES,
     Settings,
@@ -279,7 +279,7 @@ def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Confi
         # One worker, always: each process would hold its own gate and multiply the slots.
         workers=1,
         loop="uvloop",
-        http=bounded_head_protocol(settings.head_timeout_s),
+        http=http_protocol(settings.head_timeout_s),
         lifespan="on",
         access_log=False,
         server_header=False,

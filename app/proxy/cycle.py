@@ -1,6 +1,29 @@
-"""One request's cycle on a connection of slotgate's protocol (app/proxy/protocol.py):
-uvicorn's `RequestResponseCycle`, with the answer's head built by slotgate and a whole answer
-written in one system call."""
+"""One request's exchange on a connection of slotgate's protocol (app/proxy/protocol.py): its
+scope, the body it reads (`receive`), the answer it writes (`send`), and the app's run.
+
+It keeps uvicorn's `RequestResponseCycle` contract, which the tests hold it to byte for byte:
+the same status lines and default headers first, the same framing decisions (a length, chunks,
+or neither for HEAD, 204 and 304), the same checks against response splitting, the same
+errors for an answer longer or shorter than its head said, 100-continue on the first
+`receive`, and a 500 for an app that fails before its answer starts. It is slotgate's own
+class, not a subclass of uvicorn's, so that it can be compiled with its attributes in a C
+struct (a compiled class over an interpreted base keeps the base's attributes in a dict that
+Python 3.11 looks up the generic way; bench/README.md).
+
+Cheaper than uvicorn's in what every request pays for:
+- The head: uvicorn checks each header's name and value with a regular expression of its own,
+  lowercases each name into a new string and builds a list per header. `_head_bytes` makes
+  the same two checks once over all the names and once over all the values: a character class
+  matches in the joined bytes exactly where it matches in one of them (and a byte of it is in
+  them exactly when deleting its class's bytes shortens them).
+- One write: a head sent with `BODY_FOLLOWS` (app/proxy/answer.py) is held and goes out with
+  the body's first bytes, in one system call, where uvicorn writes each the moment it is sent.
+  Whatever ends a send without writing (an error, a cancellation while the socket drains) lets
+  the held head out first, unless the client has gone: the head never waits past the next send,
+  which the app makes at once.
+- The body read: no `asyncio.Event` per request; a future is made only when `receive` must
+  wait (a body still arriving), and a body that came in one piece is handed over as it came.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +32,18 @@ import logging
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slotgate.asgi import Message
+from slotgate.asgi import Message, Receive, Scope, Send
 from slotgate.proxy.answer import BODY_FOLLOWS
-from uvicorn._types import HTTPScope
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_RE,
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+
+if TYPE_CHECKING:
+    from slotgate.proxy.protocol import Connection
+
+log = logging.getLogger("uvicorn.error")
+
+App = Callable[[Scope, Receive, Send], Any]
 
 
 def _refused_by(pattern: re.Pattern[bytes]) -> bytes:
@@ -36,116 +59,210 @@ _VALUE_REFUSED = _refused_by(HEADER_VALUE_RE)
 _NAME, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 #: The names whose values decide the answer's framing or its connection's end.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_SERVER_ERROR: Message = {
+    "type": "http.response.start",
+    "status": 500,
+    "headers": [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", b"21"),
+        (b"connection", b"close"),
+    ],
+}
 
 
-_uvicorn_init = RequestResponseCycle.__init__
-
-
-class Cycle(RequestResponseCycle):
-    """uvicorn's request cycle, with a cheaper head, and a whole answer's head and body written
-    in one system call.
-
-    The head. uvicorn checks each header's name and value with a regular expression of its
-    own, lowercases each name into a new string and builds a list per header: for the six or
-    so headers of an answer, about a hundred allocations, more than any other step of a
-    relayed request. `_head_bytes` builds the same head (uvicorn's status lines, its framing
-    decisions, its default headers first) and makes the same two checks, each once over all
-    the names and once over all the values: a character class matches in the joined bytes
-    exactly where it matches in one of them (and a byte of it is in them exactly when deleting
-    its class's bytes shortens them).
-
-    One write. uvicorn writes the head the moment the app sends it: for a non-streamed
-    answer, one write for the head and one for the body, each a trip through the kernel's TCP
-    stack. A head sent with `BODY_FOLLOWS` (app/proxy/answer.py) is held, and goes out with
-    the body: a whole body of the length the head said is written with it and the answer
-    ended as uvicorn ends one; any other body goes through uvicorn's `send`, which writes the
-    head first, whatever it does to the transport (close it) lets the head out first, and a
-    send that ends without writing (cancelled while uvicorn waits for the socket to drain, or
-    refused) lets it out too, unless the client has gone: the head never waits past the next
-    send, which the app makes at once.
-    """
+class Cycle:
+    """One request on a connection, from its head to the end of its answer."""
 
     def __init__(
         self,
-        scope: HTTPScope,
-        transport: asyncio.Transport,
-        flow: FlowControl,
-        logger: logging.Logger,
-        access_logger: logging.Logger,
-        access_log: bool,
-        default_headers: list[tuple[bytes, bytes]],
-        message_event: asyncio.Event,
-        expect_100_continue: bool,
+        connection: Connection,
+        scope: Scope,
         keep_alive: bool,
-        on_response: Callable[..., None],
+        expect_100_continue: bool,
     ) -> None:
-        # uvicorn's own, its arguments passed on by position: uvicorn makes the cycle with
-        # keywords, and a `**kwargs` passed on would build and unpack a dict per request.
-        _uvicorn_init(
-            self, scope, transport, flow, logger, access_logger, access_log, default_headers,
-            message_event, expect_100_continue, keep_alive, on_response,
-        )  # fmt: skip
-        # The held head, on the instance: a class default would make Python 3.11 look every
-        # read of it up the generic way.
+        self.scope = scope
+        #: The connection's, read once: what the answer is written to.
+        self.transport: asyncio.Transport = connection.transport
+        self.loop: asyncio.AbstractEventLoop = connection.loop
+        self.default_headers: list[tuple[bytes, bytes]] = connection.server_state.default_headers
+        # The connection, told when the answer is complete; None once the app has returned,
+        # so that a request kept by someone does not keep its connection.
+        self._connection: Connection | None = connection
+        # Connection state.
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        # Request state: the body's pieces not yet received, and whether more will come.
+        self._pieces: list[bytes] = []
+        self.body_size = 0
+        self.more_body = True
+        # Something for `receive` to see (body, the body's end, the request's end), and the
+        # future a waiting `receive` sleeps on.
+        self.ready = False
+        self._waiter: asyncio.Future[None] | None = None
+        # Response state.
+        self.response_started = False
+        self.response_complete = False
+        self.chunked_encoding: bool | None = None
+        self.expected_content_length = 0
+        # The held head (BODY_FOLLOWS), until the body's first write.
         self._head: bytes | None = None
-        #: The connection's loop, once its protocol (app/proxy/protocol.py) has made the cycle.
-        self.loop: asyncio.AbstractEventLoop | None = None
         #: What the connection calls if it ends before this answer does (the request's watch,
         #: app/proxy/watch.py); None while nothing watches.
         self.gone: Callable[[], None] | None = None
 
-    async def send(self, message: Message) -> None:  # type: ignore[override]
-        head = self._head
-        if head is None:
-            if self.response_started or message["type"] != "http.response.start" or self.access_log:
-                await super().send(message)  # type: ignore[arg-type]
-                return
-            if self.flow.write_paused and not self.disconnected:
-                await self.flow.drain()
-            if self.disconnected:
-                return
+    # -- what the connection tells ----------------------------------------------------------------
+
+    def take_body(self, piece: bytes) -> None:
+        """A piece of the request's body arrived."""
+        self._pieces.append(piece)
+        self.body_size += len(piece)
+        self.wake()
+
+    def wake(self) -> None:
+        """There is something for `receive` to see."""
+        self.ready = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the app's run ----------------------------------------------------------------------------
+
+    async def run_asgi(self, app: App) -> None:
+        """Run the app for this request, as uvicorn's cycle does: a 500 if it fails (or returns)
+        before its answer starts, the connection closed if it fails in the middle."""
+        try:
+            result = await app(self.scope, self.receive, self.send)
+        except BaseException as exc:
+            log.exception("Exception in ASGI application\n", exc_info=exc)
+            if not self.response_started:
+                await self._send_500()
+            else:
+                self._let_head_out()
+                self.transport.close()
+        else:
+            if result is not None:
+                log.error("ASGI callable should return None, but returned '%s'.", result)
+                self._let_head_out()
+                self.transport.close()
+            elif not self.response_started and not self.disconnected:
+                log.error("ASGI callable returned without starting response.")
+                await self._send_500()
+            elif not self.response_complete and not self.disconnected:
+                log.error("ASGI callable returned without completing response.")
+                self._let_head_out()
+                self.transport.close()
+        finally:
+            self._connection = None
+
+    async def _send_500(self) -> None:
+        await self.send(_SERVER_ERROR)
+        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+
+    # -- ASGI -------------------------------------------------------------------------------------
+
+    async def receive(self) -> Message:
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(_CONTINUE)
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            connection = self._connection
+            if connection is not None and connection.read_paused:
+                connection.resume_reading()
+            if not self.ready:
+                waiter = self._waiter = self.loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+            self.ready = False
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        pieces = self._pieces
+        # One piece (the usual small body) is handed over as it came: join returns it.
+        body = b"".join(pieces) if pieces else b""
+        if pieces:
+            self._pieces = []
+            self.body_size = 0
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def send(self, message: Message) -> None:
+        connection = self._connection
+        if connection is not None and connection.write_paused and not self.disconnected:
+            try:
+                await connection.drain()
+            except BaseException:
+                self._let_head_out()
+                raise
+        if self.disconnected:
+            return
+        if not self.response_started:
+            if message["type"] != "http.response.start":
+                raise RuntimeError(
+                    f"Expected ASGI message 'http.response.start', but got '{message['type']}'."
+                )
             head = self._head_bytes(message)
             if message.get(BODY_FOLLOWS):
                 self._head = head
             else:
                 self.transport.write(head)
             return
-        if self.flow.write_paused and not self.disconnected:
-            # Waited for here, as uvicorn would: then nothing waits while the transport is
-            # swapped, so no timer or cancellation finds the swap.
-            await self.flow.drain()
-        self._head = None
-        if (
-            message["type"] == "http.response.body"
-            and not message.get("more_body", False)
-            and not self.disconnected
-            and self.chunked_encoding is False
-            and self.scope["method"] != "HEAD"
-            and len(body := message.get("body", b"")) == self.expected_content_length
-        ):
-            # The whole answer, ended as uvicorn's `send` ends one, its head and body in one
-            # write. (Through uvicorn's `send` with the transport swapped, as below, it costs
-            # a request more: the swap makes uvicorn's writes see two kinds of transport.)
-            self.transport.write(head + body)
-            self.expected_content_length = 0
+        if self.response_complete:
+            raise RuntimeError(
+                f"Unexpected ASGI message '{message['type']}' sent, after response already "
+                "completed."
+            )
+        try:
+            content = self._body_bytes(message)
+        except BaseException:
+            self._let_head_out()
+            raise
+        held = self._head
+        if held is not None:
+            self._head = None
+            content = held + content
+        if content:
+            self.transport.write(content)
+        if not message.get("more_body", False):
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
-            self.message_event.set()
+            self.wake()
             if not self.keep_alive:
                 self.transport.close()
-            # Read, then called: uvicorn's callback is an attribute, and called as a method
-            # Python 3.11 would look it up the generic way.
-            on_response = self.on_response
-            on_response()
-            return
-        transport = self.transport
-        joined = _Joined(transport, head)
-        self.transport = joined  # type: ignore[assignment]
-        try:
-            await super().send(message)  # type: ignore[arg-type]
-        finally:
-            self.transport = transport
-            if joined.head is not None and not self.disconnected:
-                transport.write(joined.head)
+            if connection is not None:
+                connection.on_response_complete()
+
+    # -- the answer's bytes -----------------------------------------------------------------------
+
+    def _let_head_out(self) -> None:
+        """Write the held head, if any, unless the client has gone."""
+        head, self._head = self._head, None
+        if head is not None and not self.disconnected:
+            self.transport.write(head)
+
+    def _body_bytes(self, message: Message) -> bytes:
+        """What a body message puts on the wire, its framing counted as uvicorn counts it."""
+        if message["type"] != "http.response.body":
+            raise RuntimeError(
+                f"Expected ASGI message 'http.response.body', but got '{message['type']}'."
+            )
+        body: bytes = message.get("body", b"")
+        if self.scope["method"] == "HEAD":
+            self.expected_content_length = 0
+            return b""
+        if self.chunked_encoding:
+            more_body: bool = message.get("more_body", False)
+            if body:
+                framed = b"%x\r\n%s\r\n" % (len(body), body)
+                return framed if more_body else framed + b"0\r\n\r\n"
+            return b"" if more_body else b"0\r\n\r\n"
+        size = len(body)
+        if size > self.expected_content_length:
+            raise RuntimeError("Response content longer than Content-Length")
+        self.expected_content_length -= size
+        return body
 
     def _head_bytes(self, message: Message) -> bytes:
         """The head of the answer `message` starts, as uvicorn's `send` builds it, its state
@@ -153,7 +270,7 @@ class Cycle(RequestResponseCycle):
         self.response_started = True
         self.waiting_for_100_continue = False
         status: int = message["status"]
-        headers = [*self.default_headers, *message.get("headers", ())]
+        headers: list[tuple[bytes, bytes]] = [*self.default_headers, *message.get("headers", ())]
         # map and itemgetter: no list comprehension's frame (a call each on Python 3.11).
         names = b"".join(map(_NAME, headers))
         if len(names.translate(None, _NAME_REFUSED)) != len(names):
@@ -193,29 +310,3 @@ class Cycle(RequestResponseCycle):
             content.append(b"transfer-encoding: chunked\r\n")
         content.append(b"\r\n")
         return b"".join(content)
-
-
-class _Joined:
-    """What a `Cycle` writes through while it sends the body after a held head: the first
-    write goes out after the head, in one system call; any other use of the transport (a
-    close) lets the head out first."""
-
-    __slots__ = ("head", "transport")
-
-    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
-        self.transport = transport
-        self.head: bytes | None = head
-
-    def write(self, data: bytes) -> None:
-        head = self.head
-        if head is None:
-            self.transport.write(data)
-            return
-        self.head = None
-        self.transport.write(head + data)
-
-    def __getattr__(self, name: str) -> Any:
-        head, self.head = self.head, None
-        if head is not None:
-            self.transport.write(head)
-        return getattr(self.transport, name)

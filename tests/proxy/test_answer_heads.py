@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy.modes import WHOLE_BODY_BYTES
-from slotgate.proxy.protocol import BoundedHeadProtocol
+from slotgate.proxy.protocol import Connection
 
 from tests.conftest import CHAT, GateFactory, RunningGate, before_hostile, chat
 from tests.proxy.test_protocol import hang_up
@@ -289,8 +289,7 @@ async def test_slotgates_own_routes_and_refusals_answer_every_pipelined_request_
 def writes_paused(gate: RunningGate) -> bool:
     """Some connection's client reads too slowly: uvicorn waits for its socket to drain."""
     return any(
-        isinstance(c, BoundedHeadProtocol) and c.cycle is not None and c.cycle.flow.write_paused
-        for c in gate.server.server_state.connections
+        isinstance(c, Connection) and c.write_paused for c in gate.server.server_state.connections
     )
 
 

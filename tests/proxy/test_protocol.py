@@ -12,12 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from slotgate.intake.body import take_off_loop
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy import watch as watch_module
-from slotgate.proxy.cycle import Cycle
-from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, BoundedHeadProtocol
-from uvicorn.protocols.http import httptools_impl
+from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, Connection, http_protocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
 from tests.support.standin import StandIn
@@ -146,12 +145,12 @@ async def hold_the_only_slot(gate: RunningGate, standin: StandIn) -> asyncio.Str
 
 def queued_behind(connection: object) -> bool:
     """A request read on this connection waits for the one before it to be answered."""
-    return isinstance(connection, BoundedHeadProtocol) and bool(connection.pipeline)
+    return isinstance(connection, Connection) and bool(connection.pipeline)
 
 
 def paused(connection: object) -> bool:
     """Not even held: the connection's socket is no longer read."""
-    return isinstance(connection, BoundedHeadProtocol) and connection.socket_paused
+    return isinstance(connection, Connection) and connection.socket_paused
 
 
 def request_ids(standin: StandIn) -> list[str | None]:
@@ -451,41 +450,23 @@ async def test_a_header_line_longer_than_llama_server_takes_gets_431_and_no_slot
     assert fits.status_code == 200
 
 
-async def served_cycle_kind(
+async def served_status(
     gate: RunningGate, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> type:
-    """The class of the cycle a non-streamed generation sent on the gate's only connection was
-    served in, once its whole answer has arrived."""
+) -> bytes:
+    """The status line of a non-streamed generation sent on a connection, once its whole
+    answer has arrived."""
     writer.write(generation(stream=False))
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
     await reader.readexactly(length)
-    (connection,) = gate.server.server_state.connections
-    assert isinstance(connection, BoundedHeadProtocol)
-    return type(connection.cycle)
+    return head.split(b"\r\n")[0]
 
 
-async def test_each_request_runs_in_slotgates_cycle_and_uvicorns_own_name_is_left_as_it_was(
+async def test_a_request_whose_url_fails_inside_the_header_callback_is_answered_400_alone(
     start_gate: GateFactory, standin: StandIn
 ) -> None:
-    # The cycle is made by uvicorn under slotgate's name for it: a uvicorn release that made
-    # it some other way would lose the one-write answer without this.
-    standin.tokens = 1
-    gate = await start_gate()
-    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
-    try:
-        kinds = [await served_cycle_kind(gate, reader, writer) for _ in range(2)]
-        assert kinds == [Cycle, Cycle]
-        assert httptools_impl.RequestResponseCycle is not Cycle
-    finally:
-        writer.close()
-
-
-async def test_a_request_uvicorn_fails_inside_its_header_callback_leaves_its_cycle_name_as_it_was(
-    start_gate: GateFactory, standin: StandIn
-) -> None:
-    # A port past 65535 gets by the parser and fails httptools.parse_url inside uvicorn's
-    # on_headers_complete, while its module's name for the cycle is slotgate's.
+    # A port past 65535 gets by the parser and fails httptools.parse_url inside the protocol's
+    # on_headers_complete.
     standin.tokens = 1
     gate = await start_gate()
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
@@ -495,9 +476,109 @@ async def test_a_request_uvicorn_fails_inside_its_header_callback_leaves_its_cyc
     finally:
         writer.close()
     assert answer.startswith(b"HTTP/1.1 400 ")
-    assert httptools_impl.RequestResponseCycle is not Cycle
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == (
+        "invalid_request_error"
+    )
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     try:
-        assert await served_cycle_kind(gate, reader, writer) is Cycle
+        assert await served_status(gate, reader, writer) == b"HTTP/1.1 200 OK"
+        assert await served_status(gate, reader, writer) == b"HTTP/1.1 200 OK"
     finally:
         writer.close()
+
+
+@contextlib.asynccontextmanager
+async def plain_server(app: Any, **config: Any) -> AsyncIterator[uvicorn.Server]:
+    """uvicorn serving `app` through slotgate's protocol on a free port."""
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, http=http_protocol(0), loop="asyncio",
+            lifespan="off", log_config=None, access_log=False, **config,
+        )
+    )  # fmt: skip
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                await asyncio.sleep(0.005)
+        yield server
+    finally:
+        server.should_exit = True
+        await task
+
+
+def port_of(server: uvicorn.Server) -> int:
+    (listener,) = server.servers[0].sockets
+    return int(listener.getsockname()[1])
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_and_a_busy_one_is_not() -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with plain_server(app, timeout_keep_alive=1) as server:
+        port = port_of(server)
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        busy_reader, busy_writer = await asyncio.open_connection("127.0.0.1", port)
+        loop = asyncio.get_running_loop()
+        try:
+            idle_writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(idle_reader.readuntil(b"ok"), 10)
+            answered = loop.time()
+            busy_writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            # The idle one is closed (EOF), not before its keep-alive.
+            assert await asyncio.wait_for(idle_reader.read(), 30) == b""
+            assert loop.time() - answered >= 1.0
+            # The busy one, twice as long without a byte, is still served.
+            await asyncio.sleep(1.0)
+            release.set()
+            assert (await asyncio.wait_for(busy_reader.readuntil(b"ok"), 10)).startswith(
+                b"HTTP/1.1 200 OK\r\n"
+            )
+        finally:
+            idle_writer.close()
+            busy_writer.close()
+
+
+async def test_a_pipelined_answer_and_a_body_of_several_pieces_reach_the_app_whole() -> None:
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message["body"]
+            if not message["more_body"]:
+                break
+        bodies.append(body)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    async with plain_server(app) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            big = b"b" * (3 * HOLD_LIMIT_BYTES)
+            writer.write(
+                b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nfirst"
+                b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"3\r\nsec\r\n3\r\nond\r\n0\r\n\r\n"
+                b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(big)
+            )
+            for start in range(0, len(big), 4096):
+                writer.write(big[start : start + 4096])
+                await writer.drain()
+            answers = b""
+            while answers.count(b"HTTP/1.1 200 OK") < 3 or not answers.endswith(big):
+                got = await asyncio.wait_for(reader.read(65536), 10)
+                assert got, answers[-200:]
+                answers += got
+        finally:
+            writer.close()
+    assert bodies == [b"first", b"second", big]
