@@ -128,7 +128,8 @@ class Connection(asyncio.Protocol):
         self.connections: set[Any] = server_state.connections
         self.tasks: set[asyncio.Task[None]] = server_state.tasks
         self.parser: Any = httptools.HttpRequestParser(self)
-        # Answer the first of two pipelined requests even when the second follows a close.
+        # Answer the first of two pipelined requests even when the second follows a close
+        # (httptools 0.6.3 and later).
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int] | None = None
