@@ -98,9 +98,11 @@ class Cycle:
         self.body_size = 0
         self.more_body = True
         # Something for `receive` to see (body, the body's end, the request's end), and the
-        # future a waiting `receive` sleeps on.
+        # future a waiting `receive` sleeps on; those of any other `receive` waiting at once
+        # (ASGI allows it, and uvicorn wakes them all), None while there is none.
         self.ready = False
         self._waiter: asyncio.Future[None] | None = None
+        self._others: list[asyncio.Future[None]] | None = None
         # Response state.
         self.response_started = False
         self.response_complete = False
@@ -126,6 +128,11 @@ class Cycle:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        others = self._others
+        if others is not None:
+            for other in others:
+                if not other.done():
+                    other.set_result(None)
 
     # -- the app's run ----------------------------------------------------------------------------
 
@@ -171,11 +178,14 @@ class Cycle:
             if connection is not None and connection.read_paused:
                 connection.resume_reading()
             if not self.ready:
-                waiter = self._waiter = self.loop.create_future()
-                try:
-                    await waiter
-                finally:
-                    self._waiter = None
+                if self._waiter is None:
+                    waiter = self._waiter = self.loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        self._waiter = None
+                else:
+                    await self._wait_beside()
             self.ready = False
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
@@ -186,6 +196,18 @@ class Cycle:
             self._pieces = []
             self.body_size = 0
         return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def _wait_beside(self) -> None:
+        """Wait as another `receive` waits already, until there is something to see."""
+        others = self._others
+        if others is None:
+            others = self._others = []
+        waiter = self.loop.create_future()
+        others.append(waiter)
+        try:
+            await waiter
+        finally:
+            others.remove(waiter)
 
     async def send(self, message: Message) -> None:
         connection = self._connection

@@ -7,7 +7,7 @@ import contextlib
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -582,3 +582,41 @@ async def test_a_pipelined_answer_and_a_body_of_several_pieces_reach_the_app_who
         finally:
             writer.close()
     assert bodies == [b"first", b"second", big]
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Wait until `check()` holds; bounded generously, as a loaded machine can be slow."""
+    async with asyncio.timeout(30.0):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def test_every_receive_waiting_at_once_learns_that_the_client_left() -> None:
+    # ASGI lets an app wait in receive() from more than one task (a listener for the client
+    # leaving beside the app's own); uvicorn wakes every one of them.
+    told: list[str] = []
+    listeners: list[asyncio.Task[None]] = []
+    waiting = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # the whole body
+
+        async def listen() -> None:
+            told.append((await receive())["type"])
+
+        listeners.extend(asyncio.create_task(listen()) for _ in range(3))
+        await asyncio.sleep(0)  # each has run to its wait
+        waiting.set()
+        await asyncio.gather(*listeners)
+
+    async with plain_server(app) as server:
+        _, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            await asyncio.wait_for(waiting.wait(), 10)
+            writer.close()
+            await until(lambda: len(told) == 3)
+        finally:
+            for listener in listeners:  # one never told would keep the server from stopping
+                listener.cancel()
+    assert told == ["http.disconnect"] * 3
