@@ -200,6 +200,13 @@ class Connection(asyncio.Protocol):
             self.transport.close()
         for cycle in cycles:
             _tell_gone(cycle)
+        # As uvicorn does, no cycle of references is left for the garbage collector: the parser
+        # calls this connection back, and a request never started points to it (one running
+        # lets go when its app returns).
+        self.parser = None
+        self.cycle = None
+        self._earlier = None
+        self.pipeline.clear()
 
     def eof_received(self) -> bool | None:
         return None

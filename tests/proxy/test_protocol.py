@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import socket
 import struct
@@ -16,6 +17,7 @@ import uvicorn
 from slotgate.intake.body import take_off_loop
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy import watch as watch_module
+from slotgate.proxy.cycle import Cycle
 from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, Connection, http_protocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
@@ -620,3 +622,46 @@ async def test_every_receive_waiting_at_once_learns_that_the_client_left() -> No
             for listener in listeners:  # one never told would keep the server from stopping
                 listener.cancel()
     assert told == ["http.disconnect"] * 3
+
+
+def alive(kinds: tuple[type, ...]) -> int:
+    """How many objects of these kinds the garbage collector knows of."""
+    return sum(isinstance(o, kinds) for o in gc.get_objects())
+
+
+async def test_a_closed_connection_and_its_requests_are_freed_without_the_collector() -> None:
+    # As uvicorn's are: a connection left to the collector keeps its parser, its requests and
+    # their unread bodies until a collection of the oldest generation comes round.
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with plain_server(app) as server:
+        state = server.server_state
+        gc.collect()
+        gc.disable()
+        try:
+            before = alive((Connection, Cycle))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            await asyncio.wait_for(reader.readuntil(b"ok"), 10)
+            writer.close()
+            # And one that leaves with a request still in line behind another.
+            _, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await until(lambda: any(queued_behind(c) for c in state.connections))
+            writer.close()
+            await until(lambda: not state.connections)
+            release.set()
+            await until(lambda: not state.tasks)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert alive((Connection, Cycle)) == before
+        finally:
+            gc.enable()
