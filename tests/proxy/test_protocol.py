@@ -8,6 +8,7 @@ import gc
 import json
 import socket
 import struct
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -665,3 +666,62 @@ async def test_a_closed_connection_and_its_requests_are_freed_without_the_collec
             assert alive((Connection, Cycle)) == before
         finally:
             gc.enable()
+
+
+def unread_body(connection: object) -> int:
+    """The bytes of body its newest request has not read yet."""
+    return (
+        connection.cycle.body_size if isinstance(connection, Connection) and connection.cycle else 0
+    )
+
+
+async def test_a_body_sent_in_tiny_chunks_is_held_at_about_its_own_size() -> None:
+    # An object per chunk would make a body of two bytes a chunk cost some thirty times its
+    # size while the app has not read it; uvicorn holds the body itself.
+    release = asyncio.Event()
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        bodies.append(body)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    chunks = HOLD_LIMIT_BYTES // 2 - 1  # all of it taken in: just under what pauses reading
+    payload = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + (
+        b"2\r\nab\r\n" * chunks
+    )
+    loop = asyncio.get_running_loop()
+    async with plain_server(app) as server:
+        state = server.server_state
+        # A plain socket: what the client has not sent yet stays in `payload`, not copied.
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port_of(server)))
+            tracemalloc.start()
+            try:
+                before, _ = tracemalloc.get_traced_memory()
+                await asyncio.wait_for(loop.sock_sendall(sock, payload), 30)
+                await until(lambda: any(unread_body(c) == 2 * chunks for c in state.connections))
+                held, _ = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+                release.set()
+            await loop.sock_sendall(sock, b"0\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                got = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10)
+                assert got, answer
+                answer += got
+        finally:
+            sock.close()
+    assert held - before < 8 * HOLD_LIMIT_BYTES  # the body, and a read's worth more
+    assert answer.startswith(b"HTTP/1.1 204 ")
+    assert bodies == [b"ab" * chunks]
