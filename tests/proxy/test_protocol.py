@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import re
 import socket
 import struct
 import tracemalloc
@@ -725,3 +726,59 @@ async def test_a_body_sent_in_tiny_chunks_is_held_at_about_its_own_size() -> Non
     assert held - before < 8 * HOLD_LIMIT_BYTES  # the body, and a read's worth more
     assert answer.startswith(b"HTTP/1.1 204 ")
     assert bodies == [b"ab" * chunks]
+
+
+def statuses(answers: bytes) -> list[bytes]:
+    """The status codes of the answers on a connection, in order."""
+    return re.findall(rb"HTTP/1\.1 (\d{3}) ", answers)
+
+
+async def read_to_end(reader: asyncio.StreamReader) -> bytes:
+    """What a connection answers until slotgate closes it."""
+    return await asyncio.wait_for(reader.read(), 10)
+
+
+async def test_a_refusal_behind_a_request_not_answered_yet_comes_after_its_answer() -> None:
+    # Written at once, the 400 would be read as the answer to the request before it.
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with plain_server(app) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+            answers = await read_to_end(reader)
+        finally:
+            writer.close()
+    assert statuses(answers) == [b"200", b"400"]
+
+
+async def test_a_refusal_never_lands_inside_an_answer_being_streamed() -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await release.wait()
+        await send({"type": "http.response.body", "body": b"last"})
+
+    async with plain_server(app) as server:
+        state = server.server_state
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            answers = await asyncio.wait_for(reader.readuntil(b"first\r\n"), 10)
+            # A request queued behind the stream, then bytes that are not HTTP, read at once.
+            writer.write(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+            await until(lambda: any(queued_behind(c) for c in state.connections))
+            release.set()
+            answers += await read_to_end(reader)
+        finally:
+            writer.close()
+    assert statuses(answers) == [b"200", b"200", b"400"]
+    stream, _, rest = answers.partition(b"0\r\n\r\n")
+    assert stream.endswith(b"5\r\nfirst\r\n4\r\nlast\r\n")
+    assert rest.startswith(b"HTTP/1.1 200 ")
