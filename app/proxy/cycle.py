@@ -22,7 +22,8 @@ Cheaper than uvicorn's in what every request pays for:
   the held head out first, unless the client has gone: the head never waits past the next send,
   which the app makes at once.
 - The body read: no `asyncio.Event` per request; a future is made only when `receive` must
-  wait (a body still arriving), and a body that came in one piece is handed over as it came.
+  wait (a body still arriving), and a body that came in one piece is handed over as it came
+  (one in many pieces is gathered in a buffer past the first few, as uvicorn gathers it).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ _NAME, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
 #: The names whose values decide the answer's framing or its connection's end.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: Pieces of a body kept as they came before `receive` takes them; what follows is gathered in
+#: one buffer, as uvicorn gathers a body: a body sent in tiny chunks would otherwise cost an
+#: object per chunk, some fifty bytes for each two of body.
+_PIECES = 8
 _SERVER_ERROR: Message = {
     "type": "http.response.start",
     "status": 500,
@@ -93,14 +98,18 @@ class Cycle:
         self.disconnected = False
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
-        # Request state: the body's pieces not yet received, and whether more will come.
+        # Request state: the body's pieces not yet received (the first _PIECES as they came,
+        # the rest gathered), and whether more will come.
         self._pieces: list[bytes] = []
+        self._rest: bytearray | None = None
         self.body_size = 0
         self.more_body = True
         # Something for `receive` to see (body, the body's end, the request's end), and the
-        # future a waiting `receive` sleeps on.
+        # future a waiting `receive` sleeps on; those of any other `receive` waiting at once
+        # (ASGI allows it, and uvicorn wakes them all), None while there is none.
         self.ready = False
         self._waiter: asyncio.Future[None] | None = None
+        self._others: list[asyncio.Future[None]] | None = None
         # Response state.
         self.response_started = False
         self.response_complete = False
@@ -116,8 +125,14 @@ class Cycle:
 
     def take_body(self, piece: bytes) -> None:
         """A piece of the request's body arrived."""
-        self._pieces.append(piece)
         self.body_size += len(piece)
+        rest = self._rest
+        if rest is not None:
+            rest.extend(piece)
+        elif len(self._pieces) < _PIECES:
+            self._pieces.append(piece)
+        else:
+            self._rest = bytearray(piece)
         self.wake()
 
     def wake(self) -> None:
@@ -126,6 +141,11 @@ class Cycle:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        others = self._others
+        if others is not None:
+            for other in others:
+                if not other.done():
+                    other.set_result(None)
 
     # -- the app's run ----------------------------------------------------------------------------
 
@@ -171,11 +191,14 @@ class Cycle:
             if connection is not None and connection.read_paused:
                 connection.resume_reading()
             if not self.ready:
-                waiter = self._waiter = self.loop.create_future()
-                try:
-                    await waiter
-                finally:
-                    self._waiter = None
+                if self._waiter is None:
+                    waiter = self._waiter = self.loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        self._waiter = None
+                else:
+                    await self._wait_beside()
             self.ready = False
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
@@ -185,7 +208,23 @@ class Cycle:
         if pieces:
             self._pieces = []
             self.body_size = 0
+            rest = self._rest
+            if rest is not None:
+                self._rest = None
+                body = b"".join((body, rest))
         return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def _wait_beside(self) -> None:
+        """Wait as another `receive` waits already, until there is something to see."""
+        others = self._others
+        if others is None:
+            others = self._others = []
+        waiter = self.loop.create_future()
+        others.append(waiter)
+        try:
+            await waiter
+        finally:
+            others.remove(waiter)
 
     async def send(self, message: Message) -> None:
         connection = self._connection

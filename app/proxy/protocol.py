@@ -31,7 +31,9 @@ the sweep one pass. An idle connection is closed within one sweep's interval of 
 
 Upgrades and bad bytes. slotgate switches no protocols (no WebSocket, no h2c, no CONNECT): such
 a request is answered 400 at once, as are bytes that are not HTTP/1.1, in the API's error
-shape.
+shape. A refusal (400, 431) of bytes that follow requests not answered yet comes after their
+answers: written at once, it would be read as the answer to the first of them, or land inside
+one being streamed.
 
 Pipelining. A request queued behind another on its connection makes the connection hold what
 arrives (up to HOLD_LIMIT_BYTES) rather than stop reading, so a FIN or a reset is seen at once,
@@ -155,6 +157,8 @@ class Connection(asyncio.Protocol):
         self._head_left = HEAD_LIMIT_BYTES
         # Refused: what still arrives is dropped until the close.
         self._refused = False
+        # The refusal, while requests read whole before the refused bytes are still answered.
+        self._refusal: bytes | None = None
         # When the head being read began (loop time); 0 while no head is being read.
         self._head_since = 0.0
         # When the last answer ended with nothing read since (loop time); 0 otherwise.
@@ -201,6 +205,13 @@ class Connection(asyncio.Protocol):
             self.transport.close()
         for cycle in cycles:
             _tell_gone(cycle)
+        # As uvicorn does, no cycle of references is left for the garbage collector: the parser
+        # calls this connection back, and a request never started points to it (one running
+        # lets go when its app returns).
+        self.parser = None
+        self.cycle = None
+        self._earlier = None
+        self.pipeline.clear()
 
     def eof_received(self) -> bool | None:
         return None
@@ -354,6 +365,9 @@ class Connection(asyncio.Protocol):
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start(cycle, app)
+        elif self._refusal is not None:
+            answer, self._refusal = self._refusal, None
+            self._answer_refusal(answer)
         elif not self._held:
             self._idle_since = self.loop.time()
 
@@ -452,8 +466,13 @@ class Connection(asyncio.Protocol):
         self._refused = True
         self._held = b""
         cycle = self.cycle
-        if cycle is not None and cycle.response_started and not cycle.response_complete:
-            # An answer now would land inside the response being written: close instead.
+        # The request the refused bytes are part of, when its head was read (its body was
+        # arriving); None when they began a request of their own.
+        broken = cycle if cycle is not None and cycle.more_body else None
+        if broken is not None and broken.response_complete:
+            broken = None
+        if broken is not None and broken.response_started:
+            # An answer now would land inside its own response being written: close instead.
             self.transport.close()
             return
         status, headers, body = render(refusal(exc), "openai")
@@ -461,13 +480,31 @@ class Connection(asyncio.Protocol):
         # is valid), else a new one.
         headers += id_headers(request_id({"headers": self.headers}))
         head = b"".join(b"%s: %s\r\n" % header for header in headers)
-        self.transport.write(
-            b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s"
-            % (status, _REASONS.get(status, b""), head, body)
+        answer = b"HTTP/1.1 %d %s\r\n%sconnection: close\r\n\r\n%s" % (
+            status,
+            _REASONS.get(status, b""),
+            head,
+            body,
         )
         if self.socket_paused:
             self.socket_paused = False
             self.transport.resume_reading()
+        if broken is not None and self.pipeline and self.pipeline[0][0] is broken:
+            # It waits behind another, and is never started: the refusal is its answer.
+            self.pipeline.popleft()
+        if any(not c.response_complete for c in self._earlier or ()) or (
+            cycle is not None and cycle is not broken and not cycle.response_complete
+        ):
+            # Requests read whole before the refused bytes are answered first, in their order,
+            # and the refusal after them (written now, it would be taken for the answer to the
+            # first, or land inside it).
+            self._refusal = answer
+            return
+        self._answer_refusal(answer)
+
+    def _answer_refusal(self, answer: bytes) -> None:
+        """Write a refusal, then read and drop what still comes for LINGER_S, and close."""
+        self.transport.write(answer)
         self.loop.call_later(LINGER_S, self.transport.close)
 
 

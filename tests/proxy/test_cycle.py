@@ -263,3 +263,19 @@ async def test_a_whole_answer_of_another_length_than_its_head_said_fails_as_in_u
             await cycle.send({"type": "http.response.body", "body": body, "more_body": False})
         said.append((str(raised.value), b"".join(d for d in wire.done if isinstance(d, bytes))))
     assert said[0] == said[1]
+
+
+async def test_a_body_of_many_pieces_is_received_whole_and_in_order() -> None:
+    cycle = _cycle(_Wire())
+    sent = [b"%d," % i for i in range(50)]
+    for piece in sent[:30]:
+        cycle.take_body(piece)
+    first = await cycle.receive()
+    for piece in sent[30:]:
+        cycle.take_body(piece)
+    cycle.more_body = False
+    cycle.wake()
+    second = await cycle.receive()
+    assert (first["body"], first["more_body"]) == (b"".join(sent[:30]), True)
+    assert (second["body"], second["more_body"]) == (b"".join(sent[30:]), False)
+    assert isinstance(second["body"], bytes)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import re
 import socket
 import struct
-from collections.abc import AsyncIterator
+import tracemalloc
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -16,6 +19,7 @@ import uvicorn
 from slotgate.intake.body import take_off_loop
 from slotgate.proxy import relay as relay_module
 from slotgate.proxy import watch as watch_module
+from slotgate.proxy.cycle import Cycle
 from slotgate.proxy.protocol import HEAD_LIMIT_BYTES, HOLD_LIMIT_BYTES, Connection, http_protocol
 
 from tests.conftest import CHAT, GateFactory, RunningGate, chat
@@ -582,3 +586,199 @@ async def test_a_pipelined_answer_and_a_body_of_several_pieces_reach_the_app_who
         finally:
             writer.close()
     assert bodies == [b"first", b"second", big]
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Wait until `check()` holds; bounded generously, as a loaded machine can be slow."""
+    async with asyncio.timeout(30.0):
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+async def test_every_receive_waiting_at_once_learns_that_the_client_left() -> None:
+    # ASGI lets an app wait in receive() from more than one task (a listener for the client
+    # leaving beside the app's own); uvicorn wakes every one of them.
+    told: list[str] = []
+    listeners: list[asyncio.Task[None]] = []
+    waiting = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()  # the whole body
+
+        async def listen() -> None:
+            told.append((await receive())["type"])
+
+        listeners.extend(asyncio.create_task(listen()) for _ in range(3))
+        await asyncio.sleep(0)  # each has run to its wait
+        waiting.set()
+        await asyncio.gather(*listeners)
+
+    async with plain_server(app) as server:
+        _, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            await asyncio.wait_for(waiting.wait(), 10)
+            writer.close()
+            await until(lambda: len(told) == 3)
+        finally:
+            for listener in listeners:  # one never told would keep the server from stopping
+                listener.cancel()
+    assert told == ["http.disconnect"] * 3
+
+
+def alive(kinds: tuple[type, ...]) -> int:
+    """How many objects of these kinds the garbage collector knows of."""
+    return sum(isinstance(o, kinds) for o in gc.get_objects())
+
+
+async def test_a_closed_connection_and_its_requests_are_freed_without_the_collector() -> None:
+    # As uvicorn's are: a connection left to the collector keeps its parser, its requests and
+    # their unread bodies until a collection of the oldest generation comes round.
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with plain_server(app) as server:
+        state = server.server_state
+        gc.collect()
+        gc.disable()
+        try:
+            before = alive((Connection, Cycle))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            await asyncio.wait_for(reader.readuntil(b"ok"), 10)
+            writer.close()
+            # And one that leaves with a request still in line behind another.
+            _, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await until(lambda: any(queued_behind(c) for c in state.connections))
+            writer.close()
+            await until(lambda: not state.connections)
+            release.set()
+            await until(lambda: not state.tasks)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert alive((Connection, Cycle)) == before
+        finally:
+            gc.enable()
+
+
+def unread_body(connection: object) -> int:
+    """The bytes of body its newest request has not read yet."""
+    return (
+        connection.cycle.body_size if isinstance(connection, Connection) and connection.cycle else 0
+    )
+
+
+async def test_a_body_sent_in_tiny_chunks_is_held_at_about_its_own_size() -> None:
+    # An object per chunk would make a body of two bytes a chunk cost some thirty times its
+    # size while the app has not read it; uvicorn holds the body itself.
+    release = asyncio.Event()
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await release.wait()
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        bodies.append(body)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    chunks = HOLD_LIMIT_BYTES // 2 - 1  # all of it taken in: just under what pauses reading
+    payload = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + (
+        b"2\r\nab\r\n" * chunks
+    )
+    loop = asyncio.get_running_loop()
+    async with plain_server(app) as server:
+        state = server.server_state
+        # A plain socket: what the client has not sent yet stays in `payload`, not copied.
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port_of(server)))
+            tracemalloc.start()
+            try:
+                before, _ = tracemalloc.get_traced_memory()
+                await asyncio.wait_for(loop.sock_sendall(sock, payload), 30)
+                await until(lambda: any(unread_body(c) == 2 * chunks for c in state.connections))
+                held, _ = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+                release.set()
+            await loop.sock_sendall(sock, b"0\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                got = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10)
+                assert got, answer
+                answer += got
+        finally:
+            sock.close()
+    assert held - before < 8 * HOLD_LIMIT_BYTES  # the body, and a read's worth more
+    assert answer.startswith(b"HTTP/1.1 204 ")
+    assert bodies == [b"ab" * chunks]
+
+
+def statuses(answers: bytes) -> list[bytes]:
+    """The status codes of the answers on a connection, in order."""
+    return re.findall(rb"HTTP/1\.1 (\d{3}) ", answers)
+
+
+async def read_to_end(reader: asyncio.StreamReader) -> bytes:
+    """What a connection answers until slotgate closes it."""
+    return await asyncio.wait_for(reader.read(), 10)
+
+
+async def test_a_refusal_behind_a_request_not_answered_yet_comes_after_its_answer() -> None:
+    # Written at once, the 400 would be read as the answer to the request before it.
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with plain_server(app) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+            answers = await read_to_end(reader)
+        finally:
+            writer.close()
+    assert statuses(answers) == [b"200", b"400"]
+
+
+async def test_a_refusal_never_lands_inside_an_answer_being_streamed() -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await release.wait()
+        await send({"type": "http.response.body", "body": b"last"})
+
+    async with plain_server(app) as server:
+        state = server.server_state
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(server))
+        try:
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            answers = await asyncio.wait_for(reader.readuntil(b"first\r\n"), 10)
+            # A request queued behind the stream, then bytes that are not HTTP, read at once.
+            writer.write(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+            await until(lambda: any(queued_behind(c) for c in state.connections))
+            release.set()
+            answers += await read_to_end(reader)
+        finally:
+            writer.close()
+    assert statuses(answers) == [b"200", b"200", b"400"]
+    stream, _, rest = answers.partition(b"0\r\n\r\n")
+    assert stream.endswith(b"5\r\nfirst\r\n4\r\nlast\r\n")
+    assert rest.startswith(b"HTTP/1.1 200 ")
