@@ -24,7 +24,7 @@ class Contender:
     """One way to reach the stand-in; `slots` is the capacity slotgate reads from /props."""
 
     name: str
-    kind: str  # direct | nginx | litellm | uvicorn | slotgate
+    kind: str  # direct | nginx | litellm | uvicorn | uvicorn-relay | slotgate
     slots: int | None = None
     note: str = ""
     env: tuple[tuple[str, str], ...] = ()
@@ -69,19 +69,24 @@ def start(contender: Contender, standin: Server, logs: Path) -> Server:
         return _litellm(standin.port, logs)
     if contender.kind == "uvicorn":
         return start_floor(logs, answer=True)
+    if contender.kind == "uvicorn-relay":
+        return start_floor(logs, answer=True, relay_to=standin.port)
     if contender.slots is not None:
         configure_standin(standin, slots=contender.slots)
     url = f"http://127.0.0.1:{standin.port}"
     return start_slotgate(contender.name, url, logs, dict(contender.env))
 
 
-def start_floor(logs: Path, *, answer: bool) -> Server:
-    """bench/floor.py on the server core: bare uvicorn, answering at once or holding."""
+def start_floor(logs: Path, *, answer: bool, relay_to: int | None = None) -> Server:
+    """bench/floor.py on the server core: bare uvicorn, answering at once or holding, or
+    relaying to the stand-in on port `relay_to`."""
     port = free_port()
     command = [sys.executable, "-m", "bench.floor", "--port", str(port)]
-    if answer:
+    if relay_to is not None:
+        command += ["--relay", str(relay_to)]
+    elif answer:
         command.append("--answer")
-    name = "uvicorn-bare" if answer else "uvicorn-floor"
+    name = "uvicorn-relay" if relay_to else "uvicorn-bare" if answer else "uvicorn-floor"
     return await_ready(spawn(name, command, port, SERVER_CORE, logs, cwd=REPO), "/readyz", 30)
 
 

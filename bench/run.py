@@ -47,6 +47,14 @@ def contender_list(sizes: Sizes) -> list[Contender]:
             "uvicorn",
             note="bench/floor.py --answer: uvicorn alone, no upstream (scenario 1 only)",
         ),
+        # uvicorn relaying to the stand-in with nothing a gate does: the floor under any relay
+        # uvicorn runs. Between it and uvicorn-bare is what relaying costs; between it and
+        # slotgate-plain, what the gate adds.
+        Contender(
+            "uvicorn-relay",
+            "uvicorn-relay",
+            note="bench/floor.py --relay: uvicorn relaying, nothing else (scenario 1 only)",
+        ),
         Contender("slotgate-high", "slotgate", 1024, note="capacity 1024: nobody waits"),
         Contender(
             "slotgate-low",
@@ -126,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--contenders",
-        default="direct,nginx,litellm,uvicorn-bare,slotgate-high,slotgate-low,slotgate-plain",
+        default="direct,nginx,litellm,uvicorn-bare,uvicorn-relay,slotgate-high,slotgate-low,slotgate-plain",
         help="comma-separated subset (default: all)",
     )
     parser.add_argument(
@@ -278,7 +286,7 @@ class Bench:
                 found.setdefault("1_nonstream", {})[contender.name] = self.step(
                     f"1_nonstream {contender.name}", lambda: scenarios.nonstream(ctx, server)
                 )
-            if "2" in keys and contender.kind != "uvicorn":
+            if "2" in keys and not contender.kind.startswith("uvicorn"):
                 found.setdefault("2_stream", {})[contender.name] = self.step(
                     f"2_stream {contender.name}", lambda: scenarios.stream(ctx, server)
                 )

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.bench
 
 REPO = Path(__file__).resolve().parent.parent
 CONTENDERS = {"direct", "slotgate-high", "slotgate-low"}
+#: Run in scenario 1 only: bench/floor.py's uvicorn relaying to the stand-in.
+FLOORS = {"uvicorn-relay"}
 SCENARIOS = {"1_nonstream", "2_stream", "3_storm", "3b_handoff", "4_memory", "5_core", "burst"}
 
 
@@ -35,7 +37,7 @@ def _errors(value: Any, where: str = "") -> list[str]:
 def test_bench_smoke_run_writes_every_scenario_and_target(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "bench", "--smoke", "--no-install",
-        "--contenders", ",".join(sorted(CONTENDERS)),
+        "--contenders", ",".join(sorted(CONTENDERS | FLOORS)),
         "--scenarios", "1,2,3,3b,4,5,burst",
         "--out", str(tmp_path),
     ]  # fmt: skip
@@ -61,6 +63,12 @@ def test_bench_smoke_run_writes_every_scenario_and_target(tmp_path: Path) -> Non
         assert streamed["latency_c1"]["tokens"] > 0
         assert streamed["latency_c1"]["chunk_transit_p50_ms"] is not None
         assert streamed["throughput"]["chunks_per_s"] > 0
+
+    for floor in FLOORS:
+        assert floor not in scenarios["2_stream"]
+        for row in scenarios["1_nonstream"][floor].values():
+            assert row["requests"] > 0
+            assert row["failures"] == 0
 
     storm = scenarios["3_storm"]
     assert set(storm["closed_loop"]["statuses"]) == {"429"}

@@ -2,7 +2,7 @@
 load does not move, where CPU timings on a shared machine are noise.
 
     python -m bench.experiments.instructions [--concurrency 32] [--seconds 30] [--warm-s 8]
-        [--slotgate-tree DIR] [--env KEY=VALUE ...] [--cache-sim] [--floor]
+        [--slotgate-tree DIR] [--env KEY=VALUE ...] [--cache-sim] [--floor | --relay-floor]
 
 Starts the stand-in and slotgate (`STREAM_UPSTREAM=false`, one upstream of 1,024 slots, no
 tenants, no budget, no Redis: the like-for-like path) with slotgate under
@@ -14,7 +14,9 @@ specialize costs) and to its allocator, per request. Needs valgrind and wrk (Deb
 
 With `--floor`, the same count of bench/floor.py's bare uvicorn answering every request itself
 (scenario 1's `uvicorn-bare`): the floor slotgate's count is compared with, which the CPU
-target's "times bare uvicorn" compares in CPU time.
+target's "times bare uvicorn" compares in CPU time. With `--relay-floor`, the count of
+bench/floor.py's uvicorn relaying every request to the stand-in with nothing else (scenario 1's
+`uvicorn-relay`): the floor under any relay that uvicorn runs.
 
 With `--cache-sim`, callgrind also simulates the caches (its model: first-level instruction
 and data caches and the last level, of this machine's sizes) and prints their misses per
@@ -83,6 +85,15 @@ def _control(pid: int, prefix: Path, switch: str, env: dict[str, str]) -> None:
     )  # fmt: skip
 
 
+def _floor(args: argparse.Namespace, upstream_port: int, port: int) -> list[str]:
+    """bench/floor.py's command line when a floor is counted instead of slotgate."""
+    if args.relay_floor:
+        return ["bench.floor", "--relay", str(upstream_port), "--port", str(port)]
+    if args.floor:
+        return ["bench.floor", "--answer", "--port", str(port)]
+    return []
+
+
 def measure(args: argparse.Namespace) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix="bench-instructions-"))
     # vgdb's FIFOs need a file system that takes them (a bind-mounted work tree may not): a
@@ -111,10 +122,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         f"--vgdb-prefix={prefix}", f"--callgrind-out-file={profile}",
         *(["--cache-sim=yes"] if args.cache_sim else []),
         sys.executable, "-m",
-        *(["bench.floor", "--answer", "--port", str(port)] if args.floor else ["slotgate"]),
+        *(_floor(args, standin.port, port) or ["slotgate"]),
     ]  # fmt: skip
     # The floor is run from the checkout (it imports the stand-in's answer from tests/).
-    cwd = contenders.REPO if args.floor else work
+    cwd = contenders.REPO if args.floor or args.relay_floor else work
     gate = spawn("slotgate", command, port, None, work, env=env, cwd=cwd)
     try:
         wait_http(port, "/readyz", 300, lambda status: status == 200)
@@ -152,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-s", type=float, default=8.0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--floor", action="store_true", help="count bare uvicorn instead")
+    parser.add_argument(
+        "--relay-floor",
+        action="store_true",
+        help="count uvicorn relaying with nothing else (bench/floor.py --relay) instead",
+    )
     parser.add_argument("--cache-sim", action="store_true", help="count simulated cache misses")
     parser.add_argument(
         "--slotgate-tree", type=Path, help="a folder holding a slotgate/ package (another tree)"
@@ -165,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args)
     print(
         (
-            "bare uvicorn (bench/floor.py --answer)"
+            "uvicorn relaying (bench/floor.py --relay)"
+            if args.relay_floor
+            else "bare uvicorn (bench/floor.py --answer)"
             if args.floor
             else f"slotgate from {contenders.slotgate_tree}"
         )

@@ -6,10 +6,11 @@ because the caches were cold).
         [--slotgate-tree DIR ...]
 
 Starts the stand-in, then per round bench/floor.py's bare uvicorn answering every request
-itself, then slotgate from each `--slotgate-tree` (default: this checkout) on the
-like-for-like path (`STREAM_UPSTREAM=false`), one at a time. Each gets 1,000 requests to warm
-it, then `--requests` non-streamed chat requests one after the other on one keep-alive
-connection, and the server process's user and system CPU over them is read from
+itself, bench/floor.py's uvicorn relaying every request to the stand-in with nothing else (the
+floor under any relay uvicorn runs), then slotgate from each `--slotgate-tree` (default: this
+checkout) on the like-for-like path (`STREAM_UPSTREAM=false`), one at a time. Each gets
+1,000 requests to warm it, then `--requests` non-streamed chat requests one after the other on
+one keep-alive connection, and the server process's user and system CPU over them is read from
 `/proc/PID/stat`. A tick there is 10 ms: with the default 5,000 requests, about 1.5% of a
 figure.
 """
@@ -75,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     contenders.configure_standin(standin, slots=1024)
     try:
         for _ in range(args.rounds):
-            floor = contenders.start_floor(logs, answer=True)
-            try:
-                _report("bare uvicorn", asyncio.run(_measure(floor, args.requests)))
-            finally:
-                floor.stop()
+            for name, relay_to in (("bare uvicorn", None), ("uvicorn relaying", standin.port)):
+                floor = contenders.start_floor(logs, answer=True, relay_to=relay_to)
+                try:
+                    _report(name, asyncio.run(_measure(floor, args.requests)))
+                finally:
+                    floor.stop()
             for tree in trees:
                 contenders.slotgate_tree = tree
                 gate = contenders.start_slotgate(
