@@ -276,8 +276,9 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise BadRequest("request body must be a JSON object")
     # orjson writes at most MAX_JSON_DEPTH levels, and a body slotgate rewrites (proxy/assembly.py)
     # is written again: the limit is checked here, once, by writing it. Nesting that deep takes
-    # as many opening brackets, which C counts far faster than the writer runs.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
+    # as many opening brackets, which C counts far faster than the writer runs, and as many
+    # closing ones (the body parsed): a shorter body is not counted at all.
+    if len(body) > 2 * MAX_JSON_DEPTH and body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH:
         try:
             orjson.dumps(payload)
         except orjson.JSONEncodeError:
