@@ -264,8 +264,18 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
         while not stop.is_set():
             # A request that hangs past the Redis timeouts and its own few tokens fails: 10 s,
             # many times both, so that a machine busy with other work does not fail it.
-            async with asyncio.timeout(10):
-                answers.append(await client.post(gate.url + CHAT, json=chat()))
+            try:
+                async with asyncio.timeout(10):
+                    answers.append(await client.post(gate.url + CHAT, json=chat()))
+            except TimeoutError:
+                # Seen twice in some thirty runs of the compiled tier, not reproduced: say
+                # where each replica stood when a request went unanswered.
+                views = {each.url: replica_view(each) for each in (first, second)}
+                stats = {k: v for k, v in upstream.stats().items() if k != "gaps_ns"}
+                pytest.fail(
+                    f"a request to {gate.url} had no answer in 10 s; replicas: {views};"
+                    f" upstream: {stats}"
+                )
 
     flows = [asyncio.create_task(flow(g)) for g in (first, second) for _ in range(3)]
     await asyncio.sleep(0.3)
