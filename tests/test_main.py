@@ -83,7 +83,9 @@ async def test_unbounded_line_shows_a_null_limit(
 async def test_metrics_show_both_sides_of_the_gate(
     one_slot: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot(10, max_queue=1)
+    # A generation of 20 s, cut short by `hurry` once the metrics are read: the first request
+    # must still be running then, however slowly a busy machine gets there.
+    gate = await one_slot(400, max_queue=1)
     first = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
     await gate.until(lambda: gate.service.admission.active == 1)
     second = asyncio.create_task(client.post(gate.url + "/v1/chat/completions", json=chat()))
