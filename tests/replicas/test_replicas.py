@@ -56,7 +56,10 @@ def replicas(standin: StandIn, valkey: Valkey, served: list[RunningGate]) -> Gat
             served.append(gate)
             made.append(gate)
         for gate in made:
+            # Each knows the others too: a replica that falls back divides the slots by the
+            # replicas it last heard of, and one that has not heard of its peers takes them all.
             await gate.until(knows(gate, standin.total_slots))
+            await gate.until(lambda g=gate: fleet(g)["replicas"] >= n)  # type: ignore[misc]
         return made
 
     return start
