@@ -317,6 +317,12 @@ def replica_view(gate: RunningGate) -> dict[str, Any]:
     return heard
 
 
+def probed(gate: RunningGate, upstreams: int = 1) -> Callable[[], bool]:
+    """`gate` has read the slots of its `upstreams` itself: a replica that knows the fleet's
+    slots only from Redis still refuses a request it cannot weigh (503)."""
+    return lambda: sum(1 for pool in gate.service.admission.pools if pool.capacity) >= upstreams
+
+
 GateFactory = Callable[..., Any]
 
 

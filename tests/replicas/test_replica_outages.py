@@ -19,7 +19,7 @@ from slotgate.replicas.replica import ReplicaAdmission
 from slotgate.replicas.shared import SharedAdmission
 from slotgate.settings import Settings
 
-from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, replica_view, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, probed, replica_view, serve
 from tests.support.entries import entry
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
@@ -46,6 +46,7 @@ def sharing(valkey: Valkey, served: list[RunningGate]) -> Start:
         served.append(gate)
         slots = sum(u.total_slots for u in upstreams)
         await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == slots)
+        await gate.until(probed(gate, len(upstreams)))
         return gate
 
     return start

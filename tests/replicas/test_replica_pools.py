@@ -23,7 +23,7 @@ from slotgate.replicas.replica import ReplicaAdmission, fleet_name
 from slotgate.settings import Settings
 
 from bench.procs import free_port
-from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, replica_view, serve
+from tests.conftest import CHAT, RunningGate, StartUpstreams, chat, probed, replica_view, serve
 from tests.support.standin import StandIn
 from tests.support.valkey import Valkey
 
@@ -60,6 +60,7 @@ class Pools:
         self.gates.append(gate)
         await gate.until(lambda: replica_view(gate)["mode"] == "shared")
         await gate.until(lambda: replica_view(gate)["fleet"]["capacity"] == slots)
+        await gate.until(probed(gate, len(urls)))
         return gate
 
     async def two_over(

@@ -25,6 +25,7 @@ from tests.conftest import (
     assert_lines,
     cancel_all,
     chat,
+    probed,
     replica_view,
     serve,
 )
@@ -59,6 +60,7 @@ def replicas(standin: StandIn, valkey: Valkey, served: list[RunningGate]) -> Gat
             # Each knows the others too: a replica that falls back divides the slots by the
             # replicas it last heard of, and one that has not heard of its peers takes them all.
             await gate.until(knows(gate, standin.total_slots))
+            await gate.until(probed(gate))
             await gate.until(lambda g=gate: fleet(g)["replicas"] >= n)  # type: ignore[misc]
         return made
 
