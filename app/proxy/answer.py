@@ -23,6 +23,13 @@ _BODY = "http.response.body"
 #: nothing awaited in between. slotgate's protocol (app/proxy/protocol.py) then writes both in
 #: one system call; any other server ignores the key.
 BODY_FOLLOWS = "slotgate.body_follows"
+#: A key of slotgate's own in a head's message: its headers need not be checked against
+#: response splitting again. Every head this class sends has it: its headers are llama-server's
+#: as httptools parsed them (its tables refuse every byte uvicorn's checks refuse; the tests
+#: fuzz that), slotgate's constants and numbers, and the request id and Origin as checked on
+#: the way in. slotgate's protocol (app/proxy/protocol.py) then skips the checks; any other
+#: server ignores the key.
+CHECKED_HEADERS = "slotgate.checked_headers"
 
 
 class Answer:
@@ -63,7 +70,10 @@ class Answer:
         self, status: int, headers: Headers, *, stream: bool = False, whole: bool = False
     ) -> None:
         """The head; `whole`: the caller sends the end next, at once (`BODY_FOLLOWS`)."""
-        message = {"type": _START, "status": status, "headers": self._head(status, headers, stream)}
+        message = {
+            "type": _START, "status": status, "headers": self._head(status, headers, stream),
+            CHECKED_HEADERS: True,
+        }  # fmt: skip
         if whole:
             message[BODY_FOLLOWS] = True
         await self._send(message)
@@ -119,7 +129,12 @@ class Answer:
         every non-streamed answer would pay for."""
         head = self._head(status, headers, stream)
         send = self._send  # read as an attribute: called as a method, 3.11 looks it up slowly
-        await send({"type": _START, "status": status, "headers": head, BODY_FOLLOWS: True})
+        await send(
+            {
+                "type": _START, "status": status, "headers": head, BODY_FOLLOWS: True,
+                CHECKED_HEADERS: True,
+            }
+        )  # fmt: skip
         await send(self._last(body))
         self.ended = True
 

@@ -16,6 +16,8 @@ Cheaper than uvicorn's in what every request pays for:
   the same two checks once over all the names and once over all the values: a character class
   matches in the joined bytes exactly where it matches in one of them (and a byte of it is in
   them exactly when deleting its class's bytes shortens them).
+- No second check of headers already checked: a head whose message says `CHECKED_HEADERS`
+  (every head slotgate's Answer sends, app/proxy/answer.py) skips the two.
 - One write: a head sent with `BODY_FOLLOWS` (app/proxy/answer.py) is held and goes out with
   the body's first bytes, in one system call, where uvicorn writes each the moment it is sent.
   Whatever ends a send without writing (an error, a cancellation while the socket drains) lets
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from slotgate.asgi import Message, Receive, Scope, Send
-from slotgate.proxy.answer import BODY_FOLLOWS
+from slotgate.proxy.answer import BODY_FOLLOWS, CHECKED_HEADERS
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 if TYPE_CHECKING:
@@ -310,13 +312,15 @@ class Cycle:
         self.waiting_for_100_continue = False
         status: int = message["status"]
         headers: list[tuple[bytes, bytes]] = [*self.default_headers, *message.get("headers", ())]
-        # map and itemgetter: no list comprehension's frame (a call each on Python 3.11).
-        names = b"".join(map(_NAME, headers))
-        if len(names.translate(None, _NAME_REFUSED)) != len(names):
-            raise RuntimeError("Invalid HTTP header name.")
-        values = b"".join(map(_VALUE, headers))
-        if len(values.translate(None, _VALUE_REFUSED)) != len(values):
-            raise RuntimeError("Invalid HTTP header value.")
+        # The default headers are the date uvicorn formats (slotgate configures no others).
+        if not message.get(CHECKED_HEADERS):
+            # map and itemgetter: no list comprehension's frame (a call each on Python 3.11).
+            names = b"".join(map(_NAME, headers))
+            if len(names.translate(None, _NAME_REFUSED)) != len(names):
+                raise RuntimeError("Invalid HTTP header name.")
+            values = b"".join(map(_VALUE, headers))
+            if len(values.translate(None, _VALUE_REFUSED)) != len(values):
+                raise RuntimeError("Invalid HTTP header value.")
         content = [STATUS_LINE[status]]
         close = False
         for name, value in headers:

@@ -7,13 +7,16 @@ import asyncio
 import logging
 from typing import Any
 
+import httptools
 import pytest
 import uvicorn
-from slotgate.proxy.answer import BODY_FOLLOWS
+from hypothesis import event, given
+from hypothesis import strategies as st
+from slotgate.proxy.answer import BODY_FOLLOWS, CHECKED_HEADERS
 from slotgate.proxy.cycle import Cycle
 from slotgate.proxy.protocol import Connection
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from tests.conftest import CHAT
@@ -165,8 +168,9 @@ _HEADS = [
 
 @pytest.mark.parametrize(("method", "status", "headers"), _HEADS)
 @pytest.mark.parametrize("keep_alive", [True, False])
+@pytest.mark.parametrize("checked", [False, True], ids=["checked-here", "checked-before"])
 async def test_an_answers_head_is_the_one_uvicorn_builds_and_leaves_the_same_state(
-    method: str, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool
+    method: str, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool, checked: bool
 ) -> None:
     ours, uvicorns = _Wire(), _Wire()
     cycles = [
@@ -174,7 +178,10 @@ async def test_an_answers_head_is_the_one_uvicorn_builds_and_leaves_the_same_sta
         for wire, kind in ((ours, Cycle), (uvicorns, RequestResponseCycle))
     ]
     for cycle in cycles:
-        await cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+        message = {"type": "http.response.start", "status": status, "headers": headers}
+        if checked and isinstance(cycle, Cycle):
+            message[CHECKED_HEADERS] = True
+        await cycle.send(message)
     assert ours.done == uvicorns.done
     assert len(ours.done) == 1
     for state in (
@@ -211,6 +218,73 @@ async def test_a_header_uvicorn_refuses_is_refused_alike_and_nothing_is_written(
         said.append(str(raised.value))
         assert wire.done == []
     assert said[0] == said[1]
+
+
+class _Headers:
+    """What httptools' parser hands on of a message's headers."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bytes, bytes]] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.seen.append((name, value))
+
+
+def _parsed(name: bytes, value: bytes, *, request: bool) -> list[tuple[bytes, bytes]] | None:
+    """The headers httptools hands on of a message with one header `name: value` (None: the
+    parser refused the message, so nothing of it is relayed)."""
+    headers = _Headers()
+    start = b"POST / HTTP/1.1\r\n" if request else b"HTTP/1.1 200 OK\r\n"
+    parser = (httptools.HttpRequestParser if request else httptools.HttpResponseParser)(headers)
+    try:
+        parser.feed_data(start + name + b":" + value + b"\r\ncontent-length: 0\r\n\r\n")
+    except httptools.HttpParserError:
+        return None
+    return headers.seen
+
+
+def _passes_uvicorns_checks(headers: list[tuple[bytes, bytes]]) -> bool:
+    return not any(HEADER_RE.search(n) or HEADER_VALUE_RE.search(v) for n, v in headers)
+
+
+@pytest.mark.parametrize("request_", [True, False], ids=["a-request", "an-answer"])
+def test_every_header_httptools_parses_passes_the_checks_uvicorn_makes_of_an_answers_head(
+    request_: bool,
+) -> None:
+    """Why an Answer's head skips them (`CHECKED_HEADERS`): its headers are llama-server's
+    and the client's as httptools parsed them, or slotgate's own constants and numbers. Each
+    byte inside a name and inside a value: parsed only where the checks pass it."""
+    parsed = 0
+    for byte in range(256):
+        for name, value in (
+            (b"x" + bytes([byte]) + b"y", b"v"),
+            (b"x", b"a" + bytes([byte]) + b"b"),
+        ):
+            headers = _parsed(name, value, request=request_)
+            if headers is not None:
+                parsed += 1
+                assert _passes_uvicorns_checks(headers), (name, value, headers)
+    # Tokens' bytes in a name, and tabs, spaces and visible bytes in a value (a check that
+    # parses nothing would prove nothing).
+    assert parsed > 256
+
+
+_TOKEN = b"abcXYZ09-_!#$%&'*+.^`|~"
+_EDGES = b' \t\r\n\x00\x01\x0b\x1f\x7f\x80\xff:;,()/@[]={}"?'
+
+
+@given(
+    name=st.lists(st.sampled_from(_TOKEN) | st.sampled_from(_EDGES), min_size=1, max_size=5),
+    value=st.lists(st.sampled_from(_TOKEN) | st.sampled_from(_EDGES), max_size=6),
+    request_=st.booleans(),
+)
+def test_headers_httptools_parses_from_odd_bytes_together_pass_uvicorns_checks_too(
+    name: list[int], value: list[int], request_: bool
+) -> None:
+    headers = _parsed(bytes(name), bytes(value), request=request_)
+    event("parsed" if headers is not None else "refused")
+    if headers is not None:
+        assert _passes_uvicorns_checks(headers), headers
 
 
 _WHOLE = [
