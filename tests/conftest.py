@@ -432,9 +432,10 @@ async def occupy(client: httpx.AsyncClient, gate: RunningGate) -> asyncio.Task[l
 @pytest.fixture
 def one_slot(start_gate: GateFactory, standin: StandIn) -> GateFactory:
     """Start slotgate with the given settings before a one-slot stand-in whose generations are
-    `tokens` tokens of 0.05 s each (until the test calls `standin.hurry()`)."""
+    `tokens` tokens of 0.05 s each (until the test calls `standin.hurry()`): by default they
+    run until hurried, however slow the machine is at getting the test to what it looks at."""
 
-    async def start(tokens: int = 20, **settings: Any) -> RunningGate:
+    async def start(tokens: int = 1000, **settings: Any) -> RunningGate:
         standin.tokens, standin.token_delay_s = tokens, 0.05
         standin.total_slots = 1
         gate: RunningGate = await start_gate(**settings)
@@ -464,7 +465,7 @@ async def one_slot_held(
     meets while it waits. At the test's end the stream is hurried and must end well."""
     holders: list[asyncio.Task[list[bytes]]] = []
 
-    async def start(tokens: int = 20, **settings: Any) -> RunningGate:
+    async def start(tokens: int = 1000, **settings: Any) -> RunningGate:
         gate: RunningGate = await one_slot(tokens, **settings)
         holders.append(await occupy(client, gate))
         return gate

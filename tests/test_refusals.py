@@ -132,7 +132,7 @@ async def test_a_head_timeout_answer_carries_a_request_id(start_gate: GateFactor
 async def test_shutdown_while_a_stream_waits_for_its_head_is_a_503_with_retry_after(
     one_slot_held: GateFactory, standin: StandIn, client: httpx.AsyncClient
 ) -> None:
-    gate = await one_slot_held(40, keepalive_interval_s=0.05, stream_head_after_s=30)
+    gate = await one_slot_held(keepalive_interval_s=0.05, stream_head_after_s=30)
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat(stream=True)))
     await gate.until(lambda: gate.service.admission.queued == 1)
     gate.service.drain()

@@ -117,7 +117,7 @@ async def one_runs_one_waits(
 ) -> tuple[RunningGate, RunningGate, asyncio.Task[httpx.Response], asyncio.Task[httpx.Response]]:
     """Two replicas over one slot: a request runs through the first, one waits on the second."""
     standin.total_slots = 1
-    standin.tokens = 40
+    standin.tokens = 1000  # until the test hurries it: a slow machine still sees one wait
     standin.token_delay_s = 0.02
     first, second = await replicas(2)
     running = asyncio.create_task(client.post(first.url + CHAT, json=chat()))
