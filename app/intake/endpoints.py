@@ -134,10 +134,11 @@ def route_of(method: str, path: str) -> Endpoint | None:
     return ENDPOINTS.get(path)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Demand:
-    """What one request asks of the pool. Not changed once made; not frozen, as `Intake`
-    (app/intake/body.py) is not: one is made for every request."""
+    """What one request asks of the pool. Not changed once made; not frozen, and its
+    `__init__` written out, as `Intake`'s (app/intake/body.py) is: one is made for every
+    request."""
 
     weight: int
     stream: bool
@@ -146,6 +147,19 @@ class Demand:
     choices: int = 1
     tasks: int = 1
     field: str = "n"
+
+    def __init__(
+        self, weight: int, stream: bool, choices: int = 1, tasks: int = 1, field: str = "n"
+    ) -> None:
+        self.weight = weight
+        self.stream = stream
+        self.choices = choices
+        self.tasks = tasks
+        self.field = field
+
+    def __reduce__(self) -> tuple[type[Demand], tuple[int, bool, int, int, str]]:
+        # As `Intake.__reduce__`: a worker process sends one back.
+        return Demand, (self.weight, self.stream, self.choices, self.tasks, self.field)
 
     def at(self, capacity: int) -> Demand:
         """The demand on a pool of `capacity` slots; BadRequest when it asks for more choices."""

@@ -81,6 +81,8 @@ from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
 log = logging.getLogger("uvicorn.error")
+#: The name of each request's task (its request id is not known yet when it starts).
+_TASK_NAME = "slotgate-request"
 
 #: A read that ends one request and starts the next is counted whole against the next: reads
 #: are at most 256 KiB, so this leaves any head the relay accepts (64 KiB) room to spare,
@@ -415,10 +417,14 @@ class Connection(asyncio.Protocol):
     # -- internals -------------------------------------------------------------------------------
 
     def _start(self, cycle: Cycle, app: App) -> None:
-        if self._fresh_context:
-            task = self.loop.create_task(cycle.run_asgi(app), context=contextvars.Context())
+        context = contextvars.Context() if self._fresh_context else None
+        loop = self.loop
+        if loop.get_task_factory() is None:
+            # The task made as the loop would make it, but named: unnamed, asyncio formats a
+            # "Task-N" for each (uvloop's create_task names a task only after making it).
+            task = asyncio.Task(cycle.run_asgi(app), loop=loop, name=_TASK_NAME, context=context)
         else:
-            task = self.loop.create_task(cycle.run_asgi(app))
+            task = loop.create_task(cycle.run_asgi(app), context=context)
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
