@@ -271,9 +271,12 @@ def _hangup(keyed: bool) -> Callable[[int, FrameType | None], None]:
 
 
 def uvicorn_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Config:
-    """How slotgate runs uvicorn (the bench's memory trace runs it the same way)."""
+    """How slotgate runs uvicorn (the bench's memory trace runs it the same way): slotgate's
+    app through its front (app/proxy/front.py)."""
+    from slotgate.main import Gateway  # imported when used, as the CLI imports the app
+
     return uvicorn.Config(
-        app,
+        app.front if isinstance(app, Gateway) else app,
         host=settings.host,
         port=settings.port,
         # One worker, always: each process would hold its own gate and multiply the slots.

@@ -23,6 +23,7 @@ from slotgate.gate.quotas import Ledger, Windows
 from slotgate.gate.tenants import Tenant
 from slotgate.metrics import Metrics
 from slotgate.proxy.access import Access
+from slotgate.proxy.front import Front
 from slotgate.proxy.headers import id_headers
 from slotgate.proxy.refusals import render
 from slotgate.proxy.relay import Proxy
@@ -49,17 +50,19 @@ class Gateway(FastAPI):
     """FastAPI for slotgate's own routes; proxied traffic skips its middleware entirely.
 
     A relayed request never needs FastAPI's routing, dependency solving or error middleware,
-    and every SSE chunk would otherwise cross each of those wrappers on its way out.
+    and every SSE chunk would otherwise cross each of those wrappers on its way out. slotgate's
+    server calls `front` (app/proxy/front.py), which sends such a request to the proxy without
+    this class's interpreted coroutine; another server calling this app gets the same split.
     """
 
     proxy: Proxy
+    front: Front
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        path = scope["path"]
-        if path not in OWN_PATHS and not path.startswith(PREFIX):
+        if self.front.relays(scope["path"]):
             # Read, then called: called as a method, an attribute the instance holds is a
             # lookup Python 3.11 cannot specialize.
             proxy = self.proxy
@@ -344,6 +347,7 @@ def create_app(settings: Settings | None = None, resolver: Resolver | None = Non
         redirect_slashes=False,
     )
     app.proxy = service.proxy
+    app.front = Front(service.proxy, app, OWN_PATHS, PREFIX)
     app.state.service = service
 
     async def authorized(request: Request) -> None:

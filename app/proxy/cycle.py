@@ -122,6 +122,8 @@ class Cycle:
         #: What the connection calls if it ends before this answer does (the request's watch,
         #: app/proxy/watch.py); None while nothing watches.
         self.gone: Callable[[], None] | None = None
+        #: The task the app runs in, set as it is made (the request's watch cancels it).
+        self.task: asyncio.Task[None] | None = None
 
     # -- what the connection tells ----------------------------------------------------------------
 

@@ -425,6 +425,7 @@ class Connection(asyncio.Protocol):
             task = asyncio.Task(cycle.run_asgi(app), loop=loop, name=_TASK_NAME, context=context)
         else:
             task = loop.create_task(cycle.run_asgi(app), context=context)
+        cycle.task = task
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 

@@ -126,12 +126,12 @@ class Watch:
         self._pending: asyncio.Future[Message] | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Under slotgate's protocol the watch is a callback the request's cycle holds, cheaper
-        # than the timer that would defer it, so it starts at once. Its loop is the cycle's:
-        # current_task() without one asks asyncio.get_running_loop(), which on Python 3.11 is
-        # a getpid system call, and this runs for every gated request.
+        # than the timer that would defer it, so it starts at once; the cycle knows its task
+        # (current_task() is interpreted code, and without a loop asks
+        # asyncio.get_running_loop(), on Python 3.11 a getpid system call).
         cycle = self._cycle = watch_disconnect(receive, self._disconnected)
         if cycle is not None:
-            self._task = asyncio.current_task(cycle.loop)
+            self._task = cycle.task
             return
         task = self._task = asyncio.current_task()
         loop = task.get_loop() if task is not None else asyncio.get_running_loop()
