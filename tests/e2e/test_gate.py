@@ -161,7 +161,11 @@ async def test_a_client_leaving_mid_stream_frees_its_llama_cpp_slot_for_the_next
     first_token_s = answer.first_token_at - left_at
     assert freed_s <= 3.0  # "within about a second", sampled every POLL_S
     assert watch.max_busy <= SLOTS
-    assert watch.max_deferred == 0
+    # The next waiter at most, and only until llama.cpp notices the closed connection at its
+    # next write (one decode step, long on a loaded machine): the slot slotgate freed at the
+    # close already carries it (as in the chaos test of test_cancellation.py).
+    assert watch.max_deferred <= 1
+    record_property("llamacpp_requests_deferred_max", watch.max_deferred)
     record_property("slot_freed_after_disconnect_s", round(freed_s, 2))
     record_property("next_waiter_admitted_after_disconnect_s", round(admitted_s, 3))
     record_property("next_waiter_first_token_after_disconnect_s", round(first_token_s, 3))
