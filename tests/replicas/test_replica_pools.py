@@ -256,8 +256,12 @@ async def test_valkey_asleep_for_a_second_under_load_answers_every_request_then_
     upstream = StandIn(total_slots=2, tokens=5)
     upstream.token_delay_s = 0.01
     # The default TTL: a second's sleep gives no replica up; a call waits 0.3 s at most, so
-    # the sleep is an outage to fall back from.
-    first, second = await pools.two_over(upstream, max_queue=4, redis_ttl_s=3, redis_timeout_s=0.3)
+    # the sleep is an outage to fall back from. A replica cut off holding nothing keeps its
+    # waiters until Redis answers it within 0.3 s, which a loaded machine may not do for a
+    # while: QUEUE_TIMEOUT_S bounds their wait (a 503), as it would in production.
+    first, second = await pools.two_over(
+        upstream, max_queue=4, redis_ttl_s=3, redis_timeout_s=0.3, queue_timeout_s=5
+    )
     answers: list[httpx.Response] = []
     stop = asyncio.Event()
 
