@@ -4,17 +4,20 @@ and /metrics as operators scrape it."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from slotgate import __version__
 from slotgate.gate.admission import Admission
 from slotgate.gate.policy import QueuePolicy
-from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime
+from slotgate.metrics import BUCKETS_S, FAMILIES, REASONS, Metrics, SlotTime, _Histogram
 from slotgate.outcome import Outcome
 from slotgate.settings import Settings
 
@@ -205,6 +208,46 @@ def test_the_minute_of_slot_time_counts_each_tenants_part_and_forgets_what_is_ol
     minute.add("chat", 5.0, now=1200.0)  # and old buckets are dropped, not kept
     assert len(minute._buckets) == 1
     assert minute.shares(1300.0) == {}
+
+
+@given(st.lists(st.sampled_from(BUCKETS_S) | st.floats(0, 1e7) | st.just(0.0), max_size=40))
+def test_a_histogram_counts_each_value_under_the_first_bound_not_below_it(
+    values: list[float],
+) -> None:
+    histogram = _Histogram()
+    expected = [0] * (len(BUCKETS_S) + 1)
+    for value in values:
+        histogram.observe(value)
+        expected[bisect.bisect_left(BUCKETS_S, value)] += 1
+    assert histogram.counts == expected
+    assert histogram.sum == sum(values)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.floats(0.5, 100), st.floats(0, 40)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.floats(0, 70),
+)
+def test_the_minute_of_slot_time_keeps_exactly_the_last_six_ten_second_buckets(
+    holds: list[tuple[str, float, float]], later_s: float
+) -> None:
+    minute = SlotTime()
+    now = 1000.0
+    added: list[tuple[str, float, float]] = []
+    for tenant, slot_seconds, step_s in holds:
+        now += step_s
+        minute.add(tenant, slot_seconds, now)
+        added.append((tenant, slot_seconds, now))
+    now += later_s
+    kept: dict[str, float] = {}
+    for tenant, slot_seconds, at in added:
+        if at // 10 > now // 10 - 6:
+            kept[tenant] = kept.get(tenant, 0.0) + slot_seconds
+    total = sum(kept.values())
+    assert minute.shares(now) == pytest.approx({t: v / total for t, v in kept.items()})
 
 
 async def test_every_queue_wait_is_observed_labelled_by_how_it_ended(
