@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -30,6 +31,21 @@ def turn(n: int) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"turn {n} " * 80}], "stream": False}
 
 
+async def spread(
+    send: Callable[[int], Awaitable[httpx.Response]], upstreams: Sequence[StandIn]
+) -> None:
+    """Turns of prompts of their own sent one by one until every upstream has seen one. Which
+    upstream a key picks hangs on the upstreams' addresses (their ports, drawn at random), so
+    ten keys all land on one of two upstreams once in 512 runs: they are sent until both have
+    one, forty at most (all on one: once in 2^39)."""
+    for n in range(40):
+        answer = await send(n)
+        assert answer.status_code == 200
+        if all(upstream.seen for upstream in upstreams):
+            return
+    raise AssertionError("forty prompts of their own, all on one upstream")
+
+
 async def test_a_sessions_turns_stay_on_one_upstream_whatever_their_prompts(
     start_upstreams: StartUpstreams, client: httpx.AsyncClient
 ) -> None:
@@ -37,11 +53,8 @@ async def test_a_sessions_turns_stay_on_one_upstream_whatever_their_prompts(
     await start_upstreams(*upstreams)
     gate = await serve_fleet(upstreams)
     try:
-        for n in range(10):
-            answer = await client.post(gate.url + CHAT, json=turn(n))
-            assert answer.status_code == 200
-        # Ten prompts of their own: spread over both by their keys.
-        assert all(u.seen for u in upstreams)
+        # Prompts of their own spread over both by their keys.
+        await spread(lambda n: client.post(gate.url + CHAT, json=turn(n)), upstreams)
         before = [len(u.seen) for u in upstreams]
         for n in range(10):
             answer = await client.post(
@@ -142,11 +155,8 @@ async def test_a_sessions_turns_stay_on_one_router_among_those_serving_its_model
         )
     )
     kids = [children(r)["alpha"] for r in routers]
-    for n in range(10):
-        answer = await client.post(gate.url + CHAT, json={**turn(n), "model": "alpha"})
-        assert answer.status_code == 200
-    # Ten prompts of their own: spread over both routers by their keys.
-    assert all(kid.seen for kid in kids)
+    # Prompts of their own spread over both routers by their keys.
+    await spread(lambda n: client.post(gate.url + CHAT, json={**turn(n), "model": "alpha"}), kids)
     before = [len(kid.seen) for kid in kids]
     for n in range(10, 20):
         answer = await client.post(
