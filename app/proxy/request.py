@@ -243,7 +243,9 @@ async def preflight_body(receive: Receive, declared: int | None) -> bytes:
 
 def request_id(scope: Scope) -> str:
     """The client's X-Request-Id when it is a sane one, else slotgate's own."""
-    for name, value in scope["headers"]:
+    # Typed: compiled, a list of pairs is walked and unpacked in place, not through iterators.
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    for name, value in headers:
         if name == b"x-request-id":
             if 0 < len(value) <= 128 and all(c in _REQUEST_ID_CHARS for c in value):
                 return bytes(value).decode()
