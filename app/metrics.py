@@ -9,9 +9,9 @@ slotgate touches them from one thread, its event loop, which also answers the sc
 from __future__ import annotations
 
 import platform
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from time import monotonic
 from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -493,7 +493,7 @@ class Metrics(Collector):
         series = self._of_tenant.get(tenant) or self._of(tenant)
         if hold_s is not None:
             series.hold[route].observe(hold_s)
-            self.minute.add(tenant, hold_s * slots, time.monotonic() if now is None else now)
+            self.minute.add(tenant, hold_s * slots, monotonic() if now is None else now)
         # Served, nearly always: known without the property's call.
         reason = None if outcome is SERVED else outcome.reason
         if reason is None:

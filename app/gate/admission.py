@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Iterable
+from time import monotonic
 
 from slotgate.errors import (
     NotReady,
@@ -142,7 +142,7 @@ class Admission(Pools):
         if halted and self._closed:
             raise ShuttingDown(self.snapshot(), self.retry_after_s(1))
         clock = self._clock
-        kept = bool(clock.promised) and clock.keep(time.monotonic())
+        kept = bool(clock.promised) and clock.keep(monotonic())
         if band is not None and band != tenant.band:
             tenant = tenant.lowered(band)
         if tenant is not self._solo:
@@ -326,7 +326,7 @@ class Admission(Pools):
     def _deadline(self, entered_at: float) -> float:
         assert self._queue_timeout_s is not None  # noqa: S101 - only called when set
         loop_now = asyncio.get_running_loop().time()
-        return loop_now + self._queue_timeout_s - (time.monotonic() - entered_at)
+        return loop_now + self._queue_timeout_s - (monotonic() - entered_at)
 
     # -- the hand-off ------------------------------------------------------------------------
 
@@ -354,7 +354,7 @@ class Admission(Pools):
         # With one upstream, its being full settles it: nobody fits (in a fleet the sums may
         # say full while an upstream shrunk under what it runs leaves room on another).
         single = len(pools) == 1
-        now = time.monotonic()
+        now = monotonic()
         while not (single and self._active >= capacity):
             head = line.head()
             if head is None:

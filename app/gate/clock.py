@@ -12,8 +12,8 @@ import bisect
 import heapq
 import math
 import random
-import time
 from collections.abc import Collection, Iterator
+from time import monotonic
 
 #: A Retry-After above this is useless: the OpenAI Python SDK does not honour one past 60 s
 #: and gives up past 120 s, so the estimate is capped well below both.
@@ -96,7 +96,7 @@ class HoldClock:
         rounds, index = divmod(max(position, 1) - 1, capacity)
         residual = 0.0
         if index < active:
-            now = time.monotonic()
+            now = monotonic()
             slots = 0
             for granted_at in holds:  # in the order they were granted
                 slots += granted_at[1]
@@ -139,7 +139,7 @@ class HoldClock:
         coming since, each for one place the pool frees, and they drain as soon as clients
         stop coming back: an estimate stays when this client could expect a place.
         """
-        now = time.monotonic()
+        now = monotonic()
         promised = self._purge(now)
         if not kept:
             early = now - EARLY_RETURN_S

@@ -4,7 +4,7 @@ place in the line, then its slots."""
 from __future__ import annotations
 
 import asyncio
-import time
+from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
 from slotgate.gate.tenants import EVERYONE, Tenant
@@ -80,7 +80,7 @@ class Ticket:
         #: The key its upstream is remembered by: its conversation's, else its affinity key.
         self.memo = conversation if conversation is not None else affinity
         self.seq = seq
-        self.entered_at = time.monotonic()
+        self.entered_at = monotonic()
         self.admitted_at: float | None = None
         #: The pool it holds (or was handed) slots of, and the tokens it holds there.
         self.pool: Pool | None = None
@@ -110,7 +110,7 @@ class Ticket:
 
     @property
     def wait_s(self) -> float:
-        return (self.admitted_at or time.monotonic()) - self.entered_at
+        return (self.admitted_at or monotonic()) - self.entered_at
 
     def weighs(self, capacity: int) -> int:
         """The slots it holds on a pool of `capacity` (more than that if it cannot run there)."""
@@ -148,7 +148,7 @@ class Ticket:
                 raise admission._timed_out() from None
             raise
         if not self._released:
-            self.admitted_at = time.monotonic()
+            self.admitted_at = monotonic()
 
     async def _until_known(self) -> None:
         """Wait in line while no capacity is known, for at most the startup wait (and the
@@ -167,7 +167,7 @@ class Ticket:
         admission._awaiting_known += 1
         try:
             while admission._capacity is None and not future.done():
-                remaining = deadline - time.monotonic()
+                remaining = deadline - monotonic()
                 if remaining <= 0:
                     raise admission._not_ready()
                 # asyncio.wait, not a timeout scope: the future must survive the timeout, as
@@ -221,7 +221,7 @@ class Ticket:
             # resume: pass them on, or they leak.
             pool.committed -= self.charged
             admitted_at = self.admitted_at
-            hold_s = None if admitted_at is None else time.monotonic() - admitted_at
+            hold_s = None if admitted_at is None else monotonic() - admitted_at
             admission._line.released(self, hold_s)
             return admission._release(self, pool, self.weight, hold_s)
         future = self._future

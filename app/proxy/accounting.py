@@ -4,7 +4,7 @@ access-log line (app/logs.py), both keyed by its `Outcome` (app/outcome.py)."""
 from __future__ import annotations
 
 import logging
-import time
+from time import monotonic
 
 from slotgate.logs import Client
 from slotgate.logs import access as access_log
@@ -26,7 +26,7 @@ def account(request: Request, answer: Answer, metrics: Metrics) -> None:
     endpoint = request.endpoint
     route = None if endpoint is None else endpoint.route
     ticket = request.ticket
-    now = time.monotonic()
+    now = monotonic()
     hold_s = None
     if ticket is not None and ticket.admitted_at is not None:
         hold_s = now - ticket.admitted_at

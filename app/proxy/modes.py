@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
+from time import monotonic
 
 import orjson
 from slotgate.asgi import Headers
@@ -51,7 +51,7 @@ async def relay(request: Request, answer: Answer, response: Response, own: Own) 
         # A small body of known length (every non-streamed completion) is read whole, so a
         # truncated one still gets a proper 502; otherwise wait for the first bytes.
         first = await response.read() if whole else await response.readany()
-        request.first_byte_at = time.monotonic()
+        request.first_byte_at = monotonic()
         if whole:
             if upstream_done(request, response):
                 await asyncio.sleep(0)  # the waiter handed the slot goes first
@@ -93,7 +93,7 @@ async def relay_assembled(
     """Answer a non-streamed request from the stream slotgate asked llama-server for."""
     try:
         chunk = await response.readany()
-        request.first_byte_at = time.monotonic()
+        request.first_byte_at = monotonic()
         while chunk:
             assembly.feed(chunk)
             if assembly.size > MAX_ASSEMBLED_BYTES:
@@ -145,7 +145,7 @@ async def relay_into_stream(request: Request, answer: Answer, response: Response
             await answer.event(prefix + b"data: " + error.strip() + b"\n\n")
         else:
             chunk = await response.readany()
-            request.first_byte_at = time.monotonic()
+            request.first_byte_at = monotonic()
             while chunk:
                 await answer.relay(chunk)
                 chunk = await response.readany()

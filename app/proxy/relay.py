@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
-import time
 from collections.abc import Awaitable, Callable
+from time import monotonic
 from urllib.parse import parse_qs, quote
 
 from slotgate.asgi import Headers, Receive, Scope, Send
@@ -106,7 +106,7 @@ def _eta_s(admission: Admission, lane: Lane | None, ticket: Claim) -> float:
     its place, and for a model not running, what is left of its load (app/gate/models.py)."""
     eta_s = admission.eta_s(max(ticket.position, 1))
     if lane is not None:
-        eta_s += lane.load_eta_s(time.monotonic())
+        eta_s += lane.load_eta_s(monotonic())
     return eta_s
 
 
@@ -445,7 +445,7 @@ class Proxy:
                 if not self._startup_wait_s and admission.capacity is None:
                     raise  # no other upstream to send it to, and no wait for this one
                 if back_by is None:
-                    back_by = time.monotonic() + self._startup_wait_s
+                    back_by = monotonic() + self._startup_wait_s
                 # Back to the head of the line, for whichever upstream has room first.
                 ticket.reroute(back_by)
                 await self._wait(request, answer, ticket)
@@ -519,7 +519,7 @@ class Proxy:
                 stopped = False
                 # Its upstream connection is closed (llama-server stops its work); its slots go
                 # to the waiter that preempted it, and it waits at the head of its band.
-                ticket.reroute(time.monotonic() + _PREEMPTED_WAIT_S)
+                ticket.reroute(monotonic() + _PREEMPTED_WAIT_S)
                 await self._wait(request, answer, ticket)
         finally:
             preemption.end(request)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import time
 from collections.abc import Callable
+from time import monotonic
 from typing import TYPE_CHECKING
 
 from slotgate.asgi import Receive, Scope
@@ -59,7 +59,7 @@ class Request:
         self.path: str = scope["path"]
         self.query: bytes = scope["query_string"]
         self.headers: list[tuple[bytes, bytes]] = scope["headers"]
-        self.started = time.monotonic()
+        self.started = monotonic()
         self.head: Head | None = None
         self.body = b""
         #: The generation route it asks for, gated or not (None: any other path).

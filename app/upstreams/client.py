@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-import time
 from collections.abc import Iterable
+from time import monotonic
 from typing import Protocol
 
 from slotgate.asgi import Header
@@ -236,7 +236,7 @@ class Client:
 
     def _take_idle(self) -> Connection | None:
         idle = self._idle
-        now = time.monotonic()
+        now = monotonic()
         while idle:
             conn = idle.pop()
             # llama-server drops idle connections after 5 s; one that may be closing under us

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import select
-import time
 from collections.abc import Callable
+from time import monotonic
 from typing import cast
 
 import httptools
@@ -114,7 +114,7 @@ class Connection(asyncio.Protocol):
     def pooled(self) -> None:
         if self.state is not _NEW:  # a spare opened ahead of need stays NEW
             self.state = _IDLE
-        self.idle_since = time.monotonic()
+        self.idle_since = monotonic()
 
     def _reset(self) -> None:
         self.status = 0
@@ -141,7 +141,7 @@ class Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
-        self._data_at = time.monotonic()
+        self._data_at = monotonic()
         if not self.expecting:
             # Idle, or its response is complete: whatever this is, it answers no request, and
             # parsed, it would become part of the next request's response.
@@ -260,7 +260,7 @@ class Connection(asyncio.Protocol):
         loop = self._loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         if stall_s is not None:
-            self._wait_since = time.monotonic()
+            self._wait_since = monotonic()
             if self._stall_timer is None:
                 self._stall_timer = loop.call_later(stall_s, self._stalled, stall_s)
         try:
@@ -283,7 +283,7 @@ class Connection(asyncio.Protocol):
         if waiter is None or waiter.done() or self.state is _CLOSED:
             return
         # Bytes may have come in, or a new wait begun, since the timer was armed.
-        quiet_s = time.monotonic() - max(self._data_at, self._wait_since)
+        quiet_s = monotonic() - max(self._data_at, self._wait_since)
         if quiet_s < stall_s:
             loop = self._loop or asyncio.get_running_loop()
             self._stall_timer = loop.call_later(stall_s - quiet_s, self._stalled, stall_s)

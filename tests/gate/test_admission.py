@@ -589,7 +589,7 @@ def test_a_moment_promised_long_ago_does_not_keep_the_later_ones_that_passed_cou
 ) -> None:
     clock = _Clock()
     for module in (admission_module, clock_module, ticket_module):
-        monkeypatch.setattr(module, "time", clock)
+        monkeypatch.setattr(module, "monotonic", clock.monotonic)
     admission = pool(1)
     admission._clock.observe(10.0)  # long generations: a refusal is told about 10 s
     holder = admission.enter()
@@ -676,7 +676,7 @@ class _Gate:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.8) -> None:
         self.clock = _Clock()
         for module in (admission_module, clock_module, ticket_module):
-            monkeypatch.setattr(module, "time", self.clock)
+            monkeypatch.setattr(module, "monotonic", self.clock.monotonic)
         self.admission = pool(2, max_queue=2)
         self.hold_s = hold_s
         self.tickets: list[Ticket] = []

@@ -366,7 +366,7 @@ async def test_a_light_tenant_gets_its_weighted_share_from_the_switch_on(
 
     clock = _Clock()
     for module in (admission_module, clock_module, ticket_module):
-        monkeypatch.setattr(module, "time", clock)
+        monkeypatch.setattr(module, "monotonic", clock.monotonic)
     tenants = {"heavy": Tenant("heavy", weight=9.0), "light": Tenant("light", weight=1.0)}
     admission = pool(2, max_queue=0)
     admission.expect(100.0)  # a cold estimate far off the real 2 s, as a large max_tokens gives

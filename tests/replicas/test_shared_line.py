@@ -1539,8 +1539,9 @@ async def play_degraded(valkey: Valkey, steps: list[Step], clock: StepClock) -> 
                 ticket.release()
 
 
-# The step clock replaces the admission core's `time`, which a compiled build binds when it is
-# built: there the holds would be timed by the real clock, and the tenants' turns with them.
+# The step clock replaces the admission core's `time` and `monotonic`, which a compiled build
+# binds when it is built: there the holds would be timed by the real clock, and the tenants'
+# turns with them.
 @pytest.mark.interpreted
 @pytest.mark.parametrize("steps", list(SCENARIOS.values()), ids=list(SCENARIOS))
 async def test_a_replica_with_redis_away_grants_as_one_process(
@@ -1548,7 +1549,11 @@ async def test_a_replica_with_redis_away_grants_as_one_process(
 ) -> None:
     clock = StepClock()
     for name, module in list(sys.modules.items()):
-        if name.startswith("slotgate.gate.") and getattr(module, "time", None) is time:
+        if not name.startswith("slotgate.gate."):
+            continue
+        if getattr(module, "time", None) is time:
             monkeypatch.setattr(module, "time", clock)
+        if getattr(module, "monotonic", None) is time.monotonic:
+            monkeypatch.setattr(module, "monotonic", clock.monotonic)
     # Tenants' limits and shares, bands, KV budgets and routing: the core's policy, whole.
     await play_degraded(valkey, steps, clock)
