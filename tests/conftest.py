@@ -23,7 +23,6 @@ from slotgate.gate.models import Lane
 from slotgate.main import Gateway, Service, create_app
 from slotgate.proxy import protocol as protocol_module
 from slotgate.settings import Settings
-from slotgate.upstreams import fleet as fleet_module
 from slotgate.upstreams import upstream as upstream_module
 
 from tests.support.hostile import CHAT_STREAM, Answer, Hostile, held, stream
@@ -202,10 +201,10 @@ async def start_upstreams() -> AsyncIterator[StartUpstreams]:
 
 
 @pytest.fixture
-def quiet_upstreams(monkeypatch: pytest.MonkeyPatch) -> None:
+def quiet_upstreams() -> None:
     """Every llama-server is known to add no `__verbose` unasked, so a non-streamed request is
-    assembled from the first (without it, the first answer of each upstream goes as sent)."""
-    monkeypatch.setattr(fleet_module.Fleet, "quiet", property(lambda self: True))
+    assembled from the first (without it, the first answer of each upstream goes as sent):
+    `start_gate` tells each fleet it starts so (`Fleet.known_quiet`)."""
 
 
 #: Three tenants by key: two without limits, one with two places of its own in the line.
@@ -327,9 +326,13 @@ GateFactory = Callable[..., Any]
 
 
 @pytest.fixture
-async def start_gate(standin: StandIn) -> AsyncIterator[GateFactory]:
-    """Start slotgate in front of the stand-in with the given settings; waits until ready."""
+async def start_gate(
+    standin: StandIn, request: pytest.FixtureRequest
+) -> AsyncIterator[GateFactory]:
+    """Start slotgate in front of the stand-in with the given settings; waits until ready.
+    With `quiet_upstreams`, its upstreams are known to add no `__verbose` from the start."""
     running: list[RunningGate] = []
+    quiet = "quiet_upstreams" in request.fixturenames
 
     async def start(*, ready: bool = True, **overrides: Any) -> RunningGate:
         values: dict[str, Any] = {
@@ -339,6 +342,8 @@ async def start_gate(standin: StandIn) -> AsyncIterator[GateFactory]:
         values.update(overrides)
         gate = await serve(Settings(_env_file=None, **values))
         running.append(gate)
+        # Before any request: the first one is assembled or not by what the fleet knows.
+        gate.service.fleet.known_quiet = quiet
         if ready:
             await gate.until(lambda: gate.service.upstream.ready)
         return gate

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Any
+from collections.abc import Iterable
 
 import httpx
 import pytest
+from slotgate.asgi import Header
+from slotgate.upstreams.client import Response
+from slotgate.upstreams.server import Requester
 
 from bench.procs import free_port
 from tests.conftest import CHAT, GateFactory, StartUpstreams, assert_not_ready, chat
+from tests.support.harness import PassingClient
 from tests.support.standin import StandIn
 
 
@@ -219,25 +223,31 @@ async def test_a_llama_server_that_was_up_and_went_away_is_still_waited_for(
     assert answer.status_code == 200
 
 
-@pytest.mark.interpreted
+class SlowProps(PassingClient):
+    """Its /props reads time out once `served` is set: after llama-server answered a request
+    meanwhile, as on a starved machine, where slotgate's own loop is what is late."""
+
+    def __init__(self, client: Requester) -> None:
+        super().__init__(client)
+        self.served = asyncio.Event()
+
+    async def request(
+        self, method: str, target: str, headers: Iterable[Header], body: bytes
+    ) -> Response:
+        if target.endswith("/props"):
+            await self.served.wait()
+            raise TimeoutError
+        return await self.client.request(method, target, headers, body)
+
+
 async def test_a_props_read_that_times_out_while_llama_server_answers_requests_leaves_it_ready(
-    start_gate: GateFactory, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
     # Read by hand below, not by the follower meanwhile.
     gate = await start_gate(props_refresh_interval_s=3600)
     upstream = gate.service.upstream
-    request = upstream._client.request
-    served = asyncio.Event()
-
-    async def slow_props(method: str, target: str, *rest: Any) -> Any:
-        if target.endswith("/props"):
-            # The read's timeout runs out after llama-server answered a request meanwhile: as
-            # on a starved machine, where slotgate's own loop is what is late.
-            await served.wait()
-            raise TimeoutError
-        return await request(method, target, *rest)
-
-    monkeypatch.setattr(upstream._client, "request", slow_props)
+    upstream._client = slow = SlowProps(upstream._client)
+    served = slow.served
     reading = asyncio.create_task(upstream.refresh())
     assert (await client.post(gate.url + CHAT, json=chat())).status_code == 200
     served.set()

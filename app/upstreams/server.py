@@ -6,7 +6,8 @@ followed by `Upstream` (upstream.py)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 from urllib.parse import SplitResult, urlsplit
 
 import orjson
@@ -38,6 +39,24 @@ _COUNT_BYTES_PER_BYTE = 8
 CONTROL_BODY_BYTES = 1024 * 1024
 
 
+class Requester(Protocol):
+    """What `LlamaServer` asks of its HTTP client: `UpstreamClient`, or a stand-in a test puts
+    in its place (a compiled class takes no attribute of another class than it names)."""
+
+    @property
+    def keeps_streams(self) -> bool | None: ...
+
+    async def request(
+        self, method: str, target: str, headers: Iterable[Header], body: bytes
+    ) -> Response: ...
+
+    def connect_to(self, address: str | None) -> None: ...
+
+    def relearn(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def address_url(parts: SplitResult, address: str) -> str:
     """`parts` as a URL with `address` for its host."""
     host = f"[{address}]" if ":" in address else address
@@ -58,7 +77,7 @@ class LlamaServer:
         tls = parts.scheme == "https"
         # The client has no connection limit: the admission pool bounds concurrent generations,
         # and a limit here would only become a second, hidden queue behind the gate.
-        self._client = UpstreamClient(
+        self._client: Requester = UpstreamClient(
             parts.hostname or "127.0.0.1",
             parts.port or (443 if tls else 80),
             tls=tls,
@@ -194,4 +213,4 @@ class LlamaServer:
         return response.status, answer
 
 
-__all__ = ["CONNECT_TIMEOUT_S", "CONTROL_BODY_BYTES", "LlamaServer", "address_url"]
+__all__ = ["CONNECT_TIMEOUT_S", "CONTROL_BODY_BYTES", "LlamaServer", "Requester", "address_url"]

@@ -53,6 +53,8 @@ class Upstream(LlamaServer):
     ) -> None:
         super().__init__(settings, url, address)
         self.pool = pool
+        #: The bound on a prompt's count, both its round trips.
+        self.count_timeout_s = CONNECT_TIMEOUT_S
         self._refresh_s = settings.props_refresh_interval_s
         self._kv_budget_tokens = settings.kv_budget_tokens
         # Known before llama-server is: requests that wait for it to start are weighed by it.
@@ -337,7 +339,7 @@ class Upstream(LlamaServer):
         try:
             # One bound for both round trips: the request holds its place (or its slot) while
             # it is counted, and a count that comes late is worth less than the local bound.
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            async with asyncio.timeout(self.count_timeout_s):
                 if chat:
                     status, body = await self._post("/apply-template" + query, payload)
                     if status != 200:

@@ -5,28 +5,80 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from slotgate.asgi import Header
 from slotgate.errors import AdmissionError
 from slotgate.gate.admission import Admission
 from slotgate.gate.policy import QueuePolicy
 from slotgate.gate.ticket import Ticket
 from slotgate.intake.cost import local
 from slotgate.intake.endpoints import ENDPOINTS
-from slotgate.upstreams import upstream as upstream_module
+from slotgate.upstreams.client import Response
 from slotgate.upstreams.props import Props
+from slotgate.upstreams.server import Requester
 
 from tests.conftest import CHAT, GateFactory, counting, words
+from tests.support.harness import PassingClient
 from tests.support.standin import StandIn
 
 
 @pytest.fixture
 def standin(standin: StandIn) -> StandIn:
     return counting(standin)
+
+
+class Counts(PassingClient):
+    """An upstream's client that passes everything on, noting each count asked and the size of
+    each count answer read whole."""
+
+    def __init__(self, client: Requester) -> None:
+        super().__init__(client)
+        self.asked: list[str] = []
+        self.read: list[int] = []
+
+    async def request(
+        self, method: str, target: str, headers: Iterable[Header], body: bytes
+    ) -> Response:
+        response = await self.client.request(method, target, headers, body)
+        if target in ("/apply-template", "/tokenize"):
+            self.asked.append(target)
+            return CountAnswer(response, self.read)
+        return response
+
+
+class CountAnswer:
+    """A count's answer that notes the size of its body once it is read whole."""
+
+    def __init__(self, response: Response, read: list[int]) -> None:
+        self._response = response
+        self._read = read
+        self.status = response.status
+        self.headers = response.headers
+        self.content_type = response.content_type
+        self.content_length = response.content_length
+
+    def header(self, name: bytes) -> bytes | None:
+        return self._response.header(name)
+
+    async def readany(self) -> bytes:
+        return await self._response.readany()
+
+    async def read(self, limit_bytes: int | None = None) -> bytes:
+        body = await self._response.read(limit_bytes)
+        self._read.append(len(body))
+        return body
+
+    def release(self) -> None:
+        self._response.release()
+
+    def close(self) -> None:
+        self._response.close()
 
 
 # -- the admission core -----------------------------------------------------------------------
@@ -101,14 +153,11 @@ async def test_requests_that_arrive_while_llama_server_starts_are_admitted_by_th
 
 
 async def test_a_count_that_llama_server_is_too_slow_for_falls_back_to_the_local_bound(
-    start_gate: GateFactory,
-    client: httpx.AsyncClient,
-    standin: StandIn,
-    monkeypatch: pytest.MonkeyPatch,
+    start_gate: GateFactory, client: httpx.AsyncClient, standin: StandIn
 ) -> None:
-    monkeypatch.setattr(upstream_module, "CONNECT_TIMEOUT_S", 0.5)
     standin.tokens = 200
     gate = await start_gate(kv_budget_tokens=1000)
+    gate.service.upstream.count_timeout_s = 0.5
     # Each half of the count is within the bound, the two together are not.
     standin.count_delay_s = 0.3
     body = words(10, stream=True, max_tokens=50)
@@ -125,18 +174,13 @@ async def test_a_count_answer_too_long_for_its_prompt_is_not_read_and_falls_back
 ) -> None:
     standin.count_answer = b'{"prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}'
     gate = await start_gate(kv_budget_tokens=1000)
-    seen: list[int] = []
-    original = gate.service.upstream._post
-
-    async def post(path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
-        status, body = await original(path, payload)
-        seen.append(len(body))
-        return status, body
-
-    gate.service.upstream._post = post
+    upstream = gate.service.upstream
+    counts = Counts(upstream._client)
+    upstream._client = counts
     answer = await client.post(gate.url + CHAT, json=words(10, max_tokens=50))
     assert answer.status_code == 200
-    assert seen == []  # the oversized answer raised before it was handed over
+    assert counts.asked == ["/apply-template"]
+    assert counts.read == []  # the oversized answer raised before it was handed over
     assert gate.service.admission.committed_tokens == 0
 
 

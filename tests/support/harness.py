@@ -15,7 +15,9 @@ from slotgate.gate.admission import Admission
 from slotgate.metrics import Metrics
 from slotgate.proxy.relay import Proxy
 from slotgate.settings import Settings
+from slotgate.upstreams.client import Response
 from slotgate.upstreams.fleet import Fleet
+from slotgate.upstreams.server import Requester
 
 
 class Client:
@@ -74,18 +76,12 @@ class FakeResponse:
         self.released = False
         self.closed = False
         self.failed = False
+        self.content_type = (self.header(b"content-type") or b"").split(b";")[0].decode()
+        length = self.header(b"content-length")
+        self.content_length = int(length) if length is not None else None
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for k, v in self.headers if k == name), None)
-
-    @property
-    def content_type(self) -> str:
-        return (self.header(b"content-type") or b"").split(b";")[0].decode()
-
-    @property
-    def content_length(self) -> int | None:
-        value = self.header(b"content-length")
-        return int(value) if value is not None else None
 
     async def readany(self) -> bytes:
         await asyncio.sleep(0)
@@ -123,7 +119,7 @@ class FakeUpstreamClient:
     def __init__(self, *answers: FakeResponse | ExchangeFailed) -> None:
         self.answers = list(answers)
         self.requests: list[tuple[str, str, bytes]] = []
-        self.keeps_streams = None
+        self.keeps_streams: bool | None = None
 
     async def request(
         self, method: str, target: str, headers: Iterable[Header], body: bytes
@@ -134,11 +130,40 @@ class FakeUpstreamClient:
             raise answer
         return answer
 
+    def connect_to(self, address: str | None) -> None:
+        pass
+
     def relearn(self) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+class PassingClient:
+    """An upstream's client that passes everything on to `client`; a test's subclass overrides
+    `request` to watch or hold what goes through."""
+
+    def __init__(self, client: Requester) -> None:
+        self.client = client
+
+    @property
+    def keeps_streams(self) -> bool | None:
+        return self.client.keeps_streams
+
+    async def request(
+        self, method: str, target: str, headers: Iterable[Header], body: bytes
+    ) -> Response:
+        return await self.client.request(method, target, headers, body)
+
+    def connect_to(self, address: str | None) -> None:
+        self.client.connect_to(address)
+
+    def relearn(self) -> None:
+        self.client.relearn()
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class Rig:
@@ -151,7 +176,7 @@ class Rig:
         self.admission = Admission(self.settings.queue_policy)
         self.fleet = Fleet(self.settings, self.admission)
         self.upstream = self.fleet.upstreams[0]
-        self.upstream._client = client  # type: ignore[assignment]
+        self.upstream._client = client
         self.upstream.ready = True
         self.admission.resize(slots)
         self.metrics = Metrics(self.admission, lambda: True)

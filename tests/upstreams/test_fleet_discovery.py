@@ -10,12 +10,13 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
-from slotgate.asgi import Header
 from slotgate.gate.admission import Admission
 from slotgate.gate.ticket import Ticket
 from slotgate.metrics import Metrics
 from slotgate.settings import Settings
 from slotgate.upstreams.fleet import Fleet
+
+from tests.support.harness import FakeResponse, FakeUpstreamClient
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -76,18 +77,20 @@ llamacpp:requests_processing{slot="a} 1 \\"b\\" \\\\"} 2
 """
 
 
-async def test_llama_servers_metrics_from_several_upstreams_merge_into_one_group_per_family(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_llama_servers_metrics_from_several_upstreams_merge_into_one_group_per_family() -> (
+    None
+):
     settings = settings_for("http://127.0.0.1:9,http://127.0.0.2:9")
     fleet = Fleet(settings, Admission(settings.queue_policy))
+    clients = []
     for upstream, text in zip(fleet.upstreams, (FIRST, SECOND), strict=True):
-
-        async def metrics(text: bytes = text) -> tuple[bytes, list[Header]]:
-            return text, []
-
-        monkeypatch.setattr(upstream, "metrics", metrics)
+        # Each answers its one /metrics read with `text` (its follower is not started).
+        client = FakeUpstreamClient(FakeResponse(200, [], [text]))
+        upstream._client = client
+        upstream.ready = True
+        clients.append(client)
     merged, _ = await fleet.metrics()
+    assert [c.requests for c in clients] == [[("GET", "/metrics", b"")]] * 2
     families = list(text_string_to_metric_families(merged.decode()))
     # One family each, declared once and typed, holding both upstreams' samples.
     assert [(f.name, f.type) for f in families] == [
