@@ -172,10 +172,11 @@ async def test_draining_every_ready_upstream_makes_slotgate_not_ready(
 async def test_a_request_while_every_upstream_is_drained_waits_for_a_restore_then_hears_why(
     start_gate: GateFactory, client: httpx.AsyncClient
 ) -> None:
-    gate = await start_gate(startup_wait_s=0.3)
+    gate = await start_gate(startup_wait_s=1.5)
     name = gate.service.upstream.name
     await act(client, gate, f"upstreams/{name}/drain")
-    # Held as while llama-server starts (STARTUP_WAIT_S): a restore in that time serves it.
+    # Held as while llama-server starts (STARTUP_WAIT_S): a restore in that time serves it
+    # (1.5 s: time for the restore's own request on a loaded machine).
     waiting = asyncio.create_task(client.post(gate.url + CHAT, json=chat()))
     await gate.until(lambda: gate.service.admission.queued == 1)
     await act(client, gate, f"upstreams/{name}/restore")

@@ -707,12 +707,17 @@ async def test_a_slow_reader_pushes_back_on_upstream_instead_of_filling_memory(
     )  # fmt: skip
     await writer.drain()
     await reader.read(1024)
-    await asyncio.sleep(1.0)  # the client stops reading
-    stalled_at = standin.sent_bytes
-    await asyncio.sleep(0.5)
-    # The stand-in could not push more than the socket buffers along the way hold: the relay
-    # waits for the client instead of reading ahead into memory.
-    assert standin.sent_bytes == stalled_at
+    # The client stops reading. Once the socket buffers along the way are full, the stand-in
+    # pushes nothing for half a second (however long a loaded machine takes to fill them)...
+    loop = asyncio.get_running_loop()
+    stalled_at, still_since = standin.sent_bytes, loop.time()
+    async with asyncio.timeout(20):
+        while loop.time() - still_since < 0.5:
+            await asyncio.sleep(0.05)
+            if standin.sent_bytes != stalled_at:
+                stalled_at, still_since = standin.sent_bytes, loop.time()
+    # ...having pushed no more than those buffers hold: the relay waits for the client instead
+    # of reading ahead into memory.
     assert stalled_at < total / 4
     received = 0
     async with asyncio.timeout(60):
