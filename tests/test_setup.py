@@ -1,6 +1,6 @@
-"""setup.py, the compiled build's switch: what SLOTGATE_COMPILE may say, and the one line it
-stops the build with when it says something else. (The build itself is the docker tier's and
-scripts/check's.)"""
+"""setup.py, the compiled build's switches: what SLOTGATE_COMPILE and SLOTGATE_PROFILE may
+say, and the one line they stop the build with when they say something else. (The build itself
+is the docker tier's and scripts/check's.)"""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _setup(compile_value: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SLOTGATE_COMPILE": compile_value}
+def _setup(compile_value: str, **more: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SLOTGATE_COMPILE": compile_value, **more}
     return subprocess.run(
         [sys.executable, "setup.py", "--name"],
         cwd=REPO,
@@ -46,3 +46,20 @@ def test_a_switch_that_is_neither_yes_nor_modules_stops_the_build_naming_it(
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"SLOTGATE_COMPILE={value!r}")
     assert f"({named} is none)" in lines[0]
+
+
+def test_a_profile_folder_without_a_profile_stops_the_build_naming_it(tmp_path: Path) -> None:
+    done = _setup("1", SLOTGATE_PROFILE=str(tmp_path))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"SLOTGATE_PROFILE={str(tmp_path)!r} holds no profile")
+
+
+def test_the_training_s_build_and_the_guided_one_cannot_both_be_asked_for(tmp_path: Path) -> None:
+    (tmp_path / "a.gcda").write_bytes(b"")
+    done = _setup("1", SLOTGATE_PROFILE=str(tmp_path), SLOTGATE_PROFILE_GENERATE=str(tmp_path))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("SLOTGATE_PROFILE_GENERATE and SLOTGATE_PROFILE are both set")
