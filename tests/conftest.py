@@ -51,6 +51,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("interpreted"):
                 item.add_marker(skip)
+    # The Docker replay (minutes: an install and a compile) first, so that when scripts/check
+    # runs the slower tiers in two workers, the other tests run beside it, not after it.
+    items.sort(key=lambda item: item.get_closest_marker("docker") is None)
 
 
 # Property tests: a light run in the fast tier, the full count in scripts/check, which selects
