@@ -20,11 +20,11 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 #: Servers that ended before the bench stopped them, for the run's notes.
 DEATHS: list[str] = []
 #: Read once at import, before the runner pins itself to the load generator's core.
-_USABLE = frozenset(os.sched_getaffinity(0))
+USABLE = frozenset(os.sched_getaffinity(0))
 
 
 def pinning_possible() -> bool:
-    return {SERVER_CORE, CLIENT_CORE} <= _USABLE
+    return {SERVER_CORE, CLIENT_CORE} <= USABLE
 
 
 def pin_self(core: int) -> None:
@@ -154,7 +154,7 @@ def spawn(
 
     def setup() -> None:
         if pin:
-            os.sched_setaffinity(0, _USABLE if core is None else {core})
+            os.sched_setaffinity(0, USABLE if core is None else {core})
         _raise_fd_limit()
 
     with log.open("ab") as out:

@@ -284,7 +284,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{meta['machine']}. slotgate at {meta.get('slotgate_tree', '?')}. "
         f"Servers pinned to core {meta['server_core']}, load generator and "
         f"stand-in upstream on core {meta['client_core']} (pinned: {meta['pinned']}). "
-        f"CPU used by processes outside the bench during the run: "
+        + ("Cores kept awake (`--cores-awake`). " if meta.get("cores_awake") else "")
+        + "CPU used by processes outside the bench during the run: "
         f"{meta.get('foreign_cpu_share', '-')} of the machine.",
         "",
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -17,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import contenders, fleet, llama, provision, report, scenarios
+from bench.awake import cores_awake
 from bench.contenders import BENCH, Contender
 from bench.procs import (
     CLIENT_CORE,
     DEATHS,
     SERVER_CORE,
+    USABLE,
     Server,
     descendants,
     pin_self,
@@ -142,6 +145,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(ALL_SCENARIOS),
         help=f"comma-separated subset of {','.join(ALL_SCENARIOS)} (the default), "
         f"or of {','.join(FLEET_SCENARIOS)} (the fleet's; `python -m bench.fleet`)",
+    )
+    parser.add_argument(
+        "--cores-awake",
+        action="store_true",
+        help="keep every core out of its idle state during the run (an idle-class spinner on "
+        "each; bench/awake.py): wake-ups then do not wait for an idle core to come back",
     )
     parser.add_argument(
         "--fleet-contenders",
@@ -448,8 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     started_wall = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     started = time.monotonic()
     others = _others_cpu_s()
+    awake = cores_awake(USABLE) if args.cores_awake else contextlib.nullcontext()
     try:
-        bench.run()
+        with awake:
+            bench.run()
     finally:
         duration = time.monotonic() - started
         foreign = _foreign_s(others)
@@ -463,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_core": SERVER_CORE,
             "client_core": CLIENT_CORE,
             "pinned": pinning_possible(),
+            "cores_awake": args.cores_awake,
             "foreign_cpu_s": round(foreign, 1),
             "foreign_cpu_share": f"{foreign / (duration * (os.cpu_count() or 1)):.1%}",
             "sizes": dict(vars(sizes)),

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench.awake import cores_awake
 
 pytestmark = pytest.mark.bench
 
@@ -196,3 +200,19 @@ def test_fleet_smoke_run_measures_cache_reuse_routing_cost_and_balance(tmp_path:
     assert "fleet: prompt tokens reused, slotgate affinity" in names
     assert "fleet: balance, max |busy share / capacity share - 1|" in names
     assert "## Fleet: routing cost (stand-ins)" in (tmp_path / "latest.md").read_text()
+
+
+def test_cores_awake_spins_an_idle_class_process_on_each_core_and_stops_them() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    with cores_awake(cores) as pids:
+        assert len(pids) == len(cores)
+        for pid, core in zip(pids, cores, strict=True):
+            # Each sets its own class and core as it starts.
+            deadline = time.monotonic() + 30
+            while os.sched_getscheduler(pid) != os.SCHED_IDLE:
+                assert time.monotonic() < deadline, f"spinner {pid} never took the idle class"
+                time.sleep(0.05)
+            assert os.sched_getaffinity(pid) == {core}
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
