@@ -253,7 +253,12 @@ async def test_affinity_holds_within_bounded_load_else_least_loaded(start_replic
 async def test_a_waiter_that_leaves_gives_its_place_and_any_grant_back(
     start_replicas: Start, redis_client: aioredis.Redis
 ) -> None:
-    fleet = await start_replicas(policy=QueuePolicy(max_queue=0), timeout_s=2.0)
+    # A burst of 300, so the burst test's bounds: a Redis call (and a heartbeat: only fleet[0]
+    # reports the slots) late by seconds on a loaded machine is no outage here. With 2 s, a
+    # replica beside a busy CI run fell back and refused, having no slots of its own.
+    fleet = await start_replicas(
+        policy=QueuePolicy(max_queue=0), timeout_s=10.0, heartbeat_s=1.0, ttl_s=10.0
+    )
     await fleet[0].resize("a", 3)
     exits = {"waiting": 0, "granted": 0}
 
