@@ -164,7 +164,12 @@ def upstream_done(request: Request, response: Response) -> bool:
     was handed it: the caller then lets that waiter send its request (or, sharing the line
     through Redis, the release leave for Redis) before this answer is relayed, so that
     llama-server's slot does not sit idle while slotgate writes to a client. (A plain function:
-    a coroutine per request for a yield nearly none makes would cost more than the yield.)"""
+    a coroutine per request for a yield nearly none makes would cost more than the yield.)
+
+    The connection calls it first, as the last byte is parsed (`Proxy._forward` asks it to:
+    `Response.when_done`), so that the waiter is woken before the relay and before whatever
+    else is ready then; the relay's own call at the end of its reading then finds both given
+    back, and is False."""
     response.release()
     return request.ticket is not None and request.ticket.release()
 

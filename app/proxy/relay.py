@@ -48,7 +48,13 @@ from slotgate.proxy.answer import Answer
 from slotgate.proxy.assembly import Assembly
 from slotgate.proxy.body_bytes import BodyBytes, HeldBody
 from slotgate.proxy.headers import SSE, SSE_HEAD, dropped, own_headers, upstream_headers
-from slotgate.proxy.modes import refuse, relay, relay_assembled, relay_into_stream
+from slotgate.proxy.modes import (
+    refuse,
+    relay,
+    relay_assembled,
+    relay_into_stream,
+    upstream_done,
+)
 from slotgate.proxy.quota import admit, headers_of
 from slotgate.proxy.request import (
     Head,
@@ -594,6 +600,10 @@ class Proxy:
             if upstream is None:  # not gated: any upstream answers it (of its ?model=)
                 upstream = request.upstream = self._fleet.serving(request.query)
             response = await upstream.send(request.method, target, headers, request.body)
+            if request.ticket is not None:
+                # Its slot goes on at llama-server's last byte, from the connection's own
+                # callback: before this task, or any other ready then, runs again.
+                response.when_done(functools.partial(upstream_done, request, response))
             # The exchange's scope, written out (`async with` costs two coroutines): a normal
             # end releases the response (a complete one pools its connection).
             try:

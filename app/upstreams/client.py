@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import Protocol
 
@@ -37,6 +37,8 @@ class Response(Protocol):
 
     async def read(self, limit_bytes: int | None = None) -> bytes: ...
 
+    def when_done(self, callback: Callable[[], object]) -> None: ...
+
     def release(self) -> None: ...
 
     def close(self) -> None: ...
@@ -47,8 +49,8 @@ class PooledResponse:
     it comes."""
 
     __slots__ = (
-        "_client", "_conn", "_done", "_head_only", "content_length", "content_type", "headers",
-        "status",
+        "_client", "_conn", "_done", "_head_only", "_rest", "content_length", "content_type",
+        "headers", "status",
     )  # fmt: skip
 
     def __init__(self, client: Client, conn: Connection, head_only: bool) -> None:
@@ -56,6 +58,8 @@ class PooledResponse:
         self._conn = conn
         self._head_only = head_only
         self._done = False
+        #: The body's last bytes, not read yet when the connection went back to the pool.
+        self._rest = b""
         self.status = conn.status
         #: As they came, their names lowercased.
         self.headers = conn.headers
@@ -87,6 +91,11 @@ class PooledResponse:
         if self._head_only:
             return b""
         while True:
+            if self._done:
+                # Released at its end (`when_done`): the connection may carry another
+                # exchange already; what was left of this body was kept.
+                rest, self._rest = self._rest, b""
+                return rest
             if conn._chunks:
                 return conn.take()
             if conn.complete:
@@ -113,19 +122,33 @@ class PooledResponse:
         conn.lazy = True
         try:
             while True:
-                if conn._chunks:
-                    part = conn.take()
+                done = self._done  # released at its end (`when_done`), as in `readany`
+                if done or conn._chunks:
+                    if done:
+                        part, self._rest = self._rest, b""
+                    else:
+                        part = conn.take()
                     size += len(part)
                     if limit_bytes is not None and size > limit_bytes:
                         raise BodyTooLarge(f"the {self.status} answer is over {limit_bytes} bytes")
                     parts.append(part)
-                if conn.complete:
+                if done or conn.complete:
                     return b"".join(parts)
                 if conn.error is not None:
                     raise conn.error
                 await conn.wait(self._client.stall_s)
         finally:
-            conn.lazy = False
+            if not self._done:
+                conn.lazy = False
+
+    def when_done(self, callback: Callable[[], object]) -> None:
+        """Call `callback` once the body's last byte has arrived, before the reader is woken
+        (if it has not arrived yet). The callback may release the response: its connection
+        then goes back to the pool at once, and what the reader had not read of the body is
+        kept for it."""
+        conn = self._conn
+        if not (self._done or self._head_only or conn.complete):
+            conn.on_end = callback
 
     def release(self) -> None:
         """Done with it: a complete response gives its connection back to the pool."""
@@ -133,10 +156,14 @@ class PooledResponse:
             return
         self._done = True
         conn = self._conn
+        conn.on_end = None
+        if conn._chunks:  # released at its end, before the reader took the last bytes
+            self._rest = conn.take()
         if conn.poisoned:
             self._client._replace()  # closed when it was poisoned
             return
         if conn.complete and conn.error is None and conn.keep_alive and not self._head_only:
+            conn.lazy = False
             self._client._reuse(conn, stream=self.content_type == _SSE)
             return
         conn.close()
@@ -147,7 +174,9 @@ class PooledResponse:
         """Abandon it: the connection is closed, never pooled (llama-server then cancels)."""
         if not self._done:
             self._done = True
-            self._conn.close()
+            conn = self._conn
+            conn.on_end = None
+            conn.close()
 
 
 class Client:

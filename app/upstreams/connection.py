@@ -71,6 +71,9 @@ class Connection(asyncio.Protocol):
         self.expecting = False
         #: Called once if the connection closes while held aside after a stream.
         self.on_lost: Callable[[], None] | None = None
+        #: Called once when the response's last byte has been parsed, before its reader is
+        #: woken (`PooledResponse.when_done`).
+        self.on_end: Callable[[], object] | None = None
         # Kept from connection_made: Python 3.11's asyncio.get_running_loop() makes a getpid
         # system call, and `wait` runs at least once per exchange.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -128,6 +131,8 @@ class Connection(asyncio.Protocol):
         self.error: ExchangeFailed | None = None
         self._chunks: list[bytes] = []
         self._buffered = 0
+        #: Body or end parsed: the reader is to be woken once the parser returns (`_feed`).
+        self._wake_due = False
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         #: Wake the reader only at the end (or at the high-water mark): Response.read.
@@ -163,9 +168,11 @@ class Connection(asyncio.Protocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> bool:
+        fed = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            fed = False
             if self.complete:
                 self._poison()  # a complete response, then bytes past its end
             else:
@@ -174,8 +181,25 @@ class Connection(asyncio.Protocol):
                     or ProtocolError(f"upstream answered something that is not HTTP ({exc})")
                 )
                 self.close()
-            return False
-        return True
+        # The reader is woken once per read, after the parse: the end's callback, if any, goes
+        # first, so that whoever it wakes runs before the reader does.
+        if self._wake_due:
+            self._wake_due = False
+            if self.complete and self.on_end is not None:
+                self._ended()
+            else:
+                self._wake()
+        return fed
+
+    def _ended(self) -> None:
+        """The response is complete and someone asked to know at once: tell them, then wake the
+        reader. Here, once the parser has returned, not in its callback: what they do may give
+        this connection back to the pool, and bytes past the end (parsed after the callback, in
+        the same feed) must still find it complete, to poison it."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None and not self.poisoned:
+            on_end()
+        self._wake()
 
     def _poison(self) -> None:
         self.poisoned = True
@@ -227,7 +251,7 @@ class Connection(asyncio.Protocol):
             self._paused = True
             self.transport.pause_reading()
         if not self.lazy or self._paused:
-            self._wake()
+            self._wake_due = True
 
     def on_message_complete(self) -> None:
         if self._interim:
@@ -235,7 +259,7 @@ class Connection(asyncio.Protocol):
             return
         self.complete = True
         self.expecting = False
-        self._wake()
+        self._wake_due = True
 
     # -- used by Response ---------------------------------------------------------------------
 
@@ -266,7 +290,10 @@ class Connection(asyncio.Protocol):
         try:
             await waiter
         finally:
-            self._waiter = None
+            # A response handed on at its end (`on_end`) may leave this connection to the
+            # next exchange, whose own wait may have begun before this one resumes.
+            if self._waiter is waiter:
+                self._waiter = None
 
     def _disarm(self) -> None:
         """Closed: its stall timer would keep it alive until due."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -73,6 +73,9 @@ class CountAnswer:
         body = await self._response.read(limit_bytes)
         self._read.append(len(body))
         return body
+
+    def when_done(self, callback: Callable[[], object]) -> None:
+        self._response.when_done(callback)
 
     def release(self) -> None:
         self._response.release()

@@ -5,7 +5,7 @@ sockets stay with the uvicorn-based tests (tests/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -99,6 +99,10 @@ class FakeResponse:
         while chunk := await self.readany():
             parts.append(chunk)
         return b"".join(parts)
+
+    def when_done(self, callback: Callable[[], object]) -> None:
+        """Not called back: the relay's own call at the end of its reading hands the slot on
+        (the real connection's early call is tested on real sockets)."""
 
     def release(self) -> None:
         """As `client.Response.release`: a response that failed closes its connection."""

@@ -560,3 +560,94 @@ async def test_an_ipv6_upstream_gets_its_host_in_brackets() -> None:
         client.close()
         await hostile.stop()
     assert hostile.requests[0].headers[b"host"] == f"[::1]:{hostile.port}".encode()
+
+
+# -- handed on at its end (`when_done`) ----------------------------------------------------------
+
+
+async def test_a_response_told_of_its_end_is_told_before_its_reader_wakes_and_keeps_its_bytes(
+    hostile: Hostile,
+) -> None:
+    body = b'{"tokens": [' + b"1, " * 2000 + b"2]}"
+    whole = reply(200, body)
+    hostile.script.append(sends(whole[:-3000], 0.05, whole[-3000:-1000], whole[-1000:]))
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    response = await client.request("POST", "/tokenize", [], b"{}")
+    told: list[int] = []
+    read = bytearray()
+
+    def ended() -> None:
+        # The reader has not had the last bytes yet, and the response can be given back.
+        assert len(read) < len(body)
+        told.append(len(client._idle))
+        response.release()
+        told.append(len(client._idle))
+
+    response.when_done(ended)
+    while chunk := await response.readany():
+        read += chunk
+    assert told == [0, 1]  # told once, and its connection went back to the pool
+    assert read == body
+    # The connection it gave back carries the next exchange.
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 1]
+    client.close()
+
+
+async def test_a_body_read_whole_after_its_end_was_told_is_whole(hostile: Hostile) -> None:
+    body = bytes(range(256)) * 400
+    whole = reply(200, body, (("Content-Type", "application/octet-stream"),))
+    hostile.script.append(sends(whole[:-5000], 0.05, whole[-5000:]))
+    client = client_of(hostile)
+    response = await client.request("POST", "/tokenize", [], b"{}")
+    response.when_done(response.release)
+    assert await response.read() == body
+    client.close()
+
+
+async def test_bytes_past_an_end_that_was_told_still_keep_its_connection_from_reuse(
+    hostile: Hostile,
+) -> None:
+    # The body's end and an extra answer come in one read, after the head.
+    first = reply(200, b'{"n":1}')
+    extra = reply(200, b'{"n":"extra"}', (("X-Extra", "1"),))
+    hostile.script.append(sends(first[:-3], 0.05, first[-3:] + extra))
+    hostile.fallback = sends(reply(200, b'{"n":2}'))
+    client = client_of(hostile)
+    response = await client.request("POST", "/tokenize", [], b"{}")
+    told: list[bool] = []
+    response.when_done(lambda: told.append(True))
+    assert await response.read() == b'{"n":1}'
+    response.release()
+    # The extra answer came in the same read as the end: the connection was closed for it,
+    # and the one told of its end was not told (nothing of it may be reused).
+    assert told == []
+    assert (await exchange(client))[1] == b'{"n":2}'
+    assert connections(hostile) == [1, 2]
+    client.close()
+
+
+async def test_the_next_exchange_on_a_connection_given_back_at_its_end_gets_its_answer(
+    hostile: Hostile,
+) -> None:
+    whole = reply(200, b'{"n":1}')
+    hostile.script.append(sends(whole[:-3], 0.05, whole[-3:]))
+    hostile.script.append(sends(0.05, reply(200, b'{"n":2}')))
+    client = client_of(hostile)
+    first = await client.request("POST", "/tokenize", [], b"{}")
+    nexts: list[asyncio.Task[tuple[int, bytes, client_module.PooledResponse]]] = []
+
+    def ended() -> None:
+        first.release()
+        # The next exchange takes the connection and waits on it before the first reader
+        # resumes, as a waiter handed the slot does.
+        nexts.append(asyncio.ensure_future(exchange(client)))
+
+    first.when_done(ended)
+    assert await first.read() == b'{"n":1}'
+    assert await first.readany() == b""
+    status, body, _ = await asyncio.wait_for(nexts[0], 5)
+    assert (status, body) == (200, b'{"n":2}')
+    assert connections(hostile) == [1, 1]
+    client.close()
