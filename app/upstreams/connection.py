@@ -197,9 +197,12 @@ class Connection(asyncio.Protocol):
         this connection back to the pool, and bytes past the end (parsed after the callback, in
         the same feed) must still find it complete, to poison it."""
         on_end, self.on_end = self.on_end, None
-        if on_end is not None and not self.poisoned:
-            on_end()
-        self._wake()
+        try:
+            if on_end is not None and not self.poisoned:
+                on_end()
+        finally:
+            # Whatever it raised (the loop reports it), the reader is not left waiting.
+            self._wake()
 
     def _poison(self) -> None:
         self.poisoned = True

@@ -651,3 +651,21 @@ async def test_the_next_exchange_on_a_connection_given_back_at_its_end_gets_its_
     assert (status, body) == (200, b'{"n":2}')
     assert connections(hostile) == [1, 1]
     client.close()
+
+
+async def test_a_callback_at_the_end_that_raises_still_wakes_the_reader(
+    hostile: Hostile, caplog: pytest.LogCaptureFixture
+) -> None:
+    whole = reply(200, b'{"n":1}')
+    hostile.script.append(sends(whole[:-3], 0.05, whole[-3:]))
+    client = client_of(hostile)
+    response = await client.request("POST", "/tokenize", [], b"{}")
+
+    def broken() -> None:
+        raise RuntimeError("a bug in the callback")
+
+    response.when_done(broken)
+    # The loop reports the error and closes the connection; the reader has its body at once.
+    assert await asyncio.wait_for(response.read(), 5) == b'{"n":1}'
+    response.release()
+    client.close()
