@@ -132,7 +132,8 @@ class Transport:
                 await pubsub.subscribe(self.channel)
         except (RedisError, OSError, TimeoutError) as exc:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                # Typed from redis-py 8 on, untyped before it: the ignore serves both.
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             raise Down(f"SUBSCRIBE: {exc!r}") from exc
         self._pubsub = pubsub
         self._listener = asyncio.create_task(

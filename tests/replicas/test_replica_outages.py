@@ -304,7 +304,7 @@ async def test_a_replica_that_starts_never_takes_a_known_upstream_out_of_the_fle
         # the fleet the upstream was unknown: every other replica answered 503 meanwhile.
         assert b"hdel" not in events, events
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
         await standin.stop()
 
 
