@@ -32,13 +32,15 @@ from bench.contenders import (
 from bench.loadgen import Exchange, chat_body, closed_loop, connect, fetch, request_bytes
 from bench.loop import run_loop
 from bench.procs import (
+    CLIENT_CORE,
     SERVER_CORE,
     Server,
+    pin_self,
     pinning_possible,
     rss_bytes,
     wait_until,
 )
-from bench.stats import ms
+from bench.stats import difference, ms
 
 CHAT = "/v1/chat/completions"
 
@@ -352,13 +354,30 @@ def handoff(ctx: Context) -> dict[str, Any]:
         gaps = list(_gaps(ctx))
         result["slotgate"] = _gap_summary(gaps, run.rate)
     # For scale: two clients straight at the upstream, each sending its next request as soon
-    # as its answer ends; that is the idle time a gate with a waiting line should beat.
-    configure_standin(ctx.standin, slots=slots, hold_s=sizes.handoff_hold_s, record_gaps=True)
-    raw = request_bytes(ctx.standin.port, CHAT, chat_body(stream=False))
-    run = run_loop(closed_loop(ctx.standin.port, raw, slots, sizes.duration_s))
-    result["direct_2_clients"] = _gap_summary(list(_gaps(ctx)), run.rate)
+    # as its answer ends. On the stand-in's core they cross no core. On slotgate's core they
+    # cross cores twice per hand-off, as slotgate does (the last byte wakes them there, their
+    # next request wakes the stand-in): the floor under slotgate's figure on this machine, of
+    # which slotgate's own part is the difference.
+    result["direct_2_clients"] = _direct_gaps(ctx, slots)
+    if pinning_possible():
+        pin_self(SERVER_CORE)
+        try:
+            across = result["direct_2_clients_across_cores"] = _direct_gaps(ctx, slots)
+        finally:
+            pin_self(CLIENT_CORE)
+        result["slotgate_over_across_cores_ms"] = {
+            q: difference(result["slotgate"][f"idle_{q}_ms"], across[f"idle_{q}_ms"])
+            for q in ("p50", "p99")
+        }
     configure_standin(ctx.standin, hold_s=0, record_gaps=False)
     return result
+
+
+def _direct_gaps(ctx: Context, slots: int) -> dict[str, Any]:
+    configure_standin(ctx.standin, slots=slots, hold_s=ctx.sizes.handoff_hold_s, record_gaps=True)
+    raw = request_bytes(ctx.standin.port, CHAT, chat_body(stream=False))
+    run = run_loop(closed_loop(ctx.standin.port, raw, slots, ctx.sizes.duration_s))
+    return _gap_summary(list(_gaps(ctx)), run.rate)
 
 
 def _gaps(ctx: Context) -> Iterator[int]:

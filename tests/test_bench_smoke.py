@@ -77,7 +77,12 @@ def test_bench_smoke_run_writes_every_scenario_and_target(tmp_path: Path) -> Non
     storm = scenarios["3_storm"]
     assert set(storm["closed_loop"]["statuses"]) == {"429"}
     assert storm["open_loop"]["statuses"]["429"] > 0
-    assert scenarios["3b_handoff"]["slotgate"]["handoffs"] > 0
+    handoff = scenarios["3b_handoff"]
+    assert handoff["slotgate"]["handoffs"] > 0
+    assert handoff["direct_2_clients"]["handoffs"] > 0
+    if {0, 1} <= os.sched_getaffinity(0):
+        assert handoff["direct_2_clients_across_cores"]["handoffs"] > 0
+        assert set(handoff["slotgate_over_across_cores_ms"]) == {"p50", "p99"}
     assert scenarios["4_memory"]["waiters"] == 200
     assert "kb_per_waiter" in scenarios["4_memory"]
     core = scenarios["5_core"]
